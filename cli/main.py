@@ -1,0 +1,38 @@
+"""`agent-recovery` entry point. Each command family registers its subcommands here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from settings import SettingsError
+
+#: Modules that expose ``register(subparsers)``; each adds its own subcommands.
+FAMILIES = ("cli.db", "cli.field")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="agent-recovery", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in FAMILIES:
+        module = importlib.import_module(name)
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return int(handler(args) or 0)
+    except SettingsError as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

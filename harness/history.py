@@ -1,0 +1,368 @@
+"""Message history rules that everything else relies on (DESIGN I2, spec §5.3, §7.3, §7.6).
+
+Two views of a session's history:
+- RAW rows (``deleted = false``, after a validated compaction boundary): what recovery and
+  delivery reason about. ``cleanup_incomplete_tail`` and ``find_complete_pair`` work here.
+- The NORMALIZED view (``normalize``): what a model may be shown. It never contains an orphan
+  TOOL, an assistant tool_call without its TOOL, or a row with malformed tool_calls JSON.
+
+A tool round is an ASSISTANT row with tool_calls immediately followed by its TOOL rows (the
+OpenAI protocol requires the results right after the call); a round is complete when every
+tool_call id has a TOOL row in that run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from harness.errors import BoundaryInvalid
+from models import AgentSession, Message, Role
+from models.base import utcnow
+
+
+class Row(Protocol):
+    id: int
+    role: Role | str
+    content: str | None
+    tool_calls: str | None
+    tool_call_id: str | None
+
+
+MALFORMED = object()
+
+
+def parse_tool_calls(raw: str | None) -> list[dict[str, Any]] | object | None:
+    """The stored tool_calls text as a list, None when absent/empty, MALFORMED when unusable.
+
+    Usable means: a JSON list whose items each have a string ``id`` and ``function.name``.
+    """
+    if raw is None or raw.strip() in ("", "null", "[]"):
+        return None
+    try:
+        calls = json.loads(raw)
+    except (ValueError, TypeError):
+        return MALFORMED
+    if not isinstance(calls, list) or not calls:
+        return MALFORMED
+    ids = set()
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
+            return MALFORMED
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return MALFORMED
+        if call["id"] in ids:
+            return MALFORMED
+        ids.add(call["id"])
+    return calls
+
+
+def _role(row: Row) -> str:
+    return str(row.role)
+
+
+def _call_ids(calls: list[dict[str, Any]]) -> list[str]:
+    return [str(c["id"]) for c in calls]
+
+
+def normalize(rows: Sequence[Row]) -> list[Row]:
+    """What a model may be shown: complete tool rounds, no orphans, no malformed rows.
+
+    ``rows`` are live rows in history order. Deterministic and pure.
+    """
+    out: list[Row] = []
+    i, n = 0, len(rows)
+    while i < n:
+        row = rows[i]
+        role = _role(row)
+        if role == Role.TOOL:
+            i += 1  # orphan: not inside a round's TOOL run
+            continue
+        if role != Role.ASSISTANT:
+            out.append(row)
+            i += 1
+            continue
+        calls = parse_tool_calls(row.tool_calls)
+        if calls is MALFORMED:
+            i += 1
+            j = i
+            while j < n and _role(rows[j]) == Role.TOOL:
+                j += 1
+            i = j
+            continue
+        if calls is None:
+            out.append(row)
+            i += 1
+            continue
+        assert isinstance(calls, list)
+        wanted = _call_ids(calls)
+        j = i + 1
+        results: dict[str, Row] = {}
+        while j < n and _role(rows[j]) == Role.TOOL:
+            tid = rows[j].tool_call_id
+            if tid in wanted and tid not in results:
+                results[tid] = rows[j]
+            j += 1
+        if len(results) == len(wanted):
+            out.append(row)
+            out.extend(sorted(results.values(), key=lambda r: r.id))  # history order
+        i = j
+    return out
+
+
+def check_legal(rows: Sequence[Row]) -> list[str]:
+    """Violations of DESIGN I2 in ``rows`` (live, in order); empty when the history is legal."""
+    problems: list[str] = []
+    i, n = 0, len(rows)
+    while i < n:
+        row = rows[i]
+        role = _role(row)
+        if role == Role.TOOL:
+            problems.append(f"orphan TOOL {row.id} ({row.tool_call_id})")
+            i += 1
+            continue
+        if role == Role.ASSISTANT:
+            calls = parse_tool_calls(row.tool_calls)
+            if calls is MALFORMED:
+                problems.append(f"malformed tool_calls in {row.id}")
+            elif calls:
+                assert isinstance(calls, list)
+                wanted = _call_ids(calls)
+                j = i + 1
+                seen: list[str] = []
+                while j < n and _role(rows[j]) == Role.TOOL:
+                    tid = rows[j].tool_call_id
+                    if tid not in wanted or tid in seen:
+                        problems.append(f"orphan TOOL {rows[j].id} ({tid})")
+                    else:
+                        seen.append(str(tid))
+                    j += 1
+                missing = [w for w in wanted if w not in seen]
+                if missing:
+                    problems.append(f"assistant {row.id} lacks TOOL for {missing}")
+                i = j
+                continue
+        i += 1
+    return problems
+
+
+# --- raw rows in the database -------------------------------------------------------------
+
+
+def validated_boundary(s: Session, session_id: int) -> int | None:
+    """The session's compaction boundary, checked to be a live message of that session."""
+    boundary = s.execute(
+        select(AgentSession.compaction_boundary_message_id).where(AgentSession.id == session_id)
+    ).scalar_one_or_none()
+    if boundary is None:
+        return None
+    check_boundary(s, session_id, boundary)
+    return boundary
+
+
+def check_boundary(s: Session, session_id: int, boundary: int | None) -> None:
+    if boundary is None:
+        return
+    live = s.execute(
+        select(Message.id).where(Message.id == boundary, Message.session_id == session_id, Message.deleted.is_(False))
+    ).scalar_one_or_none()
+    if live is None:
+        raise BoundaryInvalid(f"compaction boundary {boundary} is not a live message of session {session_id}")
+
+
+def load_raw(s: Session, session_id: int, boundary: int | None = None, *, validate: bool = True) -> list[Message]:
+    """Live rows of a session after ``boundary`` (validated), in history order."""
+    if validate:
+        check_boundary(s, session_id, boundary)
+    q = select(Message).where(Message.session_id == session_id, Message.deleted.is_(False))
+    if boundary is not None:
+        q = q.where(Message.id > boundary)
+    return list(s.execute(q.order_by(Message.id)).scalars())
+
+
+def tail_garbage(rows: Sequence[Row]) -> list[int]:
+    """Ids that ``cleanup_incomplete_tail`` removes from ``rows`` (pure).
+
+    Find the last tool round. If any of its results is missing (or its JSON is malformed), it
+    goes with every TOOL after it. Otherwise only orphan TOOLs after it go (duplicates, ids it
+    did not call, TOOLs after a later plain message).
+    """
+    last = next(
+        (
+            i
+            for i in range(len(rows) - 1, -1, -1)
+            if _role(rows[i]) == Role.ASSISTANT and parse_tool_calls(rows[i].tool_calls) is not None
+        ),
+        None,
+    )
+    if last is None:
+        return [r.id for r in rows if _role(r) == Role.TOOL]
+    calls = parse_tool_calls(rows[last].tool_calls)
+    wanted = _call_ids(calls) if isinstance(calls, list) else []
+    run = _tool_run(rows, last)
+    answered: list[str] = []
+    extra: list[int] = []
+    for r in run:
+        if r.tool_call_id in wanted and r.tool_call_id not in answered:
+            answered.append(str(r.tool_call_id))
+        else:
+            extra.append(r.id)
+    after_run = [r.id for r in rows[last + 1 + len(run) :] if _role(r) == Role.TOOL]
+    if not isinstance(calls, list) or len(answered) != len(wanted):
+        return [rows[last].id] + [r.id for r in run] + after_run
+    return extra + after_run
+
+
+def cleanup_incomplete_tail(s: Session, session_id: int, boundary: int | None) -> list[int]:
+    """Logically delete the last tool round lacking any TOOL result, and orphan TOOLs after it.
+
+    Works on RAW live rows after the validated boundary; complete rounds are kept. Returns the
+    ids it deleted (empty when the tail was already clean). Interrupted tools are never re-run:
+    the model is asked again from the last complete round.
+    """
+    rows = load_raw(s, session_id, boundary)
+    ids = tail_garbage(rows)
+    if ids:
+        s.execute(
+            update(Message)
+            .where(Message.id.in_(ids), Message.session_id == session_id)
+            .values(deleted=True)
+            .execution_options(synchronize_session=False)
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class PairState:
+    """What the raw history holds for one tool_call id."""
+
+    assistant_id: int | None  #: the assistant of a complete pair
+    tool_id: int | None  #: its TOOL
+    broken_ids: tuple[int, ...]  #: rows referring to the id that are not part of a complete pair
+
+    @property
+    def complete(self) -> bool:
+        return self.assistant_id is not None and self.tool_id is not None
+
+
+def pair_state(s: Session, session_id: int, tool_call_id: str) -> PairState:
+    """Inspect raw live rows for ``tool_call_id``: a complete assistant+TOOL pair, or the
+    broken rows (malformed JSON naming the id, orphan TOOL, assistant without its TOOL)."""
+    rows = load_raw(s, session_id, None, validate=False)
+    assistant_id = tool_id = None
+    broken: list[int] = []
+    for idx, row in enumerate(rows):
+        if _role(row) != Role.ASSISTANT or row.tool_calls is None or tool_call_id not in row.tool_calls:
+            continue
+        calls = parse_tool_calls(row.tool_calls)
+        if calls is MALFORMED:
+            broken.append(row.id)
+            broken.extend(r.id for r in _tool_run(rows, idx))
+            continue
+        if not isinstance(calls, list) or tool_call_id not in _call_ids(calls):
+            continue
+        run = _tool_run(rows, idx)
+        answers = [r for r in run if r.tool_call_id == tool_call_id]
+        wanted = _call_ids(calls)
+        round_complete = all(any(r.tool_call_id == w for r in run) for w in wanted)
+        if answers and round_complete and assistant_id is None:
+            assistant_id, tool_id = row.id, answers[0].id
+            broken.extend(r.id for r in answers[1:])
+        else:
+            broken.append(row.id)
+            broken.extend(r.id for r in run)
+    paired = {tool_id} | set(broken)
+    for row in rows:
+        if _role(row) == Role.TOOL and row.tool_call_id == tool_call_id and row.id not in paired:
+            broken.append(row.id)  # orphan TOOL
+    return PairState(assistant_id, tool_id, tuple(sorted(set(broken))))
+
+
+def _tool_run(rows: Sequence[Any], idx: int) -> list[Any]:
+    run = []
+    j = idx + 1
+    while j < len(rows) and _role(rows[j]) == Role.TOOL:
+        run.append(rows[j])
+        j += 1
+    return run
+
+
+def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[int, int] | None:
+    """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
+
+    Malformed tool_calls JSON counts as incomplete. Used by delivery to decide "already there".
+    """
+    state = pair_state(s, session_id, tool_call_id)
+    if state.assistant_id is not None and state.tool_id is not None:
+        return state.assistant_id, state.tool_id
+    return None
+
+
+def delete_rows(s: Session, session_id: int, ids: Sequence[int]) -> None:
+    if ids:
+        s.execute(
+            update(Message)
+            .where(Message.id.in_(list(ids)), Message.session_id == session_id)
+            .values(deleted=True)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def append_message(
+    s: Session,
+    session_id: int,
+    role: Role,
+    content: str | None,
+    *,
+    tool_calls: list[dict[str, Any]] | None = None,
+    tool_call_id: str | None = None,
+    source_session_id: int | None = None,
+) -> Message:
+    """Insert one row (flushed, so its id is known) in the caller's transaction."""
+    msg = Message(
+        session_id=session_id,
+        role=role,
+        content=content,
+        tool_calls=json.dumps(tool_calls) if tool_calls else None,
+        tool_call_id=tool_call_id,
+        source_session_id=source_session_id,
+        deleted=False,
+        created_at=utcnow(),
+    )
+    s.add(msg)
+    s.flush()
+    return msg
+
+
+def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Normalized rows as OpenAI chat messages."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        role = _role(row).lower()
+        msg: dict[str, Any] = {"role": role, "content": row.content or ""}
+        if role == "assistant":
+            calls = parse_tool_calls(row.tool_calls)
+            if isinstance(calls, list):
+                msg["tool_calls"] = calls
+        if role == "tool":
+            msg["tool_call_id"] = row.tool_call_id
+        out.append(msg)
+    return out
+
+
+def model_view(s: Session, session_id: int) -> list[dict[str, Any]]:
+    """The OpenAI messages of a session: compaction summary first, then the normalized rows."""
+    boundary = validated_boundary(s, session_id)
+    summary = s.execute(
+        select(AgentSession.compaction_summary).where(AgentSession.id == session_id)
+    ).scalar_one_or_none()
+    messages = to_openai(normalize(load_raw(s, session_id, boundary, validate=False)))
+    if boundary is not None and summary:
+        messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation: {summary}"})
+    return messages

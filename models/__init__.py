@@ -1,0 +1,51 @@
+"""Typed SQLAlchemy models, enums, legal transitions and the transaction helper."""
+
+from __future__ import annotations
+
+from models.base import Base, utcnow
+from models.db import dialect_name, dispose_engines, get_engine, transaction
+from models.enums import (
+    ACTIVE_EXECUTION,
+    ACTIVE_PHASES,
+    STOPPED_PHASES,
+    TERMINAL_EXECUTION,
+    DeliveryStatus,
+    ExecutionMode,
+    ExecutionStatus,
+    InvocationType,
+    Phase,
+    Role,
+    SessionType,
+)
+from models.errors import IllegalTransition, LeaseLost, ModelError
+from models.execution import SubagentExecution
+from models.message import Message
+from models.round import PendingRound
+from models.session import AgentSession
+
+__all__ = [
+    "ACTIVE_EXECUTION",
+    "ACTIVE_PHASES",
+    "STOPPED_PHASES",
+    "TERMINAL_EXECUTION",
+    "AgentSession",
+    "Base",
+    "DeliveryStatus",
+    "ExecutionMode",
+    "ExecutionStatus",
+    "IllegalTransition",
+    "InvocationType",
+    "LeaseLost",
+    "Message",
+    "ModelError",
+    "PendingRound",
+    "Phase",
+    "Role",
+    "SessionType",
+    "SubagentExecution",
+    "dialect_name",
+    "dispose_engines",
+    "get_engine",
+    "transaction",
+    "utcnow",
+]

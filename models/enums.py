@@ -1,0 +1,63 @@
+"""Status enums, one StrEnum each, with the meaning of every value (DESIGN §3, §4)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SessionType(StrEnum):
+    NORMAL = "NORMAL"  #: a user's top-level agent session
+    SIDE_TASK = "SIDE_TASK"  #: a side task started by the system for a user
+    SUBAGENT = "SUBAGENT"  #: a child session created by delegate; recovered only through its execution
+
+
+class ExecutionMode(StrEnum):
+    CLOUD = "CLOUD"  #: tools run on our workers
+    LOCAL = "LOCAL"  #: tools run on the user's desktop client, which must be connected
+
+
+class Phase(StrEnum):
+    IDLE = "IDLE"  #: created, nothing running
+    RUNNING = "RUNNING"  #: an agent loop owns this session (under a lease)
+    RESUMING = "RESUMING"  #: recovery owns this session; shown as RUNNING outside
+    WAITING_USER = "WAITING_USER"  #: the loop ended its turn and waits for the user
+    COMPLETED = "COMPLETED"  #: terminal: finished
+    FAILED = "FAILED"  #: terminal: failed
+    CANCELLED = "CANCELLED"  #: terminal: cancelled by a user or the system
+
+
+#: Phases in which a session's work is still in flight.
+ACTIVE_PHASES = (Phase.RUNNING, Phase.RESUMING)
+#: Phases of a parent that must never receive a delivery nor be resumed.
+STOPPED_PHASES = (Phase.COMPLETED, Phase.FAILED, Phase.CANCELLED)
+
+
+class Role(StrEnum):
+    SYSTEM = "SYSTEM"
+    USER = "USER"
+    ASSISTANT = "ASSISTANT"
+    TOOL = "TOOL"
+
+
+class ExecutionStatus(StrEnum):
+    RUNNING = "RUNNING"  #: the normal path runs this child
+    RECOVERING = "RECOVERING"  #: a recovery task owns this execution
+    COMPLETED = "COMPLETED"  #: terminal: the child produced its final answer
+    FAILED = "FAILED"  #: terminal: the child failed or timed out
+    CANCELLED = "CANCELLED"  #: terminal: the child was cancelled
+
+
+ACTIVE_EXECUTION = (ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING)
+TERMINAL_EXECUTION = (ExecutionStatus.COMPLETED, ExecutionStatus.FAILED, ExecutionStatus.CANCELLED)
+
+
+class DeliveryStatus(StrEnum):
+    PENDING = "PENDING"  #: the result has not reached the parent yet
+    DELIVERED = "DELIVERED"  #: assistant tool_call + TOOL committed in the parent's history
+    SUPPRESSED = "SUPPRESSED"  #: the parent was cancelled/terminal; nothing is written to it
+    LEGACY = "LEGACY"  #: ended before the upgrade; never scanned, never delivered
+
+
+class InvocationType(StrEnum):
+    DELEGATE = "DELEGATE"  #: first delegation; created the child session
+    FOLLOWUP = "FOLLOWUP"  #: delegate_followup to an existing child session

@@ -1,0 +1,312 @@
+"""subagent_execution and its state machine as compare-and-set updates (DESIGN §3, §4).
+
+Execution status: RUNNING -> COMPLETED|FAILED|CANCELLED; RUNNING -> RECOVERING;
+RECOVERING -> COMPLETED|FAILED|CANCELLED. Delivery: PENDING -> DELIVERED|SUPPRESSED; LEGACY is
+terminal. Every helper is ONE conditional UPDATE whose rowcount says if it landed. When it did
+not land, the row is read once to classify: a different epoch means a newer owner (a normal
+outcome, the helper returns False/None); the same epoch in a state the transition cannot start
+from is a caller bug (IllegalTransition).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.enums import (
+    ACTIVE_EXECUTION,
+    TERMINAL_EXECUTION,
+    DeliveryStatus,
+    ExecutionStatus,
+    InvocationType,
+)
+from models.errors import IllegalTransition
+
+
+class SubagentExecution(Base):
+    __tablename__ = "subagent_execution"
+    __table_args__ = (
+        CheckConstraint(check_in("status", ExecutionStatus), name="status"),
+        CheckConstraint(check_in("delivery_status", DeliveryStatus), name="delivery_status"),
+        CheckConstraint(check_in("invocation_type", InvocationType, nullable=True), name="invocation_type"),
+        # A delivered execution is terminal and carries its parent message ids.
+        CheckConstraint(
+            "delivery_status <> 'DELIVERED' OR (status IN ('COMPLETED', 'FAILED', 'CANCELLED')"
+            " AND parent_result_delivered_at IS NOT NULL)",
+            name="delivered_is_terminal",
+        ),
+        UniqueConstraint("parent_session_id", "parent_tool_call_id", name="uq_sae_parent_tool_call"),
+        Index("idx_sae_recovery", "status", "delivery_status"),
+        Index(
+            "idx_sae_pending",
+            "parent_session_id",
+            postgresql_where=text("delivery_status = 'PENDING'"),
+            sqlite_where=text("delivery_status = 'PENDING'"),
+        ),
+        Index("ix_sae_child_session", "child_session_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    parent_session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
+    child_session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
+    agent_type: Mapped[str] = mapped_column(String(64))
+    task_description: Mapped[str] = mapped_column(Text)
+    status: Mapped[ExecutionStatus] = mapped_column(StrEnumType(ExecutionStatus))
+    #: NULL on pre-upgrade rows (inferred and written back by recovery, spec §6.3).
+    invocation_type: Mapped[InvocationType | None] = mapped_column(StrEnumType(InvocationType), nullable=True)
+    #: The parent's tool_call id; NULL on pre-upgrade rows.
+    parent_tool_call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    delivery_status: Mapped[DeliveryStatus] = mapped_column(
+        StrEnumType(DeliveryStatus), server_default=text("'PENDING'")
+    )
+    parent_result_delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    parent_assistant_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    parent_tool_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    execution_start_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    final_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    total_tool_calls: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    rounds: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    total_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: The absolute deadline base; never reset by a restart (I5).
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: The parent round this execution belongs to; NULL on pre-upgrade rows.
+    pending_round_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("pending_round.id"), nullable=True)
+
+
+#: Legal sources of each target status (DESIGN §4). RUNNING is only ever an initial state.
+STATUS_SOURCES: dict[ExecutionStatus, tuple[ExecutionStatus, ...]] = {
+    ExecutionStatus.RUNNING: (),
+    ExecutionStatus.RECOVERING: ACTIVE_EXECUTION,
+    ExecutionStatus.COMPLETED: ACTIVE_EXECUTION,
+    ExecutionStatus.FAILED: ACTIVE_EXECUTION,
+    ExecutionStatus.CANCELLED: ACTIVE_EXECUTION,
+}
+DELIVERY_SOURCES: dict[DeliveryStatus, tuple[DeliveryStatus, ...]] = {
+    DeliveryStatus.PENDING: (),
+    DeliveryStatus.DELIVERED: (DeliveryStatus.PENDING,),
+    DeliveryStatus.SUPPRESSED: (DeliveryStatus.PENDING,),
+    DeliveryStatus.LEGACY: (),
+}
+
+E = SubagentExecution
+
+
+def _classify(s: Session, eid: int, epoch: int | None, what: str) -> None:
+    """After a CAS missed: return if a newer owner moved on, raise if the move was illegal."""
+    row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
+    if row is None:
+        raise IllegalTransition(f"execution {eid} does not exist ({what})")
+    if epoch is not None and row.epoch != epoch:
+        return
+    raise IllegalTransition(
+        f"execution {eid}: {what} is illegal from status={row.status} delivery={row.delivery_status}"
+    )
+
+
+def lease_until(seconds: float) -> datetime:
+    return utcnow() + timedelta(seconds=seconds)
+
+
+def take_execution(
+    s: Session,
+    eid: int,
+    *,
+    expected_epoch: int,
+    to_status: ExecutionStatus,
+    owner: str,
+    lease_seconds: float,
+    require_expired: bool = False,
+) -> int | None:
+    """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease.
+
+    Returns the new epoch, or None when a newer owner holds it (epoch moved, or a live lease
+    when ``require_expired``). Raises IllegalTransition for a terminal or non-PENDING row at
+    the expected epoch (spec §6.2: terminal never goes back; only PENDING may be taken over).
+    """
+    sources = STATUS_SOURCES[to_status] if to_status != ExecutionStatus.RUNNING else (ExecutionStatus.RUNNING,)
+    conditions = [
+        E.id == eid,
+        E.status.in_(sources),
+        E.delivery_status == DeliveryStatus.PENDING,
+        E.epoch == expected_epoch,
+    ]
+    now = utcnow()
+    if require_expired:
+        conditions.append(or_(E.lease_expires_at.is_(None), E.lease_expires_at < now))
+    rows = s.execute(
+        update(E)
+        .where(*conditions)
+        .values(
+            status=to_status,
+            epoch=E.epoch + 1,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if rows == 1:
+        return expected_epoch + 1
+    row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
+    if row is not None and row.epoch == expected_epoch and row.status in sources and row.delivery_status == "PENDING":
+        return None  # a live lease: the owner is still working
+    _classify(s, eid, expected_epoch, f"take as {to_status}")
+    return None
+
+
+def renew_execution_lease(s: Session, eid: int, epoch: int, lease_seconds: float) -> bool:
+    """Extend the lease; False when the epoch moved on (the caller has lost the execution)."""
+    rows = s.execute(
+        update(E)
+        .where(E.id == eid, E.epoch == epoch, E.status.in_(ACTIVE_EXECUTION))
+        .values(lease_expires_at=lease_until(lease_seconds))
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return rows == 1
+
+
+def finish_execution(
+    s: Session,
+    eid: int,
+    *,
+    epoch: int,
+    status: ExecutionStatus,
+    result: dict[str, Any],
+    error: str | None = None,
+    final_message_id: int | None = None,
+    rounds: int | None = None,
+    total_tool_calls: int | None = None,
+    prompt_tokens: int | None = None,
+    completion_tokens: int | None = None,
+) -> bool:
+    """Active -> terminal with the result, counters and final message, by the epoch's owner.
+
+    Returns False when a newer owner holds the execution (nothing written).
+    """
+    if status not in TERMINAL_EXECUTION:
+        raise IllegalTransition(f"finish_execution needs a terminal status, got {status}")
+    values: dict[str, Any] = {
+        "status": status,
+        "result": result,
+        "error": error,
+        "completed_at": utcnow(),
+        "lease_owner": None,
+        "lease_expires_at": None,
+    }
+    for key, value in (
+        ("final_message_id", final_message_id),
+        ("rounds", rounds),
+        ("total_tool_calls", total_tool_calls),
+        ("prompt_tokens", prompt_tokens),
+        ("completion_tokens", completion_tokens),
+    ):
+        if value is not None:
+            values[key] = value
+    if prompt_tokens is not None and completion_tokens is not None:
+        values["total_tokens"] = prompt_tokens + completion_tokens
+    rows = s.execute(
+        update(E)
+        .where(E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status]))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if rows == 1:
+        return True
+    _classify(s, eid, epoch, f"finish as {status}")
+    return False
+
+
+def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, tool_message_id: int | None) -> bool:
+    """PENDING -> DELIVERED for a terminal execution. False when already delivered/suppressed.
+
+    Raises IllegalTransition for an execution that is still active (barrier, I3) or LEGACY.
+    """
+    rows = s.execute(
+        update(E)
+        .where(
+            E.id == eid,
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.status.in_(TERMINAL_EXECUTION),
+        )
+        .values(
+            delivery_status=DeliveryStatus.DELIVERED,
+            parent_result_delivered_at=utcnow(),
+            parent_assistant_message_id=assistant_message_id,
+            parent_tool_message_id=tool_message_id,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if rows == 1:
+        return True
+    row = s.execute(select(E.status, E.delivery_status).where(E.id == eid)).one_or_none()
+    if row is not None and row.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED):
+        return False
+    _classify(s, eid, None, "mark delivered")
+    return False
+
+
+def suppress_execution(s: Session, eid: int) -> bool:
+    """PENDING -> SUPPRESSED; an active execution is cancelled in the same UPDATE (spec §7.7).
+
+    Bumps the epoch so that a child still running under the old epoch can no longer write.
+    Returns False when the row was already delivered or suppressed.
+    """
+    from sqlalchemy import case
+
+    rows = s.execute(
+        update(E)
+        .where(E.id == eid, E.delivery_status == DeliveryStatus.PENDING)
+        .values(
+            delivery_status=DeliveryStatus.SUPPRESSED,
+            status=case((E.status.in_(ACTIVE_EXECUTION), ExecutionStatus.CANCELLED.value), else_=E.status),
+            completed_at=case((E.status.in_(ACTIVE_EXECUTION), utcnow()), else_=E.completed_at),
+            epoch=E.epoch + 1,
+            lease_owner=None,
+            lease_expires_at=None,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if rows == 1:
+        return True
+    row = s.execute(select(E.delivery_status).where(E.id == eid)).one_or_none()
+    if row is not None and row.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED):
+        return False
+    _classify(s, eid, None, "suppress")
+    return False
+
+
+def set_delivery_status(s: Session, eid: int, to: DeliveryStatus) -> bool:
+    """Generic delivery move, for callers holding only a target (ops, tests).
+
+    PENDING and LEGACY have no legal source: asking for them always raises.
+    """
+    if to == DeliveryStatus.DELIVERED:
+        return mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+    if to == DeliveryStatus.SUPPRESSED:
+        return suppress_execution(s, eid)
+    raise IllegalTransition(f"execution {eid}: delivery_status can never move to {to}")

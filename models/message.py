@@ -1,0 +1,32 @@
+"""message: the history of a session; ``id`` order is history order."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, String, Text, false
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.enums import Role
+
+
+class Message(Base):
+    __tablename__ = "message"
+    __table_args__ = (
+        CheckConstraint(check_in("role", Role), name="role"),
+        Index("ix_message_session_id_id", "session_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
+    role: Mapped[Role] = mapped_column(StrEnumType(Role))
+    content: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: OpenAI tool_calls as JSON text, exactly as stored; old rows may hold malformed JSON.
+    tool_calls: Mapped[str | None] = mapped_column(Text, nullable=True)
+    tool_call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    #: For a delivered TOOL result: the child session that produced it.
+    source_session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Logical delete (tail cleanup); deleted rows are never shown to a model.
+    deleted: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,0 +1,183 @@
+"""agent_session: one agent conversation; its lease, epoch and phase (DESIGN §3, §4)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    or_,
+    text,
+    update,
+)
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.enums import STOPPED_PHASES as STOPPED_PHASES_
+from models.enums import ExecutionMode, Phase, SessionType
+from models.errors import IllegalTransition
+
+
+class AgentSession(Base):
+    __tablename__ = "agent_session"
+    __table_args__ = (
+        CheckConstraint(check_in("session_type", SessionType), name="session_type"),
+        CheckConstraint(check_in("execution_mode", ExecutionMode), name="execution_mode"),
+        CheckConstraint(check_in("phase", Phase, nullable=True), name="phase"),
+        Index("ix_agent_session_parent", "parent_session_id"),
+        Index("ix_agent_session_phase", "phase"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    user_id: Mapped[str] = mapped_column(String(128))
+    session_type: Mapped[SessionType] = mapped_column(StrEnumType(SessionType))
+    parent_session_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_session.id"), nullable=True)
+    agent_type: Mapped[str] = mapped_column(String(64))
+    execution_mode: Mapped[ExecutionMode] = mapped_column(StrEnumType(ExecutionMode), server_default=text("'CLOUD'"))
+    #: NULL right after a child is created and before anything ran (spec §3.4, R14).
+    phase: Mapped[Phase | None] = mapped_column(StrEnumType(Phase), nullable=True)
+    #: Messages with id <= boundary are summarized by compaction_summary.
+    compaction_boundary_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    compaction_summary: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Fencing token: bumped by every owner change; every write carries the epoch it was handed.
+    epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+S = AgentSession
+
+#: Phases from which a session may be (re)started by a loop or recovery. Stopped phases never
+#: come back (a cancelled parent stays stopped).
+STARTABLE_PHASES: tuple[Phase | None, ...] = (
+    None,
+    Phase.IDLE,
+    Phase.RUNNING,
+    Phase.RESUMING,
+    Phase.WAITING_USER,
+)
+
+
+def _phase_in(phases: tuple[Phase | None, ...]) -> Any:
+    named = [p for p in phases if p is not None]
+    clause = S.phase.in_(named)
+    return or_(clause, S.phase.is_(None)) if None in phases else clause
+
+
+def take_session(
+    s: Session,
+    sid: int,
+    *,
+    expected_epoch: int,
+    owner: str,
+    lease_seconds: float,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
+    require_expired: bool = True,
+) -> int | None:
+    """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease.
+
+    Returns the new epoch, or None when the epoch moved on, a live lease is held, or the phase
+    is not one it may start from (a stopped session is never taken).
+    """
+    if to_phase in STOPPED_PHASES_:
+        raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
+    now = utcnow()
+    conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases)]
+    if require_expired:
+        conditions.append(or_(S.lease_expires_at.is_(None), S.lease_expires_at < now))
+    rows = s.execute(
+        update(S)
+        .where(*conditions)
+        .values(
+            phase=to_phase,
+            epoch=S.epoch + 1,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return expected_epoch + 1 if rows == 1 else None
+
+
+def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
+    """Extend the lease of the epoch's owner; False when a newer owner exists."""
+    rows = s.execute(
+        update(S)
+        .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None))
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return rows == 1
+
+
+def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None = None) -> bool:
+    """Drop the lease (and optionally move the phase) as the epoch's owner.
+
+    A session that was cancelled meanwhile keeps CANCELLED: a stopped phase is never
+    overwritten. Returns False when a newer owner exists.
+    """
+    values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": utcnow()}
+    conditions = [S.id == sid, S.epoch == epoch]
+    if to_phase is not None:
+        values["phase"] = to_phase
+        conditions.append(_phase_in(STARTABLE_PHASES))
+    rows = s.execute(
+        update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
+    ).rowcount
+    if rows == 1:
+        return True
+    if to_phase is not None:
+        # The phase may have been stopped by a cancel: still drop our lease.
+        s.execute(
+            update(S)
+            .where(S.id == sid, S.epoch == epoch)
+            .values(lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        )
+    return False
+
+
+def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> int | None:
+    """As the epoch's owner, bump the epoch and drop the lease so that a task handed the new
+    epoch can take the session. Returns the new epoch or None when we no longer own it."""
+    rows = s.execute(
+        update(S)
+        .where(S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES))
+        .values(phase=to_phase, epoch=S.epoch + 1, lease_owner=None, lease_expires_at=None, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return epoch + 1 if rows == 1 else None
+
+
+def set_phase(
+    s: Session, sid: int, *, to_phase: Phase, from_phases: tuple[Phase | None, ...], epoch: int | None = None
+) -> bool:
+    """One compare-and-set on the phase; stopped phases are never left."""
+    if any(p in STOPPED_PHASES_ for p in from_phases):
+        raise IllegalTransition(f"session {sid}: a stopped phase never goes back (to {to_phase})")
+    conditions = [S.id == sid, _phase_in(from_phases)]
+    if epoch is not None:
+        conditions.append(S.epoch == epoch)
+    rows = s.execute(
+        update(S)
+        .where(*conditions)
+        .values(phase=to_phase, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return rows == 1
+
+
+def request_cancel(s: Session, sid: int) -> bool:
+    """Any process may ask: phase -> CANCELLED unless already stopped. The loop honours it."""
+    return set_phase(s, sid, to_phase=Phase.CANCELLED, from_phases=STARTABLE_PHASES)

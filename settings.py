@@ -1,0 +1,160 @@
+"""The one place environment variables are read (DESIGN §2).
+
+Every name below is a public interface: operators and scripts set these variables. Invalid
+values fail at start with a message that names the variable (``SettingsError``).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Upper bound of booking.field-recovery.max-wait (field spec §5: "> 0 and capped").
+FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS = 600.0
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> Any:
+    """Accept ``120``, ``120s``, ``100ms``, ``2m`` or ``1h``; return seconds as float."""
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match is None:
+            raise ValueError("expected a duration such as 120, 120s, 100ms, 2m")
+        return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return value
+
+
+#: Seconds, written as a number or with a unit suffix (ms, s, m, h).
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class OpenApiSettings(BaseModel):
+    """booking.field-recovery.open-api.* — the parsing agent's own external application."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = "https://superagent.nianxx.cn"
+    #: The parsing agent's own df_open_ secret. Never borrowed from another agent's key.
+    api_key: str = Field(default="", repr=False)
+    connect_timeout: Duration = 15.0
+    sse_recovery_max_attempts: int = Field(default=5, ge=0, le=50)
+    include_trace: bool = False
+
+
+class FieldRecoverySettings(BaseModel):
+    """booking.field-recovery.* (DESIGN §8, field spec §5)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    profile_version: str = "fixed-channel-field-recovery-qbd-v1"
+    open_api: OpenApiSettings = OpenApiSettings()
+    max_wait: Duration = 120.0
+    poll_interval: Duration = 0.1
+    max_message_chars: int = Field(default=200_000, gt=0)
+    max_response_chars: int = Field(default=200_000, gt=0)
+    #: PostgreSQL schema that holds the invocation and artifact tables.
+    db_schema: str = Field(default="th_hotel_booking", pattern=r"^[a-z_][a-z0-9_]*$")
+    #: Beyond the field spec: an expired IN_PROGRESS owner may be taken over with a fencing epoch.
+    stale_takeover: bool = False
+    #: Lease of an invocation owner; renewed while the provider call runs.
+    lease_seconds: Duration = 30.0
+
+    @model_validator(mode="after")
+    def _check(self) -> FieldRecoverySettings:
+        if not 0 < self.max_wait <= FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS:
+            raise ValueError(
+                f"BOOKING_FIELD_RECOVERY__MAX_WAIT must be > 0 and <= {FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS:g}s"
+            )
+        if self.poll_interval <= 0:
+            raise ValueError("BOOKING_FIELD_RECOVERY__POLL_INTERVAL must be > 0")
+        if self.enabled and not self.open_api.api_key:
+            raise ValueError(
+                "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY is required when "
+                "BOOKING_FIELD_RECOVERY__ENABLED=true (it is never borrowed from another agent's key)"
+            )
+        if self.enabled and not self.open_api.base_url:
+            raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__BASE_URL is required when enabled")
+        return self
+
+
+class Settings(BaseSettings):
+    """Process configuration. Field names are the environment variable names."""
+
+    model_config = SettingsConfigDict(
+        case_sensitive=False, env_nested_delimiter="__", extra="ignore", validate_default=True
+    )
+
+    DATABASE_URL: str = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
+    CELERY_BROKER_URL: str = "redis://127.0.0.1:6379/0"
+    CELERY_RESULT_BACKEND: str = "redis://127.0.0.1:6379/1"
+    #: Folder of the filesystem:// broker (embedded default of the demo only).
+    CELERY_FS_FOLDER: str = "/tmp/agent-recovery-broker"
+    #: Redis used for session_status events and LOCAL client presence.
+    REDIS_URL: str = "redis://127.0.0.1:6379/2"
+    MODEL_BASE_URL: str = "http://127.0.0.1:8765/v1"
+    MODEL_API_KEY: str = Field(default="", repr=False)
+    MODEL_NAME: str = "scripted"
+    MODEL_CONNECT_TIMEOUT_SECONDS: float = Field(default=5.0, gt=0)
+    MODEL_READ_TIMEOUT_SECONDS: float = Field(default=120.0, gt=0)
+    #: TOML file with [agents.NAME] tables; empty means the built-in default.
+    AGENTS_FILE: str = ""
+    SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
+    SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
+    LEASE_SECONDS: float = Field(default=30.0, gt=0)
+    SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
+    #: Named crash point to die at (tests, soak, demo); empty in production.
+    CRASH_POINT: str = ""
+    LOG_LEVEL: str = "INFO"
+
+    #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
+    booking_field_recovery: FieldRecoverySettings = Field(default_factory=FieldRecoverySettings)
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> Settings:
+        for name in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "MODEL_BASE_URL"):
+            if "://" not in getattr(self, name):
+                raise ValueError(f"{name} must be a URL (scheme://...)")
+        if self.LEASE_SECONDS < 3:
+            raise ValueError("LEASE_SECONDS must be at least 3 (the heartbeat renews at a third of it)")
+        return self
+
+
+class SettingsError(RuntimeError):
+    """The environment holds an invalid setting; the message names the variable."""
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        if loc and loc[0] == "booking_field_recovery":
+            loc[0] = "BOOKING_FIELD_RECOVERY"
+            name = "__".join(p.upper() for p in loc)
+        else:
+            name = "__".join(loc) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{name}: {msg}" if name not in msg else msg)
+    return "invalid configuration: " + "; ".join(parts)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read and validate the environment; raise SettingsError naming the bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once. Tests call ``get_settings.cache_clear()``."""
+    return load_settings()

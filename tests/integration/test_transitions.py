@@ -1,0 +1,219 @@
+"""Every state transition of DESIGN §4 as a compare-and-set: legal land, illegal raise."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select
+
+from models import (
+    DeliveryStatus,
+    ExecutionStatus,
+    IllegalTransition,
+    Phase,
+    SubagentExecution,
+    transaction,
+)
+from models.execution import (
+    finish_execution,
+    mark_delivered,
+    set_delivery_status,
+    suppress_execution,
+    take_execution,
+)
+from models.session import hand_over, release_session, request_cancel, set_phase, take_session
+from tests.helpers import make_execution, make_session
+
+pytestmark = pytest.mark.usefixtures("db")
+
+
+def _row(eid: int) -> SubagentExecution:
+    with transaction() as s:
+        return s.execute(select(SubagentExecution).where(SubagentExecution.id == eid)).scalar_one()
+
+
+def _take(eid: int, epoch: int = 0, to: ExecutionStatus = ExecutionStatus.RECOVERING, **kw: object) -> int | None:
+    with transaction() as s:
+        return take_execution(s, eid, expected_epoch=epoch, to_status=to, owner="w1", lease_seconds=30, **kw)
+
+
+def _finish(eid: int, epoch: int, status: ExecutionStatus = ExecutionStatus.COMPLETED) -> bool:
+    with transaction() as s:
+        return finish_execution(s, eid, epoch=epoch, status=status, result={"success": True})
+
+
+def test_running_to_recovering_to_completed_then_delivered() -> None:
+    parent = make_session()
+    eid = make_execution(parent, tool_call_id="call_1")
+    assert _take(eid) == 1
+    assert _row(eid).status == ExecutionStatus.RECOVERING
+    assert _finish(eid, 1)
+    with transaction() as s:
+        assert mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+    row = _row(eid)
+    assert (row.status, row.delivery_status) == (ExecutionStatus.COMPLETED, DeliveryStatus.DELIVERED)
+    assert row.parent_result_delivered_at is not None
+
+
+@pytest.mark.parametrize("terminal", [ExecutionStatus.COMPLETED, ExecutionStatus.FAILED, ExecutionStatus.CANCELLED])
+def test_running_to_each_terminal_status_lands(terminal: ExecutionStatus) -> None:
+    eid = make_execution(make_session())
+    assert _finish(eid, 0, terminal)
+    assert _row(eid).status == terminal
+
+
+@pytest.mark.parametrize("target", [ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING])
+def test_terminal_never_goes_back_to_active(target: ExecutionStatus) -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
+    with pytest.raises(IllegalTransition):
+        _take(eid, 0, target)
+    assert _row(eid).status == ExecutionStatus.COMPLETED
+
+
+def test_recovering_never_goes_back_to_running() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.RECOVERING)
+    with pytest.raises(IllegalTransition):
+        _take(eid, 0, ExecutionStatus.RUNNING)
+
+
+def test_terminal_cannot_finish_again() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.FAILED)
+    with pytest.raises(IllegalTransition):
+        _finish(eid, 0, ExecutionStatus.COMPLETED)
+
+
+@pytest.mark.parametrize("delivery", [DeliveryStatus.SUPPRESSED, DeliveryStatus.LEGACY])
+def test_takeover_of_a_non_pending_row_raises(delivery: DeliveryStatus) -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.RUNNING, delivery=delivery)
+    with pytest.raises(IllegalTransition):
+        _take(eid)
+
+
+def test_schema_refuses_a_delivered_row_that_is_not_terminal() -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        make_execution(make_session(), status=ExecutionStatus.RUNNING, delivery=DeliveryStatus.DELIVERED)
+
+
+@pytest.mark.parametrize("to", [DeliveryStatus.PENDING, DeliveryStatus.LEGACY])
+def test_delivery_never_moves_back_to_pending_or_legacy(to: DeliveryStatus) -> None:
+    eid = make_execution(
+        make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.PENDING, tool_call_id="c"
+    )
+    with transaction() as s:
+        assert mark_delivered(s, eid, assistant_message_id=1, tool_message_id=2)
+    with pytest.raises(IllegalTransition), transaction() as s:
+        set_delivery_status(s, eid, to)
+    assert _row(eid).delivery_status == DeliveryStatus.DELIVERED
+
+
+def test_delivering_an_active_execution_raises_barrier() -> None:
+    eid = make_execution(make_session())
+    with pytest.raises(IllegalTransition), transaction() as s:
+        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_legacy_row_cannot_be_delivered() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.LEGACY)
+    with pytest.raises(IllegalTransition), transaction() as s:
+        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_second_delivery_of_same_execution_returns_false() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
+    with transaction() as s:
+        assert mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+    with transaction() as s:
+        assert not mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_suppress_cancels_an_active_execution_and_fences_it() -> None:
+    eid = make_execution(make_session())
+    assert _take(eid) == 1
+    with transaction() as s:
+        assert suppress_execution(s, eid)
+    row = _row(eid)
+    assert (row.status, row.delivery_status) == (ExecutionStatus.CANCELLED, DeliveryStatus.SUPPRESSED)
+    # The child that held epoch 1 can no longer write its result.
+    assert not _finish(eid, 1)
+    with transaction() as s:
+        assert not suppress_execution(s, eid)
+
+
+def test_stale_epoch_loses_without_raising() -> None:
+    eid = make_execution(make_session())
+    assert _take(eid, 0) == 1
+    assert _take(eid, 0) is None  # a duplicate message handed the old epoch
+    assert not _finish(eid, 0)
+    assert _row(eid).status == ExecutionStatus.RECOVERING
+
+
+def test_live_lease_blocks_takeover_that_requires_expiry() -> None:
+    eid = make_execution(make_session())
+    assert _take(eid, 0) == 1
+    assert _take(eid, 1, require_expired=True) is None
+    assert _row(eid).epoch == 1
+
+
+def test_two_threads_racing_the_same_takeover_exactly_one_wins() -> None:
+    eid = make_execution(make_session())
+    barrier = threading.Barrier(2)
+    results: list[int | None] = []
+    errors: list[BaseException] = []
+
+    def race() -> None:
+        try:
+            barrier.wait(timeout=5)
+            results.append(_take(eid, 0))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert sorted(results, key=lambda r: r is None) == [1, None]
+
+
+def test_two_threads_racing_the_same_delivery_exactly_one_wins() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
+    barrier = threading.Barrier(2)
+    results: list[bool] = []
+
+    def race() -> None:
+        barrier.wait(timeout=5)
+        with transaction() as s:
+            results.append(mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None))
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [False, True]
+
+
+def test_session_take_bumps_epoch_and_a_stale_owner_cannot_release() -> None:
+    sid = make_session(phase=Phase.RUNNING)
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w1", lease_seconds=30, to_phase=Phase.RUNNING) == 1
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w2", lease_seconds=30, to_phase=Phase.RUNNING) is None
+        assert not release_session(s, sid, epoch=0, to_phase=Phase.WAITING_USER)
+        assert hand_over(s, sid, epoch=1, to_phase=Phase.RUNNING) == 2
+
+
+def test_cancelled_session_is_never_taken_nor_moved_back() -> None:
+    sid = make_session(phase=Phase.RUNNING)
+    with transaction() as s:
+        assert request_cancel(s, sid)
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w", lease_seconds=30, to_phase=Phase.RESUMING) is None
+        assert not set_phase(s, sid, to_phase=Phase.RUNNING, from_phases=(Phase.RUNNING, Phase.RESUMING))
+        assert not request_cancel(s, sid)
+    with pytest.raises(IllegalTransition), transaction() as s:
+        set_phase(s, sid, to_phase=Phase.RUNNING, from_phases=(Phase.CANCELLED,))
