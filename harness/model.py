@@ -1,0 +1,308 @@
+"""OpenAI-compatible chat-completions client.
+
+Every failure leaves this module as ``ModelUnavailable`` with one of these codes:
+``connect`` (the endpoint could not be reached), ``timeout`` (no answer in time), ``http_4xx``,
+``http_5xx``, ``bad_response`` (an answer that is not a chat completion). Exception messages name
+the endpoint and the HTTP status; they never hold the API key or text of the request messages
+(an error body that echoes the prompt is redacted before it is summarized).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import requests
+
+from harness.errors import ModelUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Longest summary of an error body carried in an exception message.
+ERROR_SUMMARY_CHARS = 200
+#: Only this head of an error body is searched for echoed prompt text; the rest is never shown.
+_ERROR_SCAN_CHARS = 600
+#: A run of at least this many characters shared with the request messages counts as an echo.
+_ECHO_WINDOW_CHARS = 16
+#: Shorter message texts are redacted only where they occur whole.
+_ECHO_MIN_CHARS = 4
+_REDACTED = "[redacted]"
+_ERRNO_REASON = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model asked for."""
+
+    id: str
+    name: str
+    arguments: str  #: JSON text as the model sent it
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as an assistant message carries it in the OpenAI format."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """The first choice of a chat completion, with the token usage the endpoint reported (0 when absent)."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ModelClient:
+    """A chat-completions client on one ``requests.Session``; meant for one agent loop at a time."""
+
+    def __init__(self, base_url: str, api_key: str, model: str, connect_timeout: float, read_timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._api_key = api_key
+        self._url = f"{self.base_url}/chat/completions"
+        #: The endpoint as messages may show it: no userinfo, no query.
+        self._where = _safe_url(self._url)
+        self._session = requests.Session()
+
+    @classmethod
+    def from_settings(cls) -> ModelClient:
+        """A client for MODEL_BASE_URL / MODEL_API_KEY / MODEL_NAME and the MODEL_* timeouts."""
+        from settings import get_settings
+
+        s = get_settings()
+        return cls(
+            s.MODEL_BASE_URL,
+            s.MODEL_API_KEY,
+            s.MODEL_NAME,
+            s.MODEL_CONNECT_TIMEOUT_SECONDS,
+            s.MODEL_READ_TIMEOUT_SECONDS,
+        )
+
+    def __repr__(self) -> str:
+        return f"ModelClient(base_url={self._where!r}, model={self.model!r})"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def complete(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> ModelReply:
+        """One chat completion. ``timeout`` is the time left to an absolute deadline: it caps both
+        the connect and the read timeout, and a deadline already passed fails without a request.
+
+        No retry here: the caller decides what a failure means for its round.
+        """
+        connect, read = self.connect_timeout, self.read_timeout
+        if timeout is not None:
+            if timeout <= 0:
+                raise ModelUnavailable(f"no time left for a model call to {self._where}", code="timeout")
+            connect, read = min(connect, timeout), min(read, timeout)
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        # Serialized here so that a message that is not JSON is a programming error (TypeError),
+        # not a transport failure.
+        data = json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        started = time.monotonic()
+        try:
+            response = self._session.post(
+                self._url, data=data, headers=headers, timeout=(connect, read), allow_redirects=False
+            )
+        except requests.ConnectTimeout as exc:
+            raise self._unavailable(f"could not connect to {self._where} within {connect:g}s", "connect") from exc
+        except requests.Timeout as exc:
+            raise self._unavailable(f"{self._where} did not answer within {read:g}s", "timeout") from exc
+        except requests.RequestException as exc:
+            raise self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect") from exc
+        duration_ms = int((time.monotonic() - started) * 1000)
+        status = response.status_code
+        if not 200 <= status < 300:
+            code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
+            summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
+            log.info("model_call_failed status=%d code=%s duration_ms=%d", status, code, duration_ms)
+            raise self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
+        try:
+            payload = response.json()
+        except ValueError as exc:
+            raise self._unavailable(
+                f"{self._where} answered HTTP {status} with a body that is not JSON", "bad_response"
+            ) from exc
+        reply = self._parse(payload)
+        log.debug(
+            "model_call status=%d duration_ms=%d prompt_tokens=%d completion_tokens=%d tool_calls=%d",
+            status,
+            duration_ms,
+            reply.prompt_tokens,
+            reply.completion_tokens,
+            len(reply.tool_calls),
+        )
+        return reply
+
+    def _unavailable(self, message: str, code: str) -> ModelUnavailable:
+        if self._api_key:
+            message = message.replace(self._api_key, _REDACTED)
+        return ModelUnavailable(message, code=code)
+
+    def _parse(self, payload: Any) -> ModelReply:
+        def bad(what: str) -> ModelUnavailable:
+            return self._unavailable(f"{self._where} answered with {what}", "bad_response")
+
+        if not isinstance(payload, dict):
+            raise bad("a JSON value that is not an object")
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise bad("no choices")
+        message = choices[0].get("message")
+        if not isinstance(message, dict):
+            raise bad("a choice without a message")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise bad("message content that is not text")
+        raw_calls = message.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise bad("tool_calls that are not a list")
+        calls: list[ToolCall] = []
+        for position, raw in enumerate(raw_calls):
+            call = _parse_tool_call(raw)
+            if call is None:
+                raise bad(f"a malformed tool call at position {position}")
+            calls.append(call)
+        usage = payload.get("usage")
+        if not isinstance(usage, dict):
+            usage = {}
+        return ModelReply(
+            content=content,
+            tool_calls=tuple(calls),
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
+        )
+
+
+def _parse_tool_call(raw: Any) -> ToolCall | None:
+    """None when the call has no function name. A missing id is made up (some servers omit it);
+    arguments sent as an object are re-encoded as JSON text."""
+    if not isinstance(raw, dict):
+        return None
+    function = raw.get("function")
+    if not isinstance(function, dict):
+        return None
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    call_id = raw.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+    return ToolCall(id=call_id, name=name, arguments=arguments)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _safe_url(url: str) -> str:
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _reason(exc: requests.RequestException) -> str:
+    """The OS reason of a transport failure ("Connection refused"), else the exception's type."""
+    match = _ERRNO_REASON.search(str(exc))
+    return match.group(1).strip() if match else type(exc).__name__
+
+
+def _request_texts(messages: Iterable[Any]) -> list[str]:
+    """Every text the request carried: message contents and tool-call arguments."""
+    texts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                texts.append(function["arguments"])
+    return texts
+
+
+def _summarize_error(body: str, request_texts: list[str], api_key: str) -> str:
+    """The error's own message (``error.message`` when the body is OpenAI-shaped), on one line,
+    with the key and any echo of the request redacted, cut to ERROR_SUMMARY_CHARS."""
+    detail = body
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            detail = error["message"]
+        elif isinstance(error, str):
+            detail = error
+        elif isinstance(parsed.get("message"), str):
+            detail = parsed["message"]
+        elif isinstance(parsed.get("detail"), str):
+            detail = parsed["detail"]
+    if api_key:
+        detail = detail.replace(api_key, _REDACTED)
+    detail = " ".join(detail.split())[:_ERROR_SCAN_CHARS]
+    detail = _redact_echo(detail, [" ".join(t.split()) for t in request_texts])
+    if len(detail) > ERROR_SUMMARY_CHARS:
+        detail = detail[: ERROR_SUMMARY_CHARS - 1] + "…"
+    return detail or "(empty body)"
+
+
+def _redact_echo(text: str, request_texts: list[str]) -> str:
+    """Replace every stretch of ``text`` that repeats request text: runs of at least
+    _ECHO_WINDOW_CHARS characters found in any request text, and short request texts found whole."""
+    if not text or not request_texts:
+        return text
+    haystack = "\x00".join(request_texts)
+    covered = [False] * len(text)
+    window = _ECHO_WINDOW_CHARS
+    for start in range(len(text) - window + 1):
+        if text[start : start + window] in haystack:
+            covered[start : start + window] = [True] * window
+    for short in request_texts:
+        if _ECHO_MIN_CHARS <= len(short) < window:
+            at = text.find(short)
+            while at >= 0:
+                covered[at : at + len(short)] = [True] * len(short)
+                at = text.find(short, at + 1)
+    if not any(covered):
+        return text
+    out: list[str] = []
+    for position, char in enumerate(text):
+        if not covered[position]:
+            out.append(char)
+        elif position == 0 or not covered[position - 1]:
+            out.append(_REDACTED)
+    return "".join(out)

@@ -1,0 +1,488 @@
+"""Scripted model server: a real OpenAI-compatible HTTP server on loopback, for tests and the demo.
+
+The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
+
+    {"when": {"system_contains": "...", "user_contains": "...", "turn": 1, "last_role": "tool"},
+     "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
+              | {"error": {"status": 500, "message": "..."}},
+     "delay_seconds": 0.5}
+
+The first rule whose every condition holds answers; a request no rule matches gets HTTP 400
+naming the head of its system prompt. ``turn`` is the number of assistant messages in the
+request; ``user_contains`` tests the FIRST user message. In ``content`` (and an error's
+``message``), ``{tool_results}`` becomes the contents of the tool messages after the last
+assistant message joined by newlines, and ``{user}`` the first user message.
+
+``GET /_journal`` lists every answered request as ``{"rule", "turn", "reply"}``; ``POST /_reset``
+clears it. Run it with ``python -m harness.scripted_model --script FILE --port N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TextIO
+
+from harness.errors import HarnessError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+#: Head of the system prompt that a no-match error names.
+SYSTEM_HEAD_CHARS = 60
+#: Largest request body the server reads.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+_RULE_KEYS = frozenset({"when", "reply", "delay_seconds"})
+_WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
+_REPLY_KEYS = frozenset({"content", "tool_calls", "error"})
+_TOOL_CALL_KEYS = frozenset({"name", "arguments"})
+_ERROR_KEYS = frozenset({"status", "message"})
+
+Script = list[Any] | dict[str, Any] | str | os.PathLike[str]
+
+
+class ScriptError(HarnessError):
+    """The model script is invalid."""
+
+
+@dataclass(frozen=True)
+class When:
+    """Conditions of a rule; None means "not tested"."""
+
+    system_contains: str | None = None
+    user_contains: str | None = None
+    turn: int | None = None
+    last_role: str | None = None
+
+    def matches(self, request: RequestView) -> bool:
+        if self.system_contains is not None and (request.system is None or self.system_contains not in request.system):
+            return False
+        if self.user_contains is not None and (request.user is None or self.user_contains not in request.user):
+            return False
+        if self.turn is not None and self.turn != request.turn:
+            return False
+        return self.last_role is None or self.last_role == request.last_role
+
+
+@dataclass(frozen=True)
+class ScriptedCall:
+    name: str
+    arguments: str  #: JSON text, as a model sends it
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Exactly one of: ``content``, ``tool_calls``, or an error status."""
+
+    content: str | None = None
+    tool_calls: tuple[ScriptedCall, ...] = ()
+    error_status: int | None = None
+    error_message: str = ""
+
+    @property
+    def kind(self) -> str:
+        """What the journal records: "content", "tool_calls" or "error"."""
+        if self.error_status is not None:
+            return "error"
+        return "tool_calls" if self.tool_calls else "content"
+
+
+@dataclass(frozen=True)
+class Rule:
+    index: int
+    when: When
+    reply: Reply
+    delay_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What rules look at in a chat-completions request."""
+
+    system: str | None  #: content of the first system message
+    user: str | None  #: content of the FIRST user message
+    turn: int  #: number of assistant messages
+    last_role: str | None
+    tool_results: str  #: contents of the tool messages after the last assistant message, joined by "\n"
+    prompt_chars: int
+
+    @classmethod
+    def of(cls, messages: list[Any]) -> RequestView:
+        msgs = [m for m in messages if isinstance(m, dict)]
+        system = next((_text(m.get("content")) for m in msgs if m.get("role") == "system"), None)
+        user = next((_text(m.get("content")) for m in msgs if m.get("role") == "user"), None)
+        last_assistant = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=-1)
+        tool_results = "\n".join(_text(m.get("content")) for m in msgs[last_assistant + 1 :] if m.get("role") == "tool")
+        last_role = msgs[-1].get("role") if msgs else None
+        return cls(
+            system=system,
+            user=user,
+            turn=sum(1 for m in msgs if m.get("role") == "assistant"),
+            last_role=last_role if isinstance(last_role, str) else None,
+            tool_results=tool_results,
+            prompt_chars=sum(len(_text(m.get("content"))) for m in msgs),
+        )
+
+    def fill(self, template: str) -> str:
+        return template.replace("{tool_results}", self.tool_results).replace("{user}", self.user or "")
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_script(script: Script) -> tuple[Rule, ...]:
+    """Parse and check a script (rules, ``{"rules": [...]}``, or the path of a JSON file holding
+    either). Raises ScriptError naming the file and the rule index."""
+    where = ""
+    if isinstance(script, str | os.PathLike):
+        where = f"{os.fspath(script)}: "
+        try:
+            script = json.loads(Path(script).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ScriptError(f"{where}cannot read the script: {exc.strerror or exc}") from exc
+        except ValueError as exc:
+            raise ScriptError(f"{where}not valid JSON: {exc}") from exc
+    if isinstance(script, dict):
+        extra = set(script) - {"rules"}
+        if extra or "rules" not in script:
+            raise ScriptError(f'{where}a script object must hold exactly one key, "rules"')
+        script = script["rules"]
+    if not isinstance(script, list):
+        raise ScriptError(f"{where}a script is a list of rules")
+    try:
+        return tuple(_rule(index, raw) for index, raw in enumerate(script))
+    except ScriptError as exc:
+        raise ScriptError(f"{where}{exc}") from None
+
+
+def _check_keys(raw: Any, allowed: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ScriptError(f"{what} must be an object")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ScriptError(f"{what}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+    return raw
+
+
+def _rule(index: int, raw: Any) -> Rule:
+    at = f"rule {index}"
+    rule = _check_keys(raw, _RULE_KEYS, at)
+    if "reply" not in rule:
+        raise ScriptError(f"{at}: a rule needs a reply")
+    delay = rule.get("delay_seconds", 0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
+        raise ScriptError(f"{at}: delay_seconds must be a number >= 0")
+    return Rule(index=index, when=_when(at, rule.get("when")), reply=_reply(at, rule["reply"]), delay_seconds=delay)
+
+
+def _when(at: str, raw: Any) -> When:
+    if raw is None:
+        return When()
+    when = _check_keys(raw, _WHEN_KEYS, f"{at} when")
+    for key in ("system_contains", "user_contains"):
+        if key in when and not isinstance(when[key], str):
+            raise ScriptError(f"{at} when: {key} must be a string")
+    turn = when.get("turn")
+    if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 0):
+        raise ScriptError(f"{at} when: turn must be an integer >= 0")
+    last_role = when.get("last_role")
+    if last_role is not None and last_role not in ROLES:
+        raise ScriptError(f"{at} when: last_role must be one of {', '.join(ROLES)}")
+    return When(when.get("system_contains"), when.get("user_contains"), turn, last_role)
+
+
+def _reply(at: str, raw: Any) -> Reply:
+    reply = _check_keys(raw, _REPLY_KEYS, f"{at} reply")
+    if len(reply) != 1:
+        raise ScriptError(f"{at} reply: give exactly one of content, tool_calls, error")
+    if "content" in reply:
+        if not isinstance(reply["content"], str):
+            raise ScriptError(f"{at} reply: content must be a string")
+        return Reply(content=reply["content"])
+    if "error" in reply:
+        error = _check_keys(reply["error"], _ERROR_KEYS, f"{at} reply error")
+        status = error.get("status")
+        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+            raise ScriptError(f"{at} reply error: status must be an HTTP error status (400-599)")
+        message = error.get("message", "scripted error")
+        if not isinstance(message, str):
+            raise ScriptError(f"{at} reply error: message must be a string")
+        return Reply(error_status=status, error_message=message)
+    calls = reply["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        raise ScriptError(f"{at} reply: tool_calls must be a non-empty list")
+    out: list[ScriptedCall] = []
+    for position, raw_call in enumerate(calls):
+        call = _check_keys(raw_call, _TOOL_CALL_KEYS, f"{at} tool_calls[{position}]")
+        name = call.get("name")
+        arguments = call.get("arguments", {})
+        if not isinstance(name, str) or not name:
+            raise ScriptError(f"{at} tool_calls[{position}]: name must be a non-empty string")
+        if not isinstance(arguments, dict):
+            raise ScriptError(f"{at} tool_calls[{position}]: arguments must be an object")
+        out.append(ScriptedCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+    return Reply(tool_calls=tuple(out))
+
+
+# --- serving -------------------------------------------------------------------------------------
+
+
+def _error_body(message: str, code: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+class ScriptedModelServer:
+    """The server in-process: ``start()`` serves on a background thread (one thread per request)
+    and returns the base URL ending in ``/v1``; ``stop()`` also cuts short any delayed reply."""
+
+    def __init__(self, script: Script, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+        self.rules = load_script(script)
+        self.host = host
+        self.port = port
+        self._api_key = api_key or None
+        self._journal: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"ScriptedModelServer(host={self.host!r}, port={self.port}, rules={len(self.rules)})"
+
+    @property
+    def base_url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("the scripted model server is not started")
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> str:
+        if self._httpd is not None:
+            return self.base_url
+        self._stopping.clear()
+        httpd = _HTTPServer((self.host, self.port), _Handler)
+        httpd.app = self
+        self.port = int(httpd.server_address[1])
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="scripted-model", daemon=True
+        )
+        self._thread.start()
+        return self.base_url
+
+    def stop(self) -> None:
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        self._stopping.set()
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        self._httpd = self._thread = None
+
+    def __enter__(self) -> ScriptedModelServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def journal(self) -> list[dict[str, Any]]:
+        """Every answered request, in the order answered."""
+        with self._lock:
+            return [dict(entry) for entry in self._journal]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._journal.clear()
+
+    def answer(self, body: Any, authorization: str | None) -> tuple[int, dict[str, Any]]:
+        """Status and JSON body for one chat-completions request."""
+        if self._api_key is not None and not hmac.compare_digest(
+            (authorization or "").encode(), f"Bearer {self._api_key}".encode()
+        ):
+            return 401, _error_body("invalid or missing API key", "invalid_api_key")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return 400, _error_body("the request body must be an object with a messages list", "bad_request")
+        request = RequestView.of(body["messages"])
+        rule = next((r for r in self.rules if r.when.matches(request)), None)
+        if rule is None:
+            head = " ".join((request.system or "")[:SYSTEM_HEAD_CHARS].split()) or "(none)"
+            message = (
+                f"no script rule matched this request (turn {request.turn}, last_role {request.last_role}); "
+                f'system prompt head: "{head}"'
+            )
+            log.warning("scripted_model_no_match turn=%d last_role=%s", request.turn, request.last_role)
+            return 400, _error_body(message, "no_rule_matched")
+        if rule.delay_seconds > 0 and self._stopping.wait(rule.delay_seconds):
+            return 503, _error_body("the scripted model server is stopping", "stopping", "server_error")
+        reply = rule.reply
+        with self._lock:
+            self._journal.append({"rule": rule.index, "turn": request.turn, "reply": reply.kind})
+        if reply.error_status is not None:
+            kind = "server_error" if reply.error_status >= 500 else "invalid_request_error"
+            return reply.error_status, _error_body(request.fill(reply.error_message), "scripted_error", kind)
+        message_out: dict[str, Any] = {"role": "assistant", "content": None}
+        if reply.tool_calls:
+            message_out["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in reply.tool_calls
+            ]
+            completion_chars = sum(len(call.arguments) for call in reply.tool_calls)
+            finish_reason = "tool_calls"
+        else:
+            message_out["content"] = request.fill(reply.content or "")
+            completion_chars = len(message_out["content"])
+            finish_reason = "stop"
+        prompt_tokens, completion_tokens = max(1, request.prompt_chars // 4), max(1, completion_chars // 4)
+        return 200, {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": str(body.get("model") or "scripted"),
+            "choices": [{"index": 0, "message": message_out, "finish_reason": finish_reason}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # tests open many connections at once
+    app: ScriptedModelServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.0: one request per connection, so no idle keep-alive thread outlives stop().
+    protocol_version = "HTTP/1.0"
+    server: _HTTPServer
+
+    def do_GET(self) -> None:
+        if _route(self.path) == "/_journal":
+            self._send(200, {"requests": self.server.app.journal()})
+        else:
+            self._send(404, _error_body(f"no such path: {self.path}", "not_found"))
+
+    def do_POST(self) -> None:
+        path = _route(self.path)
+        if path == "/_reset":
+            self._read_body()
+            self.server.app.reset()
+            self._send(200, {"requests": []})
+        elif path == "/chat/completions":
+            raw = self._read_body()
+            try:
+                body = json.loads(raw) if raw is not None else None
+            except ValueError:
+                self._send(400, _error_body("the request body is not JSON", "bad_request"))
+                return
+            status, payload = self.server.app.answer(body, self.headers.get("Authorization"))
+            self._send(status, payload)
+        else:
+            self._send(404, _error_body(f"no such path: {self.path}", "not_found"))
+
+    def _read_body(self) -> bytes | None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return None
+        if not 0 < length <= MAX_BODY_BYTES:
+            return None
+        return self.rfile.read(length)
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (its read timeout); nothing to answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("scripted_model_request %s", format % args)
+
+
+def _route(path: str) -> str:
+    path = path.split("?", 1)[0].rstrip("/")
+    return path.removeprefix("/v1")
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def serve(script: Script, host: str, port: int, api_key: str | None = None, out: TextIO | None = None) -> int:
+    """Serve until SIGINT or SIGTERM; print the listening line first (flushed). Main thread only."""
+    server = ScriptedModelServer(script, host=host, port=port, api_key=api_key)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        url = server.start()
+        print(f"scripted model listening on {url}", file=out or sys.stdout, flush=True)
+        while not stopping.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.scripted_model", description="scripted model server")
+    parser.add_argument("--script", required=True, help="JSON script file")
+    parser.add_argument("--port", type=int, required=True, help="port (0 picks a free one)")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    return run(args.script, args.host, args.port)
+
+
+def run(script: str, host: str, port: int) -> int:
+    """``serve`` with MODEL_API_KEY as the expected key (none when empty); a bad script, a bad
+    environment or a busy port is a message on stderr and exit status 2."""
+    from settings import SettingsError, get_settings
+
+    try:
+        return serve(script, host, port, api_key=get_settings().MODEL_API_KEY or None)
+    except (ScriptError, SettingsError, OSError) as exc:
+        print(f"scripted model: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
