@@ -28,7 +28,7 @@ def build() -> dict[str, Any]:
         "beat_schedule": {
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
         },
-        "imports": ("tasks.agent", "tasks.recovery", "tasks.field"),
+        "imports": ("tasks.signals", "tasks.agent", "tasks.recovery", "tasks.field"),
     }
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
         conf["broker_transport_options"] = {

@@ -142,12 +142,15 @@ def take_execution(
     owner: str,
     lease_seconds: float,
     require_expired: bool = False,
+    free_when_unowned: bool = False,
 ) -> int | None:
     """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease.
 
     Returns the new epoch, or None when a newer owner holds it (epoch moved, or a live lease
-    when ``require_expired``). Raises IllegalTransition for a terminal or non-PENDING row at
-    the expected epoch (spec §6.2: terminal never goes back; only PENDING may be taken over).
+    when ``require_expired``; with ``free_when_unowned`` a reservation without an owner, as
+    written at creation or hand-over, counts as free for the epoch's holder). Raises
+    IllegalTransition for a terminal or non-PENDING row at the expected epoch (spec §6.2:
+    terminal never goes back; only PENDING may be taken over).
     """
     sources = STATUS_SOURCES[to_status] if to_status != ExecutionStatus.RUNNING else (ExecutionStatus.RUNNING,)
     conditions = [
@@ -158,7 +161,10 @@ def take_execution(
     ]
     now = utcnow()
     if require_expired:
-        conditions.append(or_(E.lease_expires_at.is_(None), E.lease_expires_at < now))
+        free = [E.lease_expires_at.is_(None), E.lease_expires_at < now]
+        if free_when_unowned:
+            free.append(E.lease_owner.is_(None))
+        conditions.append(or_(*free))
     rows = s.execute(
         update(E)
         .where(*conditions)

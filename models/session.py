@@ -83,6 +83,7 @@ def take_session(
     to_phase: Phase,
     from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
     require_expired: bool = True,
+    free_when_unowned: bool = False,
 ) -> int | None:
     """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease.
 
@@ -94,7 +95,10 @@ def take_session(
     now = utcnow()
     conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases)]
     if require_expired:
-        conditions.append(or_(S.lease_expires_at.is_(None), S.lease_expires_at < now))
+        free = [S.lease_expires_at.is_(None), S.lease_expires_at < now]
+        if free_when_unowned:
+            free.append(S.lease_owner.is_(None))  # a reservation made for the epoch's holder
+        conditions.append(or_(*free))
     rows = s.execute(
         update(S)
         .where(*conditions)
@@ -148,13 +152,21 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
     return False
 
 
-def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> int | None:
-    """As the epoch's owner, bump the epoch and drop the lease so that a task handed the new
-    epoch can take the session. Returns the new epoch or None when we no longer own it."""
+def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seconds: float = 0) -> int | None:
+    """As the epoch's holder, bump the epoch and leave an unowned reservation so that only a
+    task handed the new epoch takes the session (the scan waits for the reservation to
+    expire). Returns the new epoch or None when we no longer hold it."""
+    now = utcnow()
     rows = s.execute(
         update(S)
         .where(S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES))
-        .values(phase=to_phase, epoch=S.epoch + 1, lease_owner=None, lease_expires_at=None, updated_at=utcnow())
+        .values(
+            phase=to_phase,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_expires_at=now + timedelta(seconds=reserve_seconds) if reserve_seconds else None,
+            updated_at=now,
+        )
         .execution_options(synchronize_session=False)
     ).rowcount
     return epoch + 1 if rows == 1 else None

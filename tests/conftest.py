@@ -117,3 +117,86 @@ def fresh_db_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+# --- a full stack: PostgreSQL + Redis + scripted model + real Celery workers ----------------
+
+
+class Stack:
+    """One test's services; workers are real `celery -A tasks worker` subprocesses."""
+
+    def __init__(self, pg_url: str, log_dir, script) -> None:  # type: ignore[no-untyped-def]
+        from harness.scripted_model import ScriptedModelServer
+        from tests.workers import apply_env, flush_broker, service_env
+
+        flush_broker()
+        self.model = ScriptedModelServer(script)
+        self.model.start()
+        self.log_dir = log_dir
+        self.env = service_env(pg_url, self.model.base_url)
+        apply_env(self.env)
+        self.workers: list = []
+
+    def worker(self, name: str = "w1", concurrency: int = 2, beat: bool = False, **env: str):  # type: ignore[no-untyped-def]
+        from tests.workers import Worker
+
+        w = Worker({**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat)
+        self.workers.append(w)
+        return w.start()
+
+    def submit(self, text: str, agent: str = "main") -> int:
+        import tasks
+        from harness.views import create_session
+
+        sid = create_session(agent, text)
+        tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
+        return sid
+
+    def snapshot(self, sid: int) -> dict:
+        from harness.views import snapshot
+        from models import transaction
+
+        with transaction() as s:
+            snap = snapshot(s, sid)
+        assert snap is not None
+        return snap
+
+    def wait_phase(self, sid: int, phases=("WAITING_USER",), timeout: float = 60.0) -> dict:  # type: ignore[no-untyped-def]
+        from tests.helpers import wait_until
+
+        def done() -> dict | None:
+            snap = self.snapshot(sid)
+            return snap if snap["phase"] in phases else None
+
+        try:
+            return wait_until(done, timeout=timeout, interval=0.1, what=f"session {sid} in {phases}")
+        except AssertionError:
+            for w in self.workers:
+                print(f"---- {w.log_path}\n{w.log()[-4000:]}")
+            raise
+
+    def invariants(self, settled: bool = True) -> list[str]:
+        from models import transaction
+        from recovery.invariants import check_all
+
+        with transaction() as s:
+            return check_all(s, settled=settled)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.model.stop()
+
+
+@pytest.fixture
+def stack_factory(db: str, redis_url: str, tmp_path):  # type: ignore[no-untyped-def]
+    stacks: list[Stack] = []
+
+    def make(script) -> Stack:  # type: ignore[no-untyped-def]
+        st = Stack(db, tmp_path, script)
+        stacks.append(st)
+        return st
+
+    yield make
+    for st in stacks:
+        st.close()

@@ -1,0 +1,123 @@
+"""`agent-recovery submit | session show | session list | cancel`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+TERMINAL_VIEW = ("WAITING_USER", "COMPLETED", "FAILED", "CANCELLED")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("submit", help="start a session: new session, USER message, enqueue agent.run")
+    p.add_argument("--agent", default="main", help="agent name (AGENTS_FILE or the built-in default)")
+    p.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait for the turn to end")
+    p.add_argument("text")
+    p.set_defaults(handler=_submit)
+
+    sess = sub.add_parser("session", help="read sessions")
+    ssub = sess.add_subparsers(dest="session_command", required=True)
+    show = ssub.add_parser("show", help="one session with its messages and executions")
+    show.add_argument("id", type=int)
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=_show)
+    lst = ssub.add_parser("list", help="latest sessions")
+    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--limit", type=int, default=50)
+    lst.set_defaults(handler=_list)
+
+    c = sub.add_parser("cancel", help="cancel a session (its pending child results are suppressed)")
+    c.add_argument("id", type=int)
+    c.set_defaults(handler=_cancel)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from harness.views import create_session
+    from tasks import app
+
+    sid = create_session(args.agent, args.text)
+    app.signature("agent.run", args=(sid, 0)).apply_async()
+    if args.wait > 0:
+        phase = wait_for_turn(sid, args.wait)
+        print(f"session {sid} phase={phase}", file=sys.stderr)
+    print(sid)
+    return 0
+
+
+def wait_for_turn(sid: int, timeout: float) -> str | None:
+    from harness.views import snapshot
+    from models import transaction
+
+    end = time.monotonic() + timeout
+    last = 0.0
+    while True:
+        with transaction() as s:
+            snap = snapshot(s, sid)
+        phase = snap["phase"] if snap else None
+        if phase in TERMINAL_VIEW or time.monotonic() > end:
+            return phase
+        if time.monotonic() - last > 5:
+            print(f"waiting for session {sid}: phase={phase}", file=sys.stderr)
+            last = time.monotonic()
+        time.sleep(0.2)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from harness.views import snapshot
+    from models import transaction
+
+    with transaction() as s:
+        snap = snapshot(s, args.id)
+    if snap is None:
+        print(f"agent-recovery: no session {args.id}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snap, ensure_ascii=False, indent=2))
+        return 0
+    print(f"session {snap['id']} {snap['session_type']} agent={snap['agent_type']} phase={snap['phase']}")
+    for m in snap["messages"]:
+        head = f"  [{m['id']}] {m['role']:<9}"
+        if m["tool_calls"]:
+            names = ", ".join(f"{c['function']['name']}#{c['id']}" for c in m["tool_calls"])
+            print(f"{head} calls {names}")
+        elif m["role"] == "TOOL":
+            src = f" from session {m['source_session_id']}" if m["source_session_id"] else ""
+            print(f"{head} result for {m['tool_call_id']}{src}: {_short(m['content'])}")
+        else:
+            print(f"{head} {_short(m['content'])}")
+    for e in snap["executions"]:
+        print(
+            f"  execution {e['id']}: {e['invocation_type']} child={e['child_session_id']} "
+            f"status={e['status']} delivery={e['delivery_status']} call={e['parent_tool_call_id']}"
+        )
+    return 0
+
+
+def _short(text: str | None, n: int = 160) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _list(args: argparse.Namespace) -> int:
+    from harness.views import session_list
+    from models import transaction
+
+    with transaction() as s:
+        rows = session_list(s, args.limit)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['id']:>6} {r['session_type']:<9} {r['agent_type']:<10} {r['phase']}")
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from recovery.cancel import cancel_session
+
+    changed, suppressed = cancel_session(args.id)
+    print(f"session {args.id}: {'cancelled' if changed else 'already stopped'}; suppressed executions {suppressed}")
+    return 0

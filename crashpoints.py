@@ -1,0 +1,92 @@
+"""Named crash points (DESIGN §7).
+
+``crash_point("deliver.mid_round")`` does nothing unless armed:
+- by environment: ``CRASH_POINT=deliver.mid_round`` (optionally ``CRASH_POINT_AFTER=N``: die on
+  the N-th time the point is reached in this process) -> the process exits with os._exit(137),
+  exactly like a SIGKILL at that line (no cleanup, no commit, no ack);
+- in-process, by a test: ``with armed_fault("round.after_assistant"): ...`` -> raises
+  ``InjectedFault`` at that point (transaction rollback tests, spec R25).
+
+Unarmed it costs one dict lookup. This module imports nothing from the project.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: Every point the code calls; tests check that each one is reachable.
+POINTS = (
+    "delegate.after_child_session",  # inside the round transaction: child session inserted
+    "delegate.after_user_message",  # inside the round transaction: child USER inserted
+    "delegate.after_create",  # parent round + children committed, chord not yet enqueued
+    "parent.mid_inline",  # between inline tools of a delegating round
+    "parent.before_yield",  # inline results recorded, chord not yet enqueued
+    "child.after_take",  # child execution taken, nothing run yet
+    "child.mid_tool",  # inside a child's tool call (the round is not committed)
+    "child.after_round",  # a child's non-final round committed
+    "child.after_final",  # the child's final ASSISTANT + terminal execution committed
+    "round.after_assistant",  # inside a round transaction: assistant row inserted
+    "round.after_some_tools",  # inside a round transaction: first TOOL row inserted
+    "round.after_all_tools",  # inside a round transaction: all TOOL rows, markers not yet
+    "deliver.mid_round",  # inside the delivery transaction
+    "deliver.before_resume",  # delivery committed, parent run not yet enqueued
+    "parent.after_resume",  # the parent's loop took its session again
+    "recover.after_take",  # recovery took the execution, child loop not yet started
+    "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
+    "field.after_claim",  # field recovery: invocation claimed, provider not yet called
+)
+
+EXIT_CODE = 137
+
+
+class InjectedFault(RuntimeError):
+    """A fault injected by a test at a named crash point."""
+
+
+_armed_env = os.environ.get("CRASH_POINT", "")
+_after = int(os.environ.get("CRASH_POINT_AFTER", "1") or "1")
+_hits: dict[str, int] = {}
+_faults: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def rearm_from_env() -> None:
+    """Re-read CRASH_POINT (tests that set it after import)."""
+    global _armed_env, _after
+    _armed_env = os.environ.get("CRASH_POINT", "")
+    _after = int(os.environ.get("CRASH_POINT_AFTER", "1") or "1")
+    _hits.clear()
+
+
+def crash_point(name: str) -> None:
+    if _faults:
+        with _lock:
+            if name in _faults:
+                _faults[name] -= 1
+                if _faults[name] <= 0:
+                    del _faults[name]
+                    raise InjectedFault(name)
+    if _armed_env and name == _armed_env:
+        _hits[name] = _hits.get(name, 0) + 1
+        if _hits[name] >= _after:
+            sys.stderr.write(f"crash_point={name} pid={os.getpid()} exiting\n")
+            sys.stderr.flush()
+            os._exit(EXIT_CODE)
+
+
+@contextmanager
+def armed_fault(name: str, *, on_hit: int = 1) -> Iterator[None]:
+    """Raise InjectedFault the ``on_hit``-th time ``name`` is reached inside the block."""
+    if name not in POINTS:
+        raise ValueError(f"unknown crash point {name!r}")
+    with _lock:
+        _faults[name] = on_hit
+    try:
+        yield
+    finally:
+        with _lock:
+            _faults.pop(name, None)

@@ -1,0 +1,215 @@
+"""`delegate` / `delegate_followup`: atomic creation of a child execution (spec §7.2).
+
+Each call runs inside the parent's round transaction, in its own SAVEPOINT: child session (first
+delegate), child USER message, execution row (RUNNING, PENDING, invocation_type,
+parent_tool_call_id, execution_start_message_id, started_at) all land together or not at all.
+A refused call (unknown agent, busy child, bad arguments) rolls back only its own savepoint and
+becomes the TOOL error of that call; it leaves no orphan row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.agents import get_agent
+from harness.errors import HarnessError, ToolError, UnknownAgent
+from harness.history import append_message
+from harness.tools import parse_arguments
+from models import (
+    AgentSession,
+    DeliveryStatus,
+    ExecutionStatus,
+    InvocationType,
+    Phase,
+    Role,
+    SessionType,
+    SubagentExecution,
+)
+from models.base import utcnow
+
+#: Phases a child session may be in for a follow-up to take it (its previous execution ended).
+FOLLOWUP_FROM = (Phase.IDLE, Phase.COMPLETED, Phase.FAILED)
+
+
+class DelegationRefused(HarnessError):
+    """The delegation was refused; nothing was written."""
+
+
+@dataclass(frozen=True)
+class CreatedExecution:
+    execution_id: int
+    child_session_id: int
+    tool_call_id: str
+    invocation_type: InvocationType
+
+
+def delegate_arguments(
+    invocation: InvocationType, *, agent_type: str, child_session_id: int, task: str
+) -> dict[str, Any]:
+    """The tool arguments of a delegation, rebuilt the same way everywhere (spec §6.3)."""
+    if invocation == InvocationType.DELEGATE:
+        return {"agent_type": agent_type, "task": task}
+    return {"child_session_id": child_session_id, "task": task}
+
+
+def tool_name(invocation: InvocationType) -> str:
+    return "delegate" if invocation == InvocationType.DELEGATE else "delegate_followup"
+
+
+def _new_execution(
+    s: Session,
+    *,
+    parent: AgentSession,
+    child_id: int,
+    agent_type: str,
+    task: str,
+    invocation: InvocationType,
+    tool_call_id: str,
+    start_message_id: int,
+    pending_round_id: int | None,
+    lease_seconds: float,
+) -> SubagentExecution:
+    now = utcnow()
+    row = SubagentExecution(
+        parent_session_id=parent.id,
+        child_session_id=child_id,
+        agent_type=agent_type,
+        task_description=task,
+        status=ExecutionStatus.RUNNING,
+        delivery_status=DeliveryStatus.PENDING,  # always explicit; the default is only a backstop
+        invocation_type=invocation,
+        parent_tool_call_id=tool_call_id,
+        execution_start_message_id=start_message_id,
+        started_at=now,
+        pending_round_id=pending_round_id,
+        # A reservation, not an owner: covers the enqueue window so the scan leaves it alone.
+        lease_owner=None,
+        lease_expires_at=now + timedelta(seconds=lease_seconds),
+        epoch=0,
+    )
+    s.add(row)
+    s.flush()
+    return row
+
+
+def _delegate(
+    s: Session,
+    parent: AgentSession,
+    args: dict[str, Any],
+    tool_call_id: str,
+    pending_round_id: int | None,
+    lease_seconds: float,
+) -> CreatedExecution:
+    agent_type, task = args.get("agent_type"), args.get("task")
+    if not isinstance(agent_type, str) or not isinstance(task, str) or not task.strip():
+        raise DelegationRefused("delegate needs string arguments 'agent_type' and a non-empty 'task'")
+    try:
+        agent = get_agent(agent_type)
+    except UnknownAgent as exc:
+        raise DelegationRefused(str(exc)) from None
+    now = utcnow()
+    child = AgentSession(
+        user_id=parent.user_id,
+        session_type=SessionType.SUBAGENT,
+        parent_session_id=parent.id,
+        agent_type=agent.name,
+        execution_mode=agent.execution_mode,
+        phase=None,  # set to RUNNING by the task that runs it (spec §3.4: recovery copes with NULL)
+        started_at=now,
+        updated_at=now,
+    )
+    s.add(child)
+    s.flush()
+    crash_point("delegate.after_child_session")
+    start = append_message(s, child.id, Role.USER, task)
+    crash_point("delegate.after_user_message")
+    row = _new_execution(
+        s,
+        parent=parent,
+        child_id=child.id,
+        agent_type=agent.name,
+        task=task,
+        invocation=InvocationType.DELEGATE,
+        tool_call_id=tool_call_id,
+        start_message_id=start.id,
+        pending_round_id=pending_round_id,
+        lease_seconds=lease_seconds,
+    )
+    return CreatedExecution(row.id, child.id, tool_call_id, InvocationType.DELEGATE)
+
+
+def _followup(
+    s: Session,
+    parent: AgentSession,
+    args: dict[str, Any],
+    tool_call_id: str,
+    pending_round_id: int | None,
+    lease_seconds: float,
+) -> CreatedExecution:
+    child_id, task = args.get("child_session_id"), args.get("task")
+    if isinstance(child_id, str) and child_id.isdigit():
+        child_id = int(child_id)
+    if not isinstance(child_id, int) or not isinstance(task, str) or not task.strip():
+        raise DelegationRefused("delegate_followup needs an integer 'child_session_id' and a non-empty 'task'")
+    child = s.execute(
+        select(AgentSession).where(
+            AgentSession.id == child_id,
+            AgentSession.session_type == SessionType.SUBAGENT,
+            AgentSession.parent_session_id == parent.id,
+        )
+    ).scalar_one_or_none()
+    if child is None:
+        raise DelegationRefused(f"session {child_id} is not a child session of this session")
+    # The child's phase is taken by compare-and-set: a busy (or cancelled) child refuses.
+    taken = s.execute(
+        update(AgentSession)
+        .where(AgentSession.id == child_id, AgentSession.phase.in_(FOLLOWUP_FROM))
+        .values(phase=Phase.RUNNING, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if taken != 1:
+        raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
+    start = append_message(s, child_id, Role.USER, task)
+    crash_point("delegate.after_user_message")
+    row = _new_execution(
+        s,
+        parent=parent,
+        child_id=child_id,
+        agent_type=child.agent_type,
+        task=task,
+        invocation=InvocationType.FOLLOWUP,
+        tool_call_id=tool_call_id,
+        start_message_id=start.id,
+        pending_round_id=pending_round_id,
+        lease_seconds=lease_seconds,
+    )
+    return CreatedExecution(row.id, child_id, tool_call_id, InvocationType.FOLLOWUP)
+
+
+def create_execution(
+    s: Session,
+    parent: AgentSession,
+    *,
+    name: str,
+    raw_arguments: str,
+    tool_call_id: str,
+    pending_round_id: int | None,
+    lease_seconds: float,
+) -> CreatedExecution | str:
+    """Create one delegation in a savepoint. Returns the execution, or the TOOL error text."""
+    try:
+        args = parse_arguments(raw_arguments)
+    except ToolError as exc:
+        return f"error: {exc}"
+    fn = _delegate if name == "delegate" else _followup
+    try:
+        with s.begin_nested():
+            return fn(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
+    except DelegationRefused as exc:
+        return f"error: {exc}"

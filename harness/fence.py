@@ -1,0 +1,157 @@
+"""Fencing (DESIGN I6): every write of a running loop carries the epoch it was handed.
+
+A fence is checked INSIDE each write transaction with one conditional UPDATE that also renews
+the lease; when it does not land, LeaseLost is raised and the transaction rolls back, so a
+paused or duplicate worker never writes. A heartbeat thread renews the lease between writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from models import (
+    ACTIVE_EXECUTION,
+    AgentSession,
+    LeaseLost,
+    Phase,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.session import renew_session_lease
+
+log = logging.getLogger("harness.fence")
+
+CANCEL_POLL_SECONDS = 0.5
+
+
+@dataclass
+class Fence:
+    """Base: ``session_id`` is the session whose phase says "cancelled"."""
+
+    session_id: int
+    epoch: int
+    lease_seconds: float
+    lost: bool = False
+    _last_poll: float = 0.0
+    _cancelled: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        raise NotImplementedError
+
+    def renew(self) -> bool:
+        raise NotImplementedError
+
+    def _still_owned(self, s: Session) -> bool:
+        raise NotImplementedError
+
+    def cancelled(self) -> bool:
+        """True when this worker lost the row or the session was cancelled (polled, throttled)."""
+        if self.lost or self._cancelled:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_poll < CANCEL_POLL_SECONDS:
+                return False
+            self._last_poll = now
+        with transaction() as s:
+            phase = s.execute(select(AgentSession.phase).where(AgentSession.id == self.session_id)).scalar_one()
+            owned = self._still_owned(s)
+        if not owned:
+            self.lost = True
+        if phase == Phase.CANCELLED:
+            self._cancelled = True
+        return self.lost or self._cancelled
+
+
+@dataclass
+class SessionFence(Fence):
+    """Fence of a NORMAL/SIDE_TASK loop: the session row's epoch."""
+
+    def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        if not renew_session_lease(s, self.session_id, self.epoch, self.lease_seconds):
+            self.lost = True
+            raise LeaseLost(f"session {self.session_id}: epoch {self.epoch} is stale")
+
+    def renew(self) -> bool:
+        with transaction() as s:
+            return renew_session_lease(s, self.session_id, self.epoch, self.lease_seconds)
+
+    def _still_owned(self, s: Session) -> bool:
+        epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == self.session_id)).scalar_one()
+        return bool(epoch == self.epoch)
+
+
+@dataclass
+class ExecutionFence(Fence):
+    """Fence of a child loop: the execution row's epoch (status must still be active)."""
+
+    execution_id: int = 0
+
+    def _update(self, s: Session, prompt_tokens: int, completion_tokens: int) -> bool:
+        E = SubagentExecution
+        rows = s.execute(
+            update(E)
+            .where(E.id == self.execution_id, E.epoch == self.epoch, E.status.in_(ACTIVE_EXECUTION))
+            .values(
+                lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds),
+                prompt_tokens=E.prompt_tokens + prompt_tokens,
+                completion_tokens=E.completion_tokens + completion_tokens,
+                total_tokens=E.total_tokens + prompt_tokens + completion_tokens,
+            )
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        return rows == 1
+
+    def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        if not self._update(s, prompt_tokens, completion_tokens):
+            self.lost = True
+            raise LeaseLost(f"execution {self.execution_id}: epoch {self.epoch} is stale")
+
+    def renew(self) -> bool:
+        with transaction() as s:
+            return self._update(s, 0, 0)
+
+    def _still_owned(self, s: Session) -> bool:
+        E = SubagentExecution
+        row = s.execute(select(E.epoch, E.status).where(E.id == self.execution_id)).one()
+        return bool(row.epoch == self.epoch and row.status in ACTIVE_EXECUTION)
+
+
+class Heartbeat:
+    """Renews the fence's lease every third of the lease; marks the fence lost when it fails."""
+
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{fence.session_id}", daemon=True)
+
+    def _run(self) -> None:
+        interval = max(0.5, self.fence.lease_seconds / 3)
+        while not self._stop.wait(interval):
+            try:
+                if not self.fence.renew():
+                    self.fence.lost = True
+                    log.info("event=lease_lost session=%s epoch=%s", self.fence.session_id, self.fence.epoch)
+                    return
+            except Exception:  # a DB blip: try again next beat; the lease has slack
+                log.warning("event=heartbeat_failed session=%s", self.fence.session_id, exc_info=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,52 @@
+"""Writing one complete tool round: one ASSISTANT with tool_calls + every TOOL, in tool-call
+order, in the caller's transaction (spec §5.4). The named crash points inside let tests prove
+the whole round rolls back (spec R25)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.history import append_message
+from models import Role
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    tool_call_id: str
+    content: str
+    source_session_id: int | None = None
+
+
+def write_round(
+    s: Session,
+    session_id: int,
+    assistant_content: str | None,
+    tool_calls: list[dict[str, Any]],
+    results: Sequence[ToolResult],
+) -> tuple[int, dict[str, int]]:
+    """Insert the assistant and its TOOL rows; returns (assistant id, {tool_call_id: TOOL id}).
+
+    ``results`` must answer every tool call exactly once (I2); anything else is a bug.
+    """
+    ids = [str(c["id"]) for c in tool_calls]
+    by_id = {r.tool_call_id: r for r in results}
+    if sorted(by_id) != sorted(ids) or len(results) != len(ids):
+        raise ValueError("a round must answer every tool call exactly once")
+    assistant = append_message(s, session_id, Role.ASSISTANT, assistant_content or "", tool_calls=tool_calls)
+    crash_point("round.after_assistant")
+    tool_ids: dict[str, int] = {}
+    for n, call_id in enumerate(ids):
+        r = by_id[call_id]
+        msg = append_message(
+            s, session_id, Role.TOOL, r.content, tool_call_id=call_id, source_session_id=r.source_session_id
+        )
+        tool_ids[call_id] = msg.id
+        if n == 0:
+            crash_point("round.after_some_tools")
+    crash_point("round.after_all_tools")
+    return assistant.id, tool_ids

@@ -1,0 +1,103 @@
+"""What clients see: session snapshots and lists, with the external phase (RESUMING shown as
+RUNNING, spec §8.3). The `session show --json` shape is a public interface."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from harness.events import external_phase, publish_status
+from harness.history import append_message, parse_tool_calls
+from models import AgentSession, Message, Phase, Role, SessionType, SubagentExecution, transaction
+from models.base import utcnow
+from settings import get_settings
+
+
+def create_session(agent_type: str, text: str, *, user_id: str = "cli") -> int:
+    """A NORMAL session with its first USER message, reserved for `agent.run(id, 0)`."""
+    from harness.agents import get_agent
+
+    agent = get_agent(agent_type)
+    now = utcnow()
+    with transaction() as s:
+        row = AgentSession(
+            user_id=user_id,
+            session_type=SessionType.NORMAL,
+            agent_type=agent.name,
+            execution_mode=agent.execution_mode,
+            phase=Phase.RUNNING,
+            started_at=now,
+            updated_at=now,
+            epoch=0,
+            lease_owner=None,
+            lease_expires_at=now + timedelta(seconds=get_settings().LEASE_SECONDS),
+        )
+        s.add(row)
+        s.flush()
+        append_message(s, row.id, Role.USER, text)
+        sid = row.id
+    publish_status(sid, Phase.RUNNING)
+    return sid
+
+
+def _message(m: Message) -> dict[str, Any]:
+    calls = parse_tool_calls(m.tool_calls)
+    return {
+        "id": m.id,
+        "role": str(m.role),
+        "content": m.content,
+        "tool_calls": calls if isinstance(calls, list) else None,
+        "tool_call_id": m.tool_call_id,
+        "source_session_id": m.source_session_id,
+    }
+
+
+def _execution(e: SubagentExecution) -> dict[str, Any]:
+    return {
+        "id": e.id,
+        "status": str(e.status),
+        "delivery_status": str(e.delivery_status),
+        "child_session_id": e.child_session_id,
+        "parent_tool_call_id": e.parent_tool_call_id,
+        "invocation_type": None if e.invocation_type is None else str(e.invocation_type),
+    }
+
+
+def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
+    row = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one_or_none()
+    if row is None:
+        return None
+    messages = s.execute(
+        select(Message).where(Message.session_id == session_id, Message.deleted.is_(False)).order_by(Message.id)
+    ).scalars()
+    executions = s.execute(
+        select(SubagentExecution)
+        .where(SubagentExecution.parent_session_id == session_id)
+        .order_by(SubagentExecution.id)
+    ).scalars()
+    return {
+        "id": row.id,
+        "phase": external_phase(row.phase),
+        "session_type": str(row.session_type),
+        "agent_type": row.agent_type,
+        "parent_session_id": row.parent_session_id,
+        "messages": [_message(m) for m in messages],
+        "executions": [_execution(e) for e in executions],
+    }
+
+
+def session_list(s: Session, limit: int = 50) -> list[dict[str, Any]]:
+    rows = s.execute(select(AgentSession).order_by(AgentSession.id.desc()).limit(limit)).scalars()
+    return [
+        {
+            "id": r.id,
+            "phase": external_phase(r.phase),
+            "session_type": str(r.session_type),
+            "agent_type": r.agent_type,
+            "parent_session_id": r.parent_session_id,
+        }
+        for r in rows
+    ]

@@ -1,0 +1,231 @@
+"""Exactly-once delivery of child results into the parent's history (spec §5.4, §7.6, §7.7).
+
+``deliver_round(parent_id, epoch)`` is the chord callback of BOTH the normal path and recovery:
+1. lock the parent; a stale epoch does nothing; a cancelled/terminal parent gets nothing (its
+   PENDING executions become SUPPRESSED, its children are cancelled) and is never resumed;
+2. barrier (I3): while any PENDING execution of the parent is still active, nothing happens;
+3. the parent's incomplete tail is cleaned BEFORE anything is delivered;
+4. rows without a pending round (pre-upgrade, or a lost round) are delivered per execution in
+   ascending id, one transaction each, repairing broken pairs, skipping complete ones;
+5. the open pending round is written whole in ONE transaction (one assistant, every TOOL in
+   tool-call order with source_session_id, every delivered marker, round closed), together
+   with the hand-over of the parent to a new epoch.
+Duplicate and late callbacks lose the epoch compare-and-set and write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.delegate import delegate_arguments, tool_name
+from harness.history import cleanup_incomplete_tail, delete_rows, pair_state, validated_boundary
+from harness.results import failure_result
+from harness.rounds import ToolResult, write_round
+from models import (
+    ACTIVE_EXECUTION,
+    STOPPED_PHASES,
+    AgentSession,
+    DeliveryStatus,
+    PendingRound,
+    Phase,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.execution import mark_delivered, suppress_execution
+from models.session import hand_over
+from recovery.legacy import infer_and_store
+from settings import get_settings
+
+log = logging.getLogger("recovery.delivery")
+E = SubagentExecution
+
+INTERRUPTED = "error: the tool was interrupted by a restart and was not re-run"
+
+
+@dataclass(frozen=True)
+class DeliveryOutcome:
+    kind: str  #: "stale" | "waiting" | "suppressed" | "resume"
+    new_epoch: int | None = None
+    delivered: tuple[int, ...] = ()
+
+
+def _lock_parent(s: Session, parent_id: int) -> AgentSession | None:
+    return s.execute(select(AgentSession).where(AgentSession.id == parent_id).with_for_update()).scalar_one_or_none()
+
+
+def _pending(s: Session, parent_id: int) -> list[SubagentExecution]:
+    return list(
+        s.execute(
+            select(E)
+            .where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
+            .order_by(E.id)
+            .with_for_update()
+        ).scalars()
+    )
+
+
+def suppress_parent(s: Session, parent_id: int) -> list[int]:
+    """The parent is cancelled/terminal: every PENDING execution -> SUPPRESSED (active ones are
+    cancelled and fenced), their children cancelled, the open round closed. Never resumes."""
+    suppressed = []
+    for row in _pending(s, parent_id):
+        was_active = row.status in ACTIVE_EXECUTION
+        if suppress_execution(s, row.id):
+            suppressed.append(row.id)
+            if was_active:
+                s.execute(
+                    update(AgentSession)
+                    .where(AgentSession.id == row.child_session_id, AgentSession.phase.not_in(STOPPED_PHASES))
+                    .values(phase=Phase.CANCELLED, updated_at=utcnow())
+                    .execution_options(synchronize_session=False)
+                )
+    s.execute(
+        update(PendingRound)
+        .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
+        .values(closed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    for eid in suppressed:
+        log.info(
+            "event=subagent_result_delivery_skipped executionId=%s parent=%s reason=parent_stopped", eid, parent_id
+        )
+    return suppressed
+
+
+def result_content(row: SubagentExecution) -> str:
+    """The TOOL content of an execution: its stored result JSON (one factory), or a failure."""
+    result: dict[str, Any] | None = row.result
+    if result is None:
+        result = failure_result(
+            agent_type=row.agent_type,
+            child_session_id=row.child_session_id,
+            reason=row.error or f"subagent ended {row.status} without a result",
+            cancelled=row.status == "CANCELLED",
+        )
+    return json.dumps(result, ensure_ascii=False)
+
+
+def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
+    """Deliver one execution without a pending round as an assistant+TOOL pair (spec §7.6).
+
+    Caller holds the parent lock and has checked the parent. Returns True when it wrote or
+    marked, False when already delivered/suppressed."""
+    if row.delivery_status != DeliveryStatus.PENDING:
+        log.info("event=subagent_result_delivery_skipped executionId=%s reason=already_delivered", row.id)
+        return False
+    invocation, call_id = infer_and_store(s, row.id)
+    state = pair_state(s, parent_id, call_id)
+    if state.complete:
+        mark_delivered(s, row.id, assistant_message_id=state.assistant_id, tool_message_id=state.tool_id)
+        log.info("event=subagent_result_delivery_skipped executionId=%s reason=messages_exist", row.id)
+        return True
+    delete_rows(s, parent_id, state.broken_ids)  # repair: malformed JSON, orphan TOOL, assistant only
+    args = delegate_arguments(
+        invocation, agent_type=row.agent_type, child_session_id=row.child_session_id, task=row.task_description
+    )
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": tool_name(invocation), "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+    assistant_id, tool_ids = write_round(
+        s, parent_id, "", [call], [ToolResult(call_id, result_content(row), row.child_session_id)]
+    )
+    mark_delivered(s, row.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
+    log.info("event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s", row.id, parent_id, call_id)
+    return True
+
+
+def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecution]) -> list[int]:
+    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
+    rnd = s.execute(
+        select(PendingRound)
+        .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
+        .with_for_update()
+    ).scalar_one_or_none()
+    if rnd is None:
+        return []
+    members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
+    results = []
+    for call in rnd.tool_calls:
+        call_id = str(call["id"])
+        member = members.get(call_id)
+        if member is not None:
+            results.append(ToolResult(call_id, result_content(member), member.child_session_id))
+        else:
+            results.append(ToolResult(call_id, rnd.inline_results.get(call_id, INTERRUPTED)))
+    assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
+    crash_point("deliver.mid_round")
+    delivered = []
+    for call_id, member in sorted(members.items(), key=lambda kv: kv[1].id):
+        assert call_id is not None
+        mark_delivered(s, member.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
+        delivered.append(member.id)
+        log.info(
+            "event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s", member.id, parent_id, call_id
+        )
+    rnd.closed_at = utcnow()
+    return delivered
+
+
+def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
+    """The chord callback: deliver every finished child result of the parent exactly once,
+    then hand the parent a new epoch (the caller enqueues its run). See the module doc."""
+    with transaction() as s:
+        parent = _lock_parent(s, parent_id)
+        if parent is None or parent.epoch != epoch:
+            log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
+            return DeliveryOutcome("stale")
+        if parent.phase in STOPPED_PHASES:
+            ids = suppress_parent(s, parent_id)
+            return DeliveryOutcome("suppressed", delivered=tuple(ids))
+        pending = _pending(s, parent_id)
+        active = [r.id for r in pending if r.status in ACTIVE_EXECUTION]
+        if active:
+            log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, active)))
+            return DeliveryOutcome("waiting")
+        cleanup_incomplete_tail(s, parent_id, validated_boundary(s, parent_id))
+        legacy = [r.id for r in pending if r.pending_round_id is None]
+    delivered: list[int] = []
+    for eid in legacy:
+        with transaction() as s:
+            parent = _lock_parent(s, parent_id)
+            if parent is None or parent.epoch != epoch:
+                return DeliveryOutcome("stale", delivered=tuple(delivered))
+            if parent.phase in STOPPED_PHASES:
+                suppress_parent(s, parent_id)
+                return DeliveryOutcome("suppressed", delivered=tuple(delivered))
+            row = s.execute(select(E).where(E.id == eid).with_for_update()).scalar_one()
+            if deliver_one(s, row, parent_id):
+                delivered.append(eid)
+    with transaction() as s:
+        parent = _lock_parent(s, parent_id)
+        if parent is None or parent.epoch != epoch:
+            return DeliveryOutcome("stale", delivered=tuple(delivered))
+        if parent.phase in STOPPED_PHASES:
+            suppress_parent(s, parent_id)
+            return DeliveryOutcome("suppressed", delivered=tuple(delivered))
+        pending = _pending(s, parent_id)
+        delivered += _deliver_open_round(s, parent_id, pending)
+        left = (
+            s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
+            .scalars()
+            .all()
+        )
+        if left:
+            log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
+            return DeliveryOutcome("waiting", delivered=tuple(delivered))
+        new_epoch = hand_over(
+            s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
+        )
+    crash_point("deliver.before_resume")
+    log.info("event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, new_epoch, len(delivered))
+    return DeliveryOutcome("resume", new_epoch=new_epoch, delivered=tuple(delivered))

@@ -1,0 +1,135 @@
+"""Checks of DESIGN invariants I1–I5 over the WHOLE database (tests, soak, demo).
+
+Each check returns human-readable violations; an empty list means it holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from harness.history import check_legal, parse_tool_calls
+from models import (
+    ACTIVE_EXECUTION,
+    ACTIVE_PHASES,
+    AgentSession,
+    DeliveryStatus,
+    InvocationType,
+    Message,
+    PendingRound,
+    Role,
+    SessionType,
+    SubagentExecution,
+)
+from settings import get_settings
+
+
+def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float = 15.0) -> list[str]:
+    """I1–I5. With ``settled`` the system must also be at rest: nothing PENDING, no session
+    RUNNING/RESUMING, no open round."""
+    problems: list[str] = []
+    sessions = {r.id: r for r in s.execute(select(AgentSession)).scalars()}
+    executions = list(s.execute(select(SubagentExecution).order_by(SubagentExecution.id)).scalars())
+    live: dict[int, list[Message]] = defaultdict(list)
+    for m in s.execute(select(Message).where(Message.deleted.is_(False)).order_by(Message.id)).scalars():
+        live[m.session_id].append(m)
+
+    # I2: every session's live history is legal.
+    for sid, rows in live.items():
+        for p in check_legal(rows):
+            problems.append(f"I2 session {sid}: {p}")
+
+    # I1: exactly once.
+    for sid, rows in live.items():
+        counts = Counter(m.tool_call_id for m in rows if m.role == Role.TOOL)
+        for call_id, n in counts.items():
+            if n > 1:
+                problems.append(f"I1 session {sid}: {n} TOOL messages for {call_id}")
+    for e in executions:
+        tools = [
+            m
+            for m in live.get(e.parent_session_id, [])
+            if m.role == Role.TOOL and m.tool_call_id == e.parent_tool_call_id
+        ]
+        if e.delivery_status == DeliveryStatus.DELIVERED:
+            if len(tools) != 1:
+                problems.append(f"I1 execution {e.id}: DELIVERED but {len(tools)} TOOL messages in parent")
+            elif e.parent_tool_message_id is not None and tools[0].id != e.parent_tool_message_id:
+                problems.append(f"I1 execution {e.id}: parent_tool_message_id does not point at its TOOL")
+            elif tools and tools[0].source_session_id != e.child_session_id:
+                problems.append(f"I1 execution {e.id}: TOOL source_session_id is not the child")
+        elif e.delivery_status == DeliveryStatus.SUPPRESSED and tools:
+            problems.append(f"I1 execution {e.id}: SUPPRESSED but its result is in the parent")
+        elif e.delivery_status == DeliveryStatus.PENDING:
+            if tools and e.parent_tool_call_id is not None:
+                problems.append(f"I1 execution {e.id}: PENDING but a TOOL for it is already in the parent")
+            if settled:
+                problems.append(f"I1 execution {e.id}: still PENDING ({e.status})")
+        if e.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED) and e.status in ACTIVE_EXECUTION:
+            problems.append(f"I1 execution {e.id}: {e.delivery_status} but still {e.status}")
+
+    # I3: barrier. A parent with an open round wrote nothing after it; a delivered round's
+    # TOOLs share one assistant; a parent never runs while it has PENDING executions.
+    open_rounds = list(s.execute(select(PendingRound).where(PendingRound.closed_at.is_(None))).scalars())
+    for rnd in open_rounds:
+        later = [m.id for m in live.get(rnd.session_id, []) if m.created_at > rnd.created_at]
+        if later:
+            problems.append(f"I3 session {rnd.session_id}: messages {later} written while round {rnd.id} is open")
+        if settled:
+            problems.append(f"I3 session {rnd.session_id}: round {rnd.id} still open")
+    by_round: dict[int, set[int | None]] = defaultdict(set)
+    for e in executions:
+        if e.pending_round_id is not None and e.delivery_status == DeliveryStatus.DELIVERED:
+            by_round[e.pending_round_id].add(e.parent_assistant_message_id)
+    for rid, assistants in by_round.items():
+        if len(assistants) != 1:
+            problems.append(f"I3 round {rid}: delivered under {len(assistants)} assistant messages")
+    if settled:
+        for sid, row in sessions.items():
+            if row.phase in ACTIVE_PHASES:
+                problems.append(f"settled: session {sid} is still {row.phase}")
+
+    # I4: no duplicate child. Every SUBAGENT session has exactly one DELEGATE execution, the
+    # earliest; no execution points at a session that is not a SUBAGENT of that parent.
+    per_child: dict[int, list[SubagentExecution]] = defaultdict(list)
+    for e in executions:
+        per_child[e.child_session_id].append(e)
+        child = sessions.get(e.child_session_id)
+        if (
+            child is None
+            or child.session_type != SessionType.SUBAGENT
+            or child.parent_session_id != e.parent_session_id
+        ):
+            problems.append(
+                f"I4 execution {e.id}: child {e.child_session_id} is not a subagent of {e.parent_session_id}"
+            )
+    for sid, row in sessions.items():
+        if row.session_type != SessionType.SUBAGENT:
+            continue
+        rows = per_child.get(sid, [])
+        if not rows:
+            problems.append(f"I4 subagent session {sid} has no execution (orphan child)")
+            continue
+        delegates = [e for e in rows if e.invocation_type == InvocationType.DELEGATE]
+        if len(delegates) > 1 or (delegates and delegates[0].id != rows[0].id):
+            problems.append(f"I4 subagent session {sid}: {len(delegates)} DELEGATE executions")
+
+    # I5: the deadline is absolute: nothing ended later than started_at + timeout + grace.
+    cfg = get_settings()
+    limit = timedelta(seconds=cfg.SUBAGENT_TIMEOUT_SECONDS + cfg.SUBAGENT_CANCEL_GRACE_SECONDS + deadline_slack_seconds)
+    for e in executions:
+        if (
+            e.completed_at is not None
+            and e.completed_at - e.started_at > limit
+            and e.delivery_status != DeliveryStatus.LEGACY
+        ):
+            problems.append(f"I5 execution {e.id}: ended {e.completed_at - e.started_at} after its start")
+    return problems
+
+
+def tool_call_ids(raw: str | None) -> list[str]:
+    calls = parse_tool_calls(raw)
+    return [str(c["id"]) for c in calls] if isinstance(calls, list) else []

@@ -1,0 +1,92 @@
+"""The normal delegation path on real PostgreSQL + Redis + a real 2-process Celery worker,
+with the scripted model over HTTP (issue 3)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from models import Message, Role, SubagentExecution, transaction
+
+pytestmark = pytest.mark.timeout(120)
+
+PARALLEL_SCRIPT = [
+    {
+        "when": {"system_contains": "main agent", "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review module A"}},
+                {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research topic B"}},
+                {"name": "echo", "arguments": {"text": "inline hello"}},
+            ]
+        },
+    },
+    {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "final: {tool_results}"}},
+    {
+        "when": {"system_contains": "subagent", "turn": 0},
+        "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 1}}]},
+    },
+    {"when": {"system_contains": "reviewer subagent", "turn": 1}, "reply": {"content": "review of A: fine"}},
+    {"when": {"system_contains": "researcher subagent", "turn": 1}, "reply": {"content": "research of B: done"}},
+]
+
+
+def _executions(parent: int) -> list[SubagentExecution]:
+    with transaction() as s:
+        return list(
+            s.execute(
+                select(SubagentExecution)
+                .where(SubagentExecution.parent_session_id == parent)
+                .order_by(SubagentExecution.id)
+            ).scalars()
+        )
+
+
+def _child_messages(child: int) -> list[Message]:
+    with transaction() as s:
+        return list(s.execute(select(Message).where(Message.session_id == child).order_by(Message.id)).scalars())
+
+
+def test_parent_delegates_to_two_children_in_parallel_and_resumes_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    stack = stack_factory(PARALLEL_SCRIPT)
+    stack.worker(concurrency=2)
+    sid = stack.submit("please review and research")
+    snap = stack.wait_phase(sid)
+
+    msgs = snap["messages"]
+    assert [m["role"] for m in msgs] == ["USER", "ASSISTANT", "TOOL", "TOOL", "TOOL", "ASSISTANT"]
+    calls = msgs[1]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["delegate", "delegate", "echo"]
+    # TOOL messages in tool-call order, each answering its call.
+    assert [m["tool_call_id"] for m in msgs[2:5]] == [c["id"] for c in calls]
+    review, research, echo = (json.loads(msgs[2]["content"]), json.loads(msgs[3]["content"]), msgs[4]["content"])
+    assert review["success"] and review["result"] == "review of A: fine" and review["agent_type"] == "reviewer"
+    assert research["success"] and research["result"] == "research of B: done"
+    assert echo == "inline hello"
+    assert "review of A: fine" in msgs[5]["content"] and "research of B: done" in msgs[5]["content"]
+
+    execs = _executions(sid)
+    assert len(execs) == 2
+    for e, tool_msg in zip(execs, msgs[2:4], strict=True):
+        assert (e.status, e.delivery_status) == ("COMPLETED", "DELIVERED")
+        assert e.parent_assistant_message_id == msgs[1]["id"]
+        assert e.parent_tool_message_id == tool_msg["id"]
+        assert tool_msg["source_session_id"] == e.child_session_id
+        assert e.invocation_type == "DELEGATE" and e.parent_tool_call_id == tool_msg["tool_call_id"]
+        assert e.final_message_id is not None and e.rounds == 2 and e.total_tool_calls == 1
+
+    # Parallel: the two 1-second waits overlapped (run one after the other, their rounds would
+    # be committed at least one wait apart).
+    (a, b) = execs
+    a_wait = next(m for m in _child_messages(a.child_session_id) if m.role == Role.TOOL)
+    b_wait = next(m for m in _child_messages(b.child_session_id) if m.role == Role.TOOL)
+    assert abs(a_wait.created_at - b_wait.created_at) < timedelta(seconds=1)
+
+    # The parent resumed exactly once: one model call per parent turn.
+    journal = stack.model.journal()
+    assert sum(1 for j in journal if j["rule"] == 0) == 1
+    assert sum(1 for j in journal if j["rule"] == 1) == 1
+    assert stack.invariants() == []

@@ -1,0 +1,137 @@
+"""Real Celery worker subprocesses for integration and crash tests (CELERY-NOTES: no Docker,
+prefork workers killed by PID with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_DB, BACKEND_DB, EVENTS_DB = 14, 15, 13
+
+
+def service_env(
+    pg_url: str, model_url: str, redis_base: str = "redis://127.0.0.1:6379", **extra: str
+) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=pg_url,
+        CELERY_BROKER_URL=f"{redis_base}/{BROKER_DB}",
+        CELERY_RESULT_BACKEND=f"{redis_base}/{BACKEND_DB}",
+        REDIS_URL=f"{redis_base}/{EVENTS_DB}",
+        MODEL_BASE_URL=model_url,
+        LEASE_SECONDS="3",
+        SCAN_INTERVAL_SECONDS="2",
+        PYTHONPATH=str(ROOT),
+        CRASH_POINT="",
+    )
+    env.update(extra)
+    return env
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """Make this (test) process use the same services as the workers."""
+    for key in (
+        "DATABASE_URL",
+        "CELERY_BROKER_URL",
+        "CELERY_RESULT_BACKEND",
+        "REDIS_URL",
+        "MODEL_BASE_URL",
+        "LEASE_SECONDS",
+        "SCAN_INTERVAL_SECONDS",
+        "SUBAGENT_TIMEOUT_SECONDS",
+        "SUBAGENT_CANCEL_GRACE_SECONDS",
+    ):
+        if key in env:
+            os.environ[key] = env[key]
+    from settings import get_settings
+
+    get_settings.cache_clear()
+    import tasks
+
+    tasks.app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
+
+
+def flush_broker(redis_base: str = "redis://127.0.0.1:6379") -> None:
+    import redis
+
+    for db in (BROKER_DB, BACKEND_DB, EVENTS_DB):
+        client = redis.Redis.from_url(f"{redis_base}/{db}")
+        client.flushdb()
+        client.close()
+
+
+class Worker:
+    """`celery -A tasks worker -P prefork -c N` in its own process group."""
+
+    def __init__(
+        self, env: dict[str, str], log_dir: Path, name: str = "w1", concurrency: int = 2, beat: bool = False
+    ) -> None:
+        self.env, self.name, self.concurrency, self.beat = env, name, concurrency, beat
+        self.log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> Worker:
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tasks",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(self.concurrency),
+            "-n",
+            f"{self.name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
+        ]
+        if self.beat:
+            cmd += ["-B", "-s", str(self.log_path.with_suffix(".beat"))]
+        self._fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.log()}")
+            if "event=worker_ready" in self.log():
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"worker not ready after {timeout}s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool children): no cleanup, no acks."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_fh", None):
+            self._fh.close()
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
