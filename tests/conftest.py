@@ -200,3 +200,21 @@ def stack_factory(db: str, redis_url: str, tmp_path):  # type: ignore[no-untyped
     yield make
     for st in stacks:
         st.close()
+
+
+@pytest.fixture
+def model_factory(db: str):  # type: ignore[no-untyped-def]
+    """Start scripted model servers (real HTTP on loopback) for in-process loop tests."""
+    from harness.scripted_model import ScriptedModelServer
+
+    servers: list[ScriptedModelServer] = []
+
+    def make(script) -> ScriptedModelServer:  # type: ignore[no-untyped-def]
+        server = ScriptedModelServer(script)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -98,3 +98,61 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+class RecordingScheduler:
+    """A Scheduler that records instead of enqueueing: the test drives each step in-process."""
+
+    def __init__(self) -> None:
+        self.children: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self.resumed: list[tuple[int, int]] = []
+
+    def start_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
+        self.children.append((parent_id, parent_epoch, list(children)))
+
+    def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
+        self.children.append((parent_id, parent_epoch, list(children)))
+
+    def resume_parent(self, parent_id: int, epoch: int) -> None:
+        self.resumed.append((parent_id, epoch))
+
+
+def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
+    from harness.loop import LoopDeps
+    from harness.model import ModelClient
+
+    model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
+    return LoopDeps(scheduler=scheduler or RecordingScheduler(), model=model, owner="test", lease_seconds=lease_seconds)
+
+
+def messages_of(session_id: int) -> list[Any]:
+    from sqlalchemy import select
+
+    from models import Message
+
+    with transaction() as s:
+        return list(
+            s.execute(
+                select(Message).where(Message.session_id == session_id, Message.deleted.is_(False)).order_by(Message.id)
+            ).scalars()
+        )
+
+
+def executions_of(parent_id: int) -> list[SubagentExecution]:
+    from sqlalchemy import select
+
+    with transaction() as s:
+        return list(
+            s.execute(
+                select(SubagentExecution)
+                .where(SubagentExecution.parent_session_id == parent_id)
+                .order_by(SubagentExecution.id)
+            ).scalars()
+        )
+
+
+def invariants(settled: bool = True) -> list[str]:
+    from recovery.invariants import check_all
+
+    with transaction() as s:
+        return check_all(s, settled=settled)
