@@ -32,11 +32,13 @@ from harness.events import publish_status
 from harness.fence import ExecutionFence, Fence, Heartbeat, SessionFence
 from harness.history import append_message, model_view
 from harness.model import ModelClient, ModelReply
+from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception, failure_result, followup_fields, success_result
 from harness.rounds import ToolResult, write_round
 from harness.tools import REGISTRY, TOOL_NAMES, ToolContext, run_inline
 from models import (
     AgentSession,
+    ExecutionMode,
     ExecutionStatus,
     InvocationType,
     LeaseLost,
@@ -300,6 +302,13 @@ class ChildInfo:
     invocation_type: InvocationType | None
     started_at: datetime
     execution_start_message_id: int | None
+    execution_mode: ExecutionMode
+    user_id: str
+    task_description: str
+
+
+def timeout_reason() -> str:
+    return f"subagent timed out after {get_settings().SUBAGENT_TIMEOUT_SECONDS:g} seconds"
 
 
 def child_deadline(started_at: datetime) -> datetime:
@@ -309,20 +318,24 @@ def child_deadline(started_at: datetime) -> datetime:
 
 def load_child(execution_id: int) -> ChildInfo:
     E = SubagentExecution
+    S = AgentSession
     with transaction() as s:
         row = s.execute(
             select(
-                E.id, E.child_session_id, E.agent_type, E.invocation_type, E.started_at, E.execution_start_message_id
-            ).where(E.id == execution_id)
+                E.id,
+                E.child_session_id,
+                E.agent_type,
+                E.invocation_type,
+                E.started_at,
+                E.execution_start_message_id,
+                S.execution_mode,
+                S.user_id,
+                E.task_description,
+            )
+            .join(S, S.id == E.child_session_id)
+            .where(E.id == execution_id)
         ).one()
-    return ChildInfo(
-        row.id,
-        row.child_session_id,
-        row.agent_type,
-        row.invocation_type,
-        row.started_at,
-        row.execution_start_message_id,
-    )
+    return ChildInfo(*row)
 
 
 def run_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
@@ -377,12 +390,15 @@ def finish_child(
     final_content: str | None = None,
     fence: Fence | None = None,
     tokens: tuple[int, int] = (0, 0),
+    final_message_id: int | None = None,
 ) -> bool:
     """Commit the execution's end in ONE transaction: (final ASSISTANT when there is new text),
     final_message_id, terminal status, result JSON (the one factory), counters, child phase.
     Returns False when a newer owner holds the execution (nothing written)."""
     try:
-        status, phase, rounds = _finish_child_tx(info, epoch, text, failure, cancelled, final_content, fence, tokens)
+        status, phase, rounds = _finish_child_tx(
+            info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
+        )
     except _Lost:
         return False
     crash_point("child.after_final")
@@ -404,11 +420,12 @@ def _finish_child_tx(
     final_content: str | None,
     fence: Fence | None,
     tokens: tuple[int, int],
+    final_message_id: int | None = None,
 ) -> tuple[ExecutionStatus, Phase, int]:
     with transaction() as s:
         if fence is not None:
             fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
-        final_id = None
+        final_id = final_message_id
         if final_content is not None:
             final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
         E = SubagentExecution
@@ -476,6 +493,8 @@ def execute_child(execution_id: int, epoch: int, deps: LoopDeps, *, phase: Phase
         agent = get_agent(info.agent_type)
         allowed = agent.tool_names(TOOL_NAMES, subagent=True)
         with Heartbeat(fence):
+            if agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL:
+                wait_for_client(info.user_id, deadline, fence.cancelled)
             final = _child_rounds(info, fence, agent, allowed, deadline, deps)
         text = final.content or ""
         tokens = (final.prompt_tokens, final.completion_tokens)
@@ -491,8 +510,8 @@ def execute_child(execution_id: int, epoch: int, deps: LoopDeps, *, phase: Phase
             if finish_child(info, epoch, text=None, failure="subagent cancelled", cancelled=True)
             else "lost"
         )
-    except DeadlineExceeded:
-        reason = f"subagent timed out after {get_settings().SUBAGENT_TIMEOUT_SECONDS:g} seconds"
+    except DeadlineExceeded as exc:
+        reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return "failed" if finish_child(info, epoch, text=None, failure=reason) else "lost"
     except Exception as exc:
         log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)

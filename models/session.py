@@ -114,6 +114,39 @@ def take_session(
     return expected_epoch + 1 if rows == 1 else None
 
 
+def reserve_session(
+    s: Session,
+    sid: int,
+    *,
+    expected_epoch: int,
+    to_phase: Phase,
+    reserve_seconds: float,
+    from_phases: tuple[Phase | None, ...] = (Phase.RUNNING, Phase.RESUMING),
+) -> int | None:
+    """The scan's takeover: when the lease has expired, bump the epoch, set ``to_phase`` and
+    leave an unowned reservation for the task it hands the new epoch to. Returns the new epoch,
+    or None when the session moved on, is leased, or is not in ``from_phases``."""
+    now = utcnow()
+    rows = s.execute(
+        update(S)
+        .where(
+            S.id == sid,
+            S.epoch == expected_epoch,
+            _phase_in(from_phases),
+            or_(S.lease_expires_at.is_(None), S.lease_expires_at < now),
+        )
+        .values(
+            phase=to_phase,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_expires_at=now + timedelta(seconds=reserve_seconds),
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    return expected_epoch + 1 if rows == 1 else None
+
+
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
     """Extend the lease of the epoch's owner; False when a newer owner exists."""
     rows = s.execute(

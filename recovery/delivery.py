@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -83,7 +83,10 @@ def suppress_parent(s: Session, parent_id: int) -> list[int]:
             if was_active:
                 s.execute(
                     update(AgentSession)
-                    .where(AgentSession.id == row.child_session_id, AgentSession.phase.not_in(STOPPED_PHASES))
+                    .where(
+                        AgentSession.id == row.child_session_id,
+                        or_(AgentSession.phase.is_(None), AgentSession.phase.not_in(STOPPED_PHASES)),
+                    )
                     .values(phase=Phase.CANCELLED, updated_at=utcnow())
                     .execution_options(synchronize_session=False)
                 )

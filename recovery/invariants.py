@@ -59,7 +59,7 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
                 problems.append(f"I1 execution {e.id}: DELIVERED but {len(tools)} TOOL messages in parent")
             elif e.parent_tool_message_id is not None and tools[0].id != e.parent_tool_message_id:
                 problems.append(f"I1 execution {e.id}: parent_tool_message_id does not point at its TOOL")
-            elif tools and tools[0].source_session_id != e.child_session_id:
+            elif tools and tools[0].source_session_id not in (None, e.child_session_id):
                 problems.append(f"I1 execution {e.id}: TOOL source_session_id is not the child")
         elif e.delivery_status == DeliveryStatus.SUPPRESSED and tools:
             problems.append(f"I1 execution {e.id}: SUPPRESSED but its result is in the parent")

@@ -1,0 +1,52 @@
+"""Recovery tasks: thin adapters over recovery.scan / executions / ops."""
+
+from __future__ import annotations
+
+import logging
+
+from celery.signals import worker_ready
+
+from recovery.executions import recover_child
+from recovery.ops import redeliver, redeliver_parent
+from recovery.scan import scan
+from tasks import app
+from tasks.agent import deps
+from tasks.scheduler import CeleryScheduler
+
+log = logging.getLogger("tasks.recovery")
+
+
+@app.task(name="recovery.scan")
+def scan_task() -> dict[str, int]:
+    report = scan(CeleryScheduler(app))
+    return {
+        "parents": len(report.parents),
+        "suppressed": len(report.suppressed),
+        "resumed": len(report.resumed_sessions),
+    }
+
+
+@app.task(name="recovery.recover_child")
+def recover_child_task(execution_id: int, epoch: int) -> str:
+    """Chord header: never raises (every failure becomes a FAILED execution)."""
+    return recover_child(int(execution_id), int(epoch), deps())
+
+
+@app.task(name="recovery.redeliver")
+def redeliver_task(execution_id: int) -> str:
+    """`celery -A tasks call recovery.redeliver --args='[EXECUTION_ID]'`: idempotent."""
+    return redeliver(int(execution_id), CeleryScheduler(app))
+
+
+@app.task(name="recovery.redeliver_parent")
+def redeliver_parent_task(parent_session_id: int) -> str:
+    return redeliver_parent(int(parent_session_id), CeleryScheduler(app))
+
+
+@worker_ready.connect
+def _boot_scan(sender: object = None, **_: object) -> None:
+    # N workers -> N boot scans: the advisory lock and the compare-and-sets serialize them.
+    try:
+        scan_task.apply_async()
+    except Exception:
+        log.error("event=boot_scan_not_enqueued", exc_info=True)

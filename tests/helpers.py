@@ -105,13 +105,14 @@ class RecordingScheduler:
 
     def __init__(self) -> None:
         self.children: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self.recoveries: list[tuple[int, int, list[tuple[int, int]]]] = []
         self.resumed: list[tuple[int, int]] = []
 
     def start_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
         self.children.append((parent_id, parent_epoch, list(children)))
 
     def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
-        self.children.append((parent_id, parent_epoch, list(children)))
+        self.recoveries.append((parent_id, parent_epoch, list(children)))
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self.resumed.append((parent_id, epoch))
@@ -156,3 +157,56 @@ def invariants(settled: bool = True) -> list[str]:
 
     with transaction() as s:
         return check_all(s, settled=settled)
+
+
+def expire_leases() -> None:
+    """Simulate the passage of time after a crash: every lease and reservation has lapsed."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from models import AgentSession
+
+    past = utcnow() - timedelta(seconds=1)
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution)
+            .where(SubagentExecution.lease_expires_at.is_not(None))
+            .values(lease_expires_at=past)
+        )
+        s.execute(update(AgentSession).where(AgentSession.lease_expires_at.is_not(None)).values(lease_expires_at=past))
+
+
+def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps: Any = None) -> RecordingScheduler:
+    """Run recovery and the normal path in-process until nothing is left to do: scan ->
+    recover_child per execution -> deliver_round -> agent loop (-> its own chords) -> ..."""
+    from harness.loop import run_agent, run_child
+    from recovery.delivery import deliver_round
+    from recovery.executions import recover_child
+    from recovery.scan import scan
+
+    deps = deps or loop_deps(model_url)
+    sched: RecordingScheduler = deps.scheduler
+    for _ in range(max_steps):
+        if after_crash:
+            expire_leases()
+        scan(sched, callback_grace_seconds=0)
+        if not (sched.children or sched.recoveries or sched.resumed):
+            return sched
+        while sched.children or sched.recoveries or sched.resumed:
+            if sched.recoveries:
+                parent, epoch, children = sched.recoveries.pop(0)
+                for eid, e in children:
+                    recover_child(eid, e, deps)
+            elif sched.children:
+                parent, epoch, children = sched.children.pop(0)
+                for eid, e in children:
+                    run_child(eid, e, deps)
+            else:
+                sid, e = sched.resumed.pop(0)
+                run_agent(sid, e, deps)
+                continue
+            out = deliver_round(parent, epoch)
+            if out.kind == "resume" and out.new_epoch is not None:
+                sched.resumed.append((parent, out.new_epoch))
+    raise AssertionError("recovery did not settle")

@@ -162,7 +162,7 @@ def _parent_waiting_for_two_children(model_url: str) -> tuple[int, int]:
     script_deps = loop_deps(model_url, RecordingScheduler())
     sid = create_session("main", "go")
     assert run_agent(sid, 0, script_deps) == "yielded"
-    parent, epoch, children = script_deps.scheduler.children[-1]  # type: ignore[attr-defined]
+    _parent, epoch, children = script_deps.scheduler.children[-1]  # type: ignore[attr-defined]
     for eid, e in children:
         assert run_child(eid, e, script_deps) == "completed"
     return sid, epoch

@@ -1,0 +1,116 @@
+"""Operator actions: re-run delivery idempotently, and the status report."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+
+from models import (
+    ACTIVE_EXECUTION,
+    STOPPED_PHASES,
+    AgentSession,
+    DeliveryStatus,
+    Phase,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.session import reserve_session
+from recovery.delivery import deliver_round
+from recovery.errors import ExecutionNotFound
+from recovery.scan import RecoveryScheduler
+from settings import get_settings
+
+log = logging.getLogger("recovery.ops")
+E = SubagentExecution
+
+
+def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
+    """Take the parent (when its lease has expired) and run the same delivery as the chord
+    callback; the parent is resumed when everything was delivered. Idempotent."""
+    with transaction() as s:
+        row = s.execute(
+            select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)
+        ).one_or_none()
+        if row is None:
+            raise ExecutionNotFound(f"no session {parent_id}")
+        if row.phase in STOPPED_PHASES:
+            from recovery.delivery import suppress_parent
+
+            suppressed = suppress_parent(s, parent_id)
+            return f"suppressed:{len(suppressed)}"
+        new_epoch = reserve_session(
+            s,
+            parent_id,
+            expected_epoch=row.epoch,
+            to_phase=Phase.RESUMING,
+            reserve_seconds=2 * get_settings().LEASE_SECONDS,
+            from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
+        )
+    if new_epoch is None:
+        return "parent_busy"
+    outcome = deliver_round(parent_id, new_epoch)
+    if outcome.kind == "resume" and outcome.new_epoch is not None:
+        scheduler.resume_parent(parent_id, outcome.new_epoch)
+    log.info("event=redeliver parent=%s outcome=%s delivered=%d", parent_id, outcome.kind, len(outcome.delivered))
+    return outcome.kind
+
+
+def redeliver(execution_id: int, scheduler: RecoveryScheduler) -> str:
+    """Re-run delivery for one execution. Already delivered/suppressed/legacy: nothing happens.
+    Still running: nothing to deliver yet (the scan recovers it when its lease expires)."""
+    with transaction() as s:
+        row = s.execute(
+            select(E.parent_session_id, E.status, E.delivery_status).where(E.id == execution_id)
+        ).one_or_none()
+    if row is None:
+        raise ExecutionNotFound(f"no execution {execution_id}")
+    if row.delivery_status != DeliveryStatus.PENDING:
+        return f"already_{str(row.delivery_status).lower()}"
+    if row.status in ACTIVE_EXECUTION:
+        return "still_running"
+    return redeliver_parent(row.parent_session_id, scheduler)
+
+
+def status_report() -> dict[str, Any]:
+    """Counts by status/delivery, parents waiting, the oldest pending age, expired leases."""
+    now = utcnow()
+    with transaction() as s:
+        counts = s.execute(
+            select(E.status, E.delivery_status, func.count()).group_by(E.status, E.delivery_status)
+        ).all()
+        waiting = s.execute(
+            select(func.count(func.distinct(E.parent_session_id))).where(E.delivery_status == DeliveryStatus.PENDING)
+        ).scalar_one()
+        oldest: datetime | None = s.execute(
+            select(func.min(E.started_at)).where(E.delivery_status == DeliveryStatus.PENDING)
+        ).scalar_one()
+        expired_exec = s.execute(
+            select(func.count()).where(
+                E.delivery_status == DeliveryStatus.PENDING,
+                E.status.in_(ACTIVE_EXECUTION),
+                (E.lease_expires_at.is_(None)) | (E.lease_expires_at < now),
+            )
+        ).scalar_one()
+        S = AgentSession
+        expired_sessions = s.execute(
+            select(func.count()).where(
+                S.phase.in_((Phase.RUNNING, Phase.RESUMING)), S.lease_expires_at.is_not(None), S.lease_expires_at < now
+            )
+        ).scalar_one()
+    if oldest is not None and oldest.tzinfo is None:
+        from datetime import UTC
+
+        oldest = oldest.replace(tzinfo=UTC)
+    return {
+        "executions": [
+            {"status": str(st), "delivery_status": str(ds), "count": int(n)} for st, ds, n in sorted(counts, key=str)
+        ],
+        "parents_waiting": int(waiting),
+        "oldest_pending_age_seconds": None if oldest is None else round((now - oldest).total_seconds(), 1),
+        "expired_execution_leases": int(expired_exec),
+        "expired_session_leases": int(expired_sessions),
+    }
