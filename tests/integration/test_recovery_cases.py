@@ -507,7 +507,7 @@ def test_r20_old_row_final_found_after_its_user_instruction(model_factory) -> No
             {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "SHOULD NOT BE CALLED"}},
         ]
     )
-    parent, child, eid = _legacy_parent_with_child()
+    parent, child, _ = _legacy_parent_with_child()
     final = add_message(child, Role.ASSISTANT, "legacy final")
     drive(model.base_url)
     (e,) = executions_of(parent)
