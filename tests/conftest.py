@@ -127,7 +127,7 @@ class Stack:
 
     def __init__(self, pg_url: str, log_dir, script) -> None:  # type: ignore[no-untyped-def]
         from harness.scripted_model import ScriptedModelServer
-        from tests.workers import apply_env, flush_broker, service_env
+        from demo.stack import apply_env, flush_broker, service_env
 
         flush_broker()
         self.model = ScriptedModelServer(script)
@@ -138,7 +138,7 @@ class Stack:
         self.workers: list = []
 
     def worker(self, name: str = "w1", concurrency: int = 2, beat: bool = False, **env: str):  # type: ignore[no-untyped-def]
-        from tests.workers import Worker
+        from demo.stack import Worker
 
         w = Worker({**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat)
         self.workers.append(w)

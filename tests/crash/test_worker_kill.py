@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, wait_until
-from tests.workers import flush_broker
+from demo.stack import flush_broker
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
