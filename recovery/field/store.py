@@ -1,0 +1,419 @@
+"""Invocation store: one persistent owner per idempotency key, replay, apply-once (field spec §7).
+
+State machine of ``field_recovery_invocation.status``::
+
+    (no row) --claim--> IN_PROGRESS --finish_success--> SUCCEEDED --put_assembly (once)-->
+                        IN_PROGRESS --finish_failure--> FAILED
+                        IN_PROGRESS --take over (expired lease, stale_takeover on)--> IN_PROGRESS, epoch+1
+
+* claim is ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING``: exactly one caller inserts and
+  owns the key; every other caller reads the row and replays (SUCCEEDED/FAILED) or waits (BUSY).
+* finish_* are ONE conditional UPDATE from IN_PROGRESS naming the owner and the epoch it holds;
+  rowcount 0 means a newer owner (or an earlier finish) won, and nothing is written.
+* The owner renews its lease while the provider call runs. Only with ``stale_takeover`` may an
+  IN_PROGRESS row whose lease expired be taken over, by a CAS that bumps the epoch: the dead (or
+  paused) owner's later writes name the old epoch and land nowhere (fencing).
+* put_assembly is put-if-absent: the first assembly is stored with its artifacts in the same
+  transaction; later callers get the stored one back (apply-once).
+
+Lease times use the database clock (``now()``), so workers with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from models.db import get_engine
+from recovery.field.artifacts import ArtifactDraft, put_artifacts
+from recovery.field.errors import FieldRecoveryError, StoreUnavailable
+from recovery.field.logs import get_logger, log_event
+from recovery.field.tables import DEFAULT_SCHEMA, FieldRecoveryInvocation, InvocationStatus
+
+log = get_logger("store")
+Inv = FieldRecoveryInvocation
+
+#: How long an invocation record is kept for audit (retention_until = created_at + this).
+DEFAULT_RETENTION_DAYS = 90
+
+
+class ClaimOutcome(StrEnum):
+    CLAIMED = "CLAIMED"  #: this caller inserted the row and owns it (epoch 1)
+    TAKEN_OVER = "TAKEN_OVER"  #: this caller fenced out an expired owner (epoch + 1)
+    SUCCEEDED = "SUCCEEDED"  #: already succeeded: replay the stored PatchSet / assembly
+    FAILED = "FAILED"  #: already failed closed: replay the failure, no provider call
+    BUSY = "BUSY"  #: another owner holds a live (or, takeover off, any) IN_PROGRESS row
+
+
+@dataclass(frozen=True)
+class InvocationMeta:
+    """What a claim records about the request (all of it safe to store)."""
+
+    idempotency_key: str
+    request_id: str
+    attempt: int
+    source_message_id: str
+    source_revision: int
+    observation_hash: str
+    profile_version: str
+    request_hash: str
+
+
+@dataclass(frozen=True)
+class ProviderAudit:
+    """Safe provider metadata recorded by finish_success / finish_failure."""
+
+    session_id: str | None = None
+    run_id: str | None = None
+    resolved_profile_id: str | None = None
+    resolved_profile_version: str | None = None
+    model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    duration_ms: int | None = None
+    response_hash: str | None = None
+
+    def columns(self) -> dict[str, Any]:
+        return {
+            "provider_session_id": self.session_id,
+            "provider_run_id": self.run_id,
+            "resolved_profile_id": self.resolved_profile_id,
+            "resolved_profile_version": self.resolved_profile_version,
+            "model": self.model,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "duration_ms": self.duration_ms,
+            "response_hash": self.response_hash,
+        }
+
+
+@dataclass(frozen=True)
+class InvocationRecord:
+    """A read snapshot of one invocation row."""
+
+    idempotency_key: str
+    request_id: str
+    status: InvocationStatus
+    owner_id: str
+    epoch: int
+    lease_expires_at: datetime | None
+    error_code: str | None
+    patch_set: dict[str, Any] | None
+    assembly_result: dict[str, Any] | None
+    provider_run_id: str | None
+    duration_ms: int | None
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: ClaimOutcome
+    #: The epoch this caller now holds (CLAIMED / TAKEN_OVER); every owner write names it.
+    epoch: int | None = None
+    record: InvocationRecord | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.outcome in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER)
+
+
+def _rowcount(result: Any) -> int:
+    """Rows matched by an UPDATE (a CursorResult; typed loosely by Session.execute)."""
+    return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def new_owner_id() -> str:
+    """A unique owner id: host, pid and a random suffix (one per recovery call)."""
+    return f"{socket.gethostname()[:60]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+def _record(row: FieldRecoveryInvocation) -> InvocationRecord:
+    return InvocationRecord(
+        idempotency_key=row.idempotency_key,
+        request_id=row.request_id,
+        status=InvocationStatus(row.status),
+        owner_id=row.owner_id,
+        epoch=row.epoch,
+        lease_expires_at=row.lease_expires_at,
+        error_code=row.error_code,
+        patch_set=row.patch_set,
+        assembly_result=row.assembly_result,
+        provider_run_id=row.provider_run_id,
+        duration_ms=row.duration_ms,
+    )
+
+
+class InvocationStore:
+    """The field_recovery_invocation table in ``schema`` of the database at ``url``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        lease_seconds: float = 30.0,
+        retention_days: int = DEFAULT_RETENTION_DAYS,
+    ) -> None:
+        self.url = url
+        self.schema = schema
+        self.lease = timedelta(seconds=lease_seconds)
+        self.lease_seconds = lease_seconds
+        self.retention = timedelta(days=retention_days)
+        self._engine: Engine | None = None
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def engine(self) -> Engine:
+        if self._engine is None:
+            engine = get_engine(self.url)
+            if engine.dialect.name != "postgresql":
+                raise StoreUnavailable("field recovery needs PostgreSQL", code="store_needs_postgresql")
+            if self.schema != DEFAULT_SCHEMA:
+                engine = engine.execution_options(schema_translate_map={DEFAULT_SCHEMA: self.schema})
+            self._engine = engine
+        return self._engine
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One Session, one transaction; database errors become StoreUnavailable (safe text)."""
+        try:
+            with Session(self.engine(), expire_on_commit=False) as session, session.begin():
+                yield session
+        except FieldRecoveryError:
+            raise
+        except SQLAlchemyError as exc:
+            pgcode = getattr(getattr(exc, "orig", None), "pgcode", None)
+            code = "store_schema_missing" if pgcode in ("42P01", "3F000") else "store_unavailable"
+            raise StoreUnavailable(
+                f"database error ({type(exc).__name__}, sqlstate {pgcode or '-'}); "
+                "is migration 0004 applied (agent-recovery db upgrade)?",
+                code=code,
+            ) from None
+
+    # --- claim and ownership ---------------------------------------------------------------
+
+    def claim(self, meta: InvocationMeta, owner_id: str, *, stale_takeover: bool) -> Claim:
+        """Insert-on-conflict claim; see the module docstring for the outcomes."""
+        now = func.now()
+        with self.transaction() as s:
+            inserted = s.execute(
+                pg_insert(Inv)
+                .values(
+                    idempotency_key=meta.idempotency_key,
+                    request_id=meta.request_id,
+                    attempt=meta.attempt,
+                    source_message_id=meta.source_message_id,
+                    source_revision=meta.source_revision,
+                    observation_hash=meta.observation_hash,
+                    profile_version=meta.profile_version,
+                    request_hash=meta.request_hash,
+                    status=InvocationStatus.IN_PROGRESS.value,
+                    owner_id=owner_id,
+                    epoch=1,
+                    lease_expires_at=now + self.lease,
+                    created_at=now,
+                    started_at=now,
+                    updated_at=now,
+                    retention_until=now + self.retention,
+                )
+                .on_conflict_do_nothing(index_elements=[Inv.idempotency_key])
+                .returning(Inv.epoch)
+            ).scalar_one_or_none()
+            if inserted is not None:
+                claim = Claim(ClaimOutcome.CLAIMED, epoch=inserted)
+            else:
+                claim = self._existing(s, meta.idempotency_key, owner_id, stale_takeover)
+        log_event(
+            log,
+            "claim",
+            key=meta.idempotency_key,
+            request_id=meta.request_id,
+            outcome=claim.outcome.value,
+            epoch=claim.epoch if claim.owned else (claim.record.epoch if claim.record else None),
+        )
+        return claim
+
+    def _existing(self, s: Session, key: str, owner_id: str, stale_takeover: bool) -> Claim:
+        row = s.execute(select(Inv).where(Inv.idempotency_key == key)).scalar_one()
+        record = _record(row)
+        if record.status == InvocationStatus.SUCCEEDED:
+            return Claim(ClaimOutcome.SUCCEEDED, record=record)
+        if record.status == InvocationStatus.FAILED:
+            return Claim(ClaimOutcome.FAILED, record=record)
+        if not stale_takeover:
+            return Claim(ClaimOutcome.BUSY, record=record)
+        # NOTE: two takers that both saw this epoch race on the row lock; the second re-checks
+        # the WHERE after the first committed, sees the new epoch and updates nothing.
+        now = func.now()
+        taken = s.execute(
+            update(Inv)
+            .where(
+                Inv.idempotency_key == key,
+                Inv.status == InvocationStatus.IN_PROGRESS.value,
+                Inv.epoch == record.epoch,
+                Inv.lease_expires_at < now,
+            )
+            .values(
+                owner_id=owner_id,
+                epoch=Inv.epoch + 1,
+                lease_expires_at=now + self.lease,
+                started_at=now,
+                updated_at=now,
+            )
+            .returning(Inv.epoch)
+            .execution_options(synchronize_session=False)
+        ).scalar_one_or_none()
+        if taken is None:
+            return Claim(ClaimOutcome.BUSY, record=record)
+        log_event(log, "takeover", key=key, old_epoch=record.epoch, epoch=taken)
+        return Claim(ClaimOutcome.TAKEN_OVER, epoch=taken, record=record)
+
+    def renew_lease(self, key: str, owner_id: str, epoch: int) -> bool:
+        """Extend the owner's lease; False when the owner lost the row (finished or fenced)."""
+        with self.transaction() as s:
+            rows = _rowcount(
+                s.execute(
+                    update(Inv)
+                    .where(*self._owned_by(key, owner_id, epoch))
+                    .values(lease_expires_at=func.now() + self.lease, updated_at=func.now())
+                    .execution_options(synchronize_session=False)
+                )
+            )
+        return rows == 1
+
+    def finish_success(
+        self, key: str, owner_id: str, epoch: int, patch_set: dict[str, Any], audit: ProviderAudit
+    ) -> bool:
+        """IN_PROGRESS -> SUCCEEDED by the owner at ``epoch``; False when that owner lost the row."""
+        return self._finish(key, owner_id, epoch, status=InvocationStatus.SUCCEEDED, patch_set=patch_set, audit=audit)
+
+    def finish_failure(
+        self, key: str, owner_id: str, epoch: int, *, code: str, summary: str, audit: ProviderAudit
+    ) -> bool:
+        """IN_PROGRESS -> FAILED by the owner at ``epoch``; False when that owner lost the row."""
+        return self._finish(
+            key,
+            owner_id,
+            epoch,
+            status=InvocationStatus.FAILED,
+            error_code=code[:64],
+            error_summary=summary[:512],
+            audit=audit,
+        )
+
+    def _finish(self, key: str, owner_id: str, epoch: int, *, status: InvocationStatus, **values: Any) -> bool:
+        audit: ProviderAudit = values.pop("audit")
+        with self.transaction() as s:
+            rows = _rowcount(
+                s.execute(
+                    update(Inv)
+                    .where(*self._owned_by(key, owner_id, epoch))
+                    .values(
+                        status=status.value,
+                        completed_at=func.now(),
+                        updated_at=func.now(),
+                        lease_expires_at=None,
+                        **audit.columns(),
+                        **values,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+            )
+        landed = rows == 1
+        if not landed:
+            log_event(log, "finish_lost", key=key, epoch=epoch, status=status.value)
+        return landed
+
+    @staticmethod
+    def _owned_by(key: str, owner_id: str, epoch: int) -> Sequence[Any]:
+        return (
+            Inv.idempotency_key == key,
+            Inv.status == InvocationStatus.IN_PROGRESS.value,
+            Inv.owner_id == owner_id,
+            Inv.epoch == epoch,
+        )
+
+    # --- assembly: put-if-absent -----------------------------------------------------------
+
+    def put_assembly(
+        self, key: str, assembly: dict[str, Any], artifacts: Sequence[ArtifactDraft] = ()
+    ) -> tuple[bool, dict[str, Any]]:
+        """Store the assembly (and its artifacts, same transaction) unless one is stored.
+
+        Returns (written, stored assembly). Raises FieldRecoveryError when the invocation has
+        not succeeded (there is nothing to assemble).
+        """
+        with self.transaction() as s:
+            rows = _rowcount(
+                s.execute(
+                    update(Inv)
+                    .where(
+                        Inv.idempotency_key == key,
+                        Inv.status == InvocationStatus.SUCCEEDED.value,
+                        Inv.assembly_result.is_(None),
+                    )
+                    .values(assembly_result=assembly, assembled_at=func.now(), updated_at=func.now())
+                    .execution_options(synchronize_session=False)
+                )
+            )
+            if rows == 1:
+                put_artifacts(s, artifacts)
+                return True, assembly
+            stored = s.execute(select(Inv.status, Inv.assembly_result).where(Inv.idempotency_key == key)).one_or_none()
+        if stored is None or stored.assembly_result is None:
+            raise FieldRecoveryError("the invocation has not succeeded; nothing to assemble", code="not_succeeded")
+        return False, stored.assembly_result
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> InvocationRecord | None:
+        with self.transaction() as s:
+            row = s.execute(select(Inv).where(Inv.idempotency_key == key)).scalar_one_or_none()
+            return None if row is None else _record(row)
+
+
+class LeaseKeeper:
+    """Renews the owner's lease every third of its length while the provider call runs.
+
+    ``lost`` is set when a renewal finds the row no longer ours (a newer epoch took it over):
+    the owner then knows its finish will be fenced and may stop early.
+    """
+
+    def __init__(self, store: InvocationStore, key: str, owner_id: str, epoch: int) -> None:
+        self.store, self.key, self.owner_id, self.epoch = store, key, owner_id, epoch
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="field-lease", daemon=True)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        interval = max(self.store.lease_seconds / 3, 0.05)
+        while not self._stop.wait(interval):
+            try:
+                if not self.store.renew_lease(self.key, self.owner_id, self.epoch):
+                    self.lost.set()
+                    log_event(log, "lease_lost", key=self.key, epoch=self.epoch)
+                    return
+            except StoreUnavailable as exc:  # transient: the next tick tries again
+                log_event(log, "lease_renew_failed", key=self.key, error_code=exc.code)
