@@ -1,0 +1,109 @@
+"""`agent-recovery field recover FILE.eml [--json]` and `agent-recovery superagent-stub serve`.
+
+``field recover`` runs one EML through the MANUAL_EML pipeline with the environment's settings
+(BOOKING_FIELD_RECOVERY__*). ``--json`` prints ONE JSON object (a public interface)::
+
+    {"status": "SUCCEEDED" | "FAILED" | "NO_TASKS" | "SKIPPED", "replayed": bool,
+     "provider_calls": int, "effective_view": {"facts": [{"path", "value", "status",
+     "provenance"}, ...]}, "rejected": [{"task_id", "reason"}, ...],
+     "error_code": str | null, "idempotency_key": str | null}
+
+Exit status: 0 when the pipeline continued with a recovered or baseline view, 1 when the
+recovery failed closed (or the EML/database could not be used), 2 on invalid settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    field = sub.add_parser("field", help="SuperAgent field recovery")
+    fsub = field.add_subparsers(dest="field_command", required=True)
+    rec = fsub.add_parser("recover", help="recover the unresolved fields of one booking EML")
+    rec.add_argument("file", metavar="FILE.eml", type=Path)
+    rec.add_argument("--json", action="store_true", help="print one JSON object")
+    rec.add_argument("--attempt", type=int, default=1, help="attempt number (part of the idempotency key)")
+    rec.add_argument("--source", choices=("MANUAL_EML", "AGENTBUS"), default="MANUAL_EML")
+    rec.set_defaults(handler=_recover)
+
+    stub = sub.add_parser("superagent-stub", help="the SuperAgent Open API stand-in (tests, demo)")
+    ssub = stub.add_subparsers(dest="stub_command", required=True)
+    serve = ssub.add_parser("serve", help="serve the stand-in on loopback until interrupted")
+    serve.add_argument("--port", type=int, default=8799)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--api-key", default="df_open_test", help="the Bearer key it accepts")
+    serve.add_argument("--behaviour", default="normal", help="normal, slow, cut_replayable, fenced, ...")
+    serve.add_argument("--no-chunked", action="store_true", help="close-delimited SSE bodies")
+    serve.set_defaults(handler=_serve)
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from recovery.field.errors import FieldRecoveryError
+    from recovery.field.orchestrator import RecoveryStatus, recover_eml
+    from recovery.field.schemas import SourceKind
+    from settings import get_settings
+
+    settings = get_settings()  # invalid settings stop here, naming the variable (exit 2)
+    try:
+        raw = args.file.read_bytes()
+    except OSError as exc:
+        print(f"agent-recovery: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 1
+    try:
+        run = recover_eml(
+            raw, source=SourceKind(args.source), attempt=args.attempt, settings=settings.booking_field_recovery
+        )
+    except FieldRecoveryError as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 1
+    result = run.to_json()
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        _print_table(result)
+    return 1 if run.status == RecoveryStatus.FAILED else 0
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    replayed = "yes" if result["replayed"] else "no"
+    print(f"status: {result['status']}   replayed: {replayed}   provider calls: {result['provider_calls']}")
+    if result["error_code"]:
+        print(f"error: {result['error_code']}")
+    facts = result["effective_view"]["facts"]
+    rows = [("PATH", "VALUE", "STATUS", "PROVENANCE")] + [
+        (f["path"], "-" if f["value"] is None else str(f["value"]), f["status"], f["provenance"]) for f in facts
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if result["rejected"]:
+        print("rejected patches:")
+        for r in result["rejected"]:
+            print(f"  {r['task_id']}: {r['reason']}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from recovery.field.stub import Behaviour, StubConfig, SuperAgentStub
+
+    config = StubConfig(behaviour=Behaviour(args.behaviour), chunked=not args.no_chunked)
+    stub = SuperAgentStub(api_key=args.api_key, host=args.host, port=args.port, config=config)
+
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    print(f"superagent-stub listening on {stub.base_url} (behaviour {config.behaviour.value})", flush=True)
+    stub.start()
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stub.stop()
+    return 0

@@ -1,0 +1,326 @@
+"""The MANUAL_EML field-recovery pipeline (DESIGN §8, field spec §4).
+
+EML -> deterministic parser -> PARSED_FACT_SET -> RecoveryRequestBuilder -> no task: parser
+baseline, no provider call -> otherwise, under ONE deadline from the claim on: claim the
+invocation -> (owner) SuperAgent call -> strict PatchSet -> CAS SUCCEEDED / FAILED ->
+validator -> dependency resolver -> projector -> apply-once of the assembly together with the
+RECOVERY_ASSEMBLY and EFFECTIVE_FACT_VIEW artifacts -> continue (``next_stage``).
+
+AGENTBUS sources and a disabled configuration never call the provider: they continue with the
+parser baseline. Every failure of the call fails closed: the invocation is FAILED with a safe
+code, the view is the parser baseline, and no part of the answer is used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from recovery.field.answer import parse_patch_set
+from recovery.field.artifacts import ArtifactDraft, put_artifacts
+from recovery.field.assembly import assemble
+from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer, client_for
+from recovery.field.deadline import Deadline
+from recovery.field.eml import parse_eml
+from recovery.field.errors import FieldRecoveryError, RequestTooLarge
+from recovery.field.logs import get_logger, log_event
+from recovery.field.projector import project
+from recovery.field.request_builder import build_request, render_message, request_hash
+from recovery.field.schemas import (
+    AssemblyResult,
+    EffectiveFactView,
+    ParsedFactSet,
+    RecoveryPatchSet,
+    RecoveryRequestSet,
+    SourceKind,
+    sha256_hex,
+)
+from recovery.field.store import (
+    ClaimOutcome,
+    InvocationMeta,
+    InvocationStore,
+    LeaseKeeper,
+    ProviderAudit,
+    new_owner_id,
+)
+from recovery.field.tables import ArtifactType
+from settings import FieldRecoverySettings, get_settings
+
+log = get_logger("orchestrator")
+
+
+class RecoveryStatus(StrEnum):
+    SUCCEEDED = "SUCCEEDED"  #: a stored PatchSet was assembled and applied once (rejections possible)
+    FAILED = "FAILED"  #: failed closed; the view is the parser baseline; error_code says why
+    NO_TASKS = "NO_TASKS"  #: nothing UNRESOLVED + RECOVERABLE: parser baseline, no provider call
+    SKIPPED = "SKIPPED"  #: recovery disabled or the source may not call it (AGENTBUS): baseline
+
+
+@dataclass(frozen=True)
+class RecoveryRun:
+    """The outcome of one pipeline run for one EML."""
+
+    status: RecoveryStatus
+    view: EffectiveFactView
+    replayed: bool = False
+    #: Provider runs (message streams) started by THIS run; 0 for replays and baselines.
+    provider_calls: int = 0
+    assembly: AssemblyResult | None = None
+    error_code: str | None = None
+    idempotency_key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ``agent-recovery field recover --json`` / ``field.recover_eml`` shape."""
+        return {
+            "status": self.status.value,
+            "replayed": self.replayed,
+            "provider_calls": self.provider_calls,
+            "effective_view": {
+                "facts": [
+                    {"path": f.path, "value": f.value, "status": f.status.value, "provenance": f.provenance.value}
+                    for f in self.view.facts
+                ]
+            },
+            "rejected": [
+                {"task_id": r.task_id, "reason": r.reason} for r in (self.assembly.rejected if self.assembly else [])
+            ],
+            "error_code": self.error_code,
+            "idempotency_key": self.idempotency_key,
+        }
+
+
+#: The next pipeline stage ("continue the existing Context"); receives the finished run.
+NextStage = Callable[[RecoveryRun], None]
+
+
+class FieldRecoveryOrchestrator:
+    def __init__(
+        self,
+        settings: FieldRecoverySettings,
+        *,
+        url: str | None = None,
+        client_factory: Callable[[FieldRecoverySettings], OpenApiClient] = client_for,
+        next_stage: NextStage | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = InvocationStore(url, schema=settings.db_schema, lease_seconds=settings.lease_seconds)
+        self._client_factory = client_factory
+        self._next_stage = next_stage
+
+    def process(self, raw_eml: bytes, *, source: SourceKind = SourceKind.MANUAL_EML, attempt: int = 1) -> RecoveryRun:
+        """Run the pipeline for one EML; the next stage runs only after recovery finished."""
+        facts = parse_eml(raw_eml, channel=source)
+        with self.store.transaction() as s:
+            put_artifacts(s, [ArtifactDraft(ArtifactType.PARSED_FACT_SET, facts.source, facts.model_dump(mode="json"))])
+        run = self._recover(facts, source, attempt)
+        if self._next_stage is not None:
+            self._next_stage(run)
+        return run
+
+    def _recover(self, facts: ParsedFactSet, source: SourceKind, attempt: int) -> RecoveryRun:
+        if source != SourceKind.MANUAL_EML or not self.settings.enabled:
+            reason = "source_not_allowed" if source != SourceKind.MANUAL_EML else "disabled"
+            log_event(log, "recovery_skipped", source=source.value, reason=reason)
+            return RecoveryRun(RecoveryStatus.SKIPPED, project(facts))
+        request = build_request(facts, profile_version=self.settings.profile_version, attempt=attempt)
+        if request is None:
+            log_event(log, "recovery_not_needed", source=source.value)
+            return RecoveryRun(RecoveryStatus.NO_TASKS, project(facts))
+        return self._invoke(facts, request)
+
+    # --- the invocation --------------------------------------------------------------------
+
+    def _invoke(self, facts: ParsedFactSet, request: RecoveryRequestSet) -> RecoveryRun:
+        deadline = Deadline(self.settings.max_wait)
+        key = request.idempotency_key
+        message = render_message(request)
+        meta = InvocationMeta(
+            idempotency_key=key,
+            request_id=request.request_id,
+            attempt=request.attempt,
+            source_message_id=facts.source.message_id,
+            source_revision=facts.source.revision,
+            observation_hash=request.observation_hash,
+            profile_version=request.profile_version,
+            request_hash=request_hash(message),
+        )
+        with self.store.transaction() as s:
+            put_artifacts(
+                s, [ArtifactDraft(ArtifactType.RECOVERY_REQUEST, facts.source, request.model_dump(mode="json"), key)]
+            )
+        owner_id = new_owner_id()
+        while True:
+            claim = self.store.claim(meta, owner_id, stale_takeover=self.settings.stale_takeover)
+            if claim.owned:
+                break
+            if claim.outcome in (ClaimOutcome.SUCCEEDED, ClaimOutcome.FAILED):
+                assert claim.record is not None
+                log_event(log, "replay", key=key, request_id=request.request_id, status=claim.outcome.value)
+                if claim.outcome == ClaimOutcome.FAILED:
+                    return self._failed(facts, key, claim.record.error_code or "failed", replayed=True)
+                assert claim.record.patch_set is not None
+                patch_set = RecoveryPatchSet.model_validate(claim.record.patch_set)
+                return self._apply(facts, request, patch_set, replayed=True, provider_calls=0)
+            # BUSY: another owner is calling; wait for its result within OUR deadline.
+            left = deadline.remaining()
+            if left <= 0:
+                log_event(log, "claim_wait_timeout", key=key, request_id=request.request_id)
+                return self._failed(facts, key, "invocation_in_progress")
+            time.sleep(min(self.settings.poll_interval, left))
+        assert claim.epoch is not None
+        return self._call_as_owner(facts, request, message, owner_id, claim.epoch, deadline)
+
+    def _call_as_owner(
+        self,
+        facts: ParsedFactSet,
+        request: RecoveryRequestSet,
+        message: str,
+        owner_id: str,
+        epoch: int,
+        deadline: Deadline,
+    ) -> RecoveryRun:
+        key = request.idempotency_key
+        progress = CallProgress()
+        answer: ProviderAnswer | None = None
+        started = time.monotonic()
+        log_event(log, "provider_call_start", key=key, request_id=request.request_id, epoch=epoch)
+        try:
+            if len(message) > self.settings.max_message_chars:
+                raise RequestTooLarge()
+            client = self._client_factory(self.settings)
+            with LeaseKeeper(self.store, key, owner_id, epoch):
+                answer = client.recover(
+                    message,
+                    idempotency_key=key,
+                    subject_id=sha256_hex(facts.source.message_id),
+                    deadline=deadline,
+                    progress=progress,
+                )
+                patch_set = parse_patch_set(answer.content, max_chars=self.settings.max_response_chars)
+        except FieldRecoveryError as exc:
+            audit = self._audit(progress, answer, started)
+            log_event(
+                log,
+                "provider_call_end",
+                key=key,
+                request_id=request.request_id,
+                run_id=progress.run_id,
+                duration_ms=audit.duration_ms,
+                error_code=exc.code,
+                cancel_sent=progress.cancel_sent,
+            )
+            landed = self.store.finish_failure(key, owner_id, epoch, code=exc.code, summary=str(exc), audit=audit)
+            return self._failed(facts, key, exc.code if landed else "invocation_lost", provider_calls=progress.streams)
+        except BaseException:
+            # A bug or an interrupt: fail closed in the record too, then let it propagate.
+            audit = self._audit(progress, answer, started)
+            log_event(log, "provider_call_end", key=key, run_id=progress.run_id, error_code="internal_error")
+            self.store.finish_failure(
+                key, owner_id, epoch, code="internal_error", summary="unexpected error in the owner", audit=audit
+            )
+            raise
+        audit = self._audit(progress, answer, started)
+        log_event(
+            log,
+            "provider_call_end",
+            key=key,
+            request_id=request.request_id,
+            run_id=progress.run_id,
+            duration_ms=audit.duration_ms,
+            error_code=None,
+            profile_version=answer.resolved_profile_version,
+        )
+        if not self.store.finish_success(key, owner_id, epoch, patch_set.model_dump(mode="json"), audit):
+            # NOTE: a newer owner fenced us out; our answer is never used (it may differ).
+            return self._failed(facts, key, "invocation_lost", provider_calls=progress.streams)
+        return self._apply(facts, request, patch_set, replayed=False, provider_calls=progress.streams)
+
+    @staticmethod
+    def _audit(progress: CallProgress, answer: ProviderAnswer | None, started: float) -> ProviderAudit:
+        duration_ms = int((time.monotonic() - started) * 1000)
+        if answer is None:
+            return ProviderAudit(session_id=progress.session_id, run_id=progress.run_id, duration_ms=duration_ms)
+        return ProviderAudit(
+            session_id=answer.session_id,
+            run_id=answer.run_id,
+            resolved_profile_id=answer.resolved_profile_id,
+            resolved_profile_version=answer.resolved_profile_version,
+            model=answer.model,
+            prompt_tokens=answer.prompt_tokens,
+            completion_tokens=answer.completion_tokens,
+            total_tokens=answer.total_tokens,
+            duration_ms=duration_ms,
+            response_hash=sha256_hex(answer.content),
+        )
+
+    # --- outcomes --------------------------------------------------------------------------
+
+    def _apply(
+        self,
+        facts: ParsedFactSet,
+        request: RecoveryRequestSet,
+        patch_set: RecoveryPatchSet,
+        *,
+        replayed: bool,
+        provider_calls: int,
+    ) -> RecoveryRun:
+        """Assemble and apply once: the first assembly is stored with its artifacts, atomically."""
+        assembly = assemble(request, patch_set)
+        view = project(facts, assembly)
+        key = request.idempotency_key
+        written, stored = self.store.put_assembly(
+            key,
+            assembly.model_dump(mode="json"),
+            artifacts=[
+                ArtifactDraft(ArtifactType.RECOVERY_ASSEMBLY, facts.source, assembly.model_dump(mode="json"), key),
+                ArtifactDraft(ArtifactType.EFFECTIVE_FACT_VIEW, facts.source, view.model_dump(mode="json"), key),
+            ],
+        )
+        if not written:  # replay: the stored assembly is the one that counts
+            assembly = AssemblyResult.model_validate(stored)
+            view = project(facts, assembly)
+        log_event(
+            log,
+            "assembly_applied" if written else "assembly_replayed",
+            key=key,
+            accepted=len(assembly.accepted),
+            rejected=len(assembly.rejected),
+            unresolved=len(assembly.unresolved),
+        )
+        return RecoveryRun(
+            RecoveryStatus.SUCCEEDED,
+            view,
+            replayed=replayed,
+            provider_calls=provider_calls,
+            assembly=assembly,
+            idempotency_key=key,
+        )
+
+    @staticmethod
+    def _failed(
+        facts: ParsedFactSet, key: str, code: str, *, replayed: bool = False, provider_calls: int = 0
+    ) -> RecoveryRun:
+        return RecoveryRun(
+            RecoveryStatus.FAILED,
+            project(facts),
+            replayed=replayed,
+            provider_calls=provider_calls,
+            error_code=code,
+            idempotency_key=key,
+        )
+
+
+def recover_eml(
+    raw_eml: bytes,
+    *,
+    source: SourceKind = SourceKind.MANUAL_EML,
+    attempt: int = 1,
+    settings: FieldRecoverySettings | None = None,
+    url: str | None = None,
+) -> RecoveryRun:
+    """One EML through the pipeline with the process settings (CLI and Celery task entry)."""
+    field_settings = settings or get_settings().booking_field_recovery
+    return FieldRecoveryOrchestrator(field_settings, url=url).process(raw_eml, source=source, attempt=attempt)

@@ -1,0 +1,89 @@
+"""Configuration gate (field spec §5, §9 config): default off, own key required, wait cap."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from cli.main import main
+from recovery.field.client import client_for
+from settings import FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS, SettingsError, get_settings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import os
+
+    for name in list(os.environ):
+        if name.upper().startswith("BOOKING_FIELD_RECOVERY__"):
+            monkeypatch.delenv(name)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_default_is_off_without_trace_and_with_documented_values() -> None:
+    fr = load_settings().booking_field_recovery
+    assert fr.enabled is False
+    assert fr.open_api.include_trace is False
+    assert fr.open_api.api_key == ""
+    assert (fr.max_wait, fr.poll_interval, fr.open_api.connect_timeout) == (120.0, 0.1, 15.0)
+    assert fr.open_api.sse_recovery_max_attempts == 5
+    assert (fr.max_message_chars, fr.max_response_chars) == (200_000, 200_000)
+    assert fr.db_schema == "th_hotel_booking"
+    assert fr.stale_takeover is False
+
+
+def test_nested_environment_names_and_durations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__ENABLED", "true")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY", "df_open_own")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__OPEN_API__BASE_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__MAX_WAIT", "90s")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__POLL_INTERVAL", "250ms")
+    fr = load_settings().booking_field_recovery
+    assert fr.enabled and fr.open_api.api_key == "df_open_own"
+    assert (fr.max_wait, fr.poll_interval) == (90.0, 0.25)
+
+
+def test_enabled_without_its_own_key_fails_naming_the_variable_and_never_borrows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__ENABLED", "true")
+    monkeypatch.setenv("MODEL_API_KEY", "sk-another-agents-key")  # must not be borrowed
+    with pytest.raises(SettingsError) as exc:
+        load_settings()
+    assert "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY" in str(exc.value)
+    assert "sk-another-agents-key" not in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS + 1), "11m"])
+def test_max_wait_must_be_positive_and_capped(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__MAX_WAIT", value)
+    with pytest.raises(SettingsError) as exc:
+        load_settings()
+    assert "BOOKING_FIELD_RECOVERY__MAX_WAIT" in str(exc.value)
+
+
+def test_max_wait_at_the_cap_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__MAX_WAIT", "10m")
+    assert load_settings().booking_field_recovery.max_wait == FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS
+
+
+def test_cli_stops_at_start_on_incomplete_configuration(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__ENABLED", "true")
+    assert main(["field", "recover", "tests/data/field_booking_ambiguous.eml", "--json"]) == 2
+    err = capsys.readouterr()
+    assert "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY" in err.err
+    assert err.out == ""
+
+
+def test_client_is_built_from_the_parsing_agents_settings_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODEL_API_KEY", "sk-another-agents-key")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__ENABLED", "true")
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY", "df_open_parsing_agent")
+    client = client_for(load_settings().booking_field_recovery)
+    assert client._key == "df_open_parsing_agent"
+    assert "df_open_parsing_agent" not in repr(client)
