@@ -382,3 +382,23 @@ def test_owner_fenced_out_mid_call_never_applies_its_answer(field_db: str, stub:
     [row] = _rows(field_db, "field_recovery_invocation")
     assert (row["status"], row["owner_id"], row["patch_set"]) == ("IN_PROGRESS", "usurper", None)
     assert "RECOVERY_ASSEMBLY" not in _artifact_types(field_db)
+
+
+def test_structured_log_lines_for_claim_replay_and_provider_calls(
+    field_db: str, stub: SuperAgentStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="recovery.field")
+    _process(field_db, _settings(stub))
+    _process(field_db, _settings(stub))
+    stub.configure(behaviour=Behaviour.SERVER_ERROR)
+    _process(field_db, _settings(stub), attempt=2)
+    ours = [r for r in caplog.records if r.name.startswith("recovery.field.")]
+    lines = [r.getMessage() for r in ours]
+    events = [dict(part.split("=", 1) for part in line.split()) for line in lines]
+    names = [e["event"] for e in events]
+    assert names.count("claim") == 3 and names.count("replay") == 1
+    assert names.count("provider_call_start") == names.count("provider_call_end") == 2
+    ends = [e for e in events if e["event"] == "provider_call_end"]
+    assert [e["error_code"] for e in ends] == ["-", "http_500"]
+    assert all(int(e["duration_ms"]) >= 0 and len(e["key"]) == 64 for e in ends)
+    assert {e["outcome"] for e in events if e["event"] == "claim"} == {"CLAIMED", "SUCCEEDED"}

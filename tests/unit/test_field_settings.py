@@ -87,3 +87,12 @@ def test_client_is_built_from_the_parsing_agents_settings_only(monkeypatch: pyte
     client = client_for(load_settings().booking_field_recovery)
     assert client._key == "df_open_parsing_agent"
     assert "df_open_parsing_agent" not in repr(client)
+
+
+def test_worker_configuration_stops_at_start_on_incomplete_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import celeryconfig
+
+    monkeypatch.setenv("BOOKING_FIELD_RECOVERY__ENABLED", "true")
+    with pytest.raises(SettingsError) as exc:
+        celeryconfig.build()
+    assert "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY" in str(exc.value)
