@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BROKER_DB, BACKEND_DB, EVENTS_DB = 14, 15, 13
+#: Redis databases of the stack (broker, result backend, events); STACK_REDIS_DBS="b,r,e" lets
+#: two stacks share one Redis server without consuming each other's messages.
+BROKER_DB, BACKEND_DB, EVENTS_DB = (int(x) for x in os.environ.get("STACK_REDIS_DBS", "14,15,13").split(","))
 
 
 def service_env(
@@ -135,3 +137,41 @@ class Worker:
     @property
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
+
+
+class Beat:
+    """`celery -A tasks beat`: sends recovery.scan every SCAN_INTERVAL_SECONDS."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = env
+        self.log_path = log_dir / f"beat-{int(time.time() * 1000)}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Beat:
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tasks",
+            "beat",
+            "-l",
+            "INFO",
+            "-s",
+            str(self.log_path.with_suffix(".schedule")),
+        ]
+        self._fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if getattr(self, "_fh", None):
+            self._fh.close()

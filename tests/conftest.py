@@ -88,7 +88,9 @@ def redis_url() -> Iterator[str]:
     """A Redis database reserved for tests, flushed before use."""
     import redis
 
-    url = f"{REDIS_BASE}/13"
+    from demo.stack import EVENTS_DB
+
+    url = f"{REDIS_BASE}/{EVENTS_DB}"
     try:
         client = redis.Redis.from_url(url)
         client.flushdb()

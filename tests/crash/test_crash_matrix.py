@@ -1,0 +1,155 @@
+"""The crash matrix (issue 5): every named crash point × every delegation shape.
+
+Each trial runs a real 2-process worker with CRASH_POINT armed; the pool process that reaches
+the point exits with os._exit(137); the test then SIGKILLs the whole worker (main process and
+pool) — its unacked broker messages are stranded, as after a machine loss — starts a fresh
+worker with its beat, and checks that the parent ends with every result delivered exactly once,
+the same child sessions and executions, and invariants I1–I7 over the whole database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from models import AgentSession, SessionType, SubagentExecution, transaction
+from tests.helpers import executions_of, messages_of, wait_until
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(150)]
+
+MAIN = "main agent"
+AGENTS_LOCAL = str(Path(__file__).resolve().parent.parent / "data" / "agents_local.toml")
+
+CHILD_RULES: list[dict[str, Any]] = [
+    # Every child instruction starts with one tool round (a 1 s wait), then answers.
+    {
+        "when": {"system_contains": "subagent", "last_role": "user"},
+        "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 1}}]},
+    },
+    {"when": {"system_contains": "subagent", "last_role": "tool"}, "reply": {"content": "child answer to {user}"}},
+]
+
+
+def delegate(agent: str, task: str) -> dict[str, Any]:
+    return {"name": "delegate", "arguments": {"agent_type": agent, "task": task}}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    script: list[dict[str, Any]]
+    executions: int
+    children: int
+    parent_rounds: int  #: assistant tool-call rounds in the parent's final history
+    occurrence: int = 1  #: which occurrence of the point to crash at (followup: the second round)
+    local: bool = False
+
+
+def _parent(*rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rules = [
+        {"when": {"system_contains": MAIN, "turn": i}, "reply": {"tool_calls": calls}} for i, calls in enumerate(rounds)
+    ]
+    rules.append({"when": {"system_contains": MAIN, "turn": len(rounds)}, "reply": {"content": "final answer"}})
+    return rules + CHILD_RULES
+
+
+SHAPES = {
+    "one_child": Shape("one_child", _parent([delegate("reviewer", "review A")]), 1, 1, 1),
+    "two_children": Shape(
+        "two_children", _parent([delegate("reviewer", "review A"), delegate("researcher", "research B")]), 2, 2, 1
+    ),
+    "mixed_inline": Shape(
+        "mixed_inline",
+        _parent(
+            [
+                delegate("reviewer", "review A"),
+                {"name": "echo", "arguments": {"text": "inline"}},
+                delegate("researcher", "research B"),
+            ]
+        ),
+        2,
+        2,
+        1,
+    ),
+    "followup": Shape(
+        "followup",
+        _parent(
+            [delegate("reviewer", "review A")],
+            [{"name": "delegate_followup", "arguments": {"child_session_id": 2, "task": "look again"}}],
+        ),
+        2,
+        1,
+        2,
+        occurrence=2,
+    ),
+    "local_child": Shape("local_child", _parent([delegate("desktop", "check the local files")]), 1, 1, 1, local=True),
+}
+
+POINTS = [
+    "delegate.after_create",
+    "child.mid_tool",
+    "child.after_final",
+    "deliver.mid_round",
+    "deliver.before_resume",
+    "parent.after_resume",
+]
+
+
+def _arm(shape: Shape, point: str) -> tuple[dict[str, str], int]:
+    """Environment of the crashing worker and its concurrency. parent.after_resume is first
+    reached when the parent starts: crash at its next occurrence (the resume after delivery)."""
+    after = shape.occurrence + (1 if point == "parent.after_resume" else 0)
+    concurrency = 2 if after == 1 else 1  # counts are per process: one pool process then
+    return {"CRASH_POINT": point, "CRASH_POINT_AFTER": str(after)}, concurrency
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_crash_at_point_then_recovery_delivers_exactly_once(stack_factory, shape_name: str, point: str) -> None:  # type: ignore[no-untyped-def]
+    shape = SHAPES[shape_name]
+    stack = stack_factory(shape.script)
+    extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
+    if shape.local:
+        import os
+
+        from harness import events, presence
+        from settings import get_settings
+
+        os.environ["AGENTS_FILE"] = AGENTS_LOCAL
+        get_settings.cache_clear()
+        events._redis.cache_clear()
+        presence.connect("cli")
+    armed, concurrency = _arm(shape, point)
+    w1 = stack.worker("w1", concurrency=concurrency, **armed, **extra)
+    sid = stack.submit("please work", agent="main")
+    wait_until(lambda: f"crash_point={point}" in w1.log() or w1.exited, timeout=60, what=f"crash at {point}")
+    assert f"crash_point={point}" in w1.log()
+    w1.kill()
+    before = [(e.id, e.child_session_id) for e in executions_of(sid)]
+
+    stack.worker("w2", beat=True, **extra)
+    snap = stack.wait_phase(sid, timeout=100)
+
+    execs = executions_of(sid)
+    assert [(e.id, e.child_session_id) for e in execs][: len(before)] == before  # I4: reused
+    assert len(execs) == shape.executions
+    assert {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
+    with transaction() as s:
+        subagents = s.execute(select(AgentSession.id).where(AgentSession.session_type == SessionType.SUBAGENT)).all()
+        assert len(subagents) == shape.children
+        assert len(s.execute(select(SubagentExecution.id)).all()) == shape.executions
+    rounds = [m for m in messages_of(sid) if m.role == "ASSISTANT" and m.tool_calls]
+    assert len(rounds) == shape.parent_rounds
+    assert snap["messages"][-1]["content"] == "final answer"
+    assert stack.invariants() == []
+    if shape.local:
+        import os
+
+        from settings import get_settings
+
+        os.environ.pop("AGENTS_FILE", None)
+        get_settings.cache_clear()
