@@ -63,9 +63,16 @@ class CallProgress:
 
     session_id: str | None = None
     run_id: str | None = None
+    #: HTTP requests sent to the provider (0: the provider was never called).
+    requests: int = 0
     streams: int = 0
     sse_recoveries: int = 0
     cancel_sent: bool = False
+
+    @property
+    def called(self) -> int:
+        """1 when at least one request was sent to the provider, else 0 (one call, however many requests)."""
+        return 1 if self.requests else 0
 
 
 @dataclass(frozen=True)
@@ -228,7 +235,15 @@ class OpenApiClient:
         subject_id: str,
     ) -> ProviderAnswer:
         session = self._json(
-            self._send(http, watchdog, deadline, "POST", "/open/v1/sessions", body={"external_subject_id": subject_id})
+            self._send(
+                http,
+                watchdog,
+                deadline,
+                progress,
+                "POST",
+                "/open/v1/sessions",
+                body={"external_subject_id": subject_id},
+            )
         )
         session_id = session.get("session_id")
         if not isinstance(session_id, str) or not _SAFE_TOKEN.match(session_id):
@@ -241,7 +256,7 @@ class OpenApiClient:
         state = _StreamState()
         progress.streams += 1
         stream = self._send(
-            http, watchdog, deadline, "POST", f"/open/v1/sessions/{session_id}/messages/stream", body=body
+            http, watchdog, deadline, progress, "POST", f"/open/v1/sessions/{session_id}/messages/stream", body=body
         )
         try:
             self._read_stream(stream, state, deadline, progress)
@@ -253,7 +268,7 @@ class OpenApiClient:
         if state.final is None:
             raise ProviderUnavailable("the stream ended without message.final", code="sse_no_final")
         assert progress.run_id is not None
-        run = self._json(self._send(http, watchdog, deadline, "GET", f"/open/v1/runs/{progress.run_id}"))
+        run = self._json(self._send(http, watchdog, deadline, progress, "GET", f"/open/v1/runs/{progress.run_id}"))
         status = run.get("status")
         if status != "success":
             raise ProviderUnavailable("the run did not succeed", code=f"run_status_{_safe(status, 'unknown')}")
@@ -299,6 +314,7 @@ class OpenApiClient:
                     http,
                     watchdog,
                     deadline,
+                    progress,
                     "GET",
                     f"/open/v1/runs/{progress.run_id}/events",
                     params=params,
@@ -338,6 +354,7 @@ class OpenApiClient:
         http: requests.Session,
         watchdog: Watchdog,
         deadline: Deadline,
+        progress: CallProgress,
         method: str,
         path: str,
         *,
@@ -348,6 +365,7 @@ class OpenApiClient:
     ) -> requests.Response:
         """One request with a fresh CSRF token, timeouts capped at the time left, watched."""
         deadline.check()
+        progress.requests += 1
         token = secrets.token_urlsafe(32)
         streaming = path.endswith("/stream") or accept == "text/event-stream"
         response = http.request(

@@ -66,7 +66,7 @@ class RecoveryRun:
     status: RecoveryStatus
     view: EffectiveFactView
     replayed: bool = False
-    #: Provider runs (message streams) started by THIS run; 0 for replays and baselines.
+    #: 1 when THIS run called the provider (it owned the invocation and sent a request), else 0.
     provider_calls: int = 0
     assembly: AssemblyResult | None = None
     error_code: str | None = None
@@ -213,7 +213,7 @@ class FieldRecoveryOrchestrator:
                 cancel_sent=progress.cancel_sent,
             )
             landed = self.store.finish_failure(key, owner_id, epoch, code=exc.code, summary=str(exc), audit=audit)
-            return self._failed(facts, key, exc.code if landed else "invocation_lost", provider_calls=progress.streams)
+            return self._failed(facts, key, exc.code if landed else "invocation_lost", provider_calls=progress.called)
         except BaseException:
             # A bug or an interrupt: fail closed in the record too, then let it propagate.
             audit = self._audit(progress, answer, started)
@@ -235,8 +235,8 @@ class FieldRecoveryOrchestrator:
         )
         if not self.store.finish_success(key, owner_id, epoch, patch_set.model_dump(mode="json"), audit):
             # NOTE: a newer owner fenced us out; our answer is never used (it may differ).
-            return self._failed(facts, key, "invocation_lost", provider_calls=progress.streams)
-        return self._apply(facts, request, patch_set, replayed=False, provider_calls=progress.streams)
+            return self._failed(facts, key, "invocation_lost", provider_calls=progress.called)
+        return self._apply(facts, request, patch_set, replayed=False, provider_calls=progress.called)
 
     @staticmethod
     def _audit(progress: CallProgress, answer: ProviderAnswer | None, started: float) -> ProviderAudit:

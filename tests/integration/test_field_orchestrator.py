@@ -204,7 +204,7 @@ def test_provider_failure_fails_closed_and_is_recorded(
 ) -> None:
     stub.configure(behaviour=behaviour, cut_mid_event=True)
     run = _process(field_db, _settings(stub, open_api={"sse_recovery_max_attempts": 1}))
-    assert (run.status, run.error_code) == (RecoveryStatus.FAILED, code)
+    assert (run.status, run.error_code, run.provider_calls) == (RecoveryStatus.FAILED, code, 1)
     assert _facts(run)["room_type"] == (None, "PARSER")
     [row] = _rows(field_db, "field_recovery_invocation")
     assert (row["status"], row["error_code"]) == ("FAILED", code)
