@@ -35,6 +35,7 @@ def build() -> dict[str, Any]:
             "data_folder_in": s.CELERY_FS_FOLDER + "/out",
             "data_folder_out": s.CELERY_FS_FOLDER + "/out",
             "processed_folder": s.CELERY_FS_FOLDER + "/processed",
+            "control_folder": s.CELERY_FS_FOLDER + "/control",
             "store_processed": False,
         }
     return conf

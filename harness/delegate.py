@@ -32,6 +32,7 @@ from models import (
     SubagentExecution,
 )
 from models.base import utcnow
+from models.db import cas
 
 #: Phases a child session may be in for a follow-up to take it (its previous execution ended).
 FOLLOWUP_FROM = (Phase.IDLE, Phase.COMPLETED, Phase.FAILED)
@@ -167,12 +168,12 @@ def _followup(
     if child is None:
         raise DelegationRefused(f"session {child_id} is not a child session of this session")
     # The child's phase is taken by compare-and-set: a busy (or cancelled) child refuses.
-    taken = s.execute(
+    taken = cas(
+        s,
         update(AgentSession)
         .where(AgentSession.id == child_id, AgentSession.phase.in_(FOLLOWUP_FROM))
-        .values(phase=Phase.RUNNING, updated_at=utcnow())
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        .values(phase=Phase.RUNNING, updated_at=utcnow()),
+    )
     if taken != 1:
         raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
     start = append_message(s, child_id, Role.USER, task)

@@ -26,6 +26,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
+from models.db import cas
 from models.session import renew_session_lease
 
 log = logging.getLogger("harness.fence")
@@ -99,7 +100,8 @@ class ExecutionFence(Fence):
 
     def _update(self, s: Session, prompt_tokens: int, completion_tokens: int) -> bool:
         E = SubagentExecution
-        rows = s.execute(
+        rows = cas(
+            s,
             update(E)
             .where(E.id == self.execution_id, E.epoch == self.epoch, E.status.in_(ACTIVE_EXECUTION))
             .values(
@@ -107,9 +109,8 @@ class ExecutionFence(Fence):
                 prompt_tokens=E.prompt_tokens + prompt_tokens,
                 completion_tokens=E.completion_tokens + completion_tokens,
                 total_tokens=E.total_tokens + prompt_tokens + completion_tokens,
-            )
-            .execution_options(synchronize_session=False)
-        ).rowcount
+            ),
+        )
         return rows == 1
 
     def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:

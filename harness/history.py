@@ -27,11 +27,18 @@ from models.base import utcnow
 
 
 class Row(Protocol):
-    id: int
-    role: Role | str
-    content: str | None
-    tool_calls: str | None
-    tool_call_id: str | None
+    """A message row: a Message, or any object with these read-only fields (tests)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def role(self) -> Role | str: ...
+    @property
+    def content(self) -> str | None: ...
+    @property
+    def tool_calls(self) -> str | None: ...
+    @property
+    def tool_call_id(self) -> str | None: ...
 
 
 MALFORMED = object()

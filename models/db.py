@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from settings import get_settings
@@ -67,3 +67,9 @@ def transaction(url: str | None = None) -> Iterator[Session]:
 
 def dialect_name(url: str | None = None) -> str:
     return get_engine(url).dialect.name
+
+
+def cas(s: Session, stmt: Executable) -> int:
+    """Run one conditional UPDATE (a compare-and-set); the rowcount says whether it landed."""
+    result = s.execute(stmt.execution_options(synchronize_session=False))
+    return int(cast("CursorResult[Any]", result).rowcount)

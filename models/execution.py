@@ -31,6 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.db import cas
 from models.enums import (
     ACTIVE_EXECUTION,
     TERMINAL_EXECUTION,
@@ -165,7 +166,8 @@ def take_execution(
         if free_when_unowned:
             free.append(E.lease_owner.is_(None))
         conditions.append(or_(*free))
-    rows = s.execute(
+    rows = cas(
+        s,
         update(E)
         .where(*conditions)
         .values(
@@ -173,9 +175,8 @@ def take_execution(
             epoch=E.epoch + 1,
             lease_owner=owner,
             lease_expires_at=now + timedelta(seconds=lease_seconds),
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     if rows == 1:
         return expected_epoch + 1
     row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
@@ -187,12 +188,12 @@ def take_execution(
 
 def renew_execution_lease(s: Session, eid: int, epoch: int, lease_seconds: float) -> bool:
     """Extend the lease; False when the epoch moved on (the caller has lost the execution)."""
-    rows = s.execute(
+    rows = cas(
+        s,
         update(E)
         .where(E.id == eid, E.epoch == epoch, E.status.in_(ACTIVE_EXECUTION))
-        .values(lease_expires_at=lease_until(lease_seconds))
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        .values(lease_expires_at=lease_until(lease_seconds)),
+    )
     return rows == 1
 
 
@@ -235,12 +236,7 @@ def finish_execution(
             values[key] = value
     if prompt_tokens is not None and completion_tokens is not None:
         values["total_tokens"] = prompt_tokens + completion_tokens
-    rows = s.execute(
-        update(E)
-        .where(E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status]))
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    rows = cas(s, update(E).where(E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status])).values(**values))
     if rows == 1:
         return True
     _classify(s, eid, epoch, f"finish as {status}")
@@ -252,7 +248,8 @@ def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, to
 
     Raises IllegalTransition for an execution that is still active (barrier, I3) or LEGACY.
     """
-    rows = s.execute(
+    rows = cas(
+        s,
         update(E)
         .where(
             E.id == eid,
@@ -264,9 +261,8 @@ def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, to
             parent_result_delivered_at=utcnow(),
             parent_assistant_message_id=assistant_message_id,
             parent_tool_message_id=tool_message_id,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     if rows == 1:
         return True
     row = s.execute(select(E.status, E.delivery_status).where(E.id == eid)).one_or_none()
@@ -284,7 +280,8 @@ def suppress_execution(s: Session, eid: int) -> bool:
     """
     from sqlalchemy import case
 
-    rows = s.execute(
+    rows = cas(
+        s,
         update(E)
         .where(E.id == eid, E.delivery_status == DeliveryStatus.PENDING)
         .values(
@@ -294,9 +291,8 @@ def suppress_execution(s: Session, eid: int) -> bool:
             epoch=E.epoch + 1,
             lease_owner=None,
             lease_expires_at=None,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     if rows == 1:
         return True
     row = s.execute(select(E.delivery_status).where(E.id == eid)).one_or_none()

@@ -20,6 +20,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.db import cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
@@ -99,7 +100,8 @@ def take_session(
         if free_when_unowned:
             free.append(S.lease_owner.is_(None))  # a reservation made for the epoch's holder
         conditions.append(or_(*free))
-    rows = s.execute(
+    rows = cas(
+        s,
         update(S)
         .where(*conditions)
         .values(
@@ -108,9 +110,8 @@ def take_session(
             lease_owner=owner,
             lease_expires_at=now + timedelta(seconds=lease_seconds),
             updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     return expected_epoch + 1 if rows == 1 else None
 
 
@@ -127,7 +128,8 @@ def reserve_session(
     leave an unowned reservation for the task it hands the new epoch to. Returns the new epoch,
     or None when the session moved on, is leased, or is not in ``from_phases``."""
     now = utcnow()
-    rows = s.execute(
+    rows = cas(
+        s,
         update(S)
         .where(
             S.id == sid,
@@ -141,20 +143,19 @@ def reserve_session(
             lease_owner=None,
             lease_expires_at=now + timedelta(seconds=reserve_seconds),
             updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     return expected_epoch + 1 if rows == 1 else None
 
 
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
     """Extend the lease of the epoch's owner; False when a newer owner exists."""
-    rows = s.execute(
+    rows = cas(
+        s,
         update(S)
         .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None))
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)),
+    )
     return rows == 1
 
 
@@ -169,9 +170,7 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
     if to_phase is not None:
         values["phase"] = to_phase
         conditions.append(_phase_in(STARTABLE_PHASES))
-    rows = s.execute(
-        update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
-    ).rowcount
+    rows = cas(s, update(S).where(*conditions).values(**values))
     if rows == 1:
         return True
     if to_phase is not None:
@@ -190,7 +189,8 @@ def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seco
     task handed the new epoch takes the session (the scan waits for the reservation to
     expire). Returns the new epoch or None when we no longer hold it."""
     now = utcnow()
-    rows = s.execute(
+    rows = cas(
+        s,
         update(S)
         .where(S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES))
         .values(
@@ -199,9 +199,8 @@ def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seco
             lease_owner=None,
             lease_expires_at=now + timedelta(seconds=reserve_seconds) if reserve_seconds else None,
             updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        ),
+    )
     return epoch + 1 if rows == 1 else None
 
 
@@ -214,12 +213,7 @@ def set_phase(
     conditions = [S.id == sid, _phase_in(from_phases)]
     if epoch is not None:
         conditions.append(S.epoch == epoch)
-    rows = s.execute(
-        update(S)
-        .where(*conditions)
-        .values(phase=to_phase, updated_at=utcnow())
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    rows = cas(s, update(S).where(*conditions).values(phase=to_phase, updated_at=utcnow()))
     return rows == 1
 
 

@@ -168,8 +168,8 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
     delivered = []
-    for call_id, member in sorted(members.items(), key=lambda kv: kv[1].id):
-        assert call_id is not None
+    for member in sorted(members.values(), key=lambda m: m.id):
+        call_id = str(member.parent_tool_call_id)
         mark_delivered(s, member.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
         delivered.append(member.id)
         log.info(

@@ -109,12 +109,12 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
     for sid, row in sessions.items():
         if row.session_type != SessionType.SUBAGENT:
             continue
-        rows = per_child.get(sid, [])
-        if not rows:
+        child_execs = per_child.get(sid, [])
+        if not child_execs:
             problems.append(f"I4 subagent session {sid} has no execution (orphan child)")
             continue
-        delegates = [e for e in rows if e.invocation_type == InvocationType.DELEGATE]
-        if len(delegates) > 1 or (delegates and delegates[0].id != rows[0].id):
+        delegates = [e for e in child_execs if e.invocation_type == InvocationType.DELEGATE]
+        if len(delegates) > 1 or (delegates and delegates[0].id != child_execs[0].id):
             problems.append(f"I4 subagent session {sid}: {len(delegates)} DELEGATE executions")
 
     # I5: the deadline is absolute: nothing ended later than started_at + timeout + grace.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
+from demo.stack import flush_broker
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, wait_until
-from demo.stack import flush_broker
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 

@@ -58,7 +58,9 @@ def test_upgrade_backfills_running_as_pending_and_terminal_as_legacy(fresh_db_ur
         for status in ("COMPLETED", "FAILED", "CANCELLED"):
             assert rows[ids[status]] == "LEGACY"
         legacy_untouched = conn.execute(
-            text("SELECT count(*) FROM subagent_execution WHERE invocation_type IS NULL AND parent_tool_call_id IS NULL")
+            text(
+                "SELECT count(*) FROM subagent_execution WHERE invocation_type IS NULL AND parent_tool_call_id IS NULL"
+            )
         ).scalar_one()
         assert legacy_untouched == 4
 
@@ -98,9 +100,12 @@ def test_upgrade_backfills_running_as_pending_and_terminal_as_legacy(fresh_db_ur
             ),
             {"p": parent[0], "c": parent[1]},
         ).scalar_one()
-        assert conn.execute(
-            text("SELECT delivery_status FROM subagent_execution WHERE id = :i"), {"i": new_id}
-        ).scalar_one() == "PENDING"
+        assert (
+            conn.execute(
+                text("SELECT delivery_status FROM subagent_execution WHERE id = :i"), {"i": new_id}
+            ).scalar_one()
+            == "PENDING"
+        )
     engine.dispose()
 
 

@@ -167,7 +167,7 @@ def test_two_threads_racing_the_same_takeover_exactly_one_wins() -> None:
         try:
             barrier.wait(timeout=5)
             results.append(_take(eid, 0))
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=race) for _ in range(2)]

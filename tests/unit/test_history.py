@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.history import check_legal, normalize, parse_tool_calls, tail_garbage, MALFORMED
+from harness.history import MALFORMED, check_legal, normalize, parse_tool_calls, tail_garbage
 from models import Role
 
 
@@ -98,7 +98,10 @@ def test_parse_tool_calls_classifies() -> None:
     assert parse_tool_calls(None) is None
     assert parse_tool_calls("[]") is None
     assert parse_tool_calls("{oops") is MALFORMED
-    assert parse_tool_calls('[{"id": "a", "function": {"name": "x"}}, {"id": "a", "function": {"name": "y"}}]') is MALFORMED
+    assert (
+        parse_tool_calls('[{"id": "a", "function": {"name": "x"}}, {"id": "a", "function": {"name": "y"}}]')
+        is MALFORMED
+    )
     assert parse_tool_calls(calls("a"))[0]["id"] == "a"  # type: ignore[index]
 
 
