@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from crashpoints import crash_point
 from recovery.field.answer import parse_patch_set
 from recovery.field.artifacts import ArtifactDraft, put_artifacts
 from recovery.field.assembly import assemble
@@ -171,6 +172,7 @@ class FieldRecoveryOrchestrator:
                 return self._failed(facts, key, "invocation_in_progress")
             time.sleep(min(self.settings.poll_interval, left))
         assert claim.epoch is not None
+        crash_point("field.after_claim")  # owner recorded, provider not called yet
         return self._call_as_owner(facts, request, message, owner_id, claim.epoch, deadline)
 
     def _call_as_owner(

@@ -1,0 +1,57 @@
+"""Field recovery killed right after it claimed the invocation (crash point field.after_claim):
+without takeover the key fails closed (no second provider call while the dead owner "holds"
+it); with takeover the expired owner is fenced and exactly one provider call happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from tests.integration.test_field_cli import ROOT, SAMPLE, field_db, field_env, stub_process  # noqa: F401
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(120)]
+
+
+def _recover(env: dict[str, str], **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "field", "recover", str(SAMPLE), "--json"],
+        cwd=ROOT,
+        env={**os.environ, **env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _streams(base: str) -> int:
+    return int(requests.get(base + "/_stats", timeout=5).json()["streams"])
+
+
+def test_owner_killed_after_claim_fails_closed_without_takeover_and_recovers_once_with_it(
+    field_env: dict[str, str],
+    stub_process: str,  # noqa: F811
+) -> None:
+    crashed = _recover(field_env, CRASH_POINT="field.after_claim", BOOKING_FIELD_RECOVERY__LEASE_SECONDS="1")
+    assert crashed.returncode == 137, crashed.stderr
+    assert "crash_point=field.after_claim" in crashed.stderr
+    assert _streams(stub_process) == 0
+
+    off = _recover(field_env, BOOKING_FIELD_RECOVERY__MAX_WAIT="2s", BOOKING_FIELD_RECOVERY__STALE_TAKEOVER="false")
+    result = json.loads(off.stdout)
+    assert off.returncode == 1 and result["status"] == "FAILED" and result["provider_calls"] == 0
+    assert _streams(stub_process) == 0
+
+    on = _recover(field_env, BOOKING_FIELD_RECOVERY__STALE_TAKEOVER="true")
+    result = json.loads(on.stdout)
+    assert on.returncode == 0, on.stderr
+    assert (result["status"], result["replayed"], result["provider_calls"]) == ("SUCCEEDED", False, 1)
+    assert _streams(stub_process) == 1
+
+    again = _recover(field_env)
+    assert json.loads(again.stdout)["replayed"] is True
+    assert _streams(stub_process) == 1
