@@ -90,3 +90,45 @@ def test_parent_delegates_to_two_children_in_parallel_and_resumes_once(stack_fac
     assert sum(1 for j in journal if j["rule"] == 0) == 1
     assert sum(1 for j in journal if j["rule"] == 1) == 1
     assert stack.invariants() == []
+
+
+def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    stack = stack_factory(PARALLEL_SCRIPT)
+    stack.worker(concurrency=2)
+    env = {**os.environ, **stack.env}
+    cmd = [sys.executable, "-m", "cli.main"]
+    submit = subprocess.run(
+        [*cmd, "submit", "--agent", "main", "--wait", "60", "please review"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert submit.returncode == 0, submit.stderr
+    sid = int(submit.stdout.strip().splitlines()[-1])
+    shown = subprocess.run(
+        [*cmd, "session", "show", str(sid), "--json"], env=env, capture_output=True, text=True, timeout=30
+    )
+    snap = json.loads(shown.stdout)
+    assert snap["id"] == sid and snap["phase"] == "WAITING_USER"
+    assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "TOOL", "ASSISTANT"]
+    assert {e["delivery_status"] for e in snap["executions"]} == {"DELIVERED"}
+    assert set(snap["executions"][0]) == {
+        "id",
+        "status",
+        "delivery_status",
+        "child_session_id",
+        "parent_tool_call_id",
+        "invocation_type",
+    }
+    assert set(snap["messages"][1]) == {"id", "role", "content", "tool_calls", "tool_call_id", "source_session_id"}
+    human = subprocess.run([*cmd, "session", "show", str(sid)], env=env, capture_output=True, text=True, timeout=30)
+    assert "delegate#" in human.stdout and "execution" in human.stdout
+    status = subprocess.run([*cmd, "status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+    report = json.loads(status.stdout)
+    assert report["parents_waiting"] == 0
+    assert {(r["status"], r["delivery_status"]) for r in report["executions"]} == {("COMPLETED", "DELIVERED")}

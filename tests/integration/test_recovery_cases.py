@@ -632,3 +632,38 @@ def test_the_same_recover_child_and_deliver_round_messages_several_times_deliver
     assert kinds == ["resume", "stale", "stale"]
     assert sum(1 for m in messages_of(sid) if m.role == Role.TOOL) == 2
     assert invariants(settled=False) == []
+
+
+def test_recovery_logs_the_design_events_without_task_text_or_answers(model_factory, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    secret_task = "CANARY-TASK-7f3a"
+    secret_answer = "CANARY-ANSWER-91bd"
+    model = model_factory(one_child_script({"content": secret_answer}, task=secret_task))
+    sid, _ = parent_yielded(model.base_url)
+    caplog.set_level(logging.DEBUG)
+    drive(model.base_url)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    for event in (
+        "subagent_recovery_scan",
+        "subagent_recovery_start",
+        "subagent_recovery_complete",
+        "subagent_result_delivered",
+        "parent_recovery_wait",
+        "parent_recovery_start",
+    ):
+        assert f"event={event}" in text, event
+    assert secret_task not in text and secret_answer not in text
+    # ... and a second delivery attempt logs the skip with its reason.
+    caplog.clear()
+    (e,) = executions_of(sid)
+    from recovery.ops import redeliver
+
+    assert redeliver(e.id, RecordingScheduler()) == "already_delivered"
+    with transaction() as s:
+        from recovery.delivery import deliver_one
+
+        row = s.execute(select(SubagentExecution).where(SubagentExecution.id == e.id)).scalar_one()
+        assert deliver_one(s, row, sid) is False
+    assert "event=subagent_result_delivery_skipped" in caplog.text and "reason=already_delivered" in caplog.text
+    assert invariants() == []
