@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,17 +180,26 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
     return delivered
 
 
+def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | None:
+    """Lock the parent; None when this delivery may go on. A stale epoch stops it; a stopped
+    parent has its pending results suppressed (and is never resumed)."""
+    parent = _lock_parent(s, parent_id)
+    if parent is None or parent.epoch != epoch:
+        log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
+        return DeliveryOutcome("stale", delivered=tuple(delivered))
+    if parent.phase in STOPPED_PHASES:
+        suppressed = suppress_parent(s, parent_id)
+        return DeliveryOutcome("suppressed", delivered=tuple(delivered) or tuple(suppressed))
+    return None
+
+
 def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     """The chord callback: deliver every finished child result of the parent exactly once,
     then hand the parent a new epoch (the caller enqueues its run). See the module doc."""
     with transaction() as s:
-        parent = _lock_parent(s, parent_id)
-        if parent is None or parent.epoch != epoch:
-            log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
-            return DeliveryOutcome("stale")
-        if parent.phase in STOPPED_PHASES:
-            ids = suppress_parent(s, parent_id)
-            return DeliveryOutcome("suppressed", delivered=tuple(ids))
+        stop = _check_parent(s, parent_id, epoch, ())
+        if stop is not None:
+            return stop
         pending = _pending(s, parent_id)
         active = [r.id for r in pending if r.status in ACTIVE_EXECUTION]
         if active:
@@ -200,24 +210,17 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     delivered: list[int] = []
     for eid in legacy:
         with transaction() as s:
-            parent = _lock_parent(s, parent_id)
-            if parent is None or parent.epoch != epoch:
-                return DeliveryOutcome("stale", delivered=tuple(delivered))
-            if parent.phase in STOPPED_PHASES:
-                suppress_parent(s, parent_id)
-                return DeliveryOutcome("suppressed", delivered=tuple(delivered))
+            stop = _check_parent(s, parent_id, epoch, delivered)
+            if stop is not None:
+                return stop
             row = s.execute(select(E).where(E.id == eid).with_for_update()).scalar_one()
             if deliver_one(s, row, parent_id):
                 delivered.append(eid)
     with transaction() as s:
-        parent = _lock_parent(s, parent_id)
-        if parent is None or parent.epoch != epoch:
-            return DeliveryOutcome("stale", delivered=tuple(delivered))
-        if parent.phase in STOPPED_PHASES:
-            suppress_parent(s, parent_id)
-            return DeliveryOutcome("suppressed", delivered=tuple(delivered))
-        pending = _pending(s, parent_id)
-        delivered += _deliver_open_round(s, parent_id, pending)
+        stop = _check_parent(s, parent_id, epoch, delivered)
+        if stop is not None:
+            return stop
+        delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
         left = (
             s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
             .scalars()

@@ -18,11 +18,9 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.session import reserve_session
 from recovery.delivery import deliver_round
 from recovery.errors import ExecutionNotFound
-from recovery.scan import RecoveryScheduler
-from settings import get_settings
+from recovery.scan import RecoveryScheduler, take_parent
 
 log = logging.getLogger("recovery.ops")
 E = SubagentExecution
@@ -42,14 +40,7 @@ def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
 
             suppressed = suppress_parent(s, parent_id)
             return f"suppressed:{len(suppressed)}"
-        new_epoch = reserve_session(
-            s,
-            parent_id,
-            expected_epoch=row.epoch,
-            to_phase=Phase.RESUMING,
-            reserve_seconds=2 * get_settings().LEASE_SECONDS,
-            from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
-        )
+        new_epoch = take_parent(s, parent_id, row.epoch)
     if new_epoch is None:
         return "parent_busy"
     outcome = deliver_round(parent_id, new_epoch)

@@ -25,6 +25,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from sqlalchemy import exists, select, text
+from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.events import publish_status
@@ -201,14 +202,7 @@ def _recover_parent(
         parent = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)).one()
         if parent.phase in STOPPED_PHASES:
             return  # step 1 of the next scan suppresses it
-        new_epoch = reserve_session(
-            s,
-            parent_id,
-            expected_epoch=parent.epoch,
-            to_phase=Phase.RESUMING,
-            reserve_seconds=2 * get_settings().LEASE_SECONDS,
-            from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
-        )
+        new_epoch = take_parent(s, parent_id, parent.epoch)
     if new_epoch is None:
         report.waiting.append(parent_id)  # leased (running, or just handed over): not ours
         return
@@ -223,6 +217,19 @@ def _recover_parent(
         ",".join(str(p.id) for p in pending),
     )
     scheduler.recover_children(parent_id, new_epoch, recoverable)
+
+
+def take_parent(s: Session, parent_id: int, expected_epoch: int) -> int | None:
+    """Recovery owns the parent: new epoch, phase RESUMING (shown as RUNNING), and a
+    reservation for the delivery it hands that epoch to. None when leased or moved on."""
+    return reserve_session(
+        s,
+        parent_id,
+        expected_epoch=expected_epoch,
+        to_phase=Phase.RESUMING,
+        reserve_seconds=2 * get_settings().LEASE_SECONDS,
+        from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
+    )
 
 
 def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> None:

@@ -30,19 +30,26 @@ def _admin_engine():  # type: ignore[no-untyped-def]
     return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
 
 
+def _create_database(prefix: str):  # type: ignore[no-untyped-def]
+    """CREATE DATABASE <prefix>_<pid>_<rand>; returns (admin engine, name, url)."""
+    from sqlalchemy import text
+
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    try:
+        admin = _admin_engine()
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # any driver error means "not reachable"
+        _missing("PostgreSQL", exc)
+    return admin, name, PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """URL of a fresh database migrated to head; dropped at the end of the session."""
     from sqlalchemy import text
 
-    name = f"ar_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    try:
-        admin = _admin_engine()
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        _missing("PostgreSQL", exc)
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    admin, name, url = _create_database("ar_test")
     os.environ["DATABASE_URL"] = url
     from settings import get_settings
 
@@ -105,14 +112,8 @@ def fresh_db_url() -> Iterator[str]:
     """An EMPTY database (no migrations run), for migration tests; dropped after the test."""
     from sqlalchemy import text
 
-    name = f"ar_mig_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    try:
-        admin = _admin_engine()
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        _missing("PostgreSQL", exc)
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    admin, name, url = _create_database("ar_mig")
+    yield url
     from models.db import dispose_engines
 
     dispose_engines()
@@ -128,8 +129,8 @@ class Stack:
     """One test's services; workers are real `celery -A tasks worker` subprocesses."""
 
     def __init__(self, pg_url: str, log_dir, script) -> None:  # type: ignore[no-untyped-def]
-        from harness.scripted_model import ScriptedModelServer
         from demo.stack import apply_env, flush_broker, service_env
+        from harness.scripted_model import ScriptedModelServer
 
         flush_broker()
         self.model = ScriptedModelServer(script)
