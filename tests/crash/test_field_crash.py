@@ -33,7 +33,7 @@ def _streams(base: str) -> int:
 
 
 def test_owner_killed_after_claim_fails_closed_without_takeover_and_recovers_once_with_it(
-    field_env: dict[str, str],
+    field_env: dict[str, str],  # noqa: F811
     stub_process: str,  # noqa: F811
 ) -> None:
     crashed = _recover(field_env, CRASH_POINT="field.after_claim", BOOKING_FIELD_RECOVERY__LEASE_SECONDS="1")
