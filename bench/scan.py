@@ -1,0 +1,306 @@
+"""Scan cost against history: ``python bench/scan.py [--pending 1000] [--history 1000000]``.
+
+The recovery scan must cost O(pending), not O(history) (DESIGN §3: the partial index
+``idx_sae_pending ... WHERE delivery_status = 'PENDING'``). This benchmark times the scan with
+``--pending`` crashed executions (RUNNING, PENDING, lease expired) over an empty history, then
+over ``--history`` finished rows (DELIVERED and LEGACY, bulk-inserted with generate_series and
+analyzed, as autovacuum would), and prints both times, their ratio, and the EXPLAIN of the
+scan's pending query with the index it uses.
+
+Each pass is the real ``recovery.scan.scan`` with a scheduler that only counts (it takes every
+crashed parent, so the parents are put back between passes, outside the timing). The candidate
+query alone is timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the project root, not bench/, comes first
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+PENDING_USER = "bench-pending"
+HISTORY_USER = "bench-history"
+#: History rows inserted per statement (one progress line each).
+HISTORY_BATCH = 250_000
+
+
+class CountingScheduler:
+    """A RecoveryScheduler that enqueues nothing: the scan's own cost, without the broker."""
+
+    def __init__(self) -> None:
+        self.parents = 0
+        self.executions = 0
+
+    def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
+        self.parents += 1
+        self.executions += len(children)
+
+    def resume_parent(self, parent_id: int, epoch: int) -> None:
+        pass
+
+
+def insert_pending(pending: int, per_parent: int) -> int:
+    """Crashed parents (RUNNING, lease released) with ``per_parent`` executions each, RUNNING
+    and PENDING under an expired lease, each in its own child session. Returns the parents."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    parents = -(-pending // per_parent)
+    with transaction() as s:
+        s.execute(
+            text(
+                "INSERT INTO agent_session (user_id, session_type, agent_type, phase, epoch, started_at, updated_at)"
+                " SELECT :u, 'NORMAL', 'main', 'RUNNING', 1, now(), now() FROM generate_series(1, :n)"
+            ),
+            {"u": PENDING_USER, "n": parents},
+        )
+        s.execute(
+            text(
+                "INSERT INTO agent_session (user_id, session_type, parent_session_id, agent_type, phase, epoch,"
+                " started_at, updated_at)"
+                " SELECT :u, 'SUBAGENT', p.id, 'reviewer', 'RUNNING', 0, now(), now()"
+                " FROM (SELECT id, row_number() OVER (ORDER BY id) AS r FROM agent_session"
+                "       WHERE user_id = :u AND session_type = 'NORMAL') p, generate_series(1, :k) k"
+                " WHERE (p.r - 1) * :k + k <= :pending"
+            ),
+            {"u": PENDING_USER, "k": per_parent, "pending": pending},
+        )
+        s.execute(
+            text(
+                "INSERT INTO subagent_execution (parent_session_id, child_session_id, agent_type, task_description,"
+                " status, delivery_status, invocation_type, parent_tool_call_id, started_at, epoch, lease_owner,"
+                " lease_expires_at, total_tool_calls, rounds, prompt_tokens, completion_tokens, total_tokens)"
+                " SELECT c.parent_session_id, c.id, 'reviewer', 'part of the work', 'RUNNING', 'PENDING',"
+                " 'DELEGATE', 'call_' || c.id, now(), 1, 'dead-worker', now() - interval '1 minute', 0, 0, 0, 0, 0"
+                " FROM agent_session c WHERE c.user_id = :u AND c.session_type = 'SUBAGENT'"
+            ),
+            {"u": PENDING_USER},
+        )
+    return parents
+
+
+def put_parents_back() -> None:
+    """Undo what a pass did to the crashed parents (taken: RESUMING, epoch + 1, reserved)."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    with transaction() as s:
+        s.execute(
+            text(
+                "UPDATE agent_session SET phase = 'RUNNING', lease_owner = NULL, lease_expires_at = NULL"
+                " WHERE user_id = :u AND session_type = 'NORMAL'"
+            ),
+            {"u": PENDING_USER},
+        )
+
+
+def insert_history(rows: int, per_parent: int = 10) -> None:
+    """``rows`` finished executions: 4 in 5 DELIVERED (terminal, delivered_at, tool call id),
+    1 in 5 LEGACY (pre-upgrade: no tool call id, no invocation type). Every ``per_parent`` of
+    them share one finished parent and one child session (follow-ups), so the foreign keys hold."""
+    from sqlalchemy import text
+
+    from bench._common import progress
+    from models import transaction
+
+    if rows == 0:
+        return
+    parents = -(-rows // per_parent)
+    with transaction() as s:
+        first = s.execute(
+            text(
+                "INSERT INTO agent_session (user_id, session_type, agent_type, phase, epoch, started_at, updated_at)"
+                " SELECT :u, 'NORMAL', 'main', CASE WHEN g % 3 = 0 THEN 'COMPLETED' ELSE 'WAITING_USER' END, 2,"
+                " now() - interval '30 days', now() - interval '30 days' FROM generate_series(1, :n) g"
+                " RETURNING id"
+            ),
+            {"u": HISTORY_USER, "n": parents},
+        ).scalars()
+        ids = sorted(first)
+        if ids[-1] - ids[0] + 1 != parents:
+            raise RuntimeError("the history parents did not get consecutive ids")
+        first_parent = ids[0]
+        s.execute(
+            text(
+                "INSERT INTO agent_session (user_id, session_type, parent_session_id, agent_type, phase, epoch,"
+                " started_at, updated_at)"
+                " SELECT :u, 'SUBAGENT', id, 'reviewer', 'COMPLETED', 1, started_at, updated_at"
+                " FROM agent_session WHERE user_id = :u AND session_type = 'NORMAL' ORDER BY id"
+            ),
+            {"u": HISTORY_USER},
+        )
+        first_child = s.execute(
+            text("SELECT min(id) FROM agent_session WHERE user_id = :u AND session_type = 'SUBAGENT'"),
+            {"u": HISTORY_USER},
+        ).scalar_one()
+    progress(f"history: {2 * parents} finished sessions inserted")
+    # Parent n (0-based) is first_parent + n and its child first_child + n (inserted in id order).
+    done = 0
+    while done < rows:
+        batch = min(HISTORY_BATCH, rows - done)
+        with transaction() as s:
+            s.execute(
+                text(
+                    "INSERT INTO subagent_execution (parent_session_id, child_session_id, agent_type,"
+                    " task_description, status, delivery_status, invocation_type, parent_tool_call_id,"
+                    " parent_result_delivered_at, started_at, completed_at, epoch, total_tool_calls, rounds,"
+                    " prompt_tokens, completion_tokens, total_tokens, result)"
+                    " SELECT :fp + g / :k, :fc + g / :k, 'reviewer', 'old work ' || g,"
+                    " CASE WHEN g % 17 = 0 THEN 'FAILED' ELSE 'COMPLETED' END,"
+                    " CASE WHEN g % 5 = 0 THEN 'LEGACY' ELSE 'DELIVERED' END,"
+                    " CASE WHEN g % 5 = 0 THEN NULL WHEN g % :k = 0 THEN 'DELEGATE' ELSE 'FOLLOWUP' END,"
+                    " CASE WHEN g % 5 = 0 THEN NULL ELSE 'call_h' || g END,"
+                    " CASE WHEN g % 5 = 0 THEN NULL ELSE now() - interval '30 days' END,"
+                    " now() - interval '30 days', now() - interval '30 days', 1, 1, 2, 120, 30, 150,"
+                    ' \'{"success": true, "result": "old answer"}\''
+                    " FROM generate_series(:lo, :hi) g"
+                ),
+                {"fp": first_parent, "fc": first_child, "k": per_parent, "lo": done, "hi": done + batch - 1},
+            )
+        done += batch
+        progress(f"history: {done}/{rows} finished executions inserted")
+
+
+def vacuum_analyze() -> None:
+    """What autovacuum does to a table that grew: visibility map and planner statistics."""
+    from sqlalchemy import text
+
+    from models import get_engine
+
+    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for table in ("agent_session", "subagent_execution"):
+            conn.execute(text(f"VACUUM ANALYZE {table}"))
+
+
+def pending_query() -> Any:
+    """The scan's candidate query, as ``recovery.scan._recover_parents`` builds it."""
+    from sqlalchemy import select
+
+    from models import DeliveryStatus, SubagentExecution
+
+    E = SubagentExecution
+    return (
+        select(E.parent_session_id, E.id, E.status, E.epoch, E.lease_expires_at, E.started_at, E.completed_at)
+        .where(E.delivery_status == DeliveryStatus.PENDING)
+        .order_by(E.parent_session_id, E.id)
+    )
+
+
+@dataclass
+class Timing:
+    scan_s: float
+    query_s: float
+    parents: int
+    executions: int
+
+
+def time_scan(repeat: int) -> Timing:
+    """Median of ``repeat`` full scan passes and of ``repeat`` runs of the candidate query
+    (after one warm-up of each)."""
+    from models import transaction
+    from recovery.scan import scan
+
+    scans, queries = [], []
+    sched = CountingScheduler()
+    for n in range(repeat + 1):
+        put_parents_back()
+        sched = CountingScheduler()
+        started = time.perf_counter()
+        report = scan(sched, callback_grace_seconds=0)
+        elapsed = time.perf_counter() - started
+        if not report.ran:
+            raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+        if n:
+            scans.append(elapsed)
+    put_parents_back()
+    query = pending_query()
+    for n in range(repeat + 1):
+        with transaction() as s:
+            started = time.perf_counter()
+            rows = s.execute(query).all()
+            elapsed = time.perf_counter() - started
+        if n:
+            queries.append(elapsed)
+    del rows
+    return Timing(statistics.median(scans), statistics.median(queries), sched.parents, sched.executions)
+
+
+def explain_pending() -> list[str]:
+    """EXPLAIN (ANALYZE, BUFFERS) of the candidate query on this database."""
+    from sqlalchemy import text
+    from sqlalchemy.dialects import postgresql
+
+    from models import transaction
+
+    sql = str(pending_query().compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+    with transaction() as s:
+        return [r[0] for r in s.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + sql))]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/scan.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--pending", type=int, default=1000, help="crashed executions to recover (default 1000)")
+    parser.add_argument("--history", type=int, default=1_000_000, help="finished rows underneath (default 1000000)")
+    parser.add_argument("--per-parent", type=int, default=4, help="pending executions per parent (default 4)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed passes per case, median printed (default 5)")
+    args = parser.parse_args(argv)
+    if args.pending < 1 or args.history < 0 or args.per_parent < 1 or args.repeat < 1:
+        parser.error("--pending, --per-parent and --repeat must be >= 1, --history >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import os
+
+    from bench._common import REDIS_BASE, REDIS_DBS, bench_database, progress
+
+    os.environ["REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DBS[2]}"  # the scan's session_status events
+    with bench_database("bench_scan") as url:
+        del url
+        parents = insert_pending(args.pending, args.per_parent)
+        vacuum_analyze()
+        print(
+            f"scan: {args.pending} pending executions under {parents} crashed parents; median of {args.repeat} passes",
+            flush=True,
+        )
+        empty = time_scan(args.repeat)
+        progress(f"over 0 historic rows: scan {empty.scan_s * 1000:.1f} ms; inserting {args.history} historic rows")
+        started = time.monotonic()
+        insert_history(args.history)
+        vacuum_analyze()
+        progress(f"history inserted and analyzed in {time.monotonic() - started:.1f} s")
+        full = time_scan(args.repeat)
+        plan = explain_pending()
+    if (empty.parents, empty.executions) != (full.parents, full.executions) or full.executions != args.pending:
+        print(f"each pass should hand over {args.pending} executions: {empty} vs {full}")
+        return 1
+    print(f"  each pass takes {full.parents} parents and hands over {full.executions} executions")
+    print(f"scan over 0 historic rows: {empty.scan_s * 1000:.1f} ms (candidate query {empty.query_s * 1000:.2f} ms)")
+    print(
+        f"scan over {args.history} historic rows: {full.scan_s * 1000:.1f} ms "
+        f"(candidate query {full.query_s * 1000:.2f} ms)"
+    )
+    print(
+        f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f}, "
+        f"candidate query {full.query_s / empty.query_s:.2f}"
+    )
+    print(f"EXPLAIN (ANALYZE, BUFFERS) of the pending query over {args.history} historic rows:")
+    for line in plan:
+        print(f"  {line}")
+    uses = any("idx_sae_pending" in line for line in plan)
+    print(f"plan uses idx_sae_pending: {'yes' if uses else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
