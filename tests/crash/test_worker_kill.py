@@ -67,8 +67,8 @@ def test_two_workers_with_concurrent_scans_deliver_exactly_once(stack_factory) -
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     parents = [stack.submit(f"go {i}") for i in range(3)]
-    for sid in parents:
-        wait_until(lambda sid=sid: children_running(sid), timeout=40, what="children running")
+    # Kill once every parent has delegated: some children run, the others wait in the queue.
+    wait_until(lambda: all(len(executions_of(sid)) == 2 for sid in parents), timeout=60, what="all delegations")
     w1.kill()
     # Two workers, each with its own beat: two boot scans and two scans every interval.
     stack.worker("w2", beat=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -48,14 +49,17 @@ def test_session_status_events_show_resuming_as_running(redis_url: str, monkeypa
     pubsub = client.pubsub()
     pubsub.subscribe(CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
-    publish_status(7, Phase.RESUMING)
-    message = None
+    sid = 10**9 + os.getpid()  # Pub/Sub ignores database numbers: find OUR event among others
+    publish_status(sid, Phase.RESUMING)
+    event = None
     end = time.monotonic() + 5
-    while message is None and time.monotonic() < end:
+    while event is None and time.monotonic() < end:
         message = pubsub.get_message(timeout=0.5)
-    assert message is not None
-    event = json.loads(message["data"])
-    assert event == {"type": "session_status", "session_id": 7, "phase": "RUNNING"}
+        if message is not None and message["type"] == "message":
+            candidate = json.loads(message["data"])
+            if candidate.get("session_id") == sid:
+                event = candidate
+    assert event == {"type": "session_status", "session_id": sid, "phase": "RUNNING"}
     pubsub.close()
     client.close()
     events._redis.cache_clear()
