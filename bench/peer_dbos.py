@@ -14,15 +14,17 @@ same PostgreSQL server, each in its own throwaway database, with the same script
   workflow is SUCCESS.
 
 Prints both throughputs (child results delivered to their parents per second, until every
-parent finished) and the ratio ours/DBOS. DBOS's queue and result polling intervals are set
-to ``--dbos-poll-seconds`` (DBOS's default is 1 s). Exits 0 with a message when DBOS is not
-installed; 1 when either side loses or duplicates a delivery.
+parent finished; the median of ``--trials`` alternating runs) and the ratio ours/DBOS. DBOS's
+queue and result polling intervals are set to ``--dbos-poll-seconds`` (DBOS's default is 1 s).
+Exits 0 with a message when DBOS is not installed; 1 when either side loses or duplicates a
+delivery.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,12 +198,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parents", type=int, default=20, help="parents crashed mid-flight (default 20)")
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
     parser.add_argument("--concurrency", type=int, default=2, help="our pool size = DBOS queue concurrency (2)")
+    parser.add_argument("--trials", type=int, default=3, help="alternating trials of each, medians (default 3)")
     parser.add_argument(
         "--dbos-poll-seconds", type=float, default=0.05, help="DBOS queue and result polling interval (0.05)"
     )
     args = parser.parse_args(argv)
-    if args.parents < 1 or args.children < 1 or args.concurrency < 1 or args.dbos_poll_seconds <= 0:
-        parser.error("--parents, --children and --concurrency must be >= 1, --dbos-poll-seconds > 0")
+    if min(args.parents, args.children, args.concurrency, args.trials) < 1 or args.dbos_poll_seconds <= 0:
+        parser.error("--parents, --children, --concurrency and --trials must be >= 1, --dbos-poll-seconds > 0")
     return args
 
 
@@ -219,29 +222,40 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"peer_dbos: {args.parents} parents x {args.children} children crashed mid-flight and recovered, "
-        f"pool/queue concurrency {args.concurrency}; ours, then DBOS Transact {version('dbos')}",
+        f"pool/queue concurrency {args.concurrency}; {args.trials} trial(s) of ours then DBOS Transact "
+        f"{version('dbos')}, alternating",
         flush=True,
     )
-    with bench_database("bench_peer_ours") as url:
-        ours = run_recovery(url, parents=args.parents, children=args.children, workers=1, concurrency=args.concurrency)
-    with bench_database("bench_peer_dbos", migrate=False) as url:
-        theirs = run_dbos(
-            url,
-            parents=args.parents,
-            children=args.children,
-            concurrency=args.concurrency,
-            poll_seconds=args.dbos_poll_seconds,
+    ours_rates: list[float] = []
+    dbos_rates: list[float] = []
+    problems: list[str] = []
+    for trial in range(1, args.trials + 1):
+        with bench_database("bench_peer_ours") as url:
+            ours = run_recovery(
+                url, parents=args.parents, children=args.children, workers=1, concurrency=args.concurrency
+            )
+        with bench_database("bench_peer_dbos", migrate=False) as url:
+            theirs = run_dbos(
+                url,
+                parents=args.parents,
+                children=args.children,
+                concurrency=args.concurrency,
+                poll_seconds=args.dbos_poll_seconds,
+            )
+        ours_rates.append(ours.deliveries_per_second)
+        dbos_rates.append(theirs.deliveries_per_second)
+        problems += [f"trial {trial} ours: {p}" for p in ours.invariants]
+        problems += [f"trial {trial} {p}" for p in theirs.problems]
+        print(
+            f"  trial {trial}: ours {ours.deliveries_per_second:.1f} deliveries/s (every parent resumed "
+            f"{ours.all_resumed_s:.3f} s after the scan); DBOS {theirs.deliveries_per_second:.1f} deliveries/s "
+            f"(every parent workflow done {theirs.all_resumed_s:.3f} s after DBOS.launch())",
+            flush=True,
         )
-    print(
-        f"ours: {ours.deliveries_per_second:.1f} deliveries/s (first delivery {ours.first_delivery_s:.3f} s, "
-        f"every parent resumed {ours.all_resumed_s:.3f} s after the scan)"
-    )
-    print(
-        f"DBOS: {theirs.deliveries_per_second:.1f} deliveries/s (first round written {theirs.first_delivery_s:.3f} s, "
-        f"every parent workflow done {theirs.all_resumed_s:.3f} s after DBOS.launch())"
-    )
-    print(f"ratio ours/DBOS: {ours.deliveries_per_second / theirs.deliveries_per_second:.2f}")
-    problems = [f"ours: {p}" for p in ours.invariants] + theirs.problems
+    ours_rate, dbos_rate = statistics.median(ours_rates), statistics.median(dbos_rates)
+    print(f"ours: {ours_rate:.1f} deliveries/s (median of {args.trials})")
+    print(f"DBOS: {dbos_rate:.1f} deliveries/s (median of {args.trials})")
+    print(f"ratio ours/DBOS: {ours_rate / dbos_rate:.2f}")
     if problems:
         print(f"exactly-once checks: VIOLATED ({len(problems)})")
         for problem in problems:

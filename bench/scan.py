@@ -27,6 +27,8 @@ if __package__ in (None, ""):  # run as a script: the project root, not bench/, 
 
 PENDING_USER = "bench-pending"
 HISTORY_USER = "bench-history"
+#: Runs of the candidate query alone per timed scan pass.
+QUERY_RUNS_PER_PASS = 10
 #: History rows inserted per statement (one progress line each).
 HISTORY_BATCH = 250_000
 
@@ -204,8 +206,8 @@ class Timing:
 
 
 def time_scan(repeat: int) -> Timing:
-    """Median of ``repeat`` full scan passes and of ``repeat`` runs of the candidate query
-    (after one warm-up of each)."""
+    """Median of ``repeat`` full scan passes and of ``QUERY_RUNS_PER_PASS * repeat`` runs of
+    the candidate query (a few milliseconds each, so noisier), after one warm-up of each."""
     from models import transaction
     from recovery.scan import scan
 
@@ -223,7 +225,7 @@ def time_scan(repeat: int) -> Timing:
             scans.append(elapsed)
     put_parents_back()
     query = pending_query()
-    for n in range(repeat + 1):
+    for n in range(QUERY_RUNS_PER_PASS * repeat + 1):
         with transaction() as s:
             started = time.perf_counter()
             rows = s.execute(query).all()
@@ -244,6 +246,11 @@ def explain_pending() -> list[str]:
     sql = str(pending_query().compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     with transaction() as s:
         return [r[0] for r in s.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + sql))]
+
+
+def _execution_ms(plan: list[str]) -> float:
+    line = next((line for line in plan if line.strip().startswith("Execution Time:")), "Execution Time: nan ms")
+    return float(line.split(":", 1)[1].split()[0])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -274,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         empty = time_scan(args.repeat)
+        empty_plan = explain_pending()
         progress(f"over 0 historic rows: scan {empty.scan_s * 1000:.1f} ms; inserting {args.history} historic rows")
         started = time.monotonic()
         insert_history(args.history)
@@ -293,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f}, "
         f"candidate query {full.query_s / empty.query_s:.2f}"
+    )
+    print(
+        "pending query inside PostgreSQL (EXPLAIN ANALYZE execution time): "
+        f"{_execution_ms(empty_plan):.3f} ms over 0 rows, {_execution_ms(plan):.3f} ms over {args.history} rows"
     )
     print(f"EXPLAIN (ANALYZE, BUFFERS) of the pending query over {args.history} historic rows:")
     for line in plan:
