@@ -667,3 +667,36 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(model_fact
         assert deliver_one(s, row, sid) is False
     assert "event=subagent_result_delivery_skipped" in caplog.text and "reason=already_delivered" in caplog.text
     assert invariants() == []
+
+
+def test_a_parent_cancelled_during_recovery_gets_nothing_and_a_second_restart_leaves_it(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(one_child_script({"tool_calls": [{"name": "wait", "arguments": {"seconds": 20}}]}))
+    sid, _ = parent_yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    scan(sched, callback_grace_seconds=0)
+    ((_, epoch, children),) = sched.recoveries
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(recover_child(*children[0], deps)))
+    runner.start()
+    from tests.helpers import wait_until
+
+    wait_until(lambda: phase_of(executions_of(sid)[0].child_session_id) == Phase.RESUMING, timeout=10)
+    started = time.monotonic()
+    assert cancel_session(sid)[0]
+    runner.join(15)
+    assert not runner.is_alive() and time.monotonic() - started < 10  # the 20 s wait noticed the cancel
+    assert outcome == ["lost"]  # fenced: the cancelled child wrote nothing more
+    assert deliver_round(sid, epoch).kind == "suppressed"
+    (e,) = executions_of(sid)
+    assert (e.status, e.delivery_status) == ("CANCELLED", "SUPPRESSED")
+    assert [m.role for m in messages_of(sid)] == ["USER"]
+    before = (e.epoch, e.completed_at)
+    expire_leases()
+    second = scan(RecordingScheduler(), callback_grace_seconds=0)
+    assert second.parents == [] and second.suppressed == [] and second.resumed_sessions == []
+    (e2,) = executions_of(sid)
+    assert (e2.epoch, e2.completed_at) == before and phase_of(sid) == Phase.CANCELLED
+    assert rule_calls(model, 1) == 0
+    assert invariants() == []
