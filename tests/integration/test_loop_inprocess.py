@@ -270,3 +270,20 @@ def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory) -> No
     with transaction() as s:
         assert s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one() == Phase.CANCELLED
     assert invariants() == []
+
+
+@pytest.mark.parametrize("point", ["delegate.after_child_session", "delegate.after_user_message"])
+def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory, point: str) -> None:  # type: ignore[no-untyped-def]
+    from models import Message, SubagentExecution
+
+    model = model_factory(TWO_CHILDREN)
+    sid = create_session("main", "go")
+    deps = loop_deps(model.base_url)
+    with armed_fault(point):
+        assert run_agent(sid, 0, deps) == "failed"  # the round transaction rolled back whole
+    with transaction() as s:
+        assert s.execute(select(AgentSession.id).where(AgentSession.parent_session_id == sid)).all() == []
+        assert s.execute(select(SubagentExecution.id)).all() == []
+        assert s.execute(select(PendingRound.id)).all() == []
+        assert [m.role for m in s.execute(select(Message)).scalars()] == ["USER"]
+    assert deps.scheduler.children == []  # type: ignore[attr-defined]
