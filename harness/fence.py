@@ -42,7 +42,8 @@ class Fence:
     epoch: int
     lease_seconds: float
     lost: bool = False
-    _last_poll: float = 0.0
+    #: The owner was just checked when the fence is made: the first poll waits a period.
+    _last_poll: float = field(default_factory=time.monotonic)
     _cancelled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

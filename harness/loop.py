@@ -351,6 +351,11 @@ def run_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
             require_expired=True,
             free_when_unowned=True,
         )
+        if new_epoch is not None:
+            child = s.execute(
+                select(SubagentExecution.child_session_id).where(SubagentExecution.id == execution_id)
+            ).scalar_one()
+            set_phase(s, child, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
     if new_epoch is None:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
         return "stale"
@@ -478,18 +483,19 @@ def _finish_child_tx(
     return status, phase, rounds
 
 
-def execute_child(execution_id: int, epoch: int, deps: LoopDeps, *, phase: Phase = Phase.RUNNING) -> str:
-    """Run a taken execution's rounds to its end. Never raises: every failure becomes a FAILED
-    (or CANCELLED) execution, so a chord header never breaks its callback."""
+#: Phases of a child session that a taken execution may (re)start from.
+CHILD_STARTABLE = (None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING)
+
+
+def execute_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+    """Run a taken execution's rounds to its end (the taker set the child's phase). Never
+    raises: every failure becomes a FAILED (or CANCELLED) execution, so a chord header never
+    breaks its callback."""
     info = load_child(execution_id)
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
     try:
-        with transaction() as s:
-            set_phase(
-                s, info.child_session_id, to_phase=phase, from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING)
-            )
-        publish_status(info.child_session_id, phase)
+        publish_status(info.child_session_id, Phase.RUNNING)
         agent = get_agent(info.agent_type)
         allowed = agent.tool_names(TOOL_NAMES, subagent=True)
         with Heartbeat(fence):

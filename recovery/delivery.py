@@ -193,9 +193,31 @@ def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[in
     return None
 
 
+def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered: list[int]) -> DeliveryOutcome:
+    """In the caller's transaction (parent locked and checked): write the open round, then hand
+    the parent a new epoch — unless something is still PENDING."""
+    delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
+    left = (
+        s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
+        .scalars()
+        .all()
+    )
+    if left:
+        log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
+        return DeliveryOutcome("waiting", delivered=tuple(delivered))
+    new_epoch = hand_over(
+        s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
+    )
+    return DeliveryOutcome("resume", new_epoch=new_epoch, delivered=tuple(delivered))
+
+
 def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     """The chord callback: deliver every finished child result of the parent exactly once,
-    then hand the parent a new epoch (the caller enqueues its run). See the module doc."""
+    then hand the parent a new epoch (the caller enqueues its run). See the module doc.
+
+    The common case (every result belongs to the open round) is ONE transaction: checks,
+    tail cleanup, the whole round, the markers and the hand-over."""
+    delivered: list[int] = []
     with transaction() as s:
         stop = _check_parent(s, parent_id, epoch, ())
         if stop is not None:
@@ -207,8 +229,8 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
             return DeliveryOutcome("waiting")
         cleanup_incomplete_tail(s, parent_id, validated_boundary(s, parent_id))
         legacy = [r.id for r in pending if r.pending_round_id is None]
-    delivered: list[int] = []
-    for eid in legacy:
+        outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered)
+    for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
             if stop is not None:
@@ -216,22 +238,15 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
             row = s.execute(select(E).where(E.id == eid).with_for_update()).scalar_one()
             if deliver_one(s, row, parent_id):
                 delivered.append(eid)
-    with transaction() as s:
-        stop = _check_parent(s, parent_id, epoch, delivered)
-        if stop is not None:
-            return stop
-        delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
-        left = (
-            s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
-            .scalars()
-            .all()
+    if outcome is None:
+        with transaction() as s:
+            stop = _check_parent(s, parent_id, epoch, delivered)
+            if stop is not None:
+                return stop
+            outcome = _close_round_and_hand_over(s, parent_id, epoch, delivered)
+    if outcome.kind == "resume":
+        crash_point("deliver.before_resume")
+        log.info(
+            "event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, outcome.new_epoch, len(delivered)
         )
-        if left:
-            log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
-            return DeliveryOutcome("waiting", delivered=tuple(delivered))
-        new_epoch = hand_over(
-            s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
-        )
-    crash_point("deliver.before_resume")
-    log.info("event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, new_epoch, len(delivered))
-    return DeliveryOutcome("resume", new_epoch=new_epoch, delivered=tuple(delivered))
+    return outcome

@@ -143,7 +143,7 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps, force: bool) -> str:
         if utcnow() >= child_deadline(info.started_at):
             ok = finish_child(info, new_epoch, text=None, failure=timeout_reason())
             return "timed_out" if ok else "lost"
-        return execute_child(execution_id, new_epoch, deps, phase=Phase.RESUMING)
+        return execute_child(execution_id, new_epoch, deps)
     except Exception as exc:
         from harness.results import describe_exception
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from typing import Any
 
 from harness.loop import LoopDeps, execute_child, run_agent, run_child
+from harness.model import ModelClient
 from recovery.delivery import deliver_round
 from tasks import app
 from tasks.scheduler import CeleryScheduler
@@ -13,8 +15,14 @@ from tasks.scheduler import CeleryScheduler
 log = logging.getLogger("tasks.agent")
 
 
+@lru_cache(maxsize=1)
+def _model() -> ModelClient:
+    # One client (one HTTP session) per worker process; created after the fork.
+    return ModelClient.from_settings()
+
+
 def deps() -> LoopDeps:
-    return LoopDeps(scheduler=CeleryScheduler(app))
+    return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
 
 
 @app.task(name="agent.run")
