@@ -96,14 +96,23 @@ class Soak:
             has_beat = True
 
     def reset(self) -> None:
+        """Empty the tables between trials. Ids are NOT restarted: a stale message of an earlier
+        trial (a duplicate callback, a late scan) must find no row, never a new trial's row."""
         from sqlalchemy import text
+        from sqlalchemy.exc import OperationalError
 
+        from demo.stack import flush_broker
         from models import get_engine
 
-        with get_engine().begin() as conn:
-            conn.execute(
-                text("TRUNCATE message, subagent_execution, pending_round, agent_session RESTART IDENTITY CASCADE")
-            )
+        flush_broker()
+        for attempt in range(5):
+            try:
+                with get_engine().begin() as conn:
+                    conn.execute(text("TRUNCATE message, subagent_execution, pending_round, agent_session CASCADE"))
+                return
+            except OperationalError:  # a late task of the last trial held a lock (deadlock detected)
+                time.sleep(0.5 * (attempt + 1))
+        raise RuntimeError("could not empty the tables between trials")
 
     def trial(self, seed: int) -> list[str]:
         import tasks
