@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -106,49 +104,6 @@ def flush_redis() -> None:
         client.close()
 
 
-class Service:
-    """A subprocess in its own process group, its output in ``log_path``; ready once its log
-    shows ``ready_line``. The same contract as ``demo.stack.Worker`` (start/log/kill/stop)."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, ready_line: str) -> None:
-        self.cmd, self.env, self.log_path, self.ready_line = cmd, env, log_path, ready_line
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60.0) -> Service:
-        self._fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[2:4]} exited early:\n{self.log()[-3000:]}")
-            if self.ready_line in self.log():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.cmd[2:4]} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: no cleanup, nothing flushed."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if getattr(self, "_fh", None):
-            self._fh.close()
 
 
 class Stack:

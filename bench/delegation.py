@@ -78,7 +78,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
 
 def bare_worker(env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
     """``celery -A bench.delegation:chord_app worker -Q bench_chord``, prefork like ours."""
-    from bench._common import Service
+    from demo.stack import Service
 
     cmd = [
         sys.executable,

@@ -71,7 +71,7 @@ def _status() -> dict[str, int]:
 
 
 def _dbos_process(env: dict[str, str], log_dir: Path, *args: str) -> Any:
-    from bench._common import Service
+    from demo.stack import Service
 
     cmd = [sys.executable, "-m", "bench._dbos_app", *args]
     return Service(cmd, env, log_dir / f"dbos-{args[0]}.log", "event=launched")

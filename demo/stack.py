@@ -67,50 +67,30 @@ def flush_broker(redis_base: str = "redis://127.0.0.1:6379") -> None:
         client.close()
 
 
-class Worker:
-    """`celery -A tasks worker -P prefork -c N` in its own process group."""
+class Service:
+    """A subprocess in its own process group, its output in ``log_path``; ready once its log
+    shows ``ready_line`` (when given). kill() is a SIGKILL of the whole group: no cleanup, no
+    acks, nothing flushed; stop() is SIGTERM, then SIGKILL after 10 s."""
 
-    def __init__(
-        self, env: dict[str, str], log_dir: Path, name: str = "w1", concurrency: int = 2, beat: bool = False
-    ) -> None:
-        self.env, self.name, self.concurrency, self.beat = env, name, concurrency, beat
-        self.log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, ready_line: str | None) -> None:
+        self.cmd, self.env, self.log_path, self.ready_line = cmd, env, log_path, ready_line
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 30.0) -> Worker:
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tasks",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(self.concurrency),
-            "-n",
-            f"{self.name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "INFO",
-        ]
-        if self.beat:
-            cmd += ["-B", "-s", str(self.log_path.with_suffix(".beat"))]
+    def start(self, timeout: float = 30.0) -> Service:
         self._fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+            self.cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
         )
+        if self.ready_line is None:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.log()}")
-            if "event=worker_ready" in self.log():
+                raise RuntimeError(f"{self.cmd[2:4]} exited early:\n{self.log()[-3000:]}")
+            if self.ready_line in self.log():
                 return self
-            time.sleep(0.1)
-        raise RuntimeError(f"worker not ready after {timeout}s:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.cmd[2:4]} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
 
     def log(self) -> str:
         try:
@@ -119,7 +99,6 @@ class Worker:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL the whole worker (main process and pool children): no cleanup, no acks."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
@@ -139,15 +118,47 @@ class Worker:
         return self.proc is not None and self.proc.poll() is not None
 
 
-class Beat:
+class Worker(Service):
+    """`celery -A tasks worker -P prefork -c N` (optionally with an embedded beat, -B)."""
+
+    def __init__(
+        self, env: dict[str, str], log_dir: Path, name: str = "w1", concurrency: int = 2, beat: bool = False
+    ) -> None:
+        self.name, self.concurrency, self.beat = name, concurrency, beat
+        log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tasks",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
+        ]
+        if beat:
+            cmd += ["-B", "-s", str(log_path.with_suffix(".beat"))]
+        super().__init__(cmd, env, log_path, "event=worker_ready")
+
+    def start(self, timeout: float = 30.0) -> Worker:
+        super().start(timeout)
+        return self
+
+
+class Beat(Service):
     """`celery -A tasks beat`: sends recovery.scan every SCAN_INTERVAL_SECONDS."""
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self.env = env
-        self.log_path = log_dir / f"beat-{int(time.time() * 1000)}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Beat:
+        log_path = log_dir / f"beat-{int(time.time() * 1000)}.log"
         cmd = [
             sys.executable,
             "-m",
@@ -158,20 +169,10 @@ class Beat:
             "-l",
             "INFO",
             "-s",
-            str(self.log_path.with_suffix(".schedule")),
+            str(log_path.with_suffix(".schedule")),
         ]
-        self._fh = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        return self
+        super().__init__(cmd, env, log_path, None)
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        if getattr(self, "_fh", None):
-            self._fh.close()
+    def start(self, timeout: float = 30.0) -> Beat:
+        super().start(timeout)
+        return self
