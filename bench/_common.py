@@ -104,8 +104,6 @@ def flush_redis() -> None:
         client.close()
 
 
-
-
 class Stack:
     """The subprocesses and servers one benchmark started; ``close()`` ends every one of them
     (workers by process group, SIGTERM then SIGKILL). Worker logs live in a temporary folder
