@@ -132,3 +132,42 @@ def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory
     report = json.loads(status.stdout)
     assert report["parents_waiting"] == 0
     assert {(r["status"], r["delivery_status"]) for r in report["executions"]} == {("COMPLETED", "DELIVERED")}
+
+
+def test_operator_redeliver_by_celery_call_is_idempotent(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """`celery -A tasks call recovery.redeliver --args='[ID]'`, exactly as the ops docs spell it,
+    on a parent whose chord callback was lost; the second call changes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.loop import run_agent, run_child
+    from harness.views import create_session
+    from tests.helpers import executions_of, loop_deps, messages_of, wait_until
+
+    stack = stack_factory([*PARALLEL_SCRIPT[:2], {"when": {"system_contains": "subagent"}, "reply": {"content": "ok"}}])
+    deps = loop_deps(stack.model.base_url)
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, _, children = deps.scheduler.children.pop()  # type: ignore[attr-defined]
+    for eid, e in children:
+        run_child(eid, e, deps)  # the children finished; the chord callback never ran
+    from tests.helpers import expire_leases
+
+    expire_leases()
+    stack.worker()
+    env = {**os.environ, **stack.env}
+    first = executions_of(sid)[0].id
+    cmd = [sys.executable, "-m", "celery", "-A", "tasks", "call", "recovery.redeliver", f"--args=[{first}]"]
+    assert subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60).returncode == 0
+    stack.wait_phase(sid, timeout=60)
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    count = len(messages_of(sid))
+    assert subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60).returncode == 0
+    cli = subprocess.run(
+        [sys.executable, "-m", "cli.main", "redeliver", str(first)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert cli.stdout.strip() == "already_delivered"
+    wait_until(lambda: "recovery.redeliver" in stack.workers[0].log(), timeout=10)
+    assert len(messages_of(sid)) == count
+    assert stack.invariants() == []
