@@ -109,17 +109,17 @@ def _arm(shape: Shape, point: str) -> tuple[dict[str, str], int]:
 
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-def test_crash_at_point_then_recovery_delivers_exactly_once(stack_factory, shape_name: str, point: str) -> None:  # type: ignore[no-untyped-def]
+def test_crash_at_point_then_recovery_delivers_exactly_once(
+    stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
+) -> None:  # type: ignore[no-untyped-def]
     shape = SHAPES[shape_name]
     stack = stack_factory(shape.script)
     extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
     if shape.local:
-        import os
-
         from harness import events, presence
         from settings import get_settings
 
-        os.environ["AGENTS_FILE"] = AGENTS_LOCAL
+        monkeypatch.setenv("AGENTS_FILE", AGENTS_LOCAL)
         get_settings.cache_clear()
         events._redis.cache_clear()
         presence.connect("cli")
@@ -146,10 +146,3 @@ def test_crash_at_point_then_recovery_delivers_exactly_once(stack_factory, shape
     assert len(rounds) == shape.parent_rounds
     assert snap["messages"][-1]["content"] == "final answer"
     assert stack.invariants() == []
-    if shape.local:
-        import os
-
-        from settings import get_settings
-
-        os.environ.pop("AGENTS_FILE", None)
-        get_settings.cache_clear()
