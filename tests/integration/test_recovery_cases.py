@@ -225,6 +225,26 @@ def test_r5_a_child_whose_recovery_fails_is_delivered_as_failed_and_the_parent_c
 
 
 @pytest.fixture
+def local_presence(redis_url: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """LOCAL client presence on the tests' Redis database."""
+    from harness import events
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    get_settings.cache_clear()
+    events._redis.cache_clear()
+    yield
+    events._redis.cache_clear()
+    get_settings.cache_clear()
+
+
+def make_local(child_session_id: int) -> None:
+    with transaction() as s:
+        s.execute(
+            update(AgentSession).where(AgentSession.id == child_session_id).values(execution_mode=ExecutionMode.LOCAL)
+        )
+
+
+@pytest.fixture
 def short_timeout(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("SUBAGENT_TIMEOUT_SECONDS", "2")
     monkeypatch.setenv("SUBAGENT_CANCEL_GRACE_SECONDS", "1")
@@ -248,19 +268,11 @@ def test_r6_a_recovered_child_past_its_deadline_is_cancelled_and_delivered_as_ti
     assert invariants() == []
 
 
-def test_r7_local_child_waits_for_the_client_and_then_succeeds(model_factory, redis_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    get_settings.cache_clear()
-    from harness import events
-
-    events._redis.cache_clear()
+def test_r7_local_child_waits_for_the_client_and_then_succeeds(model_factory, local_presence) -> None:  # type: ignore[no-untyped-def]
     model = model_factory(one_child_script())
     sid, _ = parent_yielded(model.base_url)
     (e,) = executions_of(sid)
-    with transaction() as s:
-        s.execute(
-            update(AgentSession).where(AgentSession.id == e.child_session_id).values(execution_mode=ExecutionMode.LOCAL)
-        )
+    make_local(e.child_session_id)
     user = "cli"
     presence.disconnect(user)
     threading.Timer(1.0, presence.connect, args=(user,)).start()
@@ -269,27 +281,17 @@ def test_r7_local_child_waits_for_the_client_and_then_succeeds(model_factory, re
     assert (done.status, done.delivery_status) == ("COMPLETED", "DELIVERED")
     assert presence.is_connected(user)
     assert invariants() == []
-    events._redis.cache_clear()
 
 
 def test_r8_local_client_never_connecting_fails_the_child_and_the_parent_continues(
     model_factory,
-    redis_url,
-    monkeypatch,
+    local_presence,
     short_timeout,  # type: ignore[no-untyped-def]
 ) -> None:
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    get_settings.cache_clear()
-    from harness import events
-
-    events._redis.cache_clear()
     model = model_factory(one_child_script())
     sid, _ = parent_yielded(model.base_url)
     (e,) = executions_of(sid)
-    with transaction() as s:
-        s.execute(
-            update(AgentSession).where(AgentSession.id == e.child_session_id).values(execution_mode=ExecutionMode.LOCAL)
-        )
+    make_local(e.child_session_id)
     presence.disconnect("cli")
     drive(model.base_url)
     (done,) = executions_of(sid)
@@ -298,7 +300,6 @@ def test_r8_local_client_never_connecting_fails_the_child_and_the_parent_continu
     assert rule_calls(model, 2) == 0  # the child's model was never called
     assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
     assert invariants() == []
-    events._redis.cache_clear()
 
 
 def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_run(model_factory) -> None:  # type: ignore[no-untyped-def]
@@ -539,15 +540,9 @@ def test_r21_a_cancelled_parent_stays_suppressed_across_two_restarts(model_facto
 
 def test_r22_deadline_is_not_reset_by_restart_and_local_waiting_consumes_it(
     model_factory,
-    redis_url,
-    monkeypatch,
+    local_presence,
     short_timeout,  # type: ignore[no-untyped-def]
 ) -> None:
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    get_settings.cache_clear()
-    from harness import events
-
-    events._redis.cache_clear()
     model = model_factory(one_child_script())
     sid, _ = parent_yielded(model.base_url)
     (e,) = executions_of(sid)
@@ -570,7 +565,6 @@ def test_r22_deadline_is_not_reset_by_restart_and_local_waiting_consumes_it(
     assert rule_calls(model, 2) == 0
     assert done.started_at == e.started_at - __import__("datetime").timedelta(seconds=1.5)  # never reset
     assert invariants() == []
-    events._redis.cache_clear()
 
 
 def test_r23_results_are_delivered_in_ascending_execution_id_whatever_finished_first(model_factory) -> None:  # type: ignore[no-untyped-def]
