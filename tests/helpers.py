@@ -210,3 +210,18 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
             if out.kind == "resume" and out.new_epoch is not None:
                 sched.resumed.append((parent, out.new_epoch))
     raise AssertionError("recovery did not settle")
+
+
+def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, int]:
+    """A parent that delegated and whose children all completed, but whose chord callback
+    never ran: returns (parent id, the epoch its deliver_round was handed)."""
+    from harness.loop import run_agent, run_child
+    from harness.views import create_session
+
+    deps = loop_deps(model_url, RecordingScheduler())
+    sid = create_session("main", text)
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, epoch, children = deps.scheduler.children.pop()
+    for eid, e in children:
+        assert run_child(eid, e, deps) == "completed"
+    return sid, epoch

@@ -141,17 +141,10 @@ def test_operator_redeliver_by_celery_call_is_idempotent(stack_factory) -> None:
     import subprocess
     import sys
 
-    from harness.loop import run_agent, run_child
-    from harness.views import create_session
-    from tests.helpers import executions_of, loop_deps, messages_of, wait_until
+    from tests.helpers import children_done_callback_lost, executions_of, messages_of, wait_until
 
     stack = stack_factory([*PARALLEL_SCRIPT[:2], {"when": {"system_contains": "subagent"}, "reply": {"content": "ok"}}])
-    deps = loop_deps(stack.model.base_url)
-    sid = create_session("main", "go")
-    assert run_agent(sid, 0, deps) == "yielded"
-    _, _, children = deps.scheduler.children.pop()  # type: ignore[attr-defined]
-    for eid, e in children:
-        run_child(eid, e, deps)  # the children finished; the chord callback never ran
+    sid, _ = children_done_callback_lost(stack.model.base_url)  # the chord callback never ran
     from tests.helpers import expire_leases
 
     expire_leases()

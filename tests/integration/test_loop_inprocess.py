@@ -15,7 +15,14 @@ from harness.tools import TOOL_NAMES
 from harness.views import create_session
 from models import AgentSession, PendingRound, Phase, transaction
 from recovery.delivery import deliver_round
-from tests.helpers import RecordingScheduler, executions_of, invariants, loop_deps, messages_of
+from tests.helpers import (
+    RecordingScheduler,
+    children_done_callback_lost,
+    executions_of,
+    invariants,
+    loop_deps,
+    messages_of,
+)
 
 MAIN = "main agent"
 
@@ -158,16 +165,6 @@ def test_r17_after_a_failed_child_the_parent_may_delegate_again(model_factory) -
     assert invariants() == []
 
 
-def _parent_waiting_for_two_children(model_url: str) -> tuple[int, int]:
-    script_deps = loop_deps(model_url, RecordingScheduler())
-    sid = create_session("main", "go")
-    assert run_agent(sid, 0, script_deps) == "yielded"
-    _parent, epoch, children = script_deps.scheduler.children[-1]  # type: ignore[attr-defined]
-    for eid, e in children:
-        assert run_child(eid, e, script_deps) == "completed"
-    return sid, epoch
-
-
 TWO_CHILDREN = [
     {
         "when": {"system_contains": MAIN, "turn": 0},
@@ -187,7 +184,7 @@ TWO_CHILDREN = [
 @pytest.mark.parametrize("point", ["round.after_assistant", "round.after_some_tools", "round.after_all_tools"])
 def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(model_factory, point: str) -> None:  # type: ignore[no-untyped-def]
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = _parent_waiting_for_two_children(model.base_url)
+    sid, epoch = children_done_callback_lost(model.base_url)
     before = [m.id for m in messages_of(sid)]
     with armed_fault(point), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)
@@ -229,7 +226,7 @@ def test_r25_a_fault_in_a_parent_inline_round_commits_nothing(model_factory) -> 
 
 def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_nothing(model_factory) -> None:  # type: ignore[no-untyped-def]
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = _parent_waiting_for_two_children(model.base_url)
+    sid, epoch = children_done_callback_lost(model.base_url)
     first = deliver_round(sid, epoch)
     assert first.kind == "resume" and first.new_epoch == epoch + 1
     count = len(messages_of(sid))
@@ -261,7 +258,7 @@ def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory) -> No
     from recovery.cancel import cancel_session
 
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = _parent_waiting_for_two_children(model.base_url)
+    sid, epoch = children_done_callback_lost(model.base_url)
     assert cancel_session(sid)[0]
     count = len(messages_of(sid))
     assert deliver_round(sid, epoch).kind == "suppressed"

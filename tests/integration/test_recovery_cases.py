@@ -40,6 +40,7 @@ from settings import get_settings
 from tests.helpers import (
     RecordingScheduler,
     add_message,
+    children_done_callback_lost,
     drive,
     executions_of,
     expire_leases,
@@ -306,11 +307,7 @@ def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_ru
     from crashpoints import InjectedFault, armed_fault
 
     model = model_factory(TWO)
-    sid, sched = parent_yielded(model.base_url)
-    deps = loop_deps(model.base_url, sched)
-    _, epoch, children = sched.children.pop()
-    for eid, e in children:
-        run_child(eid, e, deps)
+    sid, epoch = children_done_callback_lost(model.base_url)
     with armed_fault("deliver.mid_round"), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)
     assert [m.role for m in messages_of(sid)] == ["USER"]
@@ -323,11 +320,7 @@ def test_r10_a_crash_after_delivery_commit_does_not_deliver_again(model_factory)
     from crashpoints import InjectedFault, armed_fault
 
     model = model_factory(TWO)
-    sid, sched = parent_yielded(model.base_url)
-    deps = loop_deps(model.base_url, sched)
-    _, epoch, children = sched.children.pop()
-    for eid, e in children:
-        run_child(eid, e, deps)
+    sid, epoch = children_done_callback_lost(model.base_url)
     with armed_fault("deliver.before_resume"), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)  # committed; the process "died" before enqueueing the parent
     assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
