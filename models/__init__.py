@@ -22,6 +22,7 @@ from models.execution import SubagentExecution
 from models.message import Message
 from models.round import PendingRound
 from models.session import AgentSession
+from models.worker import RecoveryScan, WorkerBoot
 
 __all__ = [
     "ACTIVE_EXECUTION",
@@ -39,10 +40,12 @@ __all__ = [
     "Message",
     "ModelError",
     "PendingRound",
+    "RecoveryScan",
     "Phase",
     "Role",
     "SessionType",
     "SubagentExecution",
+    "WorkerBoot",
     "dialect_name",
     "dispose_engines",
     "get_engine",

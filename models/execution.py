@@ -95,6 +95,8 @@ class SubagentExecution(Base):
     completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
+    lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: The parent round this execution belongs to; NULL on pre-upgrade rows.
     pending_round_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("pending_round.id"), nullable=True)

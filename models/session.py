@@ -51,6 +51,8 @@ class AgentSession(Base):
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
+    lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

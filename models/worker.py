@@ -1,0 +1,68 @@
+"""worker_boot and recovery_scan: who is alive, and when the scan last ran (DESIGN §6).
+
+``worker_boot`` holds one row per stable worker name (Celery's ``-n`` node name or the
+``WORKER_ID`` setting) with a generation bumped at every boot. A lease written by an older
+generation of the same name is known dead: its process was replaced by a newer one, so its
+work is taken back at once, without waiting for the lease (issue 11). Two live processes
+misconfigured with one name stay safe: the epoch still fences every write; at worst work is
+repeated, never delivered twice.
+
+``recovery_scan`` is one row (id = 1) with the last scan's start and duration, read by
+``agent-recovery status`` and the metrics endpoint at scrape time (not process memory).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Integer, String, func, insert, select, update
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from models.base import Base, UTCDateTime
+from models.db import cas
+
+
+class WorkerBoot(Base):
+    __tablename__ = "worker_boot"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    #: Bumped at every boot of a process with this name; leases carry the generation they had.
+    generation: Mapped[int] = mapped_column(Integer)
+    booted_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class RecoveryScan(Base):
+    __tablename__ = "recovery_scan"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    duration_ms: Mapped[int] = mapped_column(Integer)
+    parents: Mapped[int] = mapped_column(Integer)
+    executions: Mapped[int] = mapped_column(Integer)
+
+
+def record_boot(s: Session, name: str) -> int:
+    """Bump (or create) the generation of ``name``; returns the new generation. Atomic: two
+    processes booting under one name get different generations."""
+    rows = s.execute(
+        update(WorkerBoot)
+        .where(WorkerBoot.name == name)
+        .values(generation=WorkerBoot.generation + 1, booted_at=func.now())
+        .returning(WorkerBoot.generation)
+    ).all()
+    if rows:
+        return int(rows[0][0])
+    s.execute(insert(WorkerBoot).values(name=name, generation=1, booted_at=func.now()))
+    return 1
+
+
+def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int) -> None:
+    """Upsert the single ``recovery_scan`` row."""
+    values = {"started_at": started_at, "duration_ms": duration_ms, "parents": parents, "executions": executions}
+    landed = cas(s, update(RecoveryScan).where(RecoveryScan.id == 1).values(**values))
+    if not landed:
+        s.execute(insert(RecoveryScan).values(id=1, **values))
+
+
+def last_scan(s: Session) -> RecoveryScan | None:
+    return s.execute(select(RecoveryScan).where(RecoveryScan.id == 1)).scalar_one_or_none()
