@@ -116,7 +116,7 @@ class Stack:
         self.failed = False
 
     def model(self, script: Any) -> Any:
-        from harness.scripted_model import ScriptedModelServer
+        from doubles.scripted_model import ScriptedModelServer
 
         server = ScriptedModelServer(script)
         server.start()

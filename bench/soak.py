@@ -67,7 +67,7 @@ class Soak:
             conn.execute(text(f'CREATE DATABASE "{self.db_name}"'))
         self.url = PG_ADMIN.rsplit("/", 1)[0] + "/" + self.db_name
         from demo.stack import apply_env, flush_broker, service_env
-        from harness.scripted_model import ScriptedModelServer
+        from doubles.scripted_model import ScriptedModelServer
         from migrations import upgrade
 
         upgrade(self.url)

@@ -19,6 +19,6 @@ def register(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from harness.scripted_model import run
+    from doubles.scripted_model import run
 
     return run(args.script, args.host, args.port)

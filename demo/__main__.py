@@ -110,7 +110,7 @@ def run() -> None:
     from sqlalchemy import select
 
     from demo.stack import Beat, Worker
-    from harness.scripted_model import ScriptedModelServer
+    from doubles.scripted_model import ScriptedModelServer
     from harness.views import create_session, snapshot
     from models import SubagentExecution, transaction
     from recovery.invariants import check_all

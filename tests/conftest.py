@@ -130,7 +130,7 @@ class Stack:
 
     def __init__(self, pg_url: str, log_dir, script) -> None:  # type: ignore[no-untyped-def]
         from demo.stack import apply_env, flush_broker, service_env
-        from harness.scripted_model import ScriptedModelServer
+        from doubles.scripted_model import ScriptedModelServer
 
         flush_broker()
         self.model = ScriptedModelServer(script)
@@ -208,7 +208,7 @@ def stack_factory(db: str, redis_url: str, tmp_path):  # type: ignore[no-untyped
 @pytest.fixture
 def model_factory(db: str):  # type: ignore[no-untyped-def]
     """Start scripted model servers (real HTTP on loopback) for in-process loop tests."""
-    from harness.scripted_model import ScriptedModelServer
+    from doubles.scripted_model import ScriptedModelServer
 
     servers: list[ScriptedModelServer] = []
 

@@ -93,7 +93,7 @@ def test_followup_reuses_the_child_session_and_a_busy_child_refuses(model_factor
 
 
 def test_a_child_is_never_offered_delegation_tools(model_factory) -> None:  # type: ignore[no-untyped-def]
-    from harness.scripted_model import ScriptedModelServer
+    from doubles.scripted_model import ScriptedModelServer
 
     seen_tools: list[list[str]] = []
 

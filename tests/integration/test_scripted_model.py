@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import requests
 
+from doubles.scripted_model import ScriptedModelServer, ScriptError, load_script
 from harness.errors import ModelUnavailable
 from harness.model import ModelClient
-from harness.scripted_model import ScriptedModelServer, ScriptError, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,16 @@ def sys_user(system: str, user: str, *rest: dict[str, Any]) -> list[dict[str, An
 ASSISTANT = {"role": "assistant", "content": None, "tool_calls": []}
 
 
+def calling(*ids: str) -> dict[str, Any]:
+    """An assistant message whose tool_calls carry ``ids``."""
+    calls = [{"id": i, "type": "function", "function": {"name": "echo", "arguments": "{}"}} for i in ids]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def answer(call_id: str, content: str = "r") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
 def test_each_when_key_selects_its_rule() -> None:
     rules = [
         {"when": {"system_contains": "reviewer"}, "reply": {"content": "by system"}},
@@ -58,8 +68,7 @@ def test_each_when_key_selects_its_rule() -> None:
         later_user = sys_user("main", "hi", ASSISTANT, {"role": "user", "content": "banana"})
         assert content_of(chat(url, later_user)) == "fallback"
         assert content_of(chat(url, sys_user("main", "hi", ASSISTANT, ASSISTANT))) == "by turn"
-        tool = {"role": "tool", "tool_call_id": "c1", "content": "r"}
-        assert content_of(chat(url, sys_user("main", "hi", ASSISTANT, tool))) == "by last role"
+        assert content_of(chat(url, sys_user("main", "hi", calling("c1"), answer("c1")))) == "by last role"
         assert content_of(chat(url, sys_user("main", "hi"))) == "fallback"
         assert [e["rule"] for e in server.journal()] == [0, 1, 4, 2, 3, 4]
 
@@ -92,16 +101,62 @@ def test_no_match_is_400_naming_the_system_prompt_head() -> None:
         assert server.journal() == []
 
 
+@pytest.mark.parametrize(
+    ("history", "index", "fragment"),
+    [
+        ([calling("a"), {"role": "user", "content": "next"}], 2, "did not have response messages: a"),
+        ([calling("a", "b"), answer("a")], 2, "did not have response messages: b"),
+        ([calling("a")], 2, "did not have response messages: a"),
+        ([answer("a")], 2, "must be a response to a preceding message with 'tool_calls'"),
+        ([calling("a"), answer("b")], 3, "tool_call_id 'b' has no such call"),
+        ([calling("a"), answer("a"), ASSISTANT, answer("a")], 5, "must be a response to a preceding"),
+        ([calling("a"), {"role": "user", "content": "x"}, answer("a")], 2, "did not have response messages: a"),
+    ],
+    ids=["call-then-user", "one-of-two-answered", "call-last", "tool-first", "wrong-id", "answer-again-later", "gap"],
+)
+def test_an_illegal_tool_call_sequence_is_400_with_an_openai_error_body(
+    history: list[dict[str, Any]], index: int, fragment: str
+) -> None:
+    with ScriptedModelServer([{"reply": {"content": "fine"}}]) as server:
+        response = chat(server.base_url, sys_user("main", "hi", *history))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "invalid_message_sequence"
+        assert error["param"] == f"messages.[{index}]"
+        assert fragment in error["message"]
+        assert server.journal() == []
+        assert [r["index"] for r in server.rejected()] == [index]
+        # the model client turns it into a ModelUnavailable naming the status, as for a real API
+        with pytest.raises(ModelUnavailable) as info:
+            ModelClient(server.base_url, "", "m", 2.0, 5.0).complete(sys_user("main", "hi", *history))
+        assert "HTTP 400" in str(info.value)
+
+
+def test_a_legal_sequence_answers_in_any_order_of_tool_messages() -> None:
+    history = [
+        calling("a", "b"),
+        answer("b"),
+        answer("a"),
+        {"role": "user", "content": "more"},
+        calling("c"),
+        answer("c"),
+    ]
+    with ScriptedModelServer([{"reply": {"content": "fine"}}]) as server:
+        assert content_of(chat(server.base_url, sys_user("main", "hi", *history))) == "fine"
+        assert server.rejected() == []
+
+
 def test_templates_fill_tool_results_after_the_last_assistant_and_the_first_user_message() -> None:
     rules = [{"reply": {"content": "for {user}: {tool_results}"}}]
     messages = sys_user(
         "main",
         "the task",
-        ASSISTANT,
-        {"role": "tool", "tool_call_id": "a", "content": "old result"},
-        ASSISTANT,
-        {"role": "tool", "tool_call_id": "b", "content": "child one"},
-        {"role": "tool", "tool_call_id": "c", "content": "child two"},
+        calling("a"),
+        answer("a", "old result"),
+        calling("b", "c"),
+        answer("b", "child one"),
+        answer("c", "child two"),
     )
     with ScriptedModelServer(rules) as server:
         assert content_of(chat(server.base_url, messages)) == "for the task: child one\nchild two"
@@ -261,7 +316,7 @@ CLI_SNIPPET = (
 
 @pytest.mark.parametrize(
     "argv",
-    [["-m", "harness.scripted_model"], ["-c", CLI_SNIPPET, "scripted-model", "serve"]],
+    [["-m", "doubles.scripted_model"], ["-c", CLI_SNIPPET, "scripted-model", "serve"]],
     ids=["python-m", "cli"],
 )
 def test_serve_command_answers_over_http_and_exits_cleanly_on_sigterm(argv: list[str], tmp_path: Path) -> None:
@@ -284,7 +339,7 @@ def test_serve_command_with_an_invalid_script_exits_2_naming_the_rule(tmp_path: 
     script = tmp_path / "bad.json"
     script.write_text(json.dumps([{"reply": {"content": "x"}, "bogus": 1}]), encoding="utf-8")
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.scripted_model", "--script", str(script), "--port", "0"],
+        [sys.executable, "-m", "doubles.scripted_model", "--script", str(script), "--port", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,

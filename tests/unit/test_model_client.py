@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from doubles.scripted_model import ScriptedModelServer
 from harness.errors import ModelUnavailable
 from harness.model import ERROR_SUMMARY_CHARS, ModelClient, ModelReply, ToolCall
-from harness.scripted_model import ScriptedModelServer
 
 PROMPT_CANARY = "CANARY-PROMPT-q7w8e9r0t1y2"
 USER_CANARY = "CANARY-USER-z5x6c7v8b9n0"

@@ -8,13 +8,20 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
      "delay_seconds": 0.5}
 
 The first rule whose every condition holds answers; a request no rule matches gets HTTP 400
-naming the head of its system prompt. ``turn`` is the number of assistant messages in the
-request; ``user_contains`` tests the FIRST user message. In ``content`` (and an error's
-``message``), ``{tool_results}`` becomes the contents of the tool messages after the last
-assistant message joined by newlines, and ``{user}`` the first user message.
+naming the head of its system prompt. Before any rule is looked at, the message sequence is
+checked as the real chat-completions APIs check it: an assistant message with ``tool_calls``
+must be followed at once by one TOOL message per call id, and a TOOL message must answer a call
+of the assistant message right before its run of TOOL messages. An illegal sequence gets HTTP
+400 with an OpenAI-style error body (code ``invalid_message_sequence``) and is not journaled.
+
+``turn`` is the number of assistant messages in the request; ``user_contains`` tests the FIRST
+user message. In ``content`` (and an error's ``message``), ``{tool_results}`` becomes the contents
+of the tool messages after the last assistant message joined by newlines, and ``{user}`` the
+first user message.
 
 ``GET /_journal`` lists every answered request as ``{"rule", "turn", "reply"}``; ``POST /_reset``
-clears it. Run it with ``python -m harness.scripted_model --script FILE --port N``.
+clears it. Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
+``python -m doubles.scripted_model`` with the same flags).
 """
 
 from __future__ import annotations
@@ -35,8 +42,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TextIO
 
-from harness.errors import HarnessError
-
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -54,7 +59,7 @@ _ERROR_KEYS = frozenset({"status", "message"})
 Script = list[Any] | dict[str, Any] | str | os.PathLike[str]
 
 
-class ScriptError(HarnessError):
+class ScriptError(ValueError):
     """The model script is invalid."""
 
 
@@ -146,6 +151,50 @@ def _text(content: Any) -> str:
     if isinstance(content, list):  # content parts
         return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def illegal_sequence(messages: list[Any]) -> tuple[int, str] | None:
+    """The first tool-call pairing error in ``messages`` as (index, message), or None when legal.
+
+    The rules of the real chat-completions APIs: an assistant message with ``tool_calls`` must be
+    followed at once by TOOL messages answering every one of its call ids (in any order), and a
+    TOOL message must answer a call id of the assistant message right before its run of TOOL
+    messages. The messages use OpenAI's wire shape (``tool_calls[].id``, ``tool_call_id``).
+    """
+    open_ids: list[str] = []  # calls of the last assistant message not answered yet
+    answerable: set[str] = set()  # call ids a TOOL message may answer here
+    opened_at = -1
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in answerable:
+                return index, (
+                    f"Invalid parameter: messages[{index}]: a message with role 'tool' must be a response to a "
+                    f"preceding message with 'tool_calls' (tool_call_id {call_id!r} has no such call)"
+                )
+            if call_id in open_ids:
+                open_ids.remove(call_id)
+            continue
+        if open_ids:
+            return opened_at, _unanswered(opened_at, open_ids)
+        answerable = set()
+        if role == "assistant":
+            calls = message.get("tool_calls") or []
+            ids = [c.get("id") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+            open_ids = [i for i in ids if isinstance(i, str)]
+            answerable = set(open_ids)
+            opened_at = index
+    if open_ids:
+        return opened_at, _unanswered(opened_at, open_ids)
+    return None
+
+
+def _unanswered(index: int, ids: list[str]) -> str:
+    return (
+        f"An assistant message with 'tool_calls' (messages[{index}]) must be followed by tool messages responding "
+        f"to each 'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(ids)}"
+    )
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -248,8 +297,10 @@ def _reply(at: str, raw: Any) -> Reply:
 # --- serving -------------------------------------------------------------------------------------
 
 
-def _error_body(message: str, code: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code}}
+def _error_body(
+    message: str, code: str, kind: str = "invalid_request_error", param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ScriptedModelServer:
@@ -262,6 +313,7 @@ class ScriptedModelServer:
         self.port = port
         self._api_key = api_key or None
         self._journal: list[dict[str, Any]] = []
+        self._rejected: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
@@ -313,9 +365,15 @@ class ScriptedModelServer:
         with self._lock:
             return [dict(entry) for entry in self._journal]
 
+    def rejected(self) -> list[dict[str, Any]]:
+        """Every request refused for an illegal message sequence: ``{"index", "message"}``."""
+        with self._lock:
+            return [dict(entry) for entry in self._rejected]
+
     def reset(self) -> None:
         with self._lock:
             self._journal.clear()
+            self._rejected.clear()
 
     def answer(self, body: Any, authorization: str | None) -> tuple[int, dict[str, Any]]:
         """Status and JSON body for one chat-completions request."""
@@ -325,6 +383,13 @@ class ScriptedModelServer:
             return 401, _error_body("invalid or missing API key", "invalid_api_key")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return 400, _error_body("the request body must be an object with a messages list", "bad_request")
+        illegal = illegal_sequence(body["messages"])
+        if illegal is not None:
+            index, message = illegal
+            log.warning("scripted_model_illegal_sequence index=%d", index)
+            with self._lock:
+                self._rejected.append({"index": index, "message": message})
+            return 400, _error_body(message, "invalid_message_sequence", param=f"messages.[{index}]")
         request = RequestView.of(body["messages"])
         rule = next((r for r in self.rules if r.when.matches(request)), None)
         if rule is None:
@@ -464,7 +529,7 @@ def serve(script: Script, host: str, port: int, api_key: str | None = None, out:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.scripted_model", description="scripted model server")
+    parser = argparse.ArgumentParser(prog="python -m doubles.scripted_model", description="scripted model server")
     parser.add_argument("--script", required=True, help="JSON script file")
     parser.add_argument("--port", type=int, required=True, help="port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1")
