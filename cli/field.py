@@ -89,7 +89,7 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from recovery.field.stub import Behaviour, StubConfig, SuperAgentStub
+    from doubles.superagent import Behaviour, StubConfig, SuperAgentStub
 
     config = StubConfig(behaviour=Behaviour(args.behaviour), chunked=not args.no_chunked)
     stub = SuperAgentStub(api_key=args.api_key, host=args.host, port=args.port, config=config)

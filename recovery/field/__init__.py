@@ -3,6 +3,6 @@
 Modules, one concept each: schemas (contracts), eml (deterministic parser), request_builder,
 answer (strict PatchSet parsing), validator, resolver, assembly, projector, client (Open API on
 requests + sseclient-py), deadline (total deadline + watchdog), store (invocation record),
-artifacts, tables (their own MetaData), orchestrator (the MANUAL_EML pipeline), errors, logs,
-stub + stub_agent (the loopback SuperAgent stand-in), testing (helpers for tests and the demo).
+artifacts, tables (their own MetaData), orchestrator (the MANUAL_EML pipeline), errors, logs.
+The SuperAgent stand-in is a test double and lives in ``doubles/superagent.py``.
 """

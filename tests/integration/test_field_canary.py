@@ -15,14 +15,14 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import create_engine, text
 
+from doubles.superagent import Behaviour, SuperAgentStub
 from recovery.field.client import CallProgress, client_for
 from recovery.field.deadline import Deadline
 from recovery.field.errors import FieldRecoveryError
 from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
 from recovery.field.request_builder import render_message
-from recovery.field.stub import Behaviour, SuperAgentStub
-from recovery.field.testing import clean_field_tables, sample_eml
 from settings import FieldRecoverySettings
+from tests.field_helpers import clean_field_tables, sample_eml
 
 CANARY = f"df_open_CANARY_{uuid.uuid4().hex}"
 

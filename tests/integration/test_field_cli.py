@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from cli.main import main
-from recovery.field.testing import DATA_DIR, clean_field_tables, wait_until
 from settings import get_settings
+from tests.field_helpers import DATA_DIR, clean_field_tables, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = DATA_DIR / "field_booking_ambiguous.eml"

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
+from doubles.superagent import Behaviour, SuperAgentStub
 from recovery.field.answer import parse_patch_set
 from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer
 from recovery.field.deadline import Deadline, Watchdog
@@ -26,9 +27,8 @@ from recovery.field.errors import (
 )
 from recovery.field.request_builder import build_request, render_message
 from recovery.field.schemas import sha256_hex
-from recovery.field.stub import Behaviour, SuperAgentStub
-from recovery.field.testing import sample_eml
 from settings import OpenApiSettings
+from tests.field_helpers import sample_eml
 
 KEY = "df_open_client_test"
 FACTS = parse_eml(sample_eml("ambiguous"))

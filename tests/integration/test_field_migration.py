@@ -18,8 +18,8 @@ from sqlalchemy.exc import IntegrityError
 from migrations import alembic_config
 from recovery.field.store import InvocationMeta, InvocationStore
 from recovery.field.tables import DEFAULT_SCHEMA, FieldBase
-from recovery.field.testing import clean_field_tables
 from settings import get_settings
+from tests.field_helpers import clean_field_tables
 
 
 def _diff(url: str, metadata: MetaData, schema: str = DEFAULT_SCHEMA) -> list[object]:

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
+from doubles.superagent import Behaviour, SuperAgentStub
+from doubles.superagent_agent import answer_for
 from recovery.field.eml import parse_eml
 from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
 from recovery.field.request_builder import build_request, render_message, request_hash
 from recovery.field.schemas import Provenance, SourceKind
 from recovery.field.store import InvocationMeta, InvocationStore, ProviderAudit
-from recovery.field.stub import Behaviour, SuperAgentStub
-from recovery.field.stub_agent import answer_for
-from recovery.field.testing import clean_field_tables, sample_eml, wait_until
 from settings import FieldRecoverySettings
+from tests.field_helpers import clean_field_tables, sample_eml, wait_until
 
 KEY = "df_open_orchestrator_test"
 AMBIGUOUS = sample_eml("ambiguous")

@@ -24,7 +24,7 @@ from recovery.field.store import (
     ProviderAudit,
 )
 from recovery.field.tables import ArtifactType, FieldRecoveryInvocation, InvocationStatus
-from recovery.field.testing import clean_field_tables, wait_until
+from tests.field_helpers import clean_field_tables, wait_until
 
 SOURCE = SourceRef(message_id="<store@test>", revision=1, channel=SourceKind.MANUAL_EML)
 PATCH_SET = {"schema_version": "1", "request_id": "frq_1", "attempt": 1, "idempotency_key": "k1", "patches": []}

@@ -7,7 +7,7 @@ import pytest
 from recovery.field.eml import ROOM_CATALOGUE, parse_eml
 from recovery.field.errors import EmlInvalid
 from recovery.field.schemas import FactStatus, Recoverability, SourceKind
-from recovery.field.testing import sample_eml
+from tests.field_helpers import sample_eml
 
 
 def _eml(body: str, headers: str = "Message-ID: <m1@x.example>\nDate: Fri, 20 Feb 2026 09:15:00 +0000\n") -> bytes:

@@ -12,7 +12,7 @@ from recovery.field.request_builder import (
     parse_message,
     render_message,
 )
-from recovery.field.testing import sample_eml
+from tests.field_helpers import sample_eml
 
 
 def test_only_unresolved_recoverable_facts_become_tasks_with_dependencies_as_task_ids() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from doubles.superagent_agent import answer_for
 from recovery.field.assembly import assemble
 from recovery.field.eml import parse_eml
 from recovery.field.projector import project
@@ -18,9 +19,8 @@ from recovery.field.schemas import (
     RecoveryTask,
     UnresolvedTask,
 )
-from recovery.field.stub_agent import answer_for
-from recovery.field.testing import sample_eml
 from recovery.field.validator import validate_patch_set
+from tests.field_helpers import sample_eml
 
 FACTS = parse_eml(sample_eml("ambiguous"))
 REQUEST = build_request(FACTS, profile_version="pv1")

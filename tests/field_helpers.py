@@ -1,4 +1,4 @@
-"""Helpers shared by the field-recovery tests and the demo (no pytest import here)."""
+"""Helpers shared by the field-recovery tests (moved out of the product package; no pytest import)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from models.db import get_engine
 from recovery.field.tables import DEFAULT_SCHEMA, FieldBase
 
 #: tests/data, where the sample EML files live.
-DATA_DIR = Path(__file__).resolve().parents[2] / "tests" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def sample_eml(name: str) -> bytes:

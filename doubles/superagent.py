@@ -5,7 +5,7 @@ stop in-process, switch behaviours, read counters). It implements the endpoints 
 uses, checks ``Authorization: Bearer <key>`` and the CSRF double-submit (cookie ``csrf_token``
 equals header ``X-CSRF-Token``), refuses ``include_trace`` (``open_agent_trace_disabled``, as
 the parsing agent's external application does), and answers with a correct RecoveryPatchSet
-derived from the request (stub_agent.py). SSE responses are chunked by default; with
+derived from the request (doubles/superagent_agent.py). SSE responses are chunked by default; with
 ``chunked=False`` the body is delimited by closing the connection.
 
 Behaviours (``Behaviour``): normal, slow (stall before the final answer; a cancel ends it),
@@ -32,11 +32,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from doubles.superagent_agent import answer_for
 from recovery.field.request_builder import parse_message
 from recovery.field.schemas import canonical_json
-from recovery.field.stub_agent import answer_for
 
-log = logging.getLogger("recovery.field.stub")
+log = logging.getLogger("doubles.superagent")
 
 DEFAULT_API_KEY = "df_open_test"
 
