@@ -1,0 +1,307 @@
+"""Prometheus metrics read from PostgreSQL at scrape time (issue 12).
+
+The values come from the tables, not from process memory, so they are right whichever worker
+did the work and survive every restart. A scrape is one short READ ONLY transaction whose cost
+follows the work in flight, not the history:
+
+1. Unsettled executions (delivery PENDING, or a suppressed child still active) by status,
+   parents waiting, the oldest PENDING execution's age and the executions whose lease expired
+   more than one scan interval ago: the partial index ``idx_sae_pending``
+   (``WHERE delivery_status = 'PENDING'``), plus a range of ``idx_sae_recovery`` on the two
+   active statuses. O(pending).
+2. Open pending rounds: the partial unique index ``uq_pending_round_open``.
+3. Field invocations IN_PROGRESS and the stale ones (lease expired): the partial index
+   ``ix_field_recovery_invocation_in_progress``.
+4. The last scan: the single ``recovery_scan`` row.
+
+Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
+field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
+is O(history) (an index-only scan of ``idx_sae_recovery``, ~50 ms at a million rows), so they
+are recounted at most every ``settled_refresh_seconds`` and served from the last count in
+between: a counter that lags by that much is still right for ``rate()``.
+
+Ages use the database's ``now()`` (DESIGN §6: time is the database's). Label values are lower
+case. A database that does not answer makes the scrape expose ``agent_recovery_database_up 0``
+and nothing else, instead of failing the HTTP request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine
+from settings import get_settings
+
+log = logging.getLogger("recovery.metrics")
+
+PREFIX = "agent_recovery"
+#: How long the counted settled rows are reused before the next O(history) count.
+DEFAULT_SETTLED_REFRESH_SECONDS = 60.0
+#: A scrape that the database cannot answer in this time fails (database_up 0) instead of piling up.
+STATEMENT_TIMEOUT_MS = 5000
+
+#: Field invocation statuses (recovery/field/tables.py, CHECK constraint of migration 0004).
+FIELD_IN_PROGRESS = "IN_PROGRESS"
+FIELD_FINISHED = ("SUCCEEDED", "FAILED")
+SETTLED_DELIVERY = (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED, DeliveryStatus.LEGACY)
+
+# NOTE: every query below names its index in a comment; tests/integration/test_metrics.py checks
+# the plans of PENDING_SQL and FIELD_LIVE_SQL against a million settled rows.
+
+#: Executions whose delivery is PENDING, per status (idx_sae_pending).
+PENDING_SQL = """
+SELECT status,
+       count(*) AS executions,
+       EXTRACT(EPOCH FROM now() - min(started_at)) AS oldest_age_seconds,
+       count(*) FILTER (
+           WHERE status IN ('RUNNING', 'RECOVERING')
+             AND COALESCE(lease_expires_at, started_at) < now() - make_interval(secs => :scan_interval)
+       ) AS lease_expired
+FROM subagent_execution
+WHERE delivery_status = 'PENDING'
+GROUP BY status
+"""
+#: Parents with at least one PENDING execution (idx_sae_pending: parent_session_id is its key).
+PARENTS_SQL = """
+SELECT count(DISTINCT parent_session_id) FROM subagent_execution WHERE delivery_status = 'PENDING'
+"""
+#: Children still active although their delivery ended (a suppressed parent's child being fenced).
+ACTIVE_SETTLED_SQL = """
+SELECT status, delivery_status, count(*)
+FROM subagent_execution
+WHERE status IN ('RUNNING', 'RECOVERING') AND delivery_status <> 'PENDING'
+GROUP BY status, delivery_status
+"""
+OPEN_ROUNDS_SQL = "SELECT count(*) FROM pending_round WHERE closed_at IS NULL"
+#: IN_PROGRESS field invocations and the stale ones (ix_field_recovery_invocation_in_progress).
+FIELD_LIVE_SQL = """
+SELECT count(*),
+       count(*) FILTER (WHERE lease_expires_at IS NULL OR lease_expires_at < now())
+FROM "{schema}".field_recovery_invocation
+WHERE status = 'IN_PROGRESS'
+"""
+LAST_SCAN_SQL = """
+SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
+       EXTRACT(EPOCH FROM now() - started_at)
+FROM recovery_scan WHERE id = 1
+"""
+#: Settled executions (O(history): index-only scan of idx_sae_recovery), recounted now and then.
+SETTLED_SQL = """
+SELECT status, delivery_status, count(*)
+FROM subagent_execution
+WHERE status IN ('COMPLETED', 'FAILED', 'CANCELLED') AND delivery_status <> 'PENDING'
+GROUP BY status, delivery_status
+"""
+FIELD_SETTLED_SQL = """
+SELECT status, count(*) FROM "{schema}".field_recovery_invocation
+WHERE status <> 'IN_PROGRESS' GROUP BY status
+"""
+
+
+@dataclass
+class _Settled:
+    """The last count of settled rows and the monotonic time it was taken."""
+
+    executions: dict[tuple[str, str], int] = field(default_factory=dict)
+    field_invocations: dict[str, int] = field(default_factory=dict)
+    counted_at: float | None = None
+
+
+def _name(suffix: str) -> str:
+    return f"{PREFIX}_{suffix}"
+
+
+class RecoveryCollector(Collector):
+    """A prometheus_client Collector: each ``collect()`` reads the database once."""
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        scan_interval_seconds: float | None = None,
+        field_schema: str | None = None,
+        settled_refresh_seconds: float = DEFAULT_SETTLED_REFRESH_SECONDS,
+    ) -> None:
+        settings = get_settings()
+        self._engine = engine
+        self.scan_interval_seconds = (
+            settings.SCAN_INTERVAL_SECONDS if scan_interval_seconds is None else scan_interval_seconds
+        )
+        self.field_schema = field_schema or settings.booking_field_recovery.db_schema
+        self.settled_refresh_seconds = settled_refresh_seconds
+        self._settled = _Settled()
+        self._lock = threading.Lock()  # the HTTP server answers scrapes on several threads
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing: registering the collector must not query the database."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.monotonic()
+        try:
+            with self._lock:
+                metrics = self._read()
+        except SQLAlchemyError:
+            log.warning("metrics_scrape_failed", exc_info=True)
+            yield GaugeMetricFamily(_name("database_up"), "1 when the last scrape read the database", value=0)
+            return
+        yield GaugeMetricFamily(_name("database_up"), "1 when the last scrape read the database", value=1)
+        yield from metrics
+        yield GaugeMetricFamily(
+            _name("scrape_duration_seconds"),
+            "Time this scrape spent reading the database",
+            value=time.monotonic() - started,
+        )
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _read(self) -> list[Metric]:
+        engine = self._engine or get_engine()
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("SET TRANSACTION READ ONLY"))
+            conn.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
+            out = self._executions(conn)
+            out += self._rounds(conn)
+            out += self._field(conn)
+            out += self._last_scan(conn)
+            out += self._settled_counters(conn)
+        return out
+
+    def _executions(self, conn: Connection) -> list[Metric]:
+        unsettled = GaugeMetricFamily(
+            _name("executions"),
+            "Executions not settled yet (delivery pending, or a suppressed child still active), "
+            "by status and delivery status",
+            labels=["status", "delivery_status"],
+        )
+        lease_expired = 0
+        oldest = 0.0
+        by_status = {
+            str(r.status): r for r in conn.execute(text(PENDING_SQL), {"scan_interval": self.scan_interval_seconds})
+        }
+        for status in (*ACTIVE_EXECUTION, *TERMINAL_EXECUTION):
+            row = by_status.get(status.value)
+            unsettled.add_metric([status.value.lower(), "pending"], float(row.executions) if row else 0.0)
+            if row is not None:
+                lease_expired += int(row.lease_expired)
+                oldest = max(oldest, float(row.oldest_age_seconds))
+        for status, delivery, count in conn.execute(text(ACTIVE_SETTLED_SQL)):
+            unsettled.add_metric([str(status).lower(), str(delivery).lower()], float(count))
+        parents = conn.execute(text(PARENTS_SQL)).scalar_one()
+        return [
+            unsettled,
+            GaugeMetricFamily(
+                _name("parents_waiting"),
+                "Parent sessions with at least one execution whose result is not delivered yet",
+                value=float(parents),
+            ),
+            GaugeMetricFamily(
+                _name("oldest_pending_execution_age_seconds"),
+                "Age (database clock) of the oldest execution whose delivery is PENDING; 0 when none",
+                value=oldest,
+            ),
+            GaugeMetricFamily(
+                _name("executions_lease_expired"),
+                "Active PENDING executions whose lease expired more than one scan interval ago "
+                "(SCAN_INTERVAL_SECONDS): work nobody is picking up",
+                value=float(lease_expired),
+            ),
+        ]
+
+    def _rounds(self, conn: Connection) -> list[Metric]:
+        count = conn.execute(text(OPEN_ROUNDS_SQL)).scalar_one()
+        return [
+            GaugeMetricFamily(
+                _name("pending_rounds_open"),
+                "Parent tool-call rounds waiting for their children (pending_round not closed)",
+                value=float(count),
+            )
+        ]
+
+    def _field(self, conn: Connection) -> list[Metric]:
+        in_progress, stale = conn.execute(text(FIELD_LIVE_SQL.format(schema=self.field_schema))).one()
+        invocations = GaugeMetricFamily(
+            _name("field_invocations"), "Field recovery invocations in flight, by status", labels=["status"]
+        )
+        invocations.add_metric([FIELD_IN_PROGRESS.lower()], float(in_progress))
+        return [
+            invocations,
+            GaugeMetricFamily(
+                _name("field_invocations_stale"),
+                "IN_PROGRESS field recovery keys whose owner's lease expired (the owner is presumed dead)",
+                value=float(stale),
+            ),
+        ]
+
+    def _last_scan(self, conn: Connection) -> list[Metric]:
+        row = conn.execute(text(LAST_SCAN_SQL)).one_or_none()
+        started, duration_ms, parents, executions, age = row if row is not None else (0, 0, 0, 0, None)
+        out: list[Metric] = [
+            GaugeMetricFamily(
+                _name("last_scan_timestamp_seconds"),
+                "Unix time the last recovery scan started; 0 when no scan was ever recorded",
+                value=float(started),
+            ),
+            GaugeMetricFamily(
+                _name("last_scan_duration_seconds"), "Duration of the last recovery scan", value=duration_ms / 1000.0
+            ),
+            GaugeMetricFamily(
+                _name("last_scan_parents"), "Parents the last recovery scan took over", value=float(parents)
+            ),
+            GaugeMetricFamily(
+                _name("last_scan_executions"),
+                "Executions the last recovery scan handed to recovery",
+                value=float(executions),
+            ),
+        ]
+        if age is not None:
+            out.append(
+                GaugeMetricFamily(
+                    _name("last_scan_age_seconds"),
+                    "Seconds (database clock) since the last recovery scan started",
+                    value=float(age),
+                )
+            )
+        return out
+
+    def _settled_counters(self, conn: Connection) -> list[Metric]:
+        now = time.monotonic()
+        counted_at = self._settled.counted_at
+        if counted_at is None or now - counted_at >= self.settled_refresh_seconds:
+            executions = {(str(s), str(d)): int(n) for s, d, n in conn.execute(text(SETTLED_SQL))}
+            fields = {str(s): int(n) for s, n in conn.execute(text(FIELD_SETTLED_SQL.format(schema=self.field_schema)))}
+            self._settled = _Settled(executions, fields, now)
+        settled = CounterMetricFamily(
+            _name("executions_settled"),
+            "Terminal executions whose delivery ended (delivered, suppressed, legacy), by status and "
+            "delivery status; recounted at most every settled_refresh_seconds",
+            labels=["status", "delivery_status"],
+        )
+        for status in TERMINAL_EXECUTION:
+            for delivery in SETTLED_DELIVERY:
+                count = self._settled.executions.get((status.value, delivery.value), 0)
+                settled.add_metric([status.value.lower(), delivery.value.lower()], float(count))
+        finished = CounterMetricFamily(
+            _name("field_invocations_finished"),
+            "Field recovery invocations that ended, by status; recounted at most every settled_refresh_seconds",
+            labels=["status"],
+        )
+        for status_name in FIELD_FINISHED:
+            finished.add_metric([status_name.lower()], float(self._settled.field_invocations.get(status_name, 0)))
+        return [settled, finished]
+
+
+def build_registry(collector: RecoveryCollector | None = None) -> CollectorRegistry:
+    """A registry holding only our collector (no process or platform metrics of the server)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector or RecoveryCollector())
+    return registry
