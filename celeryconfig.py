@@ -29,6 +29,13 @@ def build() -> dict[str, Any]:
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
         },
         "imports": ("tasks.signals", "tasks.agent", "tasks.recovery", "tasks.field"),
+        # Scans, recoveries and deliveries never wait behind hour-long children (issue 9):
+        # every worker serves both queues by default (`-Q celery,recovery`); a dedicated
+        # recovery worker is `celery -A tasks worker -Q recovery` (Procfile).
+        "task_routes": {
+            "recovery.*": {"queue": s.RECOVERY_QUEUE},
+            "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
+        },
     }
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
         conf["broker_transport_options"] = {

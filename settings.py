@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
     LEASE_SECONDS: float = Field(default=30.0, gt=0)
     SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
+    #: Stable name of this worker across restarts (default: Celery's node name, `-n`). A
+    #: worker that boots again under its name takes back its previous process's work at once.
+    WORKER_ID: str = ""
+    #: Queue of scans, recoveries and deliveries (served by every worker with `-Q celery,recovery`).
+    RECOVERY_QUEUE: str = "recovery"
     #: Named crash point to die at (tests, soak, demo); empty in production.
     CRASH_POINT: str = ""
     LOG_LEVEL: str = "INFO"

@@ -14,15 +14,36 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Redis databases of the stack (broker, result backend, events); STACK_REDIS_DBS="b,r,e" lets
 #: two stacks share one Redis server without consuming each other's messages.
 BROKER_DB, BACKEND_DB, EVENTS_DB = (int(x) for x in os.environ.get("STACK_REDIS_DBS", "14,15,13").split(","))
+#: RabbitMQ of the stack when the broker is amqp (Redis stays the result backend and the events).
+AMQP_URL = os.environ.get("STACK_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: Queues a stack's workers consume (Celery's default queue and the recovery queue), purged by flush_broker.
+AMQP_QUEUES = tuple(os.environ.get("STACK_AMQP_QUEUES", "celery,recovery").split(","))
+
+
+def stack_broker() -> str:
+    """The stack's broker: STACK_BROKER=amqp for RabbitMQ, else Redis. Read at each call, so a
+    test can choose it with monkeypatch.setenv."""
+    broker = os.environ.get("STACK_BROKER", "redis").strip().lower() or "redis"
+    if broker not in ("redis", "amqp"):
+        raise ValueError(f"STACK_BROKER must be redis or amqp, not {broker!r}")
+    return broker
+
+
+def broker_url(broker: str | None = None, redis_base: str = "redis://127.0.0.1:6379") -> str:
+    return AMQP_URL if (broker or stack_broker()) == "amqp" else f"{redis_base}/{BROKER_DB}"
 
 
 def service_env(
-    pg_url: str, model_url: str, redis_base: str = "redis://127.0.0.1:6379", **extra: str
+    pg_url: str,
+    model_url: str,
+    redis_base: str = "redis://127.0.0.1:6379",
+    broker: str | None = None,
+    **extra: str,
 ) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         DATABASE_URL=pg_url,
-        CELERY_BROKER_URL=f"{redis_base}/{BROKER_DB}",
+        CELERY_BROKER_URL=broker_url(broker, redis_base),
         CELERY_RESULT_BACKEND=f"{redis_base}/{BACKEND_DB}",
         REDIS_URL=f"{redis_base}/{EVENTS_DB}",
         MODEL_BASE_URL=model_url,
@@ -55,16 +76,52 @@ def apply_env(env: dict[str, str]) -> None:
     get_settings.cache_clear()
     import tasks
 
+    if tasks.app.conf.broker_url != env["CELERY_BROKER_URL"]:
+        # NOTE: the app caches its broker connection pool; a stack on another broker (redis <->
+        # amqp) in the same process must not publish through the previous one.
+        if tasks.app._pool is not None:
+            tasks.app._pool.force_close_all()
+        tasks.app._pool = None
+        tasks.app.amqp._producer_pool = None
     tasks.app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
+    import brokerconfig
+
+    tasks.app.conf.update(brokerconfig.options_for(env["CELERY_BROKER_URL"]))
 
 
-def flush_broker(redis_base: str = "redis://127.0.0.1:6379") -> None:
+def flush_broker(redis_base: str = "redis://127.0.0.1:6379", broker: str | None = None) -> None:
+    """Every queued message, result and event of the stack is gone (I7: nothing is lost)."""
     import redis
 
     for db in (BROKER_DB, BACKEND_DB, EVENTS_DB):
         client = redis.Redis.from_url(f"{redis_base}/{db}")
         client.flushdb()
         client.close()
+    if (broker or stack_broker()) == "amqp":
+        purge_amqp()
+
+
+def purge_amqp(url: str = AMQP_URL, queues: tuple[str, ...] = AMQP_QUEUES) -> dict[str, int]:
+    """Delete the stack's RabbitMQ queues with their messages (ready and unacked alike); the next
+    worker declares them again, with the queue type the configuration asks for. Returns the
+    messages each held. A queue that does not exist is skipped."""
+    from amqp.exceptions import NotFound
+    from kombu import Connection
+
+    dropped: dict[str, int] = {}
+    with Connection(url, connect_timeout=5) as conn:
+        channel = conn.channel()
+        for name in queues:
+            try:
+                _, count, _ = channel.queue_declare(name, passive=True)
+            except NotFound:
+                channel = conn.channel()  # a failed passive declare closes the channel
+                continue
+            dropped[name] = channel.queue_delete(name)
+            if not isinstance(dropped[name], int):
+                dropped[name] = count
+        channel.close()
+    return dropped
 
 
 class Service:
@@ -139,6 +196,8 @@ class Worker(Service):
             str(concurrency),
             "-n",
             f"{name}@%h",
+            "-Q",
+            "celery,recovery",
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",

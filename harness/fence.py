@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from harness.errors import Cancelled
 from models import (
     ACTIVE_EXECUTION,
+    STOPPED_PHASES,
     AgentSession,
     LeaseLost,
     Phase,
@@ -80,9 +82,31 @@ class SessionFence(Fence):
     """Fence of a NORMAL/SIDE_TASK loop: the session row's epoch."""
 
     def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        if not renew_session_lease(s, self.session_id, self.epoch, self.lease_seconds):
-            self.lost = True
-            raise LeaseLost(f"session {self.session_id}: epoch {self.epoch} is stale")
+        """Renew the lease inside the write's transaction, unless the session was cancelled.
+
+        NOTE: the UPDATE locks the session row, so a concurrent cancel either landed before
+        it (we raise Cancelled and roll the write back) or waits for our commit (the round
+        came first). A cancelled parent never commits another round or creates children."""
+        S = AgentSession
+        rows = cas(
+            s,
+            update(S)
+            .where(
+                S.id == self.session_id,
+                S.epoch == self.epoch,
+                S.lease_owner.is_not(None),
+                or_(S.phase.is_(None), S.phase.not_in(STOPPED_PHASES)),
+            )
+            .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds)),
+        )
+        if rows == 1:
+            return
+        row = s.execute(select(S.epoch, S.phase).where(S.id == self.session_id)).one()
+        if row.epoch == self.epoch and row.phase in STOPPED_PHASES:
+            self._cancelled = True
+            raise Cancelled(f"session {self.session_id} was stopped")
+        self.lost = True
+        raise LeaseLost(f"session {self.session_id}: epoch {self.epoch} is stale")
 
     def renew(self) -> bool:
         with transaction() as s:

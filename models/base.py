@@ -27,7 +27,10 @@ class Base(DeclarativeBase):
 
 
 def utcnow() -> datetime:
-    return datetime.now(UTC)
+    """The database's time (models.clock): leases and deadlines never use a worker's clock."""
+    from models.clock import db_utcnow
+
+    return db_utcnow()
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -55,6 +55,9 @@ def dispose_engines() -> None:
         for engine in _engines.values():
             engine.dispose(close=False)
         _engines.clear()
+    from models.clock import forget
+
+    forget()
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
+from models.worker import generation_of, lease_free
 
 
 class SubagentExecution(Base):
@@ -164,7 +165,7 @@ def take_execution(
     ]
     now = utcnow()
     if require_expired:
-        free = [E.lease_expires_at.is_(None), E.lease_expires_at < now]
+        free = [lease_free(E, now)]
         if free_when_unowned:
             free.append(E.lease_owner.is_(None))
         conditions.append(or_(*free))
@@ -176,6 +177,7 @@ def take_execution(
             status=to_status,
             epoch=E.epoch + 1,
             lease_owner=owner,
+            lease_generation=generation_of(owner),
             lease_expires_at=now + timedelta(seconds=lease_seconds),
         ),
     )

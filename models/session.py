@@ -24,6 +24,7 @@ from models.db import cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
+from models.worker import generation_of, lease_free
 
 
 class AgentSession(Base):
@@ -98,7 +99,7 @@ def take_session(
     now = utcnow()
     conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases)]
     if require_expired:
-        free = [S.lease_expires_at.is_(None), S.lease_expires_at < now]
+        free = [lease_free(S, now)]
         if free_when_unowned:
             free.append(S.lease_owner.is_(None))  # a reservation made for the epoch's holder
         conditions.append(or_(*free))
@@ -110,6 +111,7 @@ def take_session(
             phase=to_phase,
             epoch=S.epoch + 1,
             lease_owner=owner,
+            lease_generation=generation_of(owner),
             lease_expires_at=now + timedelta(seconds=lease_seconds),
             updated_at=now,
         ),
@@ -125,10 +127,12 @@ def reserve_session(
     to_phase: Phase,
     reserve_seconds: float,
     from_phases: tuple[Phase | None, ...] = (Phase.RUNNING, Phase.RESUMING),
+    extra: tuple[Any, ...] = (),
 ) -> int | None:
     """The scan's takeover: when the lease has expired, bump the epoch, set ``to_phase`` and
     leave an unowned reservation for the task it hands the new epoch to. Returns the new epoch,
-    or None when the session moved on, is leased, or is not in ``from_phases``."""
+    or None when the session moved on, is leased, or is not in ``from_phases``. ``extra``
+    conditions are checked in the same UPDATE (e.g. "nothing pending")."""
     now = utcnow()
     rows = cas(
         s,
@@ -137,7 +141,8 @@ def reserve_session(
             S.id == sid,
             S.epoch == expected_epoch,
             _phase_in(from_phases),
-            or_(S.lease_expires_at.is_(None), S.lease_expires_at < now),
+            lease_free(S, now),
+            *extra,
         )
         .values(
             phase=to_phase,

@@ -14,8 +14,9 @@ repeated, never delivered twice.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Integer, String, func, insert, select, update
+from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
@@ -66,3 +67,51 @@ def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: 
 
 def last_scan(s: Session) -> RecoveryScan | None:
     return s.execute(select(RecoveryScan).where(RecoveryScan.id == 1)).scalar_one_or_none()
+
+
+#: (stable name, boot generation) of this process, set at worker boot; None elsewhere.
+_identity: tuple[str, int] | None = None
+
+
+def set_identity(name: str, generation: int) -> None:
+    global _identity
+    _identity = (name, generation)
+
+
+def identity() -> tuple[str, int] | None:
+    return _identity
+
+
+def generation_of(owner: str | None) -> int | None:
+    """The boot generation to write beside a lease held by ``owner`` (None: not a booted name)."""
+    if _identity is not None and owner == _identity[0]:
+        return _identity[1]
+    return None
+
+
+def boot(name: str) -> int:
+    """Record a boot of ``name`` (new generation) and make it this process's identity."""
+    from models.db import transaction
+
+    with transaction() as s:
+        generation = record_boot(s, name)
+    set_identity(name, generation)
+    return generation
+
+
+def lease_free(model: Any, now: Any = None) -> ColumnElement[bool]:
+    """SQL: the row's lease is free to take over: none, expired in the DATABASE's time, or
+    held by an older boot generation of a worker name that has booted again (its process
+    is gone: the supervisor replaced it)."""
+    from models.base import utcnow
+
+    now = utcnow() if now is None else now  # the database's time (models.clock), portable to SQLite
+    W = WorkerBoot
+    replaced = exists().where(
+        W.name == model.lease_owner,
+        model.lease_generation.is_not(None),
+        W.generation > model.lease_generation,
+    )
+    return or_(
+        model.lease_expires_at.is_(None), model.lease_expires_at < now, and_(model.lease_owner.is_not(None), replaced)
+    )

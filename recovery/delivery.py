@@ -19,13 +19,15 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.delegate import delegate_arguments, tool_name
+from harness.errors import BoundaryInvalid
+from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, delete_rows, pair_state, validated_boundary
 from harness.results import failure_result
 from harness.rounds import ToolResult, write_round
@@ -53,7 +55,7 @@ INTERRUPTED = "error: the tool was interrupted by a restart and was not re-run"
 
 @dataclass(frozen=True)
 class DeliveryOutcome:
-    kind: str  #: "stale" | "waiting" | "suppressed" | "resume"
+    kind: str  #: "stale" | "waiting" | "suppressed" | "resume" | "nothing" | "stopped"
     new_epoch: int | None = None
     delivered: tuple[int, ...] = ()
 
@@ -180,12 +182,26 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
     return delivered
 
 
+def _has_open_round(s: Session, parent_id: int) -> bool:
+    return (
+        s.execute(
+            select(PendingRound.id).where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
+        ).first()
+        is not None
+    )
+
+
 def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | None:
     """Lock the parent; None when this delivery may go on. A stale epoch stops it; a stopped
     parent has its pending results suppressed (and is never resumed)."""
     parent = _lock_parent(s, parent_id)
     if parent is None or parent.epoch != epoch:
         log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
+        return DeliveryOutcome("stale", delivered=tuple(delivered))
+    if parent.lease_owner is not None:
+        # NOTE: a loop holds the parent (it has not yielded yet, or it runs again): a parent
+        # waiting for its children holds no lease. The last child or the scan asks again.
+        log.info("event=deliver_round_skipped parent=%s epoch=%s reason=parent_busy", parent_id, epoch)
         return DeliveryOutcome("stale", delivered=tuple(delivered))
     if parent.phase in STOPPED_PHASES:
         suppressed = suppress_parent(s, parent_id)
@@ -196,7 +212,12 @@ def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[in
 def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered: list[int]) -> DeliveryOutcome:
     """In the caller's transaction (parent locked and checked): write the open round, then hand
     the parent a new epoch — unless something is still PENDING."""
+    had_round = _has_open_round(s, parent_id)
     delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
+    if not delivered and not had_round:
+        # Nothing was waiting: a settled parent is never handed over (spec §7.1.5).
+        log.info("event=deliver_round_skipped parent=%s reason=nothing_pending", parent_id)
+        return DeliveryOutcome("nothing")
     left = (
         s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
         .scalars()
@@ -212,6 +233,29 @@ def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered
 
 
 def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
+    """See ``_deliver_round``. A parent whose compaction boundary is invalid can never get a
+    legal history: it is stopped (FAILED) with a logged reason and its pending results are
+    suppressed, instead of a delivery that raises on every retry."""
+    try:
+        return _deliver_round(parent_id, epoch)
+    except BoundaryInvalid:
+        log.error("event=parent_stopped parent=%s reason=invalid_compaction_boundary", parent_id)
+        with transaction() as s:
+            parent = _lock_parent(s, parent_id)
+            if parent is None or parent.epoch != epoch:
+                return DeliveryOutcome("stale")
+            s.execute(
+                update(AgentSession)
+                .where(AgentSession.id == parent_id, AgentSession.epoch == epoch)
+                .values(phase=Phase.FAILED, lease_owner=None, lease_expires_at=None, updated_at=utcnow())
+                .execution_options(synchronize_session=False)
+            )
+            suppressed = suppress_parent(s, parent_id)
+        publish_status(parent_id, Phase.FAILED)
+        return DeliveryOutcome("stopped", delivered=tuple(suppressed))
+
+
+def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     """The chord callback: deliver every finished child result of the parent exactly once,
     then hand the parent a new epoch (the caller enqueues its run). See the module doc.
 
@@ -249,4 +293,21 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         log.info(
             "event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, outcome.new_epoch, len(delivered)
         )
+    return outcome
+
+
+class _Resumer(Protocol):
+    def resume_parent(self, parent_id: int, epoch: int) -> None: ...
+
+
+def deliver_and_resume(parent_id: int, epoch: int, scheduler: _Resumer) -> DeliveryOutcome:
+    """deliver_round, then enqueue the parent's run with the epoch it was handed. A broker
+    error there loses nothing: the parent waits RUNNING under a reservation and the scan
+    resumes it once that lapses (R18)."""
+    outcome = deliver_round(parent_id, epoch)
+    if outcome.kind == "resume" and outcome.new_epoch is not None:
+        try:
+            scheduler.resume_parent(parent_id, outcome.new_epoch)
+        except Exception as exc:
+            log.warning("event=parent_resume_not_enqueued parent=%s error=%s", parent_id, type(exc).__name__)
     return outcome

@@ -20,15 +20,17 @@ from models import (
 from models.base import utcnow
 from recovery.delivery import deliver_round
 from recovery.errors import ExecutionNotFound
-from recovery.scan import RecoveryScheduler, take_parent
+from recovery.scan import RecoveryScheduler, release_dead_parents
 
 log = logging.getLogger("recovery.ops")
 E = SubagentExecution
 
 
 def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
-    """Take the parent (when its lease has expired) and run the same delivery as the chord
-    callback; the parent is resumed when everything was delivered. Idempotent."""
+    """Run the same delivery as the chord callback for the parent, idempotently: a parent
+    with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
+    asked again, spec §7.1.5); a stopped one has its pending results suppressed; a parent
+    whose loop holds a live lease is busy. Returns what happened."""
     with transaction() as s:
         row = s.execute(
             select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)
@@ -40,14 +42,19 @@ def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
 
             suppressed = suppress_parent(s, parent_id)
             return f"suppressed:{len(suppressed)}"
-        new_epoch = take_parent(s, parent_id, row.epoch)
-    if new_epoch is None:
-        return "parent_busy"
-    outcome = deliver_round(parent_id, new_epoch)
+        pending = s.execute(
+            select(func.count()).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
+        ).scalar_one()
+        if not pending:
+            log.info("event=redeliver parent=%s outcome=nothing_pending", parent_id)
+            return "nothing_pending"
+        epochs = release_dead_parents(s, [parent_id])
+    outcome = deliver_round(parent_id, epochs[parent_id])
     if outcome.kind == "resume" and outcome.new_epoch is not None:
         scheduler.resume_parent(parent_id, outcome.new_epoch)
-    log.info("event=redeliver parent=%s outcome=%s delivered=%d", parent_id, outcome.kind, len(outcome.delivered))
-    return outcome.kind
+    kind = "parent_busy" if outcome.kind == "stale" else outcome.kind
+    log.info("event=redeliver parent=%s outcome=%s delivered=%d", parent_id, kind, len(outcome.delivered))
+    return kind
 
 
 def redeliver(execution_id: int, scheduler: RecoveryScheduler) -> str:

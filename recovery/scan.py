@@ -1,16 +1,25 @@
-"""The recovery scan (DESIGN §6 recovery path): boot (worker_ready) and beat.
+"""The recovery scan (DESIGN §6 recovery path): worker boot (worker_ready) and beat.
 
 One scan at a time across all workers (PostgreSQL advisory lock); every row decision is still
 a compare-and-set, so two concurrent scans (or two beats) are harmless. In order:
 1. PENDING executions of cancelled/terminal parents -> SUPPRESSED with the children cancelled;
    such parents are never resumed (spec §7.1.5, §7.7).
-2. Per parent: recoverable executions (active, PENDING, lease expired — child phase NULL
-   included — or past deadline + grace) and deliverable ones (terminal, PENDING, no live
-   callback). When no execution of the parent is still live, the parent is taken (new epoch,
-   phase RESUMING) and one chord is enqueued: recover_child per active execution, callback
-   deliver_round. The database, not the broker, is the source of truth (I7).
-3. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with an expired lease and nothing pending:
-   tail cleaned and resumed (spec R18). SUBAGENT sessions never take this path.
+2. Dead executions, each on its own (spec §7.1, issue 9): active + PENDING whose lease lapsed
+   (in the database's time), whose owner's worker name booted again (models.worker), or whose
+   absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
+   the barrier is delivery's (I3). Set-based: one ``UPDATE … WHERE id IN (SELECT … FOR
+   UPDATE SKIP LOCKED LIMIT n) RETURNING`` per batch reserves them (RECOVERING, epoch + 1,
+   no owner, a reservation of two leases) — except an unclaimed reservation of an earlier
+   scan, which keeps its epoch: its message may just be late in a long queue, and bumping
+   would make it stale over and over. A parent whose own lease lapsed (it died before
+   yielding) is released the same way (epoch + 1, RESUMING, no owner).
+3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
+   and whose last result is older than the callback grace: their delivery is asked for again.
+4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
+   tail cleaned and resumed (spec R18); "nothing pending" is re-checked in the take's UPDATE.
+   SUBAGENT sessions never take this path.
+The work is handed to the scheduler in batches (recover_many / deliver_many); duplicate or
+late messages lose their compare-and-set and do nothing.
 """
 
 from __future__ import annotations
@@ -21,14 +30,13 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Protocol
+from datetime import timedelta
+from typing import Any, Protocol
 
-from sqlalchemy import exists, select, text
+from sqlalchemy import and_, case, exists, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
-from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, validated_boundary
 from models import (
     ACTIVE_EXECUTION,
@@ -36,6 +44,7 @@ from models import (
     STOPPED_PHASES,
     AgentSession,
     DeliveryStatus,
+    ExecutionStatus,
     PendingRound,
     Phase,
     SessionType,
@@ -45,20 +54,29 @@ from models import (
 )
 from models.base import utcnow
 from models.session import reserve_session
+from models.worker import lease_free, record_scan
 from recovery.delivery import suppress_parent
-from recovery.executions import deadline_passed_with_grace
 from settings import get_settings
 
 log = logging.getLogger("recovery.scan")
 
 #: Key of the PostgreSQL advisory lock that serializes scans across workers.
 SCAN_LOCK_KEY = 0x5CA11ED
+#: Rows reserved per statement.
+BATCH = 1000
+
+E, S = SubagentExecution, AgentSession
+
+#: (execution_id, epoch) pairs of one parent.
+Children = Sequence[tuple[int, int]]
 
 
 class RecoveryScheduler(Protocol):
-    def recover_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
-        """chord(recover_child(eid, epoch)...) | deliver_round(parent_id, parent_epoch);
-        with no children, deliver_round alone."""
+    def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
+        """For each (parent_id, parent_epoch, children): recover_child(eid, epoch) per child."""
+
+    def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
+        """deliver_round(parent_id, epoch) for each."""
 
     def resume_parent(self, parent_id: int, epoch: int) -> None: ...
 
@@ -95,16 +113,18 @@ def scan_lock() -> Iterator[bool]:
 
 def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
-    results may wait for their own chord callback before the scan delivers them itself."""
-    started = time.monotonic()
+    results may wait for their own delivery before the scan asks for it again."""
+    started, started_at = time.monotonic(), utcnow()
     with scan_lock() as held:
         if not held:
             log.info("event=subagent_recovery_scan skipped=another_scan_running")
             return ScanReport(ran=False)
         report = ScanReport()
-        _suppress_stopped_parents(report)
-        _recover_parents(scheduler, report, callback_grace_seconds)
-        _resume_plain_sessions(scheduler, report)
+        _step("suppress", _suppress_stopped_parents, report)
+        _step("recover", _recover_dead_executions, scheduler, report)
+        _step("deliver", _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
+        _step("resume", _resume_plain_sessions, scheduler, report)
+    duration_ms = int((time.monotonic() - started) * 1000)
     log.info(
         "event=subagent_recovery_scan executions=%d parents=%d suppressed=%d waiting=%d resumed=%d durationMs=%d",
         len(report.recovering) + len(report.delivering),
@@ -112,13 +132,31 @@ def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None =
         len(report.suppressed),
         len(report.waiting),
         len(report.resumed_sessions),
-        (time.monotonic() - started) * 1000,
+        duration_ms,
     )
+    try:
+        with transaction() as s:
+            record_scan(
+                s,
+                started_at=started_at,
+                duration_ms=duration_ms,
+                parents=len(report.parents),
+                executions=len(report.recovering) + len(report.delivering),
+            )
+    except Exception:
+        log.warning("event=scan_record_failed", exc_info=True)
     return report
 
 
+def _step(name: str, fn: Any, *args: Any) -> None:
+    """A step that fails is logged and the next one still runs (one bad row never stops a scan)."""
+    try:
+        fn(*args)
+    except Exception:
+        log.error("event=scan_step_failed step=%s", name, exc_info=True)
+
+
 def _suppress_stopped_parents(report: ScanReport) -> None:
-    E, S = SubagentExecution, AgentSession
     with transaction() as s:
         parents = (
             s.execute(
@@ -140,100 +178,155 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
             log.error("event=scan_suppress_failed parent=%s", parent_id, exc_info=True)
 
 
-@dataclass(frozen=True)
-class _Pending:
-    id: int
-    status: str
-    epoch: int
-    lease_expires_at: datetime | None
-    started_at: datetime
-    completed_at: datetime | None
+def _not_stopped(model: Any) -> Any:
+    return or_(model.phase.is_(None), model.phase.not_in(STOPPED_PHASES))
 
 
-def _recover_parents(scheduler: RecoveryScheduler, report: ScanReport, grace_seconds: float | None) -> None:
-    E = SubagentExecution
+def _reserve_batch(s: Session, reserve_seconds: float) -> list[Any]:
+    """Reserve up to BATCH dead executions; returns (id, epoch, parent_session_id) rows."""
+    settings = get_settings()
     now = utcnow()
-    callback_grace = timedelta(seconds=get_settings().LEASE_SECONDS if grace_seconds is None else grace_seconds)
+    # Past deadline + grace: taken even from a live owner (a stuck worker must not hold it).
+    overdue = now - timedelta(seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS)
+    Parent = S.__table__.alias("parent")
+    candidates = (
+        select(E.id)
+        .join(Parent, Parent.c.id == E.parent_session_id)
+        .where(
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.status.in_(ACTIVE_EXECUTION),
+            or_(lease_free(E, now), E.started_at < overdue),
+            or_(Parent.c.phase.is_(None), Parent.c.phase.not_in(STOPPED_PHASES)),
+        )
+        .order_by(E.id)
+        .limit(BATCH)
+        .with_for_update(of=E, skip_locked=True)
+    )
+    unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
+    return list(
+        s.execute(
+            update(E)
+            .where(E.id.in_(candidates.scalar_subquery()))
+            .values(
+                status=ExecutionStatus.RECOVERING,
+                epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
+                lease_owner=None,
+                lease_generation=None,
+                lease_expires_at=now + timedelta(seconds=reserve_seconds),
+            )
+            .returning(E.id, E.epoch, E.parent_session_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    )
+
+
+def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int]:
+    """Parents whose own lease lapsed (they died before yielding): epoch + 1, RESUMING, no
+    owner. Returns every given parent's current epoch, whether released now or already free;
+    a parent still leased by a live loop keeps its epoch (its loop yields with it)."""
+    now = utcnow()
+    reserve = 2 * get_settings().LEASE_SECONDS
+    s.execute(
+        update(S)
+        .where(
+            S.id.in_(parent_ids),
+            S.lease_owner.is_not(None),
+            lease_free(S, now),
+            _not_stopped(S),
+        )
+        .values(
+            phase=Phase.RESUMING,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=now + timedelta(seconds=reserve),
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    # A waiting parent (no owner) keeps its epoch — the chord callback it was handed stays
+    # valid — and shows that recovery owns its round (RESUMING, shown as RUNNING).
+    s.execute(
+        update(S)
+        .where(S.id.in_(parent_ids), S.lease_owner.is_(None), S.phase == Phase.RUNNING)
+        .values(phase=Phase.RESUMING, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
+
+
+def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport) -> None:
+    reserve_seconds = 2 * get_settings().LEASE_SECONDS
+    while True:
+        with transaction() as s:
+            rows = _reserve_batch(s, reserve_seconds)
+            by_parent: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            for eid, epoch, parent_id in rows:
+                by_parent[int(parent_id)].append((int(eid), int(epoch)))
+            epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
+        if not rows:
+            return
+        crash_point("scan.after_take_parent")
+        rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
+        for pid, _, children in rounds:
+            report.parents.append(pid)
+            report.recovering += [eid for eid, _ in children]
+            log.info(
+                "event=parent_recovery_wait parent=%s childExecutions=%s",
+                pid,
+                ",".join(str(eid) for eid, _ in children),
+            )
+        scheduler.recover_many(rounds)
+        if len(rows) < BATCH:
+            return
+
+
+def _deliver_waiting_rounds(scheduler: RecoveryScheduler, report: ScanReport, grace_seconds: float | None) -> None:
+    settings = get_settings()
+    now = utcnow()
+    grace = timedelta(seconds=settings.LEASE_SECONDS if grace_seconds is None else grace_seconds)
     with transaction() as s:
         rows = s.execute(
-            select(E.parent_session_id, E.id, E.status, E.epoch, E.lease_expires_at, E.started_at, E.completed_at)
-            .where(E.delivery_status == DeliveryStatus.PENDING)  # the partial index: O(pending)
-            .order_by(E.parent_session_id, E.id)
+            select(E.parent_session_id, func.array_agg(E.id) if _pg(s) else func.group_concat(E.id))
+            .join(S, S.id == E.parent_session_id)
+            .where(E.delivery_status == DeliveryStatus.PENDING, _not_stopped(S))
+            .group_by(E.parent_session_id)
+            .having(
+                and_(
+                    func.sum(case((E.status.in_(ACTIVE_EXECUTION), 1), else_=0)) == 0,
+                    or_(func.max(E.completed_at).is_(None), func.max(E.completed_at) <= now - grace),
+                )
+            )
         ).all()
-    groups: dict[int, list[_Pending]] = defaultdict(list)
-    for r in rows:
-        groups[r.parent_session_id].append(
-            _Pending(r.id, r.status, r.epoch, r.lease_expires_at, r.started_at, r.completed_at)
-        )
-    for parent_id, pending in groups.items():
-        try:
-            _recover_parent(scheduler, report, parent_id, pending, now, callback_grace)
-        except Exception:
-            log.error("event=scan_parent_failed parent=%s", parent_id, exc_info=True)
-
-
-def _recover_parent(
-    scheduler: RecoveryScheduler,
-    report: ScanReport,
-    parent_id: int,
-    pending: list[_Pending],
-    now: datetime,
-    callback_grace: timedelta,
-) -> None:
-    recoverable: list[tuple[int, int]] = []
-    live: list[int] = []
-    for p in pending:
-        if p.status in ACTIVE_EXECUTION:
-            expired = p.lease_expires_at is None or p.lease_expires_at < now
-            if expired or deadline_passed_with_grace(p.started_at):
-                recoverable.append((p.id, p.epoch))
-            else:
-                live.append(p.id)
-    terminal = [p for p in pending if p.status not in ACTIVE_EXECUTION]
-    if live:
-        report.waiting.append(parent_id)  # a child is still running under its lease
-        return
-    if not recoverable:
-        last = max((p.completed_at for p in terminal if p.completed_at is not None), default=None)
-        if last is not None and now - last < callback_grace:
-            report.waiting.append(parent_id)  # its chord callback is probably on its way
+        if not rows:
             return
-    with transaction() as s:
-        parent = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)).one()
-        if parent.phase in STOPPED_PHASES:
-            return  # step 1 of the next scan suppresses it
-        new_epoch = take_parent(s, parent_id, parent.epoch)
-    if new_epoch is None:
-        report.waiting.append(parent_id)  # leased (running, or just handed over): not ours
-        return
-    crash_point("scan.after_take_parent")
-    publish_status(parent_id, Phase.RESUMING)
-    report.parents.append(parent_id)
-    report.recovering += [eid for eid, _ in recoverable]
-    report.delivering += [p.id for p in terminal]
-    log.info(
-        "event=parent_recovery_wait parent=%s childExecutions=%s",
-        parent_id,
-        ",".join(str(p.id) for p in pending),
-    )
-    scheduler.recover_children(parent_id, new_epoch, recoverable)
+        parent_ids = [int(r[0]) for r in rows]
+        epochs = release_dead_parents(s, parent_ids)
+        owners = dict(s.execute(select(S.id, S.lease_owner).where(S.id.in_(parent_ids))).all())
+    batch = []
+    for parent_id, ids in rows:
+        if owners.get(parent_id) is not None:
+            report.waiting.append(parent_id)  # its loop still holds it (it yields with the epoch)
+            continue
+        report.parents.append(parent_id)
+        report.delivering += [int(i) for i in (ids if isinstance(ids, list) else str(ids).split(","))]
+        batch.append((int(parent_id), epochs[parent_id]))
+    if batch:
+        scheduler.deliver_many(batch)
 
 
-def take_parent(s: Session, parent_id: int, expected_epoch: int) -> int | None:
-    """Recovery owns the parent: new epoch, phase RESUMING (shown as RUNNING), and a
-    reservation for the delivery it hands that epoch to. None when leased or moved on."""
-    return reserve_session(
-        s,
-        parent_id,
-        expected_epoch=expected_epoch,
-        to_phase=Phase.RESUMING,
-        reserve_seconds=2 * get_settings().LEASE_SECONDS,
-        from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
+def _pg(s: Session) -> bool:
+    return s.get_bind().dialect.name == "postgresql"
+
+
+def _nothing_pending() -> tuple[Any, ...]:
+    return (
+        ~exists().where(E.parent_session_id == S.id, E.delivery_status == DeliveryStatus.PENDING),
+        ~exists().where(PendingRound.session_id == S.id, PendingRound.closed_at.is_(None)),
     )
 
 
 def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> None:
-    S, E = AgentSession, SubagentExecution
     now = utcnow()
     with transaction() as s:
         rows = s.execute(
@@ -241,9 +334,8 @@ def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> 
             .where(
                 S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
                 S.phase.in_(ACTIVE_PHASES),
-                (S.lease_expires_at.is_(None)) | (S.lease_expires_at < now),
-                ~exists().where(E.parent_session_id == S.id, E.delivery_status == DeliveryStatus.PENDING),
-                ~exists().where(PendingRound.session_id == S.id, PendingRound.closed_at.is_(None)),
+                lease_free(S, now),
+                *_nothing_pending(),
             )
             .order_by(S.id)
         ).all()
@@ -260,10 +352,31 @@ def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> 
 
 
 def _take_plain(sid: int, epoch: int) -> int | None:
+    """Take a plain session; "nothing pending" is part of the UPDATE (a delegation committed
+    between the SELECT and here makes it miss)."""
     with transaction() as s:
         new_epoch = reserve_session(
-            s, sid, expected_epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=2 * get_settings().LEASE_SECONDS
+            s,
+            sid,
+            expected_epoch=epoch,
+            to_phase=Phase.RUNNING,
+            reserve_seconds=2 * get_settings().LEASE_SECONDS,
+            extra=_nothing_pending(),
         )
         if new_epoch is not None:
             cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
         return new_epoch
+
+
+def take_parent(s: Session, parent_id: int, expected_epoch: int) -> int | None:
+    """Recovery owns the parent: new epoch, phase RESUMING (shown as RUNNING), and a
+    reservation for the delivery it hands that epoch to. None when leased or moved on."""
+    return reserve_session(
+        s,
+        parent_id,
+        expected_epoch=expected_epoch,
+        to_phase=Phase.RESUMING,
+        reserve_seconds=2 * get_settings().LEASE_SECONDS,
+        from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
+    )
+

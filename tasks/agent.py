@@ -1,4 +1,4 @@
-"""Agent tasks: thin adapters over harness.loop and recovery.delivery."""
+"""Agent tasks: thin adapters over harness.parent, recovery.child and recovery.delivery."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from harness.loop import LoopDeps, execute_child, run_agent, run_child
+from harness.loop import LoopDeps
 from harness.model import ModelClient
-from recovery.delivery import deliver_round
+from harness.parent import run_agent
+from recovery.child import start_child
+from recovery.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 
@@ -34,7 +36,7 @@ def run(session_id: int, epoch: int) -> str:
 def run_child_task(execution_id: int, epoch: int) -> str:
     """Chord header: never raises (a failure becomes a FAILED execution)."""
     try:
-        return run_child(int(execution_id), int(epoch), deps())
+        return start_child(int(execution_id), int(epoch), deps())
     except Exception:
         log.error("event=run_child_error execution=%s", execution_id, exc_info=True)
         return "error"
@@ -42,11 +44,8 @@ def run_child_task(execution_id: int, epoch: int) -> str:
 
 @app.task(name="agent.deliver_round")
 def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
-    """Chord callback (also sent alone by the scan): deliver, then resume the parent."""
-    outcome = deliver_round(int(parent_id), int(epoch))
-    if outcome.kind == "resume" and outcome.new_epoch is not None:
-        CeleryScheduler(app).resume_parent(int(parent_id), outcome.new_epoch)
-    return outcome.kind
+    """Chord callback (also sent alone by the scan and by the last recovered child)."""
+    return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 
-__all__ = ["deliver_round_task", "execute_child", "run", "run_child_task"]
+__all__ = ["deliver_round_task", "run", "run_child_task"]

@@ -1,4 +1,4 @@
-"""Recovery tasks: thin adapters over recovery.scan / executions / ops."""
+"""Recovery tasks: thin adapters over recovery.scan / child / ops."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 from celery.signals import worker_ready
 
-from recovery.executions import recover_child
+from recovery.child import recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
 from tasks import app

@@ -1,31 +1,44 @@
-"""The Celery side of the loop's Scheduler: chords of children, then deliver_round."""
+"""The Celery side of the loops' and the scan's Scheduler: chords of children, deliveries,
+recoveries and parent runs, sent by task name (no import cycle with the task modules).
+
+Scans, recoveries and deliveries go to the recovery queue (celeryconfig routes them), so they
+never wait behind hour-long children on the default queue.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from celery import chord
 
 
 class CeleryScheduler:
-    """Enqueues by task name so this module does not import the task modules (no cycles)."""
-
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: Any) -> None:
         self.app = app
 
-    def _sig(self, name: str, *args: object) -> object:
-        return self.app.signature(name, args=args)  # type: ignore[attr-defined]
+    def _sig(self, name: str, *args: object) -> Any:
+        return self.app.signature(name, args=args)
 
     def start_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
         header = [self._sig("agent.run_child", eid, epoch) for eid, epoch in children]
         chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
 
-    def recover_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
-        if not children:
-            self._sig("agent.deliver_round", None, parent_id, parent_epoch).apply_async()  # type: ignore[attr-defined]
-            return
-        header = [self._sig("recovery.recover_child", eid, epoch) for eid, epoch in children]
-        chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
+    def deliver(self, parent_id: int, epoch: int) -> None:
+        self._sig("agent.deliver_round", None, parent_id, epoch).apply_async()
+
+    def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
+        with self.app.producer_or_acquire() as producer:
+            for parent_id, epoch in parents:
+                self._sig("agent.deliver_round", None, parent_id, epoch).apply_async(producer=producer)
+
+    def recover_many(self, rounds: Sequence[tuple[int, int, Sequence[tuple[int, int]]]]) -> None:
+        """One recover_child message per execution; the last of a round to end asks for its
+        delivery (recovery.child), so no chord has to survive the next crash."""
+        with self.app.producer_or_acquire() as producer:
+            for _parent_id, _epoch, children in rounds:
+                for eid, epoch in children:
+                    self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
-        self._sig("agent.run", parent_id, epoch).apply_async()  # type: ignore[attr-defined]
+        self._sig("agent.run", parent_id, epoch).apply_async()

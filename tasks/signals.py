@@ -5,9 +5,32 @@ from __future__ import annotations
 import logging
 
 from celery.signals import setup_logging as setup_logging_signal
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_ready
 
 from models.db import dispose_engines
+
+log = logging.getLogger("tasks.signals")
+
+
+@worker_init.connect
+def _boot_generation(sender: object = None, **_: object) -> None:
+    """Record a new boot generation for this worker's stable name (WORKER_ID, else the node
+    name) before the pool forks: work leased by an older generation is taken back at once by
+    the boot scan (models.worker). A database that is down here only costs that speed-up."""
+    from models.worker import boot
+    from settings import get_settings
+
+    name = get_settings().WORKER_ID or str(getattr(sender, "hostname", "") or "")
+    if not name:
+        return
+    try:
+        generation = boot(name)
+    except Exception:
+        log.warning("event=worker_boot_not_recorded worker=%s", name, exc_info=True)
+        return
+    finally:
+        dispose_engines()  # never hand the main process's sockets to the forked pool
+    log.info("event=worker_boot worker=%s generation=%s", name, generation)
 
 
 @worker_process_init.connect

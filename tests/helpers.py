@@ -106,16 +106,27 @@ class RecordingScheduler:
     def __init__(self) -> None:
         self.children: list[tuple[int, int, list[tuple[int, int]]]] = []
         self.recoveries: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self.deliveries: list[tuple[int, int]] = []
         self.resumed: list[tuple[int, int]] = []
 
     def start_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
         self.children.append((parent_id, parent_epoch, list(children)))
 
-    def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
-        self.recoveries.append((parent_id, parent_epoch, list(children)))
+    def recover_many(self, rounds: Any) -> None:
+        for parent_id, parent_epoch, children in rounds:
+            self.recoveries.append((parent_id, parent_epoch, list(children)))
+
+    def deliver(self, parent_id: int, epoch: int) -> None:
+        self.deliveries.append((parent_id, epoch))
+
+    def deliver_many(self, parents: Any) -> None:
+        self.deliveries.extend(parents)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self.resumed.append((parent_id, epoch))
+
+    def pending(self) -> bool:
+        return bool(self.children or self.recoveries or self.deliveries or self.resumed)
 
 
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
@@ -179,10 +190,11 @@ def expire_leases() -> None:
 
 def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps: Any = None) -> RecordingScheduler:
     """Run recovery and the normal path in-process until nothing is left to do: scan ->
-    recover_child per execution -> deliver_round -> agent loop (-> its own chords) -> ..."""
-    from harness.loop import run_agent, run_child
-    from recovery.delivery import deliver_round
-    from recovery.executions import recover_child
+    recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
+    loop (-> its own chords) -> ..."""
+    from harness.parent import run_agent
+    from recovery.child import recover_child, start_child
+    from recovery.delivery import deliver_and_resume
     from recovery.scan import scan
 
     deps = deps or loop_deps(model_url)
@@ -191,37 +203,38 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
         if after_crash:
             expire_leases()
         scan(sched, callback_grace_seconds=0)
-        if not (sched.children or sched.recoveries or sched.resumed):
+        if not sched.pending():
             return sched
-        while sched.children or sched.recoveries or sched.resumed:
+        while sched.pending():
             if sched.recoveries:
-                parent, epoch, children = sched.recoveries.pop(0)
+                _, _, children = sched.recoveries.pop(0)
                 for eid, e in children:
                     recover_child(eid, e, deps)
             elif sched.children:
                 parent, epoch, children = sched.children.pop(0)
                 for eid, e in children:
-                    run_child(eid, e, deps)
+                    start_child(eid, e, deps)
+                sched.deliveries.append((parent, epoch))  # the chord callback
+            elif sched.deliveries:
+                parent, epoch = sched.deliveries.pop(0)
+                deliver_and_resume(parent, epoch, sched)
             else:
                 sid, e = sched.resumed.pop(0)
                 run_agent(sid, e, deps)
-                continue
-            out = deliver_round(parent, epoch)
-            if out.kind == "resume" and out.new_epoch is not None:
-                sched.resumed.append((parent, out.new_epoch))
     raise AssertionError("recovery did not settle")
 
 
 def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, int]:
     """A parent that delegated and whose children all completed, but whose chord callback
     never ran: returns (parent id, the epoch its deliver_round was handed)."""
-    from harness.loop import run_agent, run_child
+    from harness.parent import run_agent
     from harness.views import create_session
+    from recovery.child import start_child
 
     deps = loop_deps(model_url, RecordingScheduler())
     sid = create_session("main", text)
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = deps.scheduler.children.pop()
     for eid, e in children:
-        assert run_child(eid, e, deps) == "completed"
+        assert start_child(eid, e, deps) == "completed"
     return sid, epoch

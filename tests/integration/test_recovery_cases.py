@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select, update
 
 from harness import presence
-from harness.loop import run_agent, run_child
+from harness.parent import run_agent
 from harness.views import create_session
 from models import (
     AgentSession,
@@ -33,8 +33,9 @@ from models import (
     transaction,
 )
 from recovery.cancel import cancel_session
+from recovery.child import recover_child
+from recovery.child import start_child as run_child
 from recovery.delivery import deliver_round
-from recovery.executions import recover_child
 from recovery.scan import scan
 from settings import get_settings
 from tests.helpers import (

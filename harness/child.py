@@ -1,0 +1,293 @@
+"""The child (SUBAGENT) loop: rounds of one execution in its child session, and its end.
+
+A child's final round commits the final ASSISTANT, final_message_id, the execution's terminal
+status, the result JSON (one factory, harness.results) and the counters in ONE transaction,
+fenced by the execution's epoch. Taking the execution (normal start or recovery) is the
+lifecycle's job (recovery.child); this module runs what was taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from crashpoints import crash_point
+from harness.agents import AgentDef, get_agent
+from harness.errors import Cancelled, DeadlineExceeded
+from harness.events import publish_status
+from harness.fence import ExecutionFence, Fence, Heartbeat
+from harness.history import append_message
+from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
+from harness.model import ModelReply
+from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
+from harness.results import describe_exception, failure_result, followup_fields, success_result
+from harness.tools import TOOL_NAMES
+from models import (
+    AgentSession,
+    ExecutionMode,
+    ExecutionStatus,
+    InvocationType,
+    LeaseLost,
+    Message,
+    Phase,
+    Role,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.execution import finish_execution
+from settings import get_settings
+
+log = logging.getLogger("harness.child")
+
+
+@dataclass(frozen=True)
+class ChildInfo:
+    execution_id: int
+    child_session_id: int
+    agent_type: str
+    invocation_type: InvocationType | None
+    started_at: datetime
+    execution_start_message_id: int | None
+    execution_mode: ExecutionMode
+    user_id: str
+    task_description: str
+
+
+def timeout_reason() -> str:
+    return f"subagent timed out after {get_settings().SUBAGENT_TIMEOUT_SECONDS:g} seconds"
+
+
+def child_deadline(started_at: datetime) -> datetime:
+    """started_at + SUBAGENT_TIMEOUT_SECONDS: absolute, never reset by a restart (I5)."""
+    return started_at + timedelta(seconds=get_settings().SUBAGENT_TIMEOUT_SECONDS)
+
+
+def load_child(execution_id: int) -> ChildInfo:
+    E = SubagentExecution
+    S = AgentSession
+    with transaction() as s:
+        row = s.execute(
+            select(
+                E.id,
+                E.child_session_id,
+                E.agent_type,
+                E.invocation_type,
+                E.started_at,
+                E.execution_start_message_id,
+                S.execution_mode,
+                S.user_id,
+                E.task_description,
+            )
+            .join(S, S.id == E.child_session_id)
+            .where(E.id == execution_id)
+        ).one()
+    return ChildInfo(*row)
+
+
+def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
+    """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
+    q = select(Message.role, func.count()).where(Message.session_id == child_session_id, Message.deleted.is_(False))
+    if start_id is not None:
+        q = q.where(Message.id > start_id)
+    counts = dict(s.execute(q.group_by(Message.role)).all())
+    return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
+
+
+def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
+    if info.invocation_type != InvocationType.FOLLOWUP:
+        return None
+    E = SubagentExecution
+    earlier = (
+        s.execute(select(E.status).where(E.child_session_id == info.child_session_id, E.id <= info.execution_id))
+        .scalars()
+        .all()
+    )
+    completed = sum(1 for st in earlier if st == ExecutionStatus.COMPLETED) + 1
+    return followup_fields(len(earlier), completed)
+
+
+def finish_child(
+    info: ChildInfo,
+    epoch: int,
+    *,
+    text: str | None,
+    failure: str | None = None,
+    cancelled: bool = False,
+    final_content: str | None = None,
+    fence: Fence | None = None,
+    tokens: tuple[int, int] = (0, 0),
+    final_message_id: int | None = None,
+) -> bool:
+    """Commit the execution's end in ONE transaction: (final ASSISTANT when there is new text),
+    final_message_id, terminal status, result JSON (the one factory), counters, child phase.
+    Returns False when a newer owner holds the execution (nothing written)."""
+    try:
+        status, phase, rounds = _finish_child_tx(
+            info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
+        )
+    except _Lost:
+        return False
+    crash_point("child.after_final")
+    publish_status(info.child_session_id, phase)
+    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, status, rounds)
+    return True
+
+
+class _Lost(Exception):
+    pass
+
+
+def _finish_child_tx(
+    info: ChildInfo,
+    epoch: int,
+    text: str | None,
+    failure: str | None,
+    cancelled: bool,
+    final_content: str | None,
+    fence: Fence | None,
+    tokens: tuple[int, int],
+    final_message_id: int | None = None,
+) -> tuple[ExecutionStatus, Phase, int]:
+    with transaction() as s:
+        if fence is not None:
+            fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
+        final_id = final_message_id
+        if final_content is not None:
+            final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
+        E = SubagentExecution
+        tokens = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
+        rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
+        followup = _followup_info(s, info)
+        if failure is None and text is not None:
+            status = ExecutionStatus.COMPLETED
+            result = success_result(
+                agent_type=info.agent_type,
+                child_session_id=info.child_session_id,
+                text=text,
+                rounds=rounds,
+                tool_calls=tool_calls,
+                prompt_tokens=tokens.prompt_tokens,
+                completion_tokens=tokens.completion_tokens,
+                followup=followup,
+            )
+        else:
+            status = ExecutionStatus.CANCELLED if cancelled else ExecutionStatus.FAILED
+            result = failure_result(
+                agent_type=info.agent_type,
+                child_session_id=info.child_session_id,
+                reason=failure or "no result",
+                cancelled=cancelled,
+                followup=followup,
+            )
+        landed = finish_execution(
+            s,
+            info.execution_id,
+            epoch=epoch,
+            status=status,
+            result=result,
+            error=None if status == ExecutionStatus.COMPLETED else result["error"],
+            final_message_id=final_id,
+            rounds=rounds,
+            total_tool_calls=tool_calls,
+        )
+        if not landed:
+            raise _Lost()
+        phase = {ExecutionStatus.COMPLETED: Phase.COMPLETED, ExecutionStatus.FAILED: Phase.FAILED}.get(
+            status, Phase.CANCELLED
+        )
+        s.execute(
+            update(AgentSession)
+            .where(AgentSession.id == info.child_session_id, AgentSession.phase.is_distinct_from(Phase.CANCELLED))
+            .values(phase=phase, updated_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+    return status, phase, rounds
+
+
+#: Phases of a child session that a taken execution may (re)start from.
+CHILD_STARTABLE = (None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING)
+
+
+def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> str:
+    """Run a taken execution's rounds to its end (the taker set the child's phase). Returns
+    "completed", "failed", "cancelled", "lost" (a newer owner: nothing written) or
+    "infra_error" (a database/Redis fault: nothing written, the lease lapses and the scan
+    resumes it — DESIGN §6). Never raises: a chord header never breaks its callback."""
+    execution_id = info.execution_id
+    deadline = child_deadline(info.started_at)
+    fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
+    try:
+        publish_status(info.child_session_id, Phase.RUNNING)
+        agent = get_agent(info.agent_type)
+        allowed = agent.tool_names(TOOL_NAMES, subagent=True)
+        local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
+        with Heartbeat(fence):
+            final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
+        text = final.content or ""
+        tokens = (final.prompt_tokens, final.completion_tokens)
+        if not finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens):
+            return "lost"
+        return "completed"
+    except LeaseLost:
+        log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
+        return "lost"
+    except Cancelled:
+        return _finish_or(info, epoch, "cancelled", failure="subagent cancelled", cancelled=True)
+    except DeadlineExceeded as exc:
+        reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
+        return _finish_or(info, epoch, "failed", failure=reason)
+    except Exception as exc:
+        if is_infrastructure_error(exc):
+            log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
+            return "infra_error"
+        log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
+        return _finish_or(info, epoch, "failed", failure=f"subagent failed: {describe_exception(exc)}")
+
+
+def _finish_or(info: ChildInfo, epoch: int, outcome: str, *, failure: str, cancelled: bool = False) -> str:
+    """Record a failure result; an infrastructure error while recording writes nothing."""
+    try:
+        ok = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
+    except Exception as exc:
+        if is_infrastructure_error(exc):
+            log.warning("event=child_infra_error execution=%s error=%s", info.execution_id, type(exc).__name__)
+            return "infra_error"
+        log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
+        return "error"
+    return outcome if ok else "lost"
+
+
+def _child_rounds(
+    info: ChildInfo,
+    fence: ExecutionFence,
+    agent: AgentDef,
+    allowed: tuple[str, ...],
+    deadline: datetime,
+    deps: LoopDeps,
+    local: bool,
+) -> ModelReply:
+    """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
+    A LOCAL child waits for its desktop client before every round: a client that disconnects
+    mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4)."""
+    for _ in range(agent.max_rounds):
+        if fence.cancelled():
+            if fence.lost:
+                raise LeaseLost()
+            raise Cancelled()
+        if utcnow() >= deadline:
+            raise DeadlineExceeded()
+        if local:
+            wait_for_client(info.user_id, deadline, fence.cancelled)
+            if fence.cancelled():
+                continue
+        reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline)
+        if not reply.tool_calls:
+            return reply
+        inline_round(fence, info.child_session_id, reply, allowed, deadline, "child")
+        crash_point("child.after_round")
+    raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")

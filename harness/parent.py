@@ -1,0 +1,273 @@
+"""The parent (NORMAL / SIDE_TASK) loop (DESIGN §6, normal path).
+
+- A round without delegates commits one ASSISTANT + every TOOL in one transaction.
+- A round with delegates commits pending_round + child sessions + executions + child USER
+  messages in one transaction, runs the inline tools (recording each result in the round),
+  then YIELDS: the lease is released (the epoch stays: deliver_round is handed it) and the
+  scheduler enqueues chord(children..., deliver_round). No worker slot waits for a child.
+- A broker error at that hand-off is not the parent's failure: everything the recovery needs
+  is committed, the executions' creation reservations lapse and the scan starts them.
+- A cancel lands between rounds, inside ``wait``, and in the fence of every write: a
+  cancelled parent writes nothing more (it neither commits a round nor creates children).
+- A model that repeats a tool_call id (within a reply, or one already answered in this
+  session) gets that call refused as its TOOL error under a fresh id; it never kills the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
+from harness.delegate import CreatedExecution, create_execution
+from harness.errors import Cancelled
+from harness.events import publish_status
+from harness.fence import Fence, Heartbeat, SessionFence
+from harness.history import append_message
+from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
+from harness.model import ModelReply, ToolCall
+from harness.rounds import ToolResult, write_round
+from harness.tools import TOOL_NAMES, ToolContext, run_inline
+from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
+from models.session import release_session, take_session
+
+log = logging.getLogger("harness.parent")
+
+
+def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
+    """Run the session's rounds as the holder of ``epoch``. Returns what happened: "stale"
+    (a newer owner exists), "yielded", "waiting_user", "failed", "cancelled", "lost",
+    "infra_error" (nothing written; the lease lapses and the scan resumes the session)."""
+    try:
+        with transaction() as s:
+            new_epoch = take_session(
+                s,
+                session_id,
+                expected_epoch=epoch,
+                owner=deps.owner,
+                lease_seconds=deps.lease_seconds,
+                to_phase=Phase.RUNNING,
+                require_expired=True,
+                free_when_unowned=True,
+            )
+            agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
+    except Exception as exc:
+        if not is_infrastructure_error(exc):
+            raise
+        log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
+        return "infra_error"
+    if new_epoch is None:
+        log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
+        return "stale"
+    crash_point("parent.after_resume")
+    publish_status(session_id, Phase.RUNNING)
+    fence = SessionFence(session_id, new_epoch, deps.lease_seconds)
+    agent = get_agent(agent_type)
+    allowed = agent.tool_names(TOOL_NAMES, subagent=False)
+    try:
+        with Heartbeat(fence):
+            return _parent_rounds(session_id, fence, agent, allowed, deps)
+    except LeaseLost:
+        log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
+        return "lost"
+    except Cancelled:
+        _release(fence, None)
+        return "cancelled"
+    except Exception as exc:
+        if is_infrastructure_error(exc):
+            # NOTE: never a result. The lease lapses; the scan resumes the session (R18).
+            log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
+            return "infra_error"
+        log.warning("event=agent_run_failed session=%s error=%s", session_id, type(exc).__name__, exc_info=True)
+        _release(fence, Phase.FAILED)
+        return "failed"
+
+
+def _release(fence: Fence, phase: Phase | None) -> None:
+    with transaction() as s:
+        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=phase)
+    if phase is not None:
+        publish_status(fence.session_id, phase)
+
+
+def _parent_rounds(
+    session_id: int, fence: SessionFence, agent: AgentDef, allowed: tuple[str, ...], deps: LoopDeps
+) -> str:
+    for _ in range(agent.max_rounds):
+        if fence.cancelled():
+            if fence.lost:
+                raise LeaseLost()
+            raise Cancelled()
+        reply = ask(deps, model_messages(session_id, agent), allowed, None)
+        if not reply.tool_calls:
+            with transaction() as s:
+                fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                append_message(s, session_id, Role.ASSISTANT, reply.content or "")
+                release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
+            publish_status(session_id, Phase.WAITING_USER)
+            return "waiting_user"
+        reply, refused = unique_call_ids(session_id, reply)
+        if any(c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused for c in reply.tool_calls):
+            if _delegating_round(session_id, fence, reply, allowed, deps, refused):
+                return "yielded"
+            continue
+        inline_round(fence, session_id, reply, allowed, None, "parent", refused)
+    with transaction() as s:
+        fence.check(s)
+        append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
+        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED)
+    publish_status(session_id, Phase.FAILED)
+    return "failed"
+
+
+def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
+    E = SubagentExecution
+    used = set(
+        s.execute(
+            select(E.parent_tool_call_id).where(E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids))
+        )
+        .scalars()
+        .all()
+    )
+    used |= set(
+        s.execute(
+            select(Message.tool_call_id).where(
+                Message.session_id == session_id,
+                Message.role == Role.TOOL,
+                Message.deleted.is_(False),
+                Message.tool_call_id.in_(ids),
+            )
+        )
+        .scalars()
+        .all()
+    )
+    return {str(i) for i in used if i is not None}
+
+
+def unique_call_ids(session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
+    """Give every repeated tool_call id a fresh one and refuse that call (its TOOL error).
+    The history stays legal (one TOOL per id) and the unique index never fires."""
+    ids = [c.id for c in reply.tool_calls]
+    with transaction() as s:
+        used = _used_ids(s, session_id, ids)
+    seen: set[str] = set()
+    calls: list[ToolCall] = []
+    refused: dict[str, str] = {}
+    for call in reply.tool_calls:
+        if call.id in used or call.id in seen:
+            fresh = f"{call.id[:80]}-dup-{uuid.uuid4().hex[:8]}"
+            refused[fresh] = f"error: the model repeated tool_call id {call.id[:80]!r}; the call was not run"
+            log.warning("event=duplicate_tool_call_id session=%s tool=%s", session_id, call.name)
+            calls.append(ToolCall(fresh, call.name, call.arguments))
+        else:
+            seen.add(call.id)
+            calls.append(call)
+    if not refused:
+        return reply, refused
+    return ModelReply(reply.content, tuple(calls), reply.prompt_tokens, reply.completion_tokens), refused
+
+
+class _NothingCreated(Exception):
+    def __init__(self, errors: dict[str, str]) -> None:
+        self.errors = errors
+
+
+def _delegating_round(
+    session_id: int,
+    fence: SessionFence,
+    reply: ModelReply,
+    allowed: tuple[str, ...],
+    deps: LoopDeps,
+    refused: dict[str, str],
+) -> bool:
+    """Returns True when the loop yielded to its children, False when no child was created
+    (every delegation was refused: the round was committed whole with the errors)."""
+    calls = [c.to_openai() for c in reply.tool_calls]
+    delegations = [
+        c for c in reply.tool_calls if c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused
+    ]
+    created: list[CreatedExecution] = []
+    try:
+        with transaction() as s:
+            fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+            parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
+            round_row = PendingRound(
+                session_id=session_id,
+                assistant_content=reply.content,
+                tool_calls=calls,
+                inline_results={},
+                prompt_tokens=reply.prompt_tokens,
+                completion_tokens=reply.completion_tokens,
+            )
+            s.add(round_row)
+            s.flush()
+            errors: dict[str, str] = dict(refused)
+            for call in delegations:
+                out = create_execution(
+                    s,
+                    parent,
+                    name=call.name,
+                    raw_arguments=call.arguments,
+                    tool_call_id=call.id,
+                    pending_round_id=round_row.id,
+                    lease_seconds=deps.lease_seconds,
+                )
+                if isinstance(out, str):
+                    errors[call.id] = out
+                else:
+                    created.append(out)
+            if not created:
+                raise _NothingCreated(errors)
+            round_row.inline_results = errors
+            round_id = round_row.id
+    except _NothingCreated as nothing:
+        # No child: an ordinary round whose delegation results are the refusals.
+        results = []
+        for call in reply.tool_calls:
+            if call.id in nothing.errors:
+                results.append(ToolResult(call.id, nothing.errors[call.id]))
+            else:
+                ctx = ToolContext(session_id, call.id, None, fence.cancelled, "parent")
+                results.append(ToolResult(call.id, run_inline(call.name, call.arguments, ctx, allowed)))
+        with transaction() as s:
+            fence.check(s)
+            write_round(s, session_id, reply.content, calls, results)
+        return False
+    crash_point("delegate.after_create")
+    log.info(
+        "event=delegation_round session=%s round=%s executions=%s",
+        session_id,
+        round_id,
+        ",".join(str(c.execution_id) for c in created),
+    )
+    delegated = {c.tool_call_id for c in created}
+    for call in reply.tool_calls:
+        if call.id in delegated or call.id in refused or call.name in DELEGATION_TOOLS:
+            continue
+        ctx = ToolContext(session_id, call.id, None, fence.cancelled, "parent")
+        result = run_inline(call.name, call.arguments, ctx, allowed)
+        _record_inline(fence, round_id, call.id, result)
+        crash_point("parent.mid_inline")
+    crash_point("parent.before_yield")
+    with transaction() as s:
+        # Release as the epoch's owner; the epoch itself stays: deliver_round is handed it.
+        fence.check(s)
+        release_session(s, session_id, epoch=fence.epoch)
+    try:
+        deps.scheduler.start_children(session_id, fence.epoch, [(c.execution_id, 0) for c in created])
+    except Exception as exc:
+        # NOTE: the broker is down longer than its publish retries. Everything is committed:
+        # the executions' creation reservations lapse and the scan starts them (DESIGN §6).
+        log.warning("event=children_handoff_failed session=%s error=%s", session_id, type(exc).__name__)
+    return True
+
+
+def _record_inline(fence: SessionFence, round_id: int, call_id: str, result: str) -> None:
+    with transaction() as s:
+        fence.check(s)
+        row = s.execute(select(PendingRound).where(PendingRound.id == round_id).with_for_update()).scalar_one()
+        row.inline_results = {**row.inline_results, call_id: result}

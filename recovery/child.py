@@ -1,0 +1,284 @@
+"""One child execution's lifecycle, for the normal path and for recovery alike (spec §7.3).
+
+``start_child`` (task ``agent.run_child``) and ``recover_child`` (task
+``recovery.recover_child``) differ only in how they take the execution:
+
+- start: RUNNING -> RUNNING (epoch + 1), child phase RUNNING;
+- recover: RUNNING/RECOVERING + PENDING -> RECOVERING (epoch + 1), legacy fields inferred and
+  written back, child phase RESUMING, the child's incomplete tail cleaned on raw rows after
+  its validated boundary, and its final ASSISTANT looked for (R20) — all in ONE transaction,
+  so a stalled recoverer that lost the epoch cannot touch the child's phase.
+
+Then the same steps: finish from an existing final without calling the model, or fail past the
+absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
+last execution of a round to end asks for the round's delivery when the round went through
+recovery (an execution with epoch >= 2): its original chord may have lost a header for good,
+so its callback may never come. Delivery's barrier is the database's (I3): asking early is
+harmless. Never raises: a chord header that raised would stop the parent's delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.child import (
+    CHILD_STARTABLE,
+    ChildInfo,
+    child_deadline,
+    finish_child,
+    load_child,
+    run_rounds,
+    timeout_reason,
+)
+from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
+from harness.loop import LoopDeps, is_infrastructure_error
+from harness.results import describe_exception
+from models import (
+    ACTIVE_EXECUTION,
+    AgentSession,
+    DeliveryStatus,
+    ExecutionStatus,
+    IllegalTransition,
+    Message,
+    Phase,
+    Role,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.execution import take_execution
+from models.session import set_phase
+from recovery.legacy import infer_and_store
+from settings import get_settings
+
+log = logging.getLogger("recovery.child")
+E = SubagentExecution
+
+#: Ends after which the round may be complete.
+_ENDED = {"completed", "failed", "cancelled", "timed_out", "completed_from_final"}
+#: Child phases that say its last answer was NOT a final result (old rows, spec §7.3.5).
+_NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
+
+
+@dataclass(frozen=True)
+class FinalFound:
+    message_id: int
+    content: str
+
+
+def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> FinalFound | None:
+    """The execution's final ASSISTANT if it was committed before the crash (spec §7.3.5):
+    ``final_message_id``, or for old rows the last live row after the execution's USER
+    instruction when it is an ASSISTANT without tool calls and the child's phase does not say
+    otherwise (a FAILED/CANCELLED child's last words are not its result)."""
+    final_id = s.execute(select(E.final_message_id).where(E.id == info.execution_id)).scalar_one()
+    if final_id is not None:
+        row = s.execute(select(Message).where(Message.id == final_id, Message.deleted.is_(False))).scalar_one_or_none()
+        if row is not None:
+            return FinalFound(row.id, row.content or "")
+    if child_phase in _NOT_FINAL_PHASES:
+        return None
+    start = info.execution_start_message_id
+    rows = load_raw(s, info.child_session_id, None, validate=False)
+    if start is None:
+        # Old row: the execution's instruction is the last USER message carrying its task.
+        users = [m.id for m in rows if m.role == Role.USER and (m.content or "") == info.task_description]
+        if not users:
+            return None
+        start = users[-1]
+    after = [m for m in rows if m.id > start]
+    if after and after[-1].role == Role.ASSISTANT and parse_tool_calls(after[-1].tool_calls) is None:
+        return FinalFound(after[-1].id, after[-1].content or "")
+    return None
+
+
+def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it."""
+    try:
+        with transaction() as s:
+            new_epoch = take_execution(
+                s,
+                execution_id,
+                expected_epoch=epoch,
+                to_status=ExecutionStatus.RUNNING,
+                owner=deps.owner,
+                lease_seconds=deps.lease_seconds,
+                require_expired=True,
+                free_when_unowned=True,
+            )
+            if new_epoch is not None:
+                child = s.execute(select(E.child_session_id).where(E.id == execution_id)).scalar_one()
+                set_phase(s, child, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+    except IllegalTransition:
+        log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
+        return "stale"
+    except Exception as exc:
+        if not is_infrastructure_error(exc):
+            raise
+        log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
+        return "infra_error"
+    if new_epoch is None:
+        log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
+        return "stale"
+    crash_point("child.after_take")
+    outcome = run_rounds(load_child(execution_id), new_epoch, deps)
+    _after_end(execution_id, outcome, deps, recovered=False)
+    return outcome
+
+
+def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+    """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
+    started = time.monotonic()
+    try:
+        outcome = _recover(execution_id, epoch, deps)
+    except Exception as exc:
+        kind = "infra_error" if is_infrastructure_error(exc) else "error"
+        log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
+        outcome = kind
+    log.info(
+        "event=subagent_recovery_complete executionId=%s outcome=%s durationMs=%d",
+        execution_id,
+        outcome,
+        (time.monotonic() - started) * 1000,
+    )
+    _after_end(execution_id, outcome, deps, recovered=True)
+    return outcome
+
+
+@dataclass(frozen=True)
+class _Taken:
+    epoch: int
+    info: ChildInfo
+    parent_id: int
+    invocation: str
+    tail_removed: int
+    final: FinalFound | None
+
+
+def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | str:
+    """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final."""
+    with transaction() as s:
+        try:
+            new_epoch = take_execution(
+                s,
+                execution_id,
+                expected_epoch=epoch,
+                to_status=ExecutionStatus.RECOVERING,
+                owner=deps.owner,
+                lease_seconds=deps.lease_seconds,
+                require_expired=True,
+                free_when_unowned=True,  # the scan's reservation is handed to us with the epoch
+            )
+        except IllegalTransition:
+            log.info("event=subagent_recovery_skipped executionId=%s reason=not_pending", execution_id)
+            return "stale"
+        if new_epoch is None:
+            log.info("event=subagent_recovery_skipped executionId=%s reason=stale_epoch", execution_id)
+            return "stale"
+        parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
+        invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
+        info = _load_child(s, execution_id)
+        child_phase = s.execute(select(AgentSession.phase).where(AgentSession.id == info.child_session_id)).scalar_one()
+        # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
+        s.execute(
+            update(AgentSession)
+            .where(AgentSession.id == info.child_session_id, AgentSession.phase.is_distinct_from(Phase.CANCELLED))
+            .values(phase=Phase.RESUMING, updated_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        removed = cleanup_incomplete_tail(s, info.child_session_id, validated_boundary(s, info.child_session_id))
+        final = existing_final(s, info, child_phase)
+    return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
+
+
+def _load_child(s: Session, execution_id: int) -> ChildInfo:
+    S = AgentSession
+    row = s.execute(
+        select(
+            E.id,
+            E.child_session_id,
+            E.agent_type,
+            E.invocation_type,
+            E.started_at,
+            E.execution_start_message_id,
+            S.execution_mode,
+            S.user_id,
+            E.task_description,
+        )
+        .join(S, S.id == E.child_session_id)
+        .where(E.id == execution_id)
+    ).one()
+    return ChildInfo(*row)
+
+
+def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+    taken = _take_for_recovery(execution_id, epoch, deps)
+    if isinstance(taken, str):
+        return taken
+    crash_point("recover.after_take")
+    info, new_epoch = taken.info, taken.epoch
+    log.info(
+        "event=subagent_recovery_start executionId=%s parent=%s child=%s invocation=%s tail_removed=%d",
+        execution_id,
+        taken.parent_id,
+        info.child_session_id,
+        taken.invocation,
+        taken.tail_removed,
+    )
+    try:
+        if taken.final is not None:
+            # R20: the final answer exists; finish without calling the model again.
+            ok = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
+            return "completed_from_final" if ok else "lost"
+        if utcnow() >= child_deadline(info.started_at):
+            ok = finish_child(info, new_epoch, text=None, failure=timeout_reason())
+            return "timed_out" if ok else "lost"
+    except Exception as exc:
+        if is_infrastructure_error(exc):
+            log.warning("event=subagent_recovery_infra_error executionId=%s error=%s", execution_id, type(exc).__name__)
+            return "infra_error"
+        log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
+        ok = finish_child(info, new_epoch, text=None, failure=f"subagent recovery failed: {describe_exception(exc)}")
+        return "failed" if ok else "lost"
+    return run_rounds(info, new_epoch, deps)
+
+
+def _after_end(execution_id: int, outcome: str, deps: LoopDeps, *, recovered: bool) -> None:
+    """The last execution of a recovered round to end asks for the round's delivery."""
+    if outcome not in _ENDED:
+        return
+    try:
+        with transaction() as s:
+            parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
+            row = s.execute(
+                select(
+                    func.count().filter(E.status.in_(ACTIVE_EXECUTION)),
+                    func.max(E.epoch),
+                    func.count(),
+                ).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
+            ).one()
+            parent = s.execute(
+                select(AgentSession.epoch, AgentSession.lease_owner).where(AgentSession.id == parent_id)
+            ).one()
+        active, max_epoch, pending = int(row[0]), int(row[1] or 0), int(row[2])
+        if pending == 0 or active > 0 or parent.lease_owner is not None:
+            return  # delivered already, siblings still running, or the parent is not waiting
+        if not recovered and max_epoch < 2:
+            return  # an untouched round: its chord callback delivers it
+        log.info("event=round_delivery_requested parent=%s executionId=%s", parent_id, execution_id)
+        deps.scheduler.deliver(parent_id, int(parent.epoch))
+    except Exception:
+        # The scan delivers a round whose results wait longer than the callback grace.
+        log.warning("event=round_delivery_request_failed executionId=%s", execution_id, exc_info=True)
+
+
+def deadline_passed_with_grace(started_at: datetime) -> bool:
+    grace = timedelta(seconds=get_settings().SUBAGENT_CANCEL_GRACE_SECONDS)
+    return utcnow() >= child_deadline(started_at) + grace
