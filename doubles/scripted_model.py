@@ -53,7 +53,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 _RULE_KEYS = frozenset({"when", "reply", "delay_seconds"})
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
 _REPLY_KEYS = frozenset({"content", "tool_calls", "error"})
-_TOOL_CALL_KEYS = frozenset({"name", "arguments"})
+_TOOL_CALL_KEYS = frozenset({"name", "arguments", "id"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
 Script = list[Any] | dict[str, Any] | str | os.PathLike[str]
@@ -86,6 +86,7 @@ class When:
 class ScriptedCall:
     name: str
     arguments: str  #: JSON text, as a model sends it
+    id: str | None = None  #: a fixed tool_call id (tests of a model that repeats ids); else a fresh one
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,10 @@ def _reply(at: str, raw: Any) -> Reply:
             raise ScriptError(f"{at} tool_calls[{position}]: name must be a non-empty string")
         if not isinstance(arguments, dict):
             raise ScriptError(f"{at} tool_calls[{position}]: arguments must be an object")
-        out.append(ScriptedCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+        call_id = call.get("id")
+        if call_id is not None and (not isinstance(call_id, str) or not call_id):
+            raise ScriptError(f"{at} tool_calls[{position}]: id must be a non-empty string")
+        out.append(ScriptedCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False), id=call_id))
     return Reply(tool_calls=tuple(out))
 
 
@@ -412,7 +416,7 @@ class ScriptedModelServer:
         if reply.tool_calls:
             message_out["tool_calls"] = [
                 {
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }

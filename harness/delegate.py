@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.agents import get_agent
 from harness.errors import HarnessError, ToolError, UnknownAgent
-from harness.history import append_message
+from harness.history import append_message, cleanup_incomplete_tail, validated_boundary
 from harness.tools import parse_arguments
 from models import (
     AgentSession,
@@ -176,6 +176,8 @@ def _followup(
     )
     if taken != 1:
         raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
+    # spec §7.2: the child's incomplete tail goes before the new instruction is added.
+    cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))
     start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")
     row = _new_execution(

@@ -1,0 +1,305 @@
+"""Issue 9, in-process: faults that must never become results, and the guards around them.
+
+Each test drives the real loop and recovery code against real PostgreSQL; a fault is injected
+into the statement itself with a SQLAlchemy event (a connection cut mid-transaction looks the
+same to our code: an OperationalError from the driver).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select, text, update
+from sqlalchemy.exc import OperationalError
+
+from harness.parent import run_agent
+from harness.views import create_session
+from models import (
+    AgentSession,
+    ExecutionStatus,
+    Message,
+    Phase,
+    Role,
+    SubagentExecution,
+    get_engine,
+    transaction,
+)
+from models.base import utcnow
+from recovery.child import recover_child, start_child
+from recovery.delivery import deliver_round
+from recovery.ops import redeliver_parent
+from recovery.scan import scan
+from tests.helpers import (
+    RecordingScheduler,
+    drive,
+    executions_of,
+    expire_leases,
+    invariants,
+    loop_deps,
+    messages_of,
+)
+
+pytestmark = pytest.mark.usefixtures("db", "redis_url")
+
+MAIN = "main agent"
+TWO = [
+    {
+        "when": {"system_contains": MAIN, "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review A"}},
+                {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research B"}},
+            ]
+        },
+    },
+    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "parent done"}},
+    {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+]
+
+
+@contextmanager
+def statement_fault(pattern: str, times: int = 1) -> Iterator[list[str]]:
+    """Raise OperationalError (as a cut connection does) the first ``times`` statements whose
+    SQL contains ``pattern``, inside whatever transaction runs it."""
+    engine = get_engine()
+    hits: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        if pattern in statement and len(hits) < times:
+            hits.append(statement)
+            raise OperationalError(statement, params, Exception("server closed the connection unexpectedly"))
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        yield hits
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+
+
+def _yielded(model_url: str) -> tuple[int, int, list[tuple[int, int]], Any]:
+    sched = RecordingScheduler()
+    deps = loop_deps(model_url, sched)
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, epoch, children = sched.children.pop()
+    return sid, epoch, children, deps
+
+
+def test_a_database_error_while_finishing_a_child_writes_no_result_and_recovery_completes_it(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    sid, _, children, deps = _yielded(model.base_url)
+    with statement_fault("UPDATE subagent_execution SET status") as hits:
+        assert start_child(*children[0], deps) == "infra_error"
+    assert hits
+    first = executions_of(sid)[0]
+    assert first.status == ExecutionStatus.RUNNING and first.result is None and first.error is None
+    assert start_child(*children[1], deps) == "completed"
+    drive(model.base_url)
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+    assert invariants() == []
+
+
+def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_failed(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "answer"}}])
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    with statement_fault("INSERT INTO message"):
+        assert run_agent(sid, 0, deps) == "infra_error"
+    with transaction() as s:
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one() == Phase.RUNNING
+    drive(model.base_url)
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT"]
+    assert invariants() == []
+
+
+def test_a_database_error_during_recovery_writes_no_failure(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    sid, _, children, deps = _yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, reserved),) = sched.recoveries
+    with statement_fault("INSERT INTO message"):
+        assert recover_child(*reserved[0], deps) == "infra_error"
+    e = executions_of(sid)[0]
+    assert e.status in (ExecutionStatus.RECOVERING, ExecutionStatus.RUNNING) and e.error is None
+    drive(model.base_url)
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+
+
+class _BrokerDown:
+    def __init__(self, inner: RecordingScheduler) -> None:
+        self.inner = inner
+
+    def start_children(self, *_: Any) -> None:
+        raise ConnectionError("broker unreachable after publish retries")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_broker_error_at_hand_off_does_not_fail_the_parent_and_the_scan_starts_the_children(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    deps = loop_deps(model.base_url, _BrokerDown(RecordingScheduler()))  # type: ignore[arg-type]
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    with transaction() as s:
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one() == Phase.RUNNING
+    assert {e.status for e in executions_of(sid)} == {ExecutionStatus.RUNNING}
+    sched = drive(model.base_url)
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+    assert messages_of(sid)[-1].content == "parent done" and not sched.pending()
+    assert invariants() == []
+
+
+def test_redeliver_of_a_settled_parent_changes_nothing(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    sid, epoch, children, deps = _yielded(model.base_url)
+    for child in children:
+        start_child(*child, deps)
+    out = deliver_round(sid, epoch)
+    assert out.kind == "resume"
+    assert run_agent(sid, out.new_epoch, deps) == "waiting_user"  # type: ignore[arg-type]
+    calls = len(model.journal())
+    with transaction() as s:
+        before = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
+    sched = RecordingScheduler()
+    assert redeliver_parent(sid, sched) == "nothing_pending"
+    with transaction() as s:
+        after = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
+    assert tuple(after) == tuple(before) == (before.epoch, Phase.WAITING_USER)
+    assert not sched.pending() and len(model.journal()) == calls
+
+
+def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory) -> None:  # type: ignore[no-untyped-def]
+    """The cancel lands while the model is answering: the round is not committed, no child."""
+    model = model_factory(
+        [{"when": {"system_contains": MAIN}, "delay_seconds": 1.5, "reply": TWO[0]["reply"]}, *TWO[1:]]
+    )
+    import threading
+
+    from recovery.cancel import cancel_session
+
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    timer = threading.Timer(0.5, cancel_session, args=(sid,))
+    timer.start()
+    outcome = run_agent(sid, 0, deps)
+    timer.join()
+    assert outcome == "cancelled"
+    assert executions_of(sid) == [] and [m.role for m in messages_of(sid)] == ["USER"]
+
+
+def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory) -> None:  # type: ignore[no-untyped-def]
+    call = {"id": "call_1", "name": "echo", "arguments": {"text": "x"}}
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN, "turn": 0}, "reply": {"tool_calls": [call]}},
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"tool_calls": [call, call]}},
+            {"when": {"system_contains": MAIN, "turn": 2}, "reply": {"content": "done"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_user"
+    tools = [m for m in messages_of(sid) if m.role == Role.TOOL]
+    assert len(tools) == 3 and len({m.tool_call_id for m in tools}) == 3
+    assert sum("repeated tool_call id" in (m.content or "") for m in tools) == 2
+    assert invariants() == []
+
+
+def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    sid, epoch, children, deps = _yielded(model.base_url)
+    for child in children:
+        start_child(*child, deps)
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == sid).values(compaction_boundary_message_id=10**9))
+    assert deliver_round(sid, epoch).kind == "stopped"
+    with transaction() as s:
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one() == Phase.FAILED
+    assert {e.delivery_status for e in executions_of(sid)} == {"SUPPRESSED"}
+    assert deliver_round(sid, epoch).kind in ("stale", "suppressed")
+
+
+def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory) -> None:  # type: ignore[no-untyped-def]
+    from recovery.scan import _take_plain
+
+    model = model_factory(TWO)
+    sid, _, _, _ = _yielded(model.base_url)
+    with transaction() as s:
+        epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == sid)).scalar_one()
+    expire_leases()
+    # The SELECT of an earlier moment saw nothing pending; the take itself must refuse.
+    assert _take_plain(sid, epoch) is None
+
+
+def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(TWO)
+    sid, _, children, deps = _yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, reserved),) = sched.recoveries
+    eid, epoch = reserved[0]
+    assert recover_child(eid, epoch, deps) == "completed"
+    assert recover_child(eid, epoch, deps) == "stale"  # the late duplicate
+    with transaction() as s:
+        child = s.execute(select(SubagentExecution.child_session_id).where(SubagentExecution.id == eid)).scalar_one()
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == child)).scalar_one() == Phase.COMPLETED
+
+
+def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(model_factory) -> None:  # type: ignore[no-untyped-def]
+    from models import clock
+
+    model = model_factory(TWO)
+    try:
+        clock.set_local_skew(-600)  # this worker's clock is ten minutes slow
+        sid, _, children, deps = _yielded(model.base_url)
+        assert start_child(*children[0], deps) == "completed"
+        with transaction() as s:
+            db_now = s.execute(text("SELECT now()")).scalar_one()
+            created = s.execute(
+                select(SubagentExecution.started_at, SubagentExecution.lease_expires_at).where(
+                    SubagentExecution.id == children[1][0]
+                )
+            ).one()
+        assert abs((created.started_at - db_now).total_seconds()) < 5
+        assert created.lease_expires_at > db_now  # a slow clock must not write leases already expired
+        assert utcnow() - db_now < timedelta(seconds=5)
+        report = scan(RecordingScheduler(), callback_grace_seconds=0)
+        assert children[1][0] not in report.recovering  # healthy work does not look dead
+    finally:
+        clock.set_local_skew(0)
+
+
+def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN, "turn": 0}, "reply": TWO[0]["reply"]},
+            {
+                "when": {"system_contains": MAIN, "turn": 1},
+                "reply": {
+                    "tool_calls": [{"name": "delegate_followup", "arguments": {"child_session_id": 2, "task": "again"}}]
+                },
+            },
+            {"when": {"system_contains": MAIN, "turn": 2}, "reply": {"content": "done"}},
+            {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+        ]
+    )
+    sid, epoch, children, deps = _yielded(model.base_url)
+    for child in children:
+        start_child(*child, deps)
+    out = deliver_round(sid, epoch)
+    child = executions_of(sid)[0].child_session_id
+    with transaction() as s:  # an incomplete trailing tool round left in the child
+        calls = '[{"id": "t1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}]'
+        s.add(Message(session_id=child, role=Role.ASSISTANT, content="", tool_calls=calls))
+    assert run_agent(sid, out.new_epoch, deps) == "yielded"  # type: ignore[arg-type]
+    rows = messages_of(child)
+    assert [m.role for m in rows][-2:] == ["ASSISTANT", "USER"] and rows[-1].content == "again"
+    assert not any(m.tool_calls for m in rows)
