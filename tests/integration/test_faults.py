@@ -118,7 +118,7 @@ def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_
 
 def test_a_database_error_during_recovery_writes_no_failure(model_factory) -> None:  # type: ignore[no-untyped-def]
     model = model_factory(TWO)
-    sid, _, children, deps = _yielded(model.base_url)
+    sid, _, _children, deps = _yielded(model.base_url)
     expire_leases()
     sched = RecordingScheduler()
     scan(sched, callback_grace_seconds=0)
@@ -240,7 +240,7 @@ def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory) 
 
 def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model_factory) -> None:  # type: ignore[no-untyped-def]
     model = model_factory(TWO)
-    sid, _, children, deps = _yielded(model.base_url)
+    _sid, _, _children, deps = _yielded(model.base_url)
     expire_leases()
     sched = RecordingScheduler()
     scan(sched, callback_grace_seconds=0)
@@ -259,7 +259,7 @@ def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(mod
     model = model_factory(TWO)
     try:
         clock.set_local_skew(-600)  # this worker's clock is ten minutes slow
-        sid, _, children, deps = _yielded(model.base_url)
+        _sid, _, children, deps = _yielded(model.base_url)
         assert start_child(*children[0], deps) == "completed"
         with transaction() as s:
             db_now = s.execute(text("SELECT now()")).scalar_one()
