@@ -10,7 +10,7 @@ import re
 from functools import lru_cache
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Upper bound of booking.field-recovery.max-wait (field spec §5: "> 0 and capped").
@@ -36,17 +36,50 @@ def parse_duration(value: Any) -> Any:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
+#: Hosts to which an ``http://`` field-recovery base URL may point (the key travels in clear).
+_LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.lower() in _LOOPBACK_HOSTS or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class OpenApiSettings(BaseModel):
     """booking.field-recovery.open-api.* — the parsing agent's own external application."""
 
     model_config = ConfigDict(extra="forbid")
 
     base_url: str = "https://superagent.nianxx.cn"
-    #: The parsing agent's own df_open_ secret. Never borrowed from another agent's key.
-    api_key: str = Field(default="", repr=False)
+    #: The parsing agent's own df_open_ secret. Never borrowed from another agent's key; masked in
+    #: repr() and model_dump() (``.get_secret_value()`` is called only where the header is built).
+    api_key: SecretStr = SecretStr("")
     connect_timeout: Duration = 15.0
     sse_recovery_max_attempts: int = Field(default=5, ge=0, le=50)
     include_trace: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> OpenApiSettings:
+        from urllib.parse import urlsplit
+
+        if self.connect_timeout <= 0:
+            raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__CONNECT_TIMEOUT must be > 0")
+        if self.base_url:
+            url = urlsplit(self.base_url)
+            if url.scheme not in ("https", "http") or not url.hostname:
+                raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__BASE_URL must be an https:// URL")
+            if url.scheme == "http" and not _is_loopback(url.hostname):
+                raise ValueError(
+                    "BOOKING_FIELD_RECOVERY__OPEN_API__BASE_URL must use https:// unless the host is loopback "
+                    "(the Bearer key would travel in clear)"
+                )
+        return self
 
 
 class FieldRecoverySettings(BaseModel):
@@ -67,6 +100,9 @@ class FieldRecoverySettings(BaseModel):
     stale_takeover: bool = False
     #: Lease of an invocation owner; renewed while the provider call runs.
     lease_seconds: Duration = 30.0
+    #: Days an invocation and its artifacts are kept (retention_until); then field.purge_expired
+    #: deletes them.
+    retention_days: int = Field(default=90, gt=0, le=3650)
 
     @model_validator(mode="after")
     def _check(self) -> FieldRecoverySettings:
@@ -76,7 +112,9 @@ class FieldRecoverySettings(BaseModel):
             )
         if self.poll_interval <= 0:
             raise ValueError("BOOKING_FIELD_RECOVERY__POLL_INTERVAL must be > 0")
-        if self.enabled and not self.open_api.api_key:
+        if self.lease_seconds <= 0:
+            raise ValueError("BOOKING_FIELD_RECOVERY__LEASE_SECONDS must be > 0")
+        if self.enabled and not self.open_api.api_key.get_secret_value():
             raise ValueError(
                 "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY is required when "
                 "BOOKING_FIELD_RECOVERY__ENABLED=true (it is never borrowed from another agent's key)"

@@ -1,15 +1,21 @@
-"""`agent-recovery field recover FILE.eml [--json]` and `agent-recovery superagent-stub serve`.
+"""`agent-recovery field recover|stale|release` and `agent-recovery superagent-stub serve`.
 
 ``field recover`` runs one EML through the MANUAL_EML pipeline with the environment's settings
 (BOOKING_FIELD_RECOVERY__*). ``--json`` prints ONE JSON object (a public interface)::
 
-    {"status": "SUCCEEDED" | "FAILED" | "NO_TASKS" | "SKIPPED", "replayed": bool,
-     "provider_calls": int, "effective_view": {"facts": [{"path", "value", "status",
-     "provenance"}, ...]}, "rejected": [{"task_id", "reason"}, ...],
+    {"status": "SUCCEEDED" | "FAILED" | "NO_TASKS" | "SKIPPED", "needs_review": bool,
+     "replayed": bool, "provider_calls": int, "effective_view": {"facts": [{"path", "value",
+     "status", "provenance"}, ...]}, "rejected": [{"task_id", "reason"}, ...],
      "error_code": str | null, "idempotency_key": str | null}
 
 Exit status: 0 when the pipeline continued with a recovered or baseline view, 1 when the
-recovery failed closed (or the EML/database could not be used), 2 on invalid settings.
+recovery failed closed (or the EML/database could not be used), 2 on invalid settings, 3 when
+it succeeded but needs review (the validator rejected at least one patch, field spec §8).
+
+``field stale [--json]`` lists the invocations IN_PROGRESS past their lease (a dead owner), with
+their age; ``field release KEY [--reason TEXT] [--epoch N]`` fails one of them (fenced by its
+epoch) so that its redeliveries stop waiting and a new attempt can run. Exit 0 when released,
+1 when not (not found, finished, lease still live, or a newer owner).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+#: Exit status of `field recover` when the recovery succeeded but needs review.
+EXIT_NEEDS_REVIEW = 3
+
 
 def register(sub: Any) -> None:
     field = sub.add_parser("field", help="SuperAgent field recovery")
@@ -31,6 +40,15 @@ def register(sub: Any) -> None:
     rec.add_argument("--attempt", type=int, default=1, help="attempt number (part of the idempotency key)")
     rec.add_argument("--source", choices=("MANUAL_EML", "AGENTBUS"), default="MANUAL_EML")
     rec.set_defaults(handler=_recover)
+    stale = fsub.add_parser("stale", help="list invocations IN_PROGRESS past their lease (a dead owner)")
+    stale.add_argument("--json", action="store_true", help="print one JSON object")
+    stale.add_argument("--limit", type=int, default=100)
+    stale.set_defaults(handler=_stale)
+    release = fsub.add_parser("release", help="fail a stale invocation so its key stops blocking")
+    release.add_argument("key", metavar="KEY", help="the idempotency key (from `field stale`)")
+    release.add_argument("--reason", default="owner gone", help="recorded in error_summary")
+    release.add_argument("--epoch", type=int, default=None, help="the epoch seen in `field stale` (fencing)")
+    release.set_defaults(handler=_release)
 
     stub = sub.add_parser("superagent-stub", help="the SuperAgent Open API stand-in (tests, demo)")
     ssub = stub.add_subparsers(dest="stub_command", required=True)
@@ -38,7 +56,11 @@ def register(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8799)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--api-key", default="df_open_test", help="the Bearer key it accepts")
-    serve.add_argument("--behaviour", default="normal", help="normal, slow, cut_replayable, fenced, ...")
+    serve.add_argument(
+        "--behaviour",
+        default="normal",
+        help="normal, slow, cut_replayable, slow_headers, gzip, heartbeat, ... (doubles/superagent.py)",
+    )
     serve.add_argument("--no-chunked", action="store_true", help="close-delimited SSE bodies")
     serve.set_defaults(handler=_serve)
 
@@ -67,12 +89,53 @@ def _recover(args: argparse.Namespace) -> int:
         print(json.dumps(result, ensure_ascii=False))
     else:
         _print_table(result)
-    return 1 if run.status == RecoveryStatus.FAILED else 0
+    if run.status == RecoveryStatus.FAILED:
+        return 1
+    return EXIT_NEEDS_REVIEW if run.needs_review else 0
+
+
+def _stale(args: argparse.Namespace) -> int:
+    from recovery.field.errors import FieldRecoveryError
+    from recovery.field.store import list_stale
+
+    try:
+        stale = list_stale(limit=args.limit)
+    except FieldRecoveryError as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"stale": [s.to_json() for s in stale]}))
+        return 0
+    if not stale:
+        print("no stale invocations")
+        return 0
+    rows = [("KEY", "EPOCH", "AGE", "OVERDUE", "OWNER")] + [
+        (s.idempotency_key, str(s.epoch), f"{s.age_seconds:.0f}s", f"{s.overdue_seconds:.0f}s", s.owner_id)
+        for s in stale
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from recovery.field.errors import FieldRecoveryError
+    from recovery.field.store import ReleaseOutcome, store_from_settings
+
+    try:
+        outcome = store_from_settings().release(args.key, reason=args.reason, epoch=args.epoch)
+    except FieldRecoveryError as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.key}: {outcome.value}")
+    return 0 if outcome == ReleaseOutcome.RELEASED else 1
 
 
 def _print_table(result: dict[str, Any]) -> None:
     replayed = "yes" if result["replayed"] else "no"
-    print(f"status: {result['status']}   replayed: {replayed}   provider calls: {result['provider_calls']}")
+    review = "   NEEDS REVIEW" if result["needs_review"] else ""
+    print(f"status: {result['status']}   replayed: {replayed}   provider calls: {result['provider_calls']}{review}")
     if result["error_code"]:
         print(f"error: {result['error_code']}")
     facts = result["effective_view"]["facts"]
@@ -91,7 +154,13 @@ def _print_table(result: dict[str, Any]) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from doubles.superagent import Behaviour, StubConfig, SuperAgentStub
 
-    config = StubConfig(behaviour=Behaviour(args.behaviour), chunked=not args.no_chunked)
+    try:
+        behaviour = Behaviour(args.behaviour)
+    except ValueError:
+        names = ", ".join(b.value for b in Behaviour)
+        print(f"agent-recovery: unknown behaviour {args.behaviour!r}; one of: {names}", file=sys.stderr)
+        return 2
+    config = StubConfig(behaviour=behaviour, chunked=not args.no_chunked)
     stub = SuperAgentStub(api_key=args.api_key, host=args.host, port=args.port, config=config)
 
     def _stop(signum: int, frame: object) -> None:

@@ -1,33 +1,53 @@
 """SuperAgent Open API stand-in: a real HTTP server on loopback, for tests and the demo.
 
-``agent-recovery superagent-stub serve --port N`` runs it; tests use ``SuperAgentStub`` (start /
-stop in-process, switch behaviours, read counters). It implements the endpoints the client
-uses, checks ``Authorization: Bearer <key>`` and the CSRF double-submit (cookie ``csrf_token``
-equals header ``X-CSRF-Token``), refuses ``include_trace`` (``open_agent_trace_disabled``, as
-the parsing agent's external application does), and answers with a correct RecoveryPatchSet
-derived from the request (doubles/superagent_agent.py). SSE responses are chunked by default; with
-``chunked=False`` the body is delimited by closing the connection.
+``agent-recovery superagent-stub serve --port N [--behaviour NAME]`` runs it; tests use
+``SuperAgentStub`` (start / stop in-process, switch behaviours, read counters). It implements
+the endpoints the client uses, checks ``Authorization: Bearer <key>`` and the CSRF double-submit
+(cookie ``csrf_token`` equals header ``X-CSRF-Token``), refuses ``include_trace``
+(``open_agent_trace_disabled``, as the parsing agent's external application does), and answers
+with a correct RecoveryPatchSet derived from the request (doubles/superagent_agent.py). SSE
+responses are chunked by default; with ``chunked=False`` the body is delimited by closing the
+connection.
 
-Behaviours (``Behaviour``): normal, slow (stall before the final answer; a cancel ends it),
-cut_replayable (stream cut after ``cut_after`` events, the events endpoint replays),
-cut_unrecoverable (cut, and the events endpoint fails), fenced, prose, unknown_field,
-non_json, oversize, bad_patch (a candidate value that does not match its ref), run_failed
-(``error`` event, run status failed), status_failed (clean stream, run status failed),
-trace_refused, unauthorized (401), server_error (500).
+Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front of it) differs:
 
-``GET /_stats`` returns counters: sessions, streams, run_status, cancels, events_replays and
-the rejections. ``POST /_config`` changes the behaviour of a running server (operators, demo).
-Nothing here logs a header value.
+* answers: normal, fenced, prose, unknown_field, non_json, oversize, bad_patch (one candidate
+  value altered), reject_all (every patch altered), deep_json (``{"x":[[[…]]]}`` nested far
+  beyond Python's recursion limit, well under the size cap);
+* runs: slow (stall before the final answer; a cancel ends it), run_failed (``error`` event),
+  status_failed (clean stream, run status failed);
+* streams: cut_replayable (cut after ``cut_after`` events, the events endpoint replays),
+  cut_unrecoverable (cut, and the events endpoint fails), heartbeat (an ``event: heartbeat``
+  with ``data: ping`` before every event), unterminated_at_eof (fields written id, data, event;
+  the stream ends cleanly inside an unterminated message.final), replay_in_progress (cut after
+  ``run.started``; the run goes on, one event every ``replay_step_seconds``, and the events
+  endpoint returns what exists so far and closes);
+* HTTP: trace_refused, unauthorized (401), server_error (500), created_201 (session creation
+  answers 201 Created), slow_headers (status line and headers one byte every
+  ``header_drip_seconds`` on the ``slow_headers_on`` endpoint: ``session`` or ``stream``),
+  gzip (gzip bodies, SSE included, when the request accepts gzip), gzip_always (gzip even when
+  the request asked for identity, as some proxies do), platform_csrf_cookie (every response
+  sets the platform's own ``csrf_token`` cookie and a ``route`` cookie; the CSRF check reads
+  the FIRST ``csrf_token`` of the Cookie header, as Go and Spring servers do).
+
+Besides ``POST /open/v1/runs/{id}/cancel`` it serves ``POST /open/v1/sessions/{id}/cancel``
+(cancel the session's active run), which a client uses when it must stop before it learned the
+run id. ``GET /_stats`` returns counters; ``POST /_config`` changes the behaviour of a running
+server (operators, demo). Nothing here logs a header value.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import secrets
 import threading
+import time
+import zlib
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from http.cookies import SimpleCookie
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -52,11 +72,21 @@ class Behaviour(StrEnum):
     NON_JSON = "non_json"
     OVERSIZE = "oversize"
     BAD_PATCH = "bad_patch"
+    REJECT_ALL = "reject_all"
+    DEEP_JSON = "deep_json"
     RUN_FAILED = "run_failed"
     STATUS_FAILED = "status_failed"
     TRACE_REFUSED = "trace_refused"
     UNAUTHORIZED = "unauthorized"
     SERVER_ERROR = "server_error"
+    CREATED_201 = "created_201"
+    SLOW_HEADERS = "slow_headers"
+    GZIP = "gzip"
+    GZIP_ALWAYS = "gzip_always"
+    PLATFORM_CSRF_COOKIE = "platform_csrf_cookie"
+    HEARTBEAT = "heartbeat"
+    UNTERMINATED_AT_EOF = "unterminated_at_eof"
+    REPLAY_IN_PROGRESS = "replay_in_progress"
 
 
 @dataclass(frozen=True)
@@ -76,6 +106,14 @@ class StubConfig:
     drip: bool = False
     #: oversize: characters of padding added to the answer.
     oversize_chars: int = 250_000
+    #: deep_json: nesting depth of the answer.
+    deep_json_depth: int = 50_000
+    #: slow_headers: the endpoint whose response head drips (``session`` or ``stream``).
+    slow_headers_on: str = "stream"
+    #: slow_headers: pause between two bytes of the status line and headers.
+    header_drip_seconds: float = 0.5
+    #: replay_in_progress: the run produces one more event every this many seconds.
+    replay_step_seconds: float = 0.25
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StubConfig:
@@ -94,6 +132,13 @@ class _Run:
     status: str = "running"
     final_status: str = "success"
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: Monotonic time at which each event exists (replay_in_progress); empty: all exist.
+    available_at: list[float] = field(default_factory=list)
+
+    def existing(self, now: float) -> list[tuple[int, str, dict[str, Any]]]:
+        if not self.available_at:
+            return self.events
+        return [e for e, at in zip(self.events, self.available_at, strict=True) if at <= now]
 
 
 @dataclass
@@ -102,11 +147,14 @@ class StubStats:
     streams: int = 0
     run_status: int = 0
     cancels: int = 0
+    session_cancels: int = 0
     events_replays: int = 0
     rejected_auth: int = 0
     rejected_csrf: int = 0
     csrf_reused: int = 0
+    duplicate_csrf_cookies: int = 0
     include_trace_requests: int = 0
+    gzip_responses: int = 0
 
 
 class _State:
@@ -132,6 +180,12 @@ class _State:
         with self.lock:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
 
+    def settle(self, run: _Run) -> None:
+        """A run whose every event exists is over: it takes its final status (unless cancelled)."""
+        with self.lock:
+            if run.status == "running" and len(run.existing(time.monotonic())) == len(run.events):
+                run.status = run.final_status
+
 
 def _answer_text(request_content: str, config: StubConfig) -> str:
     patch_set = answer_for(parse_message(request_content)).model_dump(mode="json")
@@ -139,6 +193,9 @@ def _answer_text(request_content: str, config: StubConfig) -> str:
     if behaviour == Behaviour.BAD_PATCH and patch_set["patches"]:
         first = patch_set["patches"][0]
         first["value"] = first["value"] + "x"  # no longer the value of its candidate ref
+    if behaviour == Behaviour.REJECT_ALL:
+        for patch in patch_set["patches"]:
+            patch["value"] = patch["value"] + "x"
     if behaviour == Behaviour.UNKNOWN_FIELD:
         patch_set["reasoning"] = "chosen by evidence"
     text = json.dumps(patch_set, ensure_ascii=False)
@@ -150,13 +207,20 @@ def _answer_text(request_content: str, config: StubConfig) -> str:
         return "I could not settle these fields."
     if behaviour == Behaviour.OVERSIZE:
         return text + " " * config.oversize_chars
+    if behaviour == Behaviour.DEEP_JSON:
+        return '{"x":' + "[" * config.deep_json_depth + "]" * config.deep_json_depth + "}"
     return text
+
+
+_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden"}
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "SuperAgentStub/1"
     state: _State  # set on the subclass made per server
+    #: The endpoint being served (``session``, ``stream``, ...), for slow_headers.
+    endpoint = ""
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("stub %s", format % args)
@@ -172,16 +236,69 @@ class _Handler(BaseHTTPRequestHandler):
             return {}
         return obj if isinstance(obj, dict) else {}
 
+    def _gzip(self) -> bool:
+        behaviour = self.state.config.behaviour
+        accepts = "gzip" in self.headers.get("Accept-Encoding", "")
+        return behaviour == Behaviour.GZIP_ALWAYS or (behaviour == Behaviour.GZIP and accepts)
+
+    def _head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        """Write the status line and headers: at once, or one byte at a time (slow_headers)."""
+        config = self.state.config
+        if config.behaviour == Behaviour.PLATFORM_CSRF_COOKIE:
+            headers = [
+                *headers,
+                ("Set-Cookie", f"csrf_token={secrets.token_urlsafe(16)}; Path=/"),
+                ("Set-Cookie", "route=b2; Path=/"),
+            ]
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", f"Server: {self.server_version}"]
+        lines += [f"{name}: {value}" for name, value in headers]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self.log_request(status)
+        if config.behaviour == Behaviour.SLOW_HEADERS and self.endpoint == config.slow_headers_on:
+            for i in range(len(head)):
+                if self.state.stopping.wait(config.header_drip_seconds):
+                    raise ConnectionAbortedError("the stand-in is stopping")
+                self.wfile.write(head[i : i + 1])
+                self.wfile.flush()
+        else:
+            self.wfile.write(head)
+            self.wfile.flush()
+
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        headers = [("Content-Type", "application/json")]
+        if self._gzip():
+            data = gzip.compress(data)
+            headers.append(("Content-Encoding", "gzip"))
+            self.state.bump("gzip_responses")
+        headers.append(("Content-Length", str(len(data))))
+        try:
+            self._head(status, headers)
+            self.wfile.write(data)
+        except OSError:  # the client went away (a watchdog shut its socket down)
+            self.close_connection = True
 
     def _error(self, status: int, code: str) -> None:
         self._send_json(status, {"error": {"code": code}})
+
+    def _csrf_cookie(self) -> str | None:
+        """The csrf_token cookie the server reads: the FIRST of its name (Go, Spring) or the only one."""
+        values = []
+        for part in self.headers.get("Cookie", "").split(";"):
+            name, _, value = part.strip().partition("=")
+            if name == "csrf_token":
+                values.append(value)
+        if len(values) > 1:
+            self.state.bump("duplicate_csrf_cookies")
+        if self.state.config.behaviour == Behaviour.PLATFORM_CSRF_COOKIE:
+            return values[0] if values else None
+        cookie = SimpleCookie()
+        try:
+            cookie.load(self.headers.get("Cookie", ""))
+        except CookieError:
+            return None
+        morsel = cookie.get("csrf_token")
+        return None if morsel is None else morsel.value
 
     def _authorized(self) -> bool:
         state = self.state
@@ -193,14 +310,8 @@ class _Handler(BaseHTTPRequestHandler):
             state.bump("rejected_auth")
             self._error(401, "unauthorized")
             return False
-        cookie = SimpleCookie()
-        try:
-            cookie.load(self.headers.get("Cookie", ""))
-        except Exception:
-            cookie = SimpleCookie()
         header = self.headers.get("X-CSRF-Token", "")
-        morsel = cookie.get("csrf_token")
-        if len(header) < 16 or morsel is None or morsel.value != header:
+        if len(header) < 16 or self._csrf_cookie() != header:
             state.bump("rejected_csrf")
             self._error(403, "csrf_failed")
             return False
@@ -220,14 +331,17 @@ class _Handler(BaseHTTPRequestHandler):
         parts = url.path.strip("/").split("/")
         if url.path == "/_stats":
             with self.state.lock:
-                self._send_json(200, asdict(self.state.stats))
+                stats = asdict(self.state.stats)
+            self._send_json(200, stats)
             return
         if len(parts) == 4 and parts[:3] == ["open", "v1", "runs"]:
+            self.endpoint = "run"
             self.state.bump("run_status")
             if self._authorized():
                 self._run_status(parts[3])
             return
         if len(parts) == 5 and parts[:3] == ["open", "v1", "runs"] and parts[4] == "events":
+            self.endpoint = "events"
             self.state.bump("events_replays")
             if self._authorized():
                 after = parse_qs(url.query).get("after", ["0"])[0]
@@ -250,11 +364,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"behaviour": config.behaviour.value})
             return
         if parts == ["open", "v1", "sessions"]:
+            self.endpoint = "session"
             self.state.bump("sessions")
             if self._authorized():
                 self._create_session(body)
             return
         if len(parts) == 6 and parts[:3] == ["open", "v1", "sessions"] and parts[4:] == ["messages", "stream"]:
+            self.endpoint = "stream"
             self.state.bump("streams")
             if body.get("include_trace"):
                 self.state.bump("include_trace_requests")
@@ -262,9 +378,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(parts[3], body)
             return
         if len(parts) == 5 and parts[:3] == ["open", "v1", "runs"] and parts[4] == "cancel":
+            self.endpoint = "cancel"
             self.state.bump("cancels")
             if self._authorized():
                 self._cancel(parts[3])
+            return
+        if len(parts) == 5 and parts[:3] == ["open", "v1", "sessions"] and parts[4] == "cancel":
+            self.endpoint = "cancel"
+            self.state.bump("session_cancels")
+            if self._authorized():
+                self._cancel_session(parts[3])
             return
         self._error(404, "not_found")
 
@@ -278,7 +401,8 @@ class _Handler(BaseHTTPRequestHandler):
         session_id = self.state.next_id("ses")
         with self.state.lock:
             self.state.sessions[session_id] = subject
-        self._send_json(200, {"session_id": session_id})
+        status = 201 if self.state.config.behaviour == Behaviour.CREATED_201 else 200
+        self._send_json(status, {"session_id": session_id})
 
     def _stream(self, session_id: str, body: dict[str, Any]) -> None:
         state = self.state
@@ -314,10 +438,17 @@ class _Handler(BaseHTTPRequestHandler):
             if config.behaviour == Behaviour.STATUS_FAILED:
                 run.final_status = "failed"
         run.events = [(i, name, data) for i, (name, data) in enumerate(events, start=1)]
+        if config.behaviour == Behaviour.REPLAY_IN_PROGRESS:
+            now = time.monotonic()
+            run.available_at = [now + i * config.replay_step_seconds for i in range(len(run.events))]
         with state.lock:
             state.runs[run.run_id] = run
-        cut = config.behaviour in (Behaviour.CUT_REPLAYABLE, Behaviour.CUT_UNRECOVERABLE)
-        self._write_events(run, run.events, config, cut_after=config.cut_after if cut else None)
+        cut_after: int | None = None
+        if config.behaviour in (Behaviour.CUT_REPLAYABLE, Behaviour.CUT_UNRECOVERABLE):
+            cut_after = config.cut_after
+        elif config.behaviour == Behaviour.REPLAY_IN_PROGRESS:
+            cut_after = 1
+        self._write_events(run, run.events, config, cut_after=cut_after)
 
     def _replay(self, run_id: str, after: int) -> None:
         state = self.state
@@ -328,13 +459,18 @@ class _Handler(BaseHTTPRequestHandler):
         if state.config.behaviour == Behaviour.CUT_UNRECOVERABLE:
             self._error(503, "events_unavailable")
             return
-        self._write_events(run, [e for e in run.events if e[0] > after], replace(state.config, event_delay=0.0))
+        existing = run.existing(time.monotonic())
+        self._write_events(
+            run, [e for e in existing if e[0] > after], replace(state.config, event_delay=0.0), replay=True
+        )
 
     def _run_status(self, run_id: str) -> None:
         run = self.state.runs.get(run_id)
         if run is None:
             self._error(404, "run_not_found")
             return
+        if run.available_at:
+            self.state.settle(run)
         self._send_json(
             200,
             {
@@ -354,14 +490,33 @@ class _Handler(BaseHTTPRequestHandler):
         if run is None:
             self._error(404, "run_not_found")
             return
+        self._mark_cancelled(run)
+        self._send_json(200, {"run_id": run_id, "status": run.status})
+
+    def _cancel_session(self, session_id: str) -> None:
+        if session_id not in self.state.sessions:
+            self._error(404, "session_not_found")
+            return
         with self.state.lock:
-            self.state.cancelled_runs.append(run_id)
+            runs = [r for r in self.state.runs.values() if r.session_id == session_id and r.status == "running"]
+        for run in runs:
+            self._mark_cancelled(run)
+        self._send_json(200, {"session_id": session_id, "cancelled_runs": [r.run_id for r in runs]})
+
+    def _mark_cancelled(self, run: _Run) -> None:
+        with self.state.lock:
+            self.state.cancelled_runs.append(run.run_id)
             if run.status == "running":
                 run.status = "cancelled"
         run.cancelled.set()
-        self._send_json(200, {"run_id": run_id, "status": run.status})
 
     # --- SSE writing -----------------------------------------------------------------------
+
+    def _frame(self, event_id: int, name: str, data: dict[str, Any]) -> bytes:
+        payload = canonical_json(data)
+        if self.state.config.behaviour == Behaviour.UNTERMINATED_AT_EOF:
+            return f"id: {event_id}\ndata: {payload}\nevent: {name}\n\n".encode()
+        return f"id: {event_id}\nevent: {name}\ndata: {payload}\n\n".encode()
 
     def _write_events(
         self,
@@ -369,41 +524,52 @@ class _Handler(BaseHTTPRequestHandler):
         events: list[tuple[int, str, dict[str, Any]]],
         config: StubConfig,
         cut_after: int | None = None,
+        replay: bool = False,
     ) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
+        headers = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")]
+        compressor = None
+        if self._gzip():
+            compressor = zlib.compressobj(wbits=31)  # gzip container, flushed per event
+            headers.append(("Content-Encoding", "gzip"))
+            self.state.bump("gzip_responses")
         if config.chunked:
-            self.send_header("Transfer-Encoding", "chunked")
+            headers.append(("Transfer-Encoding", "chunked"))
         else:
-            self.send_header("Connection", "close")
+            headers.append(("Connection", "close"))
             self.close_connection = True
-        self.end_headers()
+        writer = _BodyWriter(self, config.chunked, compressor)
         try:
+            self._head(200, headers)
             for count, (event_id, name, data) in enumerate(events):
-                frame = f"id: {event_id}\nevent: {name}\ndata: {canonical_json(data)}\n\n".encode()
+                frame = self._frame(event_id, name, data)
                 if cut_after is not None and count >= cut_after:
                     if config.cut_mid_event:
-                        self._write(frame[: len(frame) // 2], config.chunked)
+                        writer.write(frame[: len(frame) // 2])
                     self._cut()
                     return
+                if config.behaviour == Behaviour.UNTERMINATED_AT_EOF and name == "message.final" and not replay:
+                    # A clean end of the body inside the event: "id" and "data" but no "event"
+                    # line and no blank line. A client must drop it, not acknowledge its id.
+                    writer.write(frame[: frame.index(b"\nevent:") + 1])
+                    writer.finish()
+                    return
                 slow = name == "message.final" and config.behaviour == Behaviour.SLOW
-                if slow and not self._stall(run, config):
+                if slow and not self._stall(run, config, writer):
                     return
                 if config.event_delay:
                     self.state.stopping.wait(config.event_delay)
+                if config.behaviour == Behaviour.HEARTBEAT:
+                    writer.write(b"event: heartbeat\ndata: ping\n\n")
                 if name == "end":  # the run is over before the client can ask for its status
                     with self.state.lock:
                         if run.status == "running":
                             run.status = run.final_status
-                self._write(frame, config.chunked)
-            if config.chunked:
-                self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
+                writer.write(frame)
+            writer.finish()
         except OSError:  # the client went away (deadline watchdog): nothing more to send
             self.close_connection = True
 
-    def _stall(self, run: _Run, config: StubConfig) -> bool:
+    def _stall(self, run: _Run, config: StubConfig, writer: _BodyWriter) -> bool:
         """Wait before the final answer; False when the run was cancelled or the server stops."""
         waited = 0.0
         step = 0.2 if config.drip else config.stall_seconds
@@ -413,15 +579,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return False
             waited += step
             if config.drip:
-                self._write(b": keepalive\n\n", config.chunked)
+                writer.write(b": keepalive\n\n")
         return True
-
-    def _write(self, data: bytes, chunked: bool) -> None:
-        if chunked:
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        else:
-            self.wfile.write(data)
-        self.wfile.flush()
 
     def _cut(self) -> None:
         """Drop the connection mid-stream (no terminating chunk)."""
@@ -431,6 +590,37 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)
         except OSError:
             pass
+
+
+class _BodyWriter:
+    """Writes body bytes: optionally gzip-compressed (sync-flushed per write), optionally chunked."""
+
+    def __init__(self, handler: _Handler, chunked: bool, compressor: Any) -> None:
+        self._handler = handler
+        self._chunked = chunked
+        self._compressor = compressor
+
+    def write(self, data: bytes) -> None:
+        if self._compressor is not None:
+            data = self._compressor.compress(data) + self._compressor.flush(zlib.Z_SYNC_FLUSH)
+        self._raw(data)
+
+    def finish(self) -> None:
+        if self._compressor is not None:
+            self._raw(self._compressor.flush())
+        if self._chunked:
+            self._handler.wfile.write(b"0\r\n\r\n")
+        self._handler.wfile.flush()
+
+    def _raw(self, data: bytes) -> None:
+        if not data:
+            return
+        wfile = self._handler.wfile
+        if self._chunked:
+            wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        else:
+            wfile.write(data)
+        wfile.flush()
 
 
 class SuperAgentStub:
@@ -500,3 +690,7 @@ class SuperAgentStub:
     def run_status(self, run_id: str) -> str | None:
         run = self._state.runs.get(run_id)
         return None if run is None else run.status
+
+    def runs_of_session(self, session_id: str) -> list[str]:
+        with self._state.lock:
+            return [r.run_id for r in self._state.runs.values() if r.session_id == session_id]

@@ -1,7 +1,11 @@
-"""Celery adapter for field recovery: `field.recover_eml` (DESIGN §8).
+"""Celery adapters for field recovery: `field.recover_eml` and the beat task `field.purge_expired`.
 
 The deadline (max_wait) is computed inside the domain call; the hard time limit is only a
 backstop just above it (it works on the prefork pool only, CELERY-NOTES).
+
+``field.recover_eml`` returns the run's summary only (status, needs_review, error code,
+idempotency key): Celery logs a task's return value at INFO and keeps it in the result backend,
+so the effective view (guest names, confirmation numbers) must never be one.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from recovery.field.orchestrator import recover_eml
+from recovery.field.retention import purge_expired
 from recovery.field.schemas import SourceKind
+from recovery.field.store import store_from_settings
 from settings import get_settings
 from tasks import app
 
@@ -26,5 +32,11 @@ _MAX_WAIT = get_settings().booking_field_recovery.max_wait
     time_limit=_MAX_WAIT + HARD_LIMIT_MARGIN_SECONDS,
 )
 def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> dict[str, Any]:
-    """Recover one EML given as text; returns the `field recover --json` object."""
-    return recover_eml(eml.encode("utf-8"), source=SourceKind(source), attempt=int(attempt)).to_json()
+    """Recover one EML given as text; returns {status, needs_review, error_code, idempotency_key}."""
+    return recover_eml(eml.encode("utf-8"), source=SourceKind(source), attempt=int(attempt)).summary()
+
+
+@app.task(name="field.purge_expired", time_limit=600)
+def purge_expired_task() -> dict[str, Any]:
+    """Delete invocations and artifacts past retention_until, in batches (beat, e.g. hourly)."""
+    return purge_expired(store_from_settings()).to_json()

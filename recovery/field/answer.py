@@ -6,7 +6,8 @@ wrong has its own safe code, checked in this order:
 ``response_too_large``  longer than max_response_chars
 ``output_fenced``       contains a Markdown code fence
 ``output_prose``        text before or after the object
-``output_not_json``     not parsable JSON, not an object, or a key given twice
+``output_not_json``     not parsable JSON (nesting too deep included), not an object, or a key
+                        given twice
 ``output_unknown_field`` a field the contract does not have
 ``output_invalid``      any other contract violation (missing field, wrong type, range)
 
@@ -38,7 +39,9 @@ def parse_patch_set(answer: str, *, max_chars: int) -> RecoveryPatchSet:
         raise ProviderOutputInvalid("the answer is not JSON", code="output_not_json")
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # NOTE: RecursionError is not a ValueError: a nesting depth far below the size cap
+        # ({"x":[[[…]]]}) exhausts the parser's stack; it is "not JSON", failed closed.
         raise ProviderOutputInvalid("the answer is not one JSON object", code="output_not_json") from None
     if not isinstance(obj, dict):
         raise ProviderOutputInvalid("the answer is not a JSON object", code="output_not_json")

@@ -2,13 +2,16 @@
 
 Artifacts are immutable. Writing the same content for the same source twice stores it once
 (``ON CONFLICT DO NOTHING`` on source, revision, type and content hash), so a replay or a
-concurrent caller adds nothing. The type is whitelisted by a CHECK constraint.
+concurrent caller adds nothing. The type is whitelisted by a CHECK constraint. Each artifact
+is kept until ``retention_until`` (creation + the retention), then ``field.purge_expired``
+deletes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -16,7 +19,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from recovery.field.schemas import SourceRef, canonical_json, sha256_hex
-from recovery.field.tables import ArtifactType, FieldRecoveryArtifact
+from recovery.field.tables import DEFAULT_RETENTION_DAYS, ArtifactType, FieldRecoveryArtifact
 
 Art = FieldRecoveryArtifact
 
@@ -29,7 +32,9 @@ class ArtifactDraft:
     idempotency_key: str | None = None
 
 
-def put_artifacts(s: Session, drafts: Sequence[ArtifactDraft]) -> int:
+def put_artifacts(
+    s: Session, drafts: Sequence[ArtifactDraft], *, retention: timedelta = timedelta(days=DEFAULT_RETENTION_DAYS)
+) -> int:
     """Insert the drafts that are not stored yet; returns how many were new."""
     written = 0
     for draft in drafts:
@@ -43,6 +48,7 @@ def put_artifacts(s: Session, drafts: Sequence[ArtifactDraft]) -> int:
                 content=draft.content,
                 content_hash=sha256_hex(canonical_json(draft.content)),
                 created_at=func.now(),
+                retention_until=func.now() + retention,
             )
             .on_conflict_do_nothing(constraint="uq_field_recovery_artifact_content")
             .returning(Art.id)

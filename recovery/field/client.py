@@ -6,16 +6,29 @@ One call (``recover``) under one Deadline:
 2. ``POST /open/v1/sessions/{id}/messages/stream`` {content, idempotency_key} -> SSE
    (``run.started`` {run_id}, ``message.delta``, core ``message.final`` {content}, top-level
    ``end``; ``error`` {code} fails the call). ``include_trace`` is sent only when configured.
-3. On a broken stream: ``GET /open/v1/runs/{run_id}/events?after=ID`` up to
-   ``sse_recovery_max_attempts`` times.
+3. On a broken stream: ``GET /open/v1/runs/{run_id}/events?after=ID``. A replay that fails
+   (transport error, 5xx, a cut) uses up one of ``sse_recovery_max_attempts``; a replay that
+   ends cleanly before ``end`` while the run is still in progress does not: such a run is
+   followed until it ends or the deadline comes.
 4. ``GET /open/v1/runs/{run_id}``: status ``success`` is the authority; it supplies the resolved
    profile, the model and the token usage.
-5. At the deadline: the stream is cut by the watchdog, then ``POST /open/v1/runs/{id}/cancel``.
+5. On any failure after the run started (the deadline, a lost lease, a broken or oversized
+   stream): ``POST /open/v1/runs/{id}/cancel``. When the call stops after the message was sent
+   but before the run id is known, ``POST /open/v1/sessions/{id}/cancel`` instead (best effort:
+   a platform without it answers 404, which is logged). The cancel has its own short bound.
 
-Every request carries ``Authorization: Bearer <key>`` and a fresh CSRF double-submit token (the
-same random value as cookie ``csrf_token`` and header ``X-CSRF-Token``). Success needs the
-explicit ``end`` event and a complete ``message.final``; "the stream ended" is never success,
-and an event whose data is not a complete JSON object (a partial event at a cut) is not used.
+The deadline bounds the whole call: every socket is watched from the moment it connects
+(transport.py), so a peer that drips its headers is cut like one that stalls its body. Every
+request carries ``Authorization: Bearer <key>`` and a fresh CSRF double-submit token (the same
+random value as cookie ``csrf_token`` and header ``X-CSRF-Token``; the session never keeps a
+platform's own ``csrf_token`` cookie, so exactly one goes out). Stream requests ask for
+``Accept-Encoding: identity`` and a body compressed anyway (a proxy) is decoded.
+
+Success needs the explicit ``end`` event and a complete ``message.final``; "the stream ended" is
+never success. Only the event types used here (``run.started``, ``message.final``, ``error``,
+``end``) must carry a JSON object; others (``message.delta``, ``heartbeat`` …) are skipped. An
+event not terminated by its blank line when the body ends is dropped and its id not
+acknowledged, so a replay sends it again.
 
 The client is built from the parsing agent's OWN settings only (``client_for``): it cannot see
 another agent's key.
@@ -27,8 +40,9 @@ import json
 import random
 import re
 import secrets
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +54,13 @@ from recovery.field.deadline import Deadline, Watchdog, response_socket
 from recovery.field.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
+    InvocationLost,
     ProviderOutputInvalid,
     ProviderRejected,
     ProviderUnavailable,
 )
 from recovery.field.logs import get_logger, log_event
+from recovery.field.transport import CSRF_COOKIE, watched_session
 from settings import FieldRecoverySettings, OpenApiSettings
 
 log = get_logger("client")
@@ -54,6 +70,12 @@ READ_CHUNK_BYTES = 8192
 CANCEL_TIMEOUT_SECONDS = 5.0
 #: First pause between SSE recovery attempts; doubles, with jitter, capped by the time left.
 RECOVERY_BACKOFF_SECONDS = 0.05
+#: Longest pause between two replays of a run that is still in progress.
+RECOVERY_MAX_PAUSE_SECONDS = 1.0
+#: Run statuses that mean "not over yet": a replay without ``end`` is followed, not a failure.
+RUN_IN_PROGRESS = frozenset({"running", "queued", "pending", "in_progress", "created"})
+#: The only event types this client reads; every other type is skipped, whatever its data.
+CONSUMED_EVENTS = frozenset({"run.started", "message.final", "error", "end"})
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -66,6 +88,10 @@ class CallProgress:
     #: HTTP requests sent to the provider (0: the provider was never called).
     requests: int = 0
     streams: int = 0
+    #: The message stream was answered with an HTTP error: no run was started by it.
+    stream_refused: bool = False
+    #: The run is known to be over (``end`` seen or a terminal run status): nothing to cancel.
+    run_over: bool = False
     sse_recoveries: int = 0
     cancel_sent: bool = False
 
@@ -127,7 +153,7 @@ def _dict(value: Any) -> dict[str, Any]:
 def _json_object(text: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a hostile nesting depth is "not JSON" too
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -154,7 +180,7 @@ def client_for(settings: FieldRecoverySettings) -> OpenApiClient:
 class OpenApiClient:
     def __init__(self, settings: OpenApiSettings, *, max_response_chars: int) -> None:
         self._base = settings.base_url.rstrip("/")
-        self._key = settings.api_key
+        self._key = settings.api_key.get_secret_value()
         self._connect_timeout = settings.connect_timeout
         self._max_attempts = settings.sse_recovery_max_attempts
         self._include_trace = settings.include_trace
@@ -168,58 +194,91 @@ class OpenApiClient:
     # --- public ----------------------------------------------------------------------------
 
     def recover(
-        self, content: str, *, idempotency_key: str, subject_id: str, deadline: Deadline, progress: CallProgress
+        self,
+        content: str,
+        *,
+        idempotency_key: str,
+        subject_id: str,
+        deadline: Deadline,
+        progress: CallProgress,
+        stop: threading.Event | None = None,
     ) -> ProviderAnswer:
         """Send the message, wait for the complete successful answer within ``deadline``.
 
-        Raises DeadlineExceeded (after cutting the stream and sending the run cancel),
-        ProviderRejected, ProviderUnavailable or ProviderOutputInvalid; never returns a
-        partial answer.
+        ``stop`` is set by the owner's lease keeper when the invocation was taken from it: the
+        call is cut at once and raises InvocationLost. Raises DeadlineExceeded, InvocationLost,
+        ProviderRejected, ProviderUnavailable or ProviderOutputInvalid; never returns a partial
+        answer. On every failure after the message was sent the run is cancelled (module doc).
         """
         try:
-            with requests.Session() as http, Watchdog(deadline) as watchdog:
+            with Watchdog(deadline, stop) as watchdog, watched_session(watchdog) as http:
                 try:
                     return self._call(http, watchdog, deadline, progress, content, idempotency_key, subject_id)
-                except DeadlineExceeded:
-                    raise
-                except FieldRecoveryError:
-                    if watchdog.fired.is_set():
-                        raise DeadlineExceeded() from None
-                    raise
+                except FieldRecoveryError as exc:
+                    raise self._cause(watchdog, deadline, exc) from None
                 except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
-                    if watchdog.fired.is_set() or deadline.expired:
-                        raise DeadlineExceeded() from None
-                    raise ProviderUnavailable(
-                        f"transport error ({type(exc).__name__})", code=_transport_code(exc)
-                    ) from None
+                    error = ProviderUnavailable(f"transport error ({type(exc).__name__})", code=_transport_code(exc))
+                    raise self._cause(watchdog, deadline, error) from None
                 except Exception:
                     # NOTE: the watchdog closes the response under the reading thread; http.client
                     # may then fail with any error (e.g. AttributeError on its vanished fp).
                     if watchdog.fired.is_set():
-                        raise DeadlineExceeded() from None
+                        raise self._cause(watchdog, deadline, DeadlineExceeded()) from None
                     raise
-        except DeadlineExceeded:
-            if progress.run_id is not None:
-                progress.cancel_sent = self.cancel(progress.run_id)
+        except FieldRecoveryError:
+            self._cancel_after_failure(progress)
             raise
 
     def cancel(self, run_id: str) -> bool:
-        """POST the run cancel (best effort, bounded by CANCEL_TIMEOUT_SECONDS)."""
+        """POST the run cancel (best effort, bounded in total by CANCEL_TIMEOUT_SECONDS)."""
+        return self._post_cancel(f"/open/v1/runs/{run_id}/cancel", "provider_cancel", run_id=run_id)
+
+    def cancel_session(self, session_id: str) -> bool:
+        """POST the session cancel: stops the session's active run whose id was never learned."""
+        return self._post_cancel(
+            f"/open/v1/sessions/{session_id}/cancel", "provider_session_cancel", session_id=session_id
+        )
+
+    # --- failure handling ------------------------------------------------------------------
+
+    @staticmethod
+    def _cause(watchdog: Watchdog, deadline: Deadline, error: FieldRecoveryError) -> FieldRecoveryError:
+        """The error to raise: a cut by the watchdog is the deadline's or the lost lease's doing."""
+        if watchdog.stopped:
+            return InvocationLost("the owner lost the invocation's lease; the call was stopped")
+        if isinstance(error, DeadlineExceeded) or watchdog.fired.is_set() or deadline.expired:
+            return DeadlineExceeded()
+        return error
+
+    def _cancel_after_failure(self, progress: CallProgress) -> None:
+        if progress.run_over:
+            return
+        if progress.run_id is not None:
+            progress.cancel_sent = self.cancel(progress.run_id)
+        elif progress.session_id is not None and progress.streams and not progress.stream_refused:
+            # NOTE: the message went out but its run.started never came back (headers or first
+            # event still pending): a run may exist that we cannot name.
+            progress.cancel_sent = self.cancel_session(progress.session_id)
+
+    def _post_cancel(self, path: str, event: str, **ids: Any) -> bool:
         token = secrets.token_urlsafe(32)
+        deadline = Deadline(CANCEL_TIMEOUT_SECONDS)
+        status: int | str
         try:
-            with requests.Session() as http:
+            with Watchdog(deadline) as watchdog, watched_session(watchdog) as http:
                 response = http.post(
-                    f"{self._base}/open/v1/runs/{run_id}/cancel",
+                    self._base + path,
                     headers=self._headers(token, "application/json"),
-                    cookies={"csrf_token": token},
-                    timeout=(min(self._connect_timeout, CANCEL_TIMEOUT_SECONDS), CANCEL_TIMEOUT_SECONDS),
+                    cookies={CSRF_COOKIE: token},
+                    timeout=(deadline.cap(self._connect_timeout), deadline.cap(CANCEL_TIMEOUT_SECONDS)),
                     allow_redirects=False,
                 )
-                ok = response.status_code in (200, 202)
-                status: int | str = response.status_code
-        except requests.RequestException as exc:
+                response.close()
+                ok = 200 <= response.status_code < 300
+                status = response.status_code
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
             ok, status = False, _transport_code(exc)
-        log_event(log, "provider_cancel", run_id=run_id, ok=ok, status=status)
+        log_event(log, event, ok=ok, status=status, **ids)
         return ok
 
     # --- the call --------------------------------------------------------------------------
@@ -255,9 +314,13 @@ class OpenApiClient:
             body["include_trace"] = True
         state = _StreamState()
         progress.streams += 1
-        stream = self._send(
-            http, watchdog, deadline, progress, "POST", f"/open/v1/sessions/{session_id}/messages/stream", body=body
-        )
+        try:
+            stream = self._send(
+                http, watchdog, deadline, progress, "POST", f"/open/v1/sessions/{session_id}/messages/stream", body=body
+            )
+        except (ProviderRejected, ProviderUnavailable) as exc:
+            progress.stream_refused = exc.code.startswith("http_") or exc.code == "open_agent_trace_disabled"
+            raise
         try:
             self._read_stream(stream, state, deadline, progress)
         except _BROKEN as exc:
@@ -268,7 +331,7 @@ class OpenApiClient:
         if state.final is None:
             raise ProviderUnavailable("the stream ended without message.final", code="sse_no_final")
         assert progress.run_id is not None
-        run = self._json(self._send(http, watchdog, deadline, progress, "GET", f"/open/v1/runs/{progress.run_id}"))
+        run = self._run_status(http, watchdog, deadline, progress)
         status = run.get("status")
         if status != "success":
             raise ProviderUnavailable("the run did not succeed", code=f"run_status_{_safe(status, 'unknown')}")
@@ -286,6 +349,14 @@ class OpenApiClient:
             total_tokens=_opt_int(usage.get("total_tokens")),
         )
 
+    def _run_status(
+        self, http: requests.Session, watchdog: Watchdog, deadline: Deadline, progress: CallProgress
+    ) -> dict[str, Any]:
+        run = self._json(self._send(http, watchdog, deadline, progress, "GET", f"/open/v1/runs/{progress.run_id}"))
+        if run.get("status") not in RUN_IN_PROGRESS:
+            progress.run_over = True
+        return run
+
     def _recover_stream(
         self,
         http: requests.Session,
@@ -294,21 +365,23 @@ class OpenApiClient:
         progress: CallProgress,
         state: _StreamState,
     ) -> None:
-        """Replay the run's events after the last complete one until ``end`` (bounded)."""
-        attempts = 0
+        """Replay the run's events after the last complete one until ``end`` (module doc, step 3)."""
+        failures = 0
+        replays = 0
         while not state.ended:
             if progress.run_id is None:
                 raise ProviderUnavailable("the stream broke before the run started", code="sse_broken_before_run")
-            if attempts >= self._max_attempts:
+            if failures >= self._max_attempts:
                 raise ProviderUnavailable("SSE recovery attempts exhausted", code="sse_recovery_exhausted")
-            if attempts:
-                pause = RECOVERY_BACKOFF_SECONDS * 2 ** (attempts - 1) * random.uniform(0.5, 1.0)
-                time.sleep(min(pause, deadline.remaining()))
-            attempts += 1
+            if replays:
+                pause = min(RECOVERY_BACKOFF_SECONDS * 2 ** (replays - 1), RECOVERY_MAX_PAUSE_SECONDS)
+                time.sleep(min(pause * random.uniform(0.5, 1.0), deadline.remaining()))
+            replays += 1
             progress.sse_recoveries += 1
             deadline.check()
-            log_event(log, "sse_recovery", run_id=progress.run_id, attempt=attempts, after=state.last_event_id)
-            params = {"after": state.last_event_id} if state.last_event_id is not None else None
+            before = state.last_event_id
+            log_event(log, "sse_recovery", run_id=progress.run_id, attempt=replays, after=before)
+            params = {"after": before} if before is not None else None
             try:
                 replay = self._send(
                     http,
@@ -325,20 +398,30 @@ class OpenApiClient:
                 if watchdog.fired.is_set() or deadline.expired:
                     raise DeadlineExceeded() from None
                 code = exc.code if isinstance(exc, _StreamBroken) else _transport_code(exc)
-                log_event(log, "sse_recovery_failed", run_id=progress.run_id, attempt=attempts, code=code)
+                log_event(log, "sse_recovery_failed", run_id=progress.run_id, attempt=replays, code=code)
+                failures += 1
                 continue
             try:
                 self._read_stream(replay, state, deadline, progress)
             except _BROKEN as exc:
                 self._note_broken(exc, watchdog, deadline, progress, state)
+                failures += 1
+                continue
             finally:
                 replay.close()
+            if state.ended or state.last_event_id != before:
+                continue  # done, or progress: the run is alive, follow it
+            run = self._run_status(http, watchdog, deadline, progress)
+            if run.get("status") in RUN_IN_PROGRESS:
+                log_event(log, "sse_follow", run_id=progress.run_id, attempt=replays)
+                continue
+            failures += 1  # over, yet its events end without ``end``
 
     @staticmethod
     def _note_broken(
         exc: Exception, watchdog: Watchdog, deadline: Deadline, progress: CallProgress, state: _StreamState
     ) -> None:
-        """A stream broke: the deadline's doing (raise), or a cut to recover from (log)."""
+        """A stream broke: the watchdog's doing (raise), or a cut to recover from (log)."""
         if watchdog.fired.is_set() or deadline.expired:
             raise DeadlineExceeded() from None
         code = exc.code if isinstance(exc, _StreamBroken) else _transport_code(exc)
@@ -365,14 +448,20 @@ class OpenApiClient:
     ) -> requests.Response:
         """One request with a fresh CSRF token, timeouts capped at the time left, watched."""
         deadline.check()
+        if watchdog.fired.is_set():
+            raise DeadlineExceeded()  # mapped to InvocationLost by recover() when stopped
         progress.requests += 1
         token = secrets.token_urlsafe(32)
         streaming = path.endswith("/stream") or accept == "text/event-stream"
+        headers = self._headers(token, accept or ("text/event-stream" if streaming else "application/json"))
+        if streaming:
+            # The stream is read raw; proxies that compress anyway are decoded in _chunks.
+            headers["Accept-Encoding"] = "identity"
         response = http.request(
             method,
             self._base + path,
-            headers=self._headers(token, accept or ("text/event-stream" if streaming else "application/json")),
-            cookies={"csrf_token": token},
+            headers=headers,
+            cookies={CSRF_COOKIE: token},
             json=body,
             params=params,
             stream=True,
@@ -380,7 +469,7 @@ class OpenApiClient:
             allow_redirects=False,
         )
         watchdog.watch(response)
-        if response.status_code != 200:
+        if not 200 <= response.status_code < 300:
             self._raise_for_status(response, transient_5xx)
         if streaming and not response.headers.get("Content-Type", "").startswith("text/event-stream"):
             response.close()
@@ -415,45 +504,80 @@ class OpenApiClient:
     def _read_stream(
         self, response: requests.Response, state: _StreamState, deadline: Deadline, progress: CallProgress
     ) -> None:
-        """Consume SSE events into ``state`` until ``end``; raise _StreamBroken before it."""
-        for event in SSEClient(self._chunks(response, state, deadline)).events():
-            payload = _json_object(event.data)
-            if payload is None:  # a partial event at a cut: never used, never acknowledged
-                raise _StreamBroken("sse_malformed")
+        """Consume SSE events into ``state``; return at ``end`` or at a clean end of the body.
+
+        Raises _StreamBroken for a malformed event of a type we use, or for an event left
+        unterminated when the body ended (dropped, its id not acknowledged).
+        """
+        framer = _EventFramer()
+        for event in SSEClient(framer.blocks(self._chunks(response, state, deadline))).events():
             name = event.event
-            if name == "run.started":
-                run_id = payload.get("run_id")
-                if not isinstance(run_id, str) or not _SAFE_TOKEN.match(run_id):
-                    raise ProviderUnavailable("run.started has no run_id", code="bad_response")
-                progress.run_id = run_id
-            elif name == "message.final":
-                final = payload.get("content")
-                if not isinstance(final, str):
-                    raise ProviderUnavailable("message.final has no content", code="bad_response")
-                state.final = final
-            elif name == "error":
-                raise ProviderUnavailable(
-                    "the run reported an error", code=_safe(payload.get("code"), "provider_error")
-                )
-            elif name == "end":
-                state.ended = True
-                return
+            if name in CONSUMED_EVENTS:
+                payload = _json_object(event.data)
+                if payload is None:
+                    raise _StreamBroken("sse_malformed")
+                self._consume(name, payload, state, progress)
             if event.id:
                 state.last_event_id = event.id
-        raise _StreamBroken("sse_no_end")
+            if state.ended:
+                return
+        if framer.unterminated:
+            raise _StreamBroken("sse_unterminated")
+
+    @staticmethod
+    def _consume(name: str, payload: dict[str, Any], state: _StreamState, progress: CallProgress) -> None:
+        if name == "run.started":
+            run_id = payload.get("run_id")
+            if not isinstance(run_id, str) or not _SAFE_TOKEN.match(run_id):
+                raise ProviderUnavailable("run.started has no run_id", code="bad_response")
+            progress.run_id = run_id
+        elif name == "message.final":
+            final = payload.get("content")
+            if not isinstance(final, str):
+                raise ProviderUnavailable("message.final has no content", code="bad_response")
+            state.final = final
+        elif name == "error":
+            raise ProviderUnavailable("the run reported an error", code=_safe(payload.get("code"), "provider_error"))
+        elif name == "end":
+            state.ended = True
+            progress.run_over = True
 
     def _chunks(self, response: requests.Response, state: _StreamState, deadline: Deadline) -> Iterator[bytes]:
-        """Body bytes as they arrive; each read's socket timeout is capped at the time left."""
+        """Decoded body bytes as they arrive; each read's socket timeout is capped at the time left.
+
+        The budget counts decoded bytes, so a compression bomb is refused like a long stream.
+        """
         raw = response.raw
         while True:
             deadline.check()
             sock = response_socket(response)
             if sock is not None:
                 sock.settimeout(deadline.cap(deadline.seconds))
-            data = raw.read1(READ_CHUNK_BYTES)
+            data = raw.read1(READ_CHUNK_BYTES, decode_content=True)
             if not data:
                 return
             state.bytes_read += len(data)
             if state.bytes_read > self._byte_budget:
                 raise ProviderOutputInvalid("the stream exceeds the response budget", code="response_too_large")
             yield data
+
+
+class _EventFramer:
+    """Cuts a byte stream into complete SSE event blocks (each ending in a blank line).
+
+    The same line logic as sseclient-py's reader, which would also yield the unterminated rest
+    at the end of the body as if it were an event; here that rest is held back and flagged.
+    """
+
+    def __init__(self) -> None:
+        self.unterminated = False
+
+    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        data = b""
+        for chunk in chunks:
+            for line in chunk.splitlines(True):
+                data += line
+                if data.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
+                    yield data
+                    data = b""
+        self.unterminated = bool(data.strip())

@@ -2,8 +2,10 @@
 
 Checking the clock between SSE events does not stop a read that is blocked in ``recv``, and
 closing the response from another thread does not wake it (CELERY-NOTES, SSE section). What
-does: per-read socket timeouts capped at the time left, plus a watchdog timer that shuts the
-socket down (``SHUT_RDWR``) and then closes the response at the deadline.
+does: per-read socket timeouts capped at the time left, plus a watchdog that shuts down
+(``SHUT_RDWR``) every socket of the call, from the moment each is connected, and closes the
+response at the deadline. The same watchdog stops the call early when its owner loses the
+invocation's lease (``stop``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from recovery.field.errors import DeadlineExceeded
+
+#: How often the watchdog looks at its stop event (a lost lease) while the call runs.
+STOP_POLL_SECONDS = 0.05
 
 
 class Deadline:
@@ -50,38 +56,85 @@ def response_socket(response: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-class Watchdog:
-    """Fires once at the deadline: shuts down the socket of the response being read, closes it.
+class StopReason(StrEnum):
+    DEADLINE = "deadline"  #: the total deadline passed
+    STOPPED = "stopped"  #: the caller's stop event was set (the owner lost its lease)
 
-    ``watch(response)`` names the response currently read; ``fired`` tells the reader that the
-    error it sees was caused by the deadline.
+
+class Watchdog:
+    """Fires once, at the deadline or when ``stop`` is set: shuts down every socket of the call.
+
+    Sockets are handed over the moment they are connected (``watch_socket``, see transport.py),
+    so a read blocked on the status line or the headers is woken as surely as one blocked inside
+    the body. ``watch(response)`` also names the response being read, which is closed. ``fired``
+    tells the reader that the error it sees was caused by the watchdog, ``reason`` why.
     """
 
-    def __init__(self, deadline: Deadline) -> None:
+    def __init__(self, deadline: Deadline, stop: threading.Event | None = None) -> None:
         self.deadline = deadline
         self.fired = threading.Event()
+        self.reason: StopReason | None = None
+        self._stop = stop
+        self._done = threading.Event()
         self._lock = threading.Lock()
         self._response: Any = None
-        self._timer = threading.Timer(deadline.remaining(), self._fire)
-        self._timer.daemon = True
+        self._sockets: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._run, name="field-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
-        self._timer.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
+        self._done.set()
+        self._thread.join(timeout=1)
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close()
+
+    @property
+    def stopped(self) -> bool:
+        """True when the watchdog fired because of ``stop`` (not the deadline)."""
+        return self.fired.is_set() and self.reason == StopReason.STOPPED
+
+    def watch_socket(self, sock: socket.socket) -> None:
+        """Watch a freshly connected socket (a dup of it: a TLS wrap detaches the original)."""
+        try:
+            dup = sock.dup()
+        except OSError:
+            return
+        with self._lock:
+            self._sockets.append(dup)
+        if self.fired.is_set():
+            _shutdown(dup)
 
     def watch(self, response: Any) -> None:
         with self._lock:
             self._response = response
-        if self.fired.is_set():  # the deadline passed while the request was being sent
+        if self.fired.is_set():  # the watchdog fired while the request was being sent
             self._kill(response)
 
-    def _fire(self) -> None:
+    def _run(self) -> None:
+        while True:
+            left = self.deadline.remaining()
+            if left <= 0:
+                self._fire(StopReason.DEADLINE)
+                return
+            if self._stop is not None and self._stop.is_set():
+                self._fire(StopReason.STOPPED)
+                return
+            if self._done.wait(left if self._stop is None else min(left, STOP_POLL_SECONDS)):
+                return
+
+    def _fire(self, reason: StopReason) -> None:
+        self.reason = reason
         self.fired.set()
         with self._lock:
             response = self._response
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shutdown(sock)
         if response is not None:
             self._kill(response)
 
@@ -89,11 +142,15 @@ class Watchdog:
     def _kill(response: Any) -> None:
         sock = response_socket(response)
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(sock)
         try:
             response.close()
         except Exception:
             pass
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

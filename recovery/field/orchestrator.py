@@ -54,7 +54,7 @@ log = get_logger("orchestrator")
 
 
 class RecoveryStatus(StrEnum):
-    SUCCEEDED = "SUCCEEDED"  #: a stored PatchSet was assembled and applied once (rejections possible)
+    SUCCEEDED = "SUCCEEDED"  #: a stored PatchSet was assembled and applied once (see needs_review)
     FAILED = "FAILED"  #: failed closed; the view is the parser baseline; error_code says why
     NO_TASKS = "NO_TASKS"  #: nothing UNRESOLVED + RECOVERABLE: parser baseline, no provider call
     SKIPPED = "SKIPPED"  #: recovery disabled or the source may not call it (AGENTBUS): baseline
@@ -73,10 +73,29 @@ class RecoveryRun:
     error_code: str | None = None
     idempotency_key: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """The public ``agent-recovery field recover --json`` / ``field.recover_eml`` shape."""
+    @property
+    def needs_review(self) -> bool:
+        """The validator rejected at least one patch: a person must look (field spec §8).
+
+        The accepted patches are applied; the rejected ones never touch a fact. An answer whose
+        every patch was rejected recovers nothing and is the plainest case.
+        """
+        return self.assembly is not None and bool(self.assembly.rejected)
+
+    def summary(self) -> dict[str, Any]:
+        """What the Celery task returns (and Celery logs and stores): no booking data at all."""
         return {
             "status": self.status.value,
+            "needs_review": self.needs_review,
+            "error_code": self.error_code,
+            "idempotency_key": self.idempotency_key,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ``agent-recovery field recover --json`` shape."""
+        return {
+            "status": self.status.value,
+            "needs_review": self.needs_review,
             "replayed": self.replayed,
             "provider_calls": self.provider_calls,
             "effective_view": {
@@ -107,7 +126,9 @@ class FieldRecoveryOrchestrator:
         next_stage: NextStage | None = None,
     ) -> None:
         self.settings = settings
-        self.store = InvocationStore(url, schema=settings.db_schema, lease_seconds=settings.lease_seconds)
+        self.store = InvocationStore(
+            url, schema=settings.db_schema, lease_seconds=settings.lease_seconds, retention_days=settings.retention_days
+        )
         self._client_factory = client_factory
         self._next_stage = next_stage
 
@@ -115,7 +136,8 @@ class FieldRecoveryOrchestrator:
         """Run the pipeline for one EML; the next stage runs only after recovery finished."""
         facts = parse_eml(raw_eml, channel=source)
         with self.store.transaction() as s:
-            put_artifacts(s, [ArtifactDraft(ArtifactType.PARSED_FACT_SET, facts.source, facts.model_dump(mode="json"))])
+            draft = ArtifactDraft(ArtifactType.PARSED_FACT_SET, facts.source, facts.model_dump(mode="json"))
+            put_artifacts(s, [draft], retention=self.store.retention)
         run = self._recover(facts, source, attempt)
         if self._next_stage is not None:
             self._next_stage(run)
@@ -150,7 +172,9 @@ class FieldRecoveryOrchestrator:
         )
         with self.store.transaction() as s:
             put_artifacts(
-                s, [ArtifactDraft(ArtifactType.RECOVERY_REQUEST, facts.source, request.model_dump(mode="json"), key)]
+                s,
+                [ArtifactDraft(ArtifactType.RECOVERY_REQUEST, facts.source, request.model_dump(mode="json"), key)],
+                retention=self.store.retention,
             )
         owner_id = new_owner_id()
         while True:
@@ -193,13 +217,16 @@ class FieldRecoveryOrchestrator:
             if len(message) > self.settings.max_message_chars:
                 raise RequestTooLarge()
             client = self._client_factory(self.settings)
-            with LeaseKeeper(self.store, key, owner_id, epoch):
+            with LeaseKeeper(self.store, key, owner_id, epoch) as lease:
+                # A lost lease (a newer epoch took the key) stops the call: the answer could
+                # never be stored, so calling on would only spend the provider's time.
                 answer = client.recover(
                     message,
                     idempotency_key=key,
                     subject_id=sha256_hex(facts.source.message_id),
                     deadline=deadline,
                     progress=progress,
+                    stop=lease.lost,
                 )
                 patch_set = parse_patch_set(answer.content, max_chars=self.settings.max_response_chars)
         except FieldRecoveryError as exc:
@@ -291,6 +318,7 @@ class FieldRecoveryOrchestrator:
             accepted=len(assembly.accepted),
             rejected=len(assembly.rejected),
             unresolved=len(assembly.unresolved),
+            needs_review=bool(assembly.rejected),
         )
         return RecoveryRun(
             RecoveryStatus.SUCCEEDED,

@@ -15,6 +15,12 @@ State machine of ``field_recovery_invocation.status``::
   paused) owner's later writes name the old epoch and land nowhere (fencing).
 * put_assembly is put-if-absent: the first assembly is stored with its artifacts in the same
   transaction; later callers get the stored one back (apply-once).
+* A STALE invocation is IN_PROGRESS past its lease: its owner died (or hangs) and, with takeover
+  off, every redelivery of its key waits out its whole deadline. ``stale()`` lists them and
+  ``release`` ends one: IN_PROGRESS -> FAILED (``released_stale``, with the operator's reason),
+  ONE conditional UPDATE that names the epoch and an expired lease, so a live or newer owner is
+  never touched; a late write of the old owner lands nowhere (it names IN_PROGRESS). Replays of
+  the key then fail closed at once; a new attempt (``--attempt N+1``) calls the provider.
 
 Lease times use the database clock (``now()``), so workers with skewed clocks agree.
 """
@@ -41,13 +47,15 @@ from models.db import get_engine
 from recovery.field.artifacts import ArtifactDraft, put_artifacts
 from recovery.field.errors import FieldRecoveryError, StoreUnavailable
 from recovery.field.logs import get_logger, log_event
-from recovery.field.tables import DEFAULT_SCHEMA, FieldRecoveryInvocation, InvocationStatus
+from recovery.field.tables import (
+    DEFAULT_RETENTION_DAYS,
+    DEFAULT_SCHEMA,
+    FieldRecoveryInvocation,
+    InvocationStatus,
+)
 
 log = get_logger("store")
 Inv = FieldRecoveryInvocation
-
-#: How long an invocation record is kept for audit (retention_until = created_at + this).
-DEFAULT_RETENTION_DAYS = 90
 
 
 class ClaimOutcome(StrEnum):
@@ -120,6 +128,46 @@ class InvocationRecord:
 
 
 @dataclass(frozen=True)
+class StaleInvocation:
+    """An IN_PROGRESS invocation whose lease has expired (no owner renews it)."""
+
+    idempotency_key: str
+    request_id: str
+    owner_id: str
+    epoch: int
+    started_at: datetime
+    lease_expires_at: datetime
+    #: Seconds since the (last) owner started.
+    age_seconds: float
+    #: Seconds since its lease expired.
+    overdue_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "idempotency_key": self.idempotency_key,
+            "request_id": self.request_id,
+            "owner_id": self.owner_id,
+            "epoch": self.epoch,
+            "started_at": self.started_at.isoformat(),
+            "lease_expires_at": self.lease_expires_at.isoformat(),
+            "age_seconds": round(self.age_seconds, 3),
+            "overdue_seconds": round(self.overdue_seconds, 3),
+        }
+
+
+class ReleaseOutcome(StrEnum):
+    RELEASED = "RELEASED"  #: IN_PROGRESS -> FAILED (released_stale); the key's replays fail at once
+    NOT_FOUND = "NOT_FOUND"  #: no invocation has this key
+    FINISHED = "FINISHED"  #: already SUCCEEDED or FAILED: nothing to release
+    LEASE_LIVE = "LEASE_LIVE"  #: an owner still renews its lease: never released under it
+    EPOCH_MOVED = "EPOCH_MOVED"  #: a newer owner took the key over since the epoch named
+
+
+#: error_code of an invocation released by an operator.
+RELEASED_CODE = "released_stale"
+
+
+@dataclass(frozen=True)
 class Claim:
     outcome: ClaimOutcome
     #: The epoch this caller now holds (CLAIMED / TAKEN_OVER); every owner write names it.
@@ -131,7 +179,7 @@ class Claim:
         return self.outcome in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER)
 
 
-def _rowcount(result: Any) -> int:
+def rowcount(result: Any) -> int:
     """Rows matched by an UPDATE (a CursorResult; typed loosely by Session.execute)."""
     return int(cast("CursorResult[Any]", result).rowcount)
 
@@ -285,7 +333,7 @@ class InvocationStore:
     def renew_lease(self, key: str, owner_id: str, epoch: int) -> bool:
         """Extend the owner's lease; False when the owner lost the row (finished or fenced)."""
         with self.transaction() as s:
-            rows = _rowcount(
+            rows = rowcount(
                 s.execute(
                     update(Inv)
                     .where(*self._owned_by(key, owner_id, epoch))
@@ -318,7 +366,7 @@ class InvocationStore:
     def _finish(self, key: str, owner_id: str, epoch: int, *, status: InvocationStatus, **values: Any) -> bool:
         audit: ProviderAudit = values.pop("audit")
         with self.transaction() as s:
-            rows = _rowcount(
+            rows = rowcount(
                 s.execute(
                     update(Inv)
                     .where(*self._owned_by(key, owner_id, epoch))
@@ -358,7 +406,7 @@ class InvocationStore:
         not succeeded (there is nothing to assemble).
         """
         with self.transaction() as s:
-            rows = _rowcount(
+            rows = rowcount(
                 s.execute(
                     update(Inv)
                     .where(
@@ -371,12 +419,99 @@ class InvocationStore:
                 )
             )
             if rows == 1:
-                put_artifacts(s, artifacts)
+                put_artifacts(s, artifacts, retention=self.retention)
                 return True, assembly
             stored = s.execute(select(Inv.status, Inv.assembly_result).where(Inv.idempotency_key == key)).one_or_none()
         if stored is None or stored.assembly_result is None:
             raise FieldRecoveryError("the invocation has not succeeded; nothing to assemble", code="not_succeeded")
         return False, stored.assembly_result
+
+    # --- stale invocations (operators) -----------------------------------------------------
+
+    def stale(self, limit: int = 100) -> list[StaleInvocation]:
+        """IN_PROGRESS invocations past their lease, longest overdue first."""
+        now = func.now()
+        with self.transaction() as s:
+            rows = s.execute(
+                select(
+                    Inv.idempotency_key,
+                    Inv.request_id,
+                    Inv.owner_id,
+                    Inv.epoch,
+                    Inv.started_at,
+                    Inv.lease_expires_at,
+                    func.extract("epoch", now - Inv.started_at).label("age"),
+                    func.extract("epoch", now - Inv.lease_expires_at).label("overdue"),
+                )
+                .where(*self._stale())
+                .order_by(Inv.lease_expires_at)
+                .limit(limit)
+            ).all()
+        return [
+            StaleInvocation(
+                idempotency_key=r.idempotency_key,
+                request_id=r.request_id,
+                owner_id=r.owner_id,
+                epoch=r.epoch,
+                started_at=r.started_at,
+                lease_expires_at=r.lease_expires_at,
+                age_seconds=float(r.age),
+                overdue_seconds=float(r.overdue),
+            )
+            for r in rows
+        ]
+
+    def count_stale(self) -> int:
+        with self.transaction() as s:
+            return int(s.execute(select(func.count()).select_from(Inv).where(*self._stale())).scalar_one())
+
+    @staticmethod
+    def _stale() -> Sequence[Any]:
+        # Served by the partial index ix_field_recovery_invocation_in_progress.
+        return (Inv.status == InvocationStatus.IN_PROGRESS.value, Inv.lease_expires_at < func.now())
+
+    def release(self, key: str, *, reason: str, epoch: int | None = None) -> ReleaseOutcome:
+        """Fail a stale invocation (module docstring); ``epoch`` defaults to the one stored now.
+
+        Without ``epoch`` the row's current epoch is read first and named in the UPDATE: a
+        takeover between the two bumps it, and the release then lands nowhere (EPOCH_MOVED).
+        """
+        with self.transaction() as s:
+            if epoch is None:
+                epoch = s.execute(select(Inv.epoch).where(Inv.idempotency_key == key)).scalar_one_or_none()
+                if epoch is None:
+                    return ReleaseOutcome.NOT_FOUND
+            rows = rowcount(
+                s.execute(
+                    update(Inv)
+                    .where(Inv.idempotency_key == key, Inv.epoch == epoch, *self._stale())
+                    .values(
+                        status=InvocationStatus.FAILED.value,
+                        error_code=RELEASED_CODE,
+                        error_summary=f"released by an operator: {reason}"[:512],
+                        completed_at=func.now(),
+                        updated_at=func.now(),
+                        lease_expires_at=None,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+            )
+            if rows == 1:
+                outcome = ReleaseOutcome.RELEASED
+            else:  # why not: a read for the operator's message only, nothing is decided on it
+                row = s.execute(
+                    select(Inv.status, Inv.epoch, Inv.lease_expires_at < func.now()).where(Inv.idempotency_key == key)
+                ).one_or_none()
+                if row is None:
+                    outcome = ReleaseOutcome.NOT_FOUND
+                elif row[0] != InvocationStatus.IN_PROGRESS.value:
+                    outcome = ReleaseOutcome.FINISHED
+                elif row[1] != epoch:
+                    outcome = ReleaseOutcome.EPOCH_MOVED
+                else:
+                    outcome = ReleaseOutcome.LEASE_LIVE
+        log_event(log, "release", key=key, epoch=epoch, outcome=outcome.value)
+        return outcome
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -384,6 +519,33 @@ class InvocationStore:
         with self.transaction() as s:
             row = s.execute(select(Inv).where(Inv.idempotency_key == key)).scalar_one_or_none()
             return None if row is None else _record(row)
+
+
+def store_from_settings(url: str | None = None) -> InvocationStore:
+    """The store the process settings name (schema, lease, retention)."""
+    from settings import get_settings
+
+    fr = get_settings().booking_field_recovery
+    return InvocationStore(url, schema=fr.db_schema, lease_seconds=fr.lease_seconds, retention_days=fr.retention_days)
+
+
+def list_stale(url: str | None = None, *, limit: int = 100) -> list[StaleInvocation]:
+    """Stale IN_PROGRESS invocations of the configured database (``agent-recovery field stale``)."""
+    return store_from_settings(url).stale(limit)
+
+
+def stale_count(url: str | None = None) -> int:
+    """How many invocations are IN_PROGRESS past their lease (for ``agent-recovery status``).
+
+    0 on a database other than PostgreSQL (field recovery cannot run there); raises
+    StoreUnavailable (a FieldRecoveryError) when PostgreSQL or the field tables are unusable.
+    """
+    try:
+        return store_from_settings(url).count_stale()
+    except StoreUnavailable as exc:
+        if exc.code == "store_needs_postgresql":
+            return 0
+        raise
 
 
 class LeaseKeeper:

@@ -4,7 +4,8 @@ They use their own DeclarativeBase and MetaData, in the PostgreSQL schema named 
 ``booking.field-recovery.db-schema`` (default ``th_hotel_booking``): the tables are declared in
 DEFAULT_SCHEMA and the store maps that name to the configured one with SQLAlchemy's
 ``schema_translate_map``. ``migrations/versions/0004_field_recovery.py`` creates the same
-tables; tests/integration/test_field_migration.py checks that the two agree.
+tables (0006 adds the artifacts' retention); tests/integration/test_field_migration.py checks
+that the two agree.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from models.base import NAMING, BigId, UTCDateTime, check_in
 
 #: The schema the tables are declared in; translated to the configured one at run time.
 DEFAULT_SCHEMA = "th_hotel_booking"
+#: How long invocations and artifacts are kept by default (retention_until = creation + this).
+DEFAULT_RETENTION_DAYS = 90
 
 
 class InvocationStatus(StrEnum):
@@ -64,6 +67,7 @@ class FieldRecoveryInvocation(FieldBase):
             "lease_expires_at",
             postgresql_where=text("status = 'IN_PROGRESS'"),
         ),
+        Index("ix_field_recovery_invocation_retention_until", "retention_until"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -116,6 +120,7 @@ class FieldRecoveryArtifact(FieldBase):
             name="uq_field_recovery_artifact_content",
         ),
         Index("ix_field_recovery_artifact_key", "idempotency_key"),
+        Index("ix_field_recovery_artifact_retention_until", "retention_until"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -126,3 +131,5 @@ class FieldRecoveryArtifact(FieldBase):
     content: Mapped[dict[str, Any]] = mapped_column(JSON)
     content_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: After this the artifact is purged (migration 0006); created_at + the retention days.
+    retention_until: Mapped[datetime] = mapped_column(UTCDateTime)
