@@ -84,9 +84,12 @@ def apply_env(env: dict[str, str]) -> None:
         tasks.app._pool = None
         tasks.app.amqp._producer_pool = None
     tasks.app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
-    import brokerconfig
+    if env["CELERY_BROKER_URL"].startswith("amqp"):
+        # The workers' broker options (queue types above all: RabbitMQ refuses to redeclare a
+        # queue with another type) come from celeryconfig; this process must send with the same.
+        import celeryconfig
 
-    tasks.app.conf.update(brokerconfig.options_for(env["CELERY_BROKER_URL"]))
+        tasks.app.conf.update(celeryconfig.build())
 
 
 def flush_broker(redis_base: str = "redis://127.0.0.1:6379", broker: str | None = None) -> None:
@@ -113,13 +116,11 @@ def purge_amqp(url: str = AMQP_URL, queues: tuple[str, ...] = AMQP_QUEUES) -> di
         channel = conn.channel()
         for name in queues:
             try:
-                _, count, _ = channel.queue_declare(name, passive=True)
+                channel.queue_declare(name, passive=True)
             except NotFound:
                 channel = conn.channel()  # a failed passive declare closes the channel
                 continue
-            dropped[name] = channel.queue_delete(name)
-            if not isinstance(dropped[name], int):
-                dropped[name] = count
+            dropped[name] = int(channel.queue_delete(name) or 0)
         channel.close()
     return dropped
 
