@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -54,4 +55,51 @@ def test_owner_killed_after_claim_fails_closed_without_takeover_and_recovers_onc
 
     again = _recover(field_env)
     assert json.loads(again.stdout)["replayed"] is True
+    assert _streams(stub_process) == 1
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "field", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_sigkilled_owners_key_is_listed_as_stale_and_released_by_an_operator(
+    field_env: dict[str, str],  # noqa: F811
+    stub_process: str,  # noqa: F811
+) -> None:
+    # Issue 10 item 10: takeover off, the owner dies after its claim; its key would block every
+    # redelivery for the whole wait. `field stale` shows it, `field release` ends it.
+    crashed = _recover(field_env, CRASH_POINT="field.after_claim", BOOKING_FIELD_RECOVERY__LEASE_SECONDS="0.5")
+    assert crashed.returncode == 137, crashed.stderr
+    time.sleep(0.6)  # the lease runs out: nobody renews it
+    listed = _cli(field_env, "stale", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [stale] = json.loads(listed.stdout)["stale"]
+    assert stale["epoch"] == 1 and stale["age_seconds"] >= stale["overdue_seconds"] > 0
+    table = _cli(field_env, "stale")
+    assert stale["idempotency_key"] in table.stdout and "OVERDUE" in table.stdout
+
+    released = _cli(field_env, "release", stale["idempotency_key"], "--reason", "worker SIGKILLed", "--epoch", "1")
+    assert released.returncode == 0 and "RELEASED" in released.stdout
+    assert _cli(field_env, "release", stale["idempotency_key"]).returncode == 1  # FINISHED now
+    assert json.loads(_cli(field_env, "stale", "--json").stdout) == {"stale": []}
+
+    redelivered = _recover(field_env)  # fails closed at once instead of waiting out max_wait
+    result = json.loads(redelivered.stdout)
+    assert (result["status"], result["error_code"], result["replayed"]) == ("FAILED", "released_stale", True)
+    again = subprocess.run(
+        [sys.executable, "-m", "cli.main", "field", "recover", str(SAMPLE), "--json", "--attempt", "2"],
+        cwd=ROOT,
+        env={**os.environ, **field_env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0 and json.loads(again.stdout)["provider_calls"] == 1  # a new attempt runs
     assert _streams(stub_process) == 1

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,3 +174,33 @@ def test_celery_task_returns_no_booking_data_so_none_reaches_the_worker_log(
     for record in caplog.records:
         assert not any(value in record.getMessage() for value in booking), record.getMessage()
     assert not any(value in json.dumps(result) for value in booking)
+
+
+def test_cli_exits_three_when_every_patch_is_rejected_and_review_is_needed(
+    field_env: dict[str, str], stub_process: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests.post(stub_process + "/_config", json={"behaviour": "reject_all"}, timeout=5).raise_for_status()
+    assert main(["field", "recover", str(SAMPLE), "--json"]) == 3
+    result = json.loads(capsys.readouterr().out)
+    assert (result["status"], result["needs_review"], len(result["rejected"])) == ("SUCCEEDED", True, 3)
+    assert main(["field", "recover", str(SAMPLE)]) == 3  # the replay too; the table says so
+    assert "NEEDS REVIEW" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_cli_recover_against_dripped_headers_ends_at_max_wait(field_env: dict[str, str], stub_process: str) -> None:
+    # Issue 10 item 1, as an operator tried it: headers one byte every half second.
+    config = {"behaviour": "slow_headers", "slow_headers_on": "session", "header_drip_seconds": 0.5}
+    requests.post(stub_process + "/_config", json=config, timeout=5).raise_for_status()
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "field", "recover", str(SAMPLE), "--json"],
+        cwd=ROOT,
+        env={**os.environ, **field_env, "BOOKING_FIELD_RECOVERY__MAX_WAIT": "1s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout)["error_code"] == "deadline_exceeded"
+    assert elapsed < 1 + 3  # max_wait plus the interpreter's start-up, not the ~60 s of the drip

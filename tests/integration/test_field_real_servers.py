@@ -48,7 +48,10 @@ def _client(stub: SuperAgentStub, max_response_chars: int = 200_000, **open_api:
 
 
 def _call(
-    client: OpenApiClient, seconds: float = 5.0, progress: CallProgress | None = None, stop: threading.Event | None = None
+    client: OpenApiClient,
+    seconds: float = 5.0,
+    progress: CallProgress | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[ProviderAnswer, CallProgress]:
     progress = progress or CallProgress()
     answer = client.recover(
@@ -108,7 +111,9 @@ def test_connect_to_a_blackhole_is_bounded_by_the_deadline_not_the_connect_timeo
     client = OpenApiClient(settings, max_response_chars=1000)
     started = time.monotonic()
     with pytest.raises(FieldRecoveryError):
-        client.recover(MESSAGE, idempotency_key="k", subject_id=SUBJECT, deadline=Deadline(0.5), progress=CallProgress())
+        client.recover(
+            MESSAGE, idempotency_key="k", subject_id=SUBJECT, deadline=Deadline(0.5), progress=CallProgress()
+        )
     assert time.monotonic() - started < 1.5
 
 

@@ -89,3 +89,13 @@ def test_error_text_never_quotes_the_answer() -> None:
         parse_patch_set(secret_answer, max_chars=10_000)
     assert "SECRET-ANSWER-TEXT" not in str(exc.value)
     assert exc.value.__cause__ is None and exc.value.__suppress_context__
+
+
+@pytest.mark.parametrize("depth", [2_000, 50_000], ids=["past-the-recursion-limit", "far-past-it"])
+def test_deeply_nested_json_under_the_size_cap_is_output_not_json(depth: int) -> None:
+    # Issue 10 item 3: RecursionError is not a ValueError; it must not escape the parser.
+    answer = '{"x":' + "[" * depth + "]" * depth + "}"
+    assert len(answer) < 200_000
+    with pytest.raises(ProviderOutputInvalid) as exc:
+        parse_patch_set(answer, max_chars=200_000)
+    assert exc.value.code == "output_not_json"
