@@ -2,8 +2,10 @@
 
 ``python -m bench._dbos_app start P`` launches DBOS and starts P parent workflows;
 ``python -m bench._dbos_app recover`` only launches DBOS, whose startup recovery resumes every
-PENDING workflow of this executor. Both print ``t0=<epoch seconds>`` just before
-``DBOS.launch()`` and then idle until they are killed.
+PENDING workflow of this executor; ``python -m bench._dbos_app serve`` launches DBOS and runs
+whatever is enqueued on the ``parents`` queue (by ``DBOSClient`` from peer_dbos.py: the normal
+path, several such processes share the queues). Each prints ``t0=<epoch seconds>`` just before
+``DBOS.launch()`` and then idles until it is killed.
 
 The workload is the one ``bench/recovery.py`` crashes: a parent asks the scripted model (over
 HTTP, a checkpointed step) and gets K ``delegate`` calls; it enqueues one child workflow per
@@ -13,7 +15,8 @@ TOOL row per child) in ONE datasource transaction (exactly once), asks the model
 writes its final answer.
 
 Configuration comes from the environment (set by peer_dbos.py): BENCH_DBOS_DATABASE_URL,
-BENCH_MODEL_URL, BENCH_DBOS_CONCURRENCY, BENCH_DBOS_POLL_SECONDS.
+BENCH_MODEL_URL, BENCH_DBOS_CONCURRENCY (child workflows at once per process),
+BENCH_DBOS_POLL_SECONDS, BENCH_DBOS_EXECUTOR_ID (DBOS's default ``local`` when unset).
 """
 
 from __future__ import annotations
@@ -34,11 +37,17 @@ CONCURRENCY = int(os.environ.get("BENCH_DBOS_CONCURRENCY", "2"))
 #: Queue and result polling interval (DBOS's default is 1 s).
 POLL_SECONDS = float(os.environ.get("BENCH_DBOS_POLL_SECONDS", "0.05"))
 QUEUE = "children"
+#: Parent workflows enqueued by a DBOSClient (the normal path); no concurrency limit, as ours
+#: takes every parent as soon as a pool process is free.
+PARENTS_QUEUE = "parents"
+EXECUTOR_ID = os.environ.get("BENCH_DBOS_EXECUTOR_ID", "")
 
 MAIN_PROMPT = "You are the main agent. Delegate work to subagents with the delegate tool and combine results."
 CHILD_PROMPT = "You are the reviewer subagent. Review what you are given and answer with your findings."
 
 config: DBOSConfig = {"name": "bench-peer-dbos", "system_database_url": DATABASE_URL, "log_level": "WARNING"}
+if EXECUTOR_ID:
+    config["executor_id"] = EXECUTOR_ID
 DBOS(config=config)
 db = SQLAlchemyDatasource.create(DATABASE_URL)
 
@@ -116,11 +125,13 @@ def parent_workflow(job: str) -> str:
 
 def main(argv: list[str]) -> int:
     phase = argv[0]
-    if phase == "start":
+    if phase in ("start", "serve"):
         MESSAGES.create(db.engine, checkfirst=True)
     print(f"t0={time.time()!r}", flush=True)
     DBOS.launch()
     DBOS.register_queue(QUEUE, worker_concurrency=CONCURRENCY, polling_interval_sec=POLL_SECONDS)
+    if phase == "serve":
+        DBOS.register_queue(PARENTS_QUEUE, polling_interval_sec=POLL_SECONDS)
     if phase == "start":
         for n in range(int(argv[1])):
             DBOS.start_workflow(parent_workflow, f"job {n}")

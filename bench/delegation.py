@@ -1,22 +1,31 @@
-"""Normal-path overhead of one delegating round: ``python bench/delegation.py [--rounds N]``.
+"""Normal-path cost of one delegating round: ``python bench/delegation.py [--runs R] [--rounds N]``.
 
 With an instant scripted model, a parent delegates K children that answer at once; measured
-from the round's commit (``pending_round.created_at``) to the parent resumed (its next answer
-committed after the delivered round), and to the delivery itself (``pending_round.closed_at``).
-Rounds run one at a time on one real prefork worker.
+from the delegation's commit (the children's sessions written; for ours also
+``pending_round.created_at``) to the parent resumed (its next answer committed after the
+delivered round), and for ours to the delivery itself (``pending_round.closed_at``). Rounds
+run one at a time on one real prefork worker per kind. Three kinds alternate, round by round,
+on the same broker and the same PostgreSQL server:
 
-Beside it, in the same run and on the same broker, a bare Celery chord of the same shape on a
-small app defined here (its own queue and worker): K no-op header tasks, a callback (the
-delivery), then one more task (the parent's resumed run), timed from the enqueue. Rounds of
-both kinds alternate. Prints p50/p99 of both and the ratio ours/bare.
+- ours: ``agent.run`` on the project's worker;
+- naive (``bench/_naive_app.py``, its own queue, worker and database): the same delegation —
+  the same model calls to the same scripted model, the same message rows, a chord of the same
+  shape — with none of the recovery machinery. ``ours / naive`` is what crash safety costs;
+- bare chord (the floor): a small app defined here, K no-op header tasks, a callback (the
+  delivery), then one more task (the parent's resumed run), timed from the enqueue.
+
+Each of ``--runs`` runs measures ``--rounds`` rounds of each kind; prints every run's p50s
+and the medians over the runs of the p50s and of the ratios ours/naive and ours/bare.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +85,8 @@ def _ready(sender: Any = None, **_: Any) -> None:
     print("event=worker_ready", file=sys.__stderr__, flush=True)
 
 
-def bare_worker(env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
-    """``celery -A bench.delegation:chord_app worker -Q bench_chord``, prefork like ours."""
+def app_worker(app: str, queue: str, name: str, env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
+    """``celery -A APP worker -Q QUEUE``, prefork like ours."""
     from demo.stack import Service
 
     cmd = [
@@ -85,23 +94,23 @@ def bare_worker(env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
         "-m",
         "celery",
         "-A",
-        "bench.delegation:chord_app",
+        app,
         "worker",
         "-P",
         "prefork",
         "-c",
         str(concurrency),
         "-Q",
-        BARE_QUEUE,
+        queue,
         "-n",
-        "bare@%h",
+        f"{name}@%h",
         "--without-gossip",
         "--without-mingle",
         "--without-heartbeat",
         "-l",
         "INFO",
     ]
-    return Service(cmd, env, log_dir / "worker-bare.log", "event=worker_ready")
+    return Service(cmd, env, log_dir / f"worker-{name}.log", "event=worker_ready")
 
 
 def instant_script(children: int) -> list[dict[str, Any]]:
@@ -116,9 +125,9 @@ def instant_script(children: int) -> list[dict[str, Any]]:
     ]
 
 
-def our_round(n: int, timeout: float) -> tuple[float, float]:
-    """One delegating round on the real stack; (commit -> delivered, commit -> resumed) seconds
-    from the timestamps the workers wrote."""
+def our_round(n: int, timeout: float) -> tuple[float, float, float]:
+    """One delegating round on the real stack; (round commit -> delivered, round commit ->
+    resumed, delegation -> resumed) seconds from the timestamps the workers wrote."""
     from sqlalchemy import text
 
     import tasks
@@ -140,14 +149,66 @@ def our_round(n: int, timeout: float) -> tuple[float, float]:
         created, closed = s.execute(
             text("SELECT created_at, closed_at FROM pending_round WHERE session_id = :i"), {"i": sid}
         ).one()
-        resumed = s.execute(
-            text(
-                "SELECT max(created_at) FROM message WHERE session_id = :i AND role = 'ASSISTANT'"
-                " AND tool_calls IS NULL AND NOT deleted"
-            ),
-            {"i": sid},
-        ).scalar_one()
-    return (closed - created).total_seconds(), (resumed - created).total_seconds()
+        delegated, resumed = _delegation_times(s, sid)
+    return (
+        (closed - created).total_seconds(),
+        (resumed - created).total_seconds(),
+        (resumed - delegated).total_seconds(),
+    )
+
+
+def _delegation_times(s: Any, sid: int) -> tuple[Any, Any]:
+    """(the delegation: the first child session written, the parent's answer committed)."""
+    from sqlalchemy import text
+
+    delegated = s.execute(
+        text("SELECT min(started_at) FROM agent_session WHERE parent_session_id = :i"), {"i": sid}
+    ).scalar_one()
+    resumed = s.execute(
+        text(
+            "SELECT max(created_at) FROM message WHERE session_id = :i AND role = 'ASSISTANT'"
+            " AND tool_calls IS NULL AND NOT deleted"
+        ),
+        {"i": sid},
+    ).scalar_one()
+    return delegated, resumed
+
+
+def naive_round(n: int, url: str, timeout: float) -> float:
+    """One delegating round on the naive worker (its own database ``url``); delegation ->
+    the parent's answer committed, in seconds."""
+    from sqlalchemy import text
+
+    from bench._common import wait_for
+    from bench._naive_app import run
+    from harness.history import append_message
+    from models import AgentSession, Phase, Role, SessionType, transaction
+    from models.base import utcnow
+
+    with transaction(url) as s:
+        now = utcnow()
+        row = AgentSession(
+            user_id="bench",
+            session_type=SessionType.NORMAL,
+            agent_type="main",
+            phase=Phase.RUNNING,
+            started_at=now,
+            updated_at=now,
+        )
+        s.add(row)
+        s.flush()
+        append_message(s, row.id, Role.USER, f"round {n}: split the work")
+        sid = row.id
+    run.apply_async((sid,))
+
+    def phase() -> str | None:
+        with transaction(url) as s:
+            return s.execute(text("SELECT phase FROM agent_session WHERE id = :i"), {"i": sid}).scalar_one()
+
+    wait_for(lambda: phase() == "WAITING_USER", timeout=timeout, what=f"naive round {n}", interval=0.01)
+    with transaction(url) as s:
+        delegated, resumed = _delegation_times(s, sid)
+    return (resumed - delegated).total_seconds()
 
 
 def bare_round(n: int, children: int, timeout: float) -> tuple[float, float]:
@@ -170,10 +231,10 @@ def bare_round(n: int, children: int, timeout: float) -> tuple[float, float]:
     return delivered - started, resumed - started
 
 
-def _drop_result_subscriptions() -> None:
+def _drop_result_subscriptions(app: Celery) -> None:
     """Celery keeps the chord headers' results subscribed in this process; unsubscribe them
     while the interpreter is alive (their __del__ at exit would fail on a closing Redis pool)."""
-    backend = chord_app.backend
+    backend = app.backend
     for mapping in getattr(backend, "_pending_results", ()):
         for waiters in list(mapping.values()):
             for result in list(waiters.values()):
@@ -182,57 +243,92 @@ def _drop_result_subscriptions() -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/delegation.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=100, help="measured rounds of each kind (default 100)")
+    parser.add_argument("--runs", type=int, default=5, help="runs; medians over them are printed (default 5)")
+    parser.add_argument("--rounds", type=int, default=20, help="measured rounds of each kind per run (default 20)")
     parser.add_argument("--children", type=int, default=2, help="children per round, header tasks per chord (2)")
     parser.add_argument("--warmup", type=int, default=3, help="rounds of each kind not counted (default 3)")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size of each worker (default 2)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.children < 1 or args.warmup < 0 or args.concurrency < 1:
-        parser.error("--rounds, --children and --concurrency must be >= 1, --warmup >= 0")
+    if args.runs < 1 or args.rounds < 1 or args.children < 1 or args.warmup < 0 or args.concurrency < 1:
+        parser.error("--runs, --rounds, --children and --concurrency must be >= 1, --warmup >= 0")
     return args
 
 
-def _line(label: str, samples: list[float]) -> str:
-    from bench._common import percentile
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:6.1f} ms"
 
-    return f"p50 {percentile(samples, 50) * 1000:7.1f} ms  p99 {percentile(samples, 99) * 1000:7.1f} ms  ({label})"
+
+@dataclass
+class Run:
+    ours_delivered: list[float] = field(default_factory=list)  #: round commit -> delivered
+    ours_resumed: list[float] = field(default_factory=list)  #: round commit -> parent resumed
+    ours: list[float] = field(default_factory=list)  #: delegation -> parent resumed
+    naive: list[float] = field(default_factory=list)  #: delegation -> parent resumed
+    bare_delivered: list[float] = field(default_factory=list)  #: enqueue -> callback
+    bare: list[float] = field(default_factory=list)  #: enqueue -> follow-up task
+
+    def p50(self, name: str) -> float:
+        return float(statistics.median(getattr(self, name)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench._common import Stack, bench_database, bench_env, flush_redis, progress
+    from bench._common import Stack, bench_database, bench_env, flush_redis, percentile, progress
+    from bench._figures import median, system_load
+    from bench._naive_app import NAIVE_QUEUE, naive_app
     from demo.stack import apply_env
 
-    ours: list[tuple[float, float]] = []
-    bare: list[tuple[float, float]] = []
-    with bench_database("bench_delegation") as url:
+    runs: list[Run] = []
+    with bench_database("bench_delegation") as url, bench_database("bench_naive") as naive_url:
         flush_redis()
         with Stack("bench-delegation") as stack:
             model = stack.model(instant_script(args.children))
             env = bench_env(url, model.base_url)
             apply_env(env)
-            chord_app.conf.update(
-                broker_url=env["CELERY_BROKER_URL"],
-                result_backend=env["CELERY_RESULT_BACKEND"],
-            )
+            for app in (chord_app, naive_app):
+                app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
             stack.worker(env, "ours", concurrency=args.concurrency)
-            stack.add_worker(bare_worker(env, stack.log_dir, args.concurrency)).start()
+            naive_env = bench_env(naive_url, model.base_url)
+            stack.add_worker(
+                app_worker(
+                    "bench._naive_app:naive_app", NAIVE_QUEUE, "naive", naive_env, stack.log_dir, args.concurrency
+                )
+            ).start()
+            stack.add_worker(
+                app_worker("bench.delegation:chord_app", BARE_QUEUE, "bare", env, stack.log_dir, args.concurrency)
+            ).start()
             print(
-                f"delegation: {args.rounds} rounds of 1 parent -> {args.children} children (instant model), one at "
-                f"a time, alternating with a bare Celery chord of the same shape; 1 worker x "
-                f"{args.concurrency} pool processes each",
+                f"delegation: {args.runs} runs x {args.rounds} rounds of 1 parent -> {args.children} children "
+                f"(instant model), one at a time, ours / naive / bare chord alternating; 1 worker x "
+                f"{args.concurrency} pool processes each; {system_load()}",
                 flush=True,
             )
-            total = args.warmup + args.rounds
             try:
-                for n in range(total):
-                    a = our_round(n, timeout=30)
-                    b = bare_round(n, args.children, timeout=30)
-                    if n >= args.warmup:
-                        ours.append(a)
-                        bare.append(b)
-                    if (n + 1) % 25 == 0 and n + 1 < total:
-                        progress(f"{n + 1}/{total} rounds of each kind")
+                n = 0
+                for _ in range(args.warmup):
+                    our_round(n, timeout=30)
+                    naive_round(n, naive_url, timeout=30)
+                    bare_round(n, args.children, timeout=30)
+                    n += 1
+                for r in range(1, args.runs + 1):
+                    run = Run()
+                    for _ in range(args.rounds):
+                        delivered, resumed, ours = our_round(n, timeout=30)
+                        naive = naive_round(n, naive_url, timeout=30)
+                        bare_delivered, bare = bare_round(n, args.children, timeout=30)
+                        run.ours_delivered.append(delivered)
+                        run.ours_resumed.append(resumed)
+                        run.ours.append(ours)
+                        run.naive.append(naive)
+                        run.bare_delivered.append(bare_delivered)
+                        run.bare.append(bare)
+                        n += 1
+                    runs.append(run)
+                    progress(
+                        f"run {r}: p50 ours {_ms(run.p50('ours'))}, naive {_ms(run.p50('naive'))}, bare chord "
+                        f"{_ms(run.p50('bare'))}; ours/naive {run.p50('ours') / run.p50('naive'):.2f}, ours/bare "
+                        f"{run.p50('ours') / run.p50('bare'):.2f}; {system_load()}"
+                    )
             except Exception:
                 stack.failed = True
                 stack.dump_logs()
@@ -242,28 +338,39 @@ def main(argv: list[str] | None = None) -> int:
 
             with transaction() as s:
                 problems = check_all(s, settled=True)
-            _drop_result_subscriptions()
-            chord_app.close()
-    our_delivered, our_resumed = [d for d, _ in ours], [r for _, r in ours]
-    bare_delivered, bare_resumed = [d for d, _ in bare], [r for _, r in bare]
-    print("ours, round commit -> delivered:      " + _line("pending_round.created_at -> closed_at", our_delivered))
-    print("ours, round commit -> parent resumed: " + _line("-> the parent's next answer committed", our_resumed))
-    headers = f"{args.children} no-op headers -> callback"
-    print("bare chord, enqueue -> callback:      " + _line(headers, bare_delivered))
-    print("bare chord, enqueue -> follow-up:     " + _line("callback -> one more task ran", bare_resumed))
-    from bench._common import percentile
+            for app in (chord_app, naive_app):
+                _drop_result_subscriptions(app)
+                app.close()
 
+    def line(name: str) -> str:
+        p50 = median([r.p50(name) for r in runs])
+        pooled = [x for r in runs for x in getattr(r, name)]
+        return f"p50 {_ms(p50)}  p99 {_ms(percentile(pooled, 99))}"
+
+    count = f"median of {args.runs} runs' p50; p99 over all {args.runs * args.rounds} rounds"
+    print(f"ours, round commit -> delivered:      {line('ours_delivered')}  (pending_round created -> closed)")
+    print(f"ours, round commit -> parent resumed: {line('ours_resumed')}  ({count})")
+    print(f"ours, delegation -> parent resumed:   {line('ours')}  (first child session -> the parent's answer)")
+    print(f"naive, delegation -> parent resumed:  {line('naive')}  (the same, without recovery machinery)")
+    print(f"bare chord, enqueue -> callback:      {line('bare_delivered')}  ({args.children} no-op headers)")
+    print(f"bare chord, enqueue -> follow-up:     {line('bare')}  (callback -> one more task ran)")
+    ours_naive = [r.p50("ours") / r.p50("naive") for r in runs]
+    ours_bare = [r.p50("ours") / r.p50("bare") for r in runs]
+    naive_bare = [r.p50("naive") / r.p50("bare") for r in runs]
     print(
-        "ratio ours/bare (parent resumed vs follow-up): "
-        f"p50 {percentile(our_resumed, 50) / percentile(bare_resumed, 50):.1f}x, "
-        f"p99 {percentile(our_resumed, 99) / percentile(bare_resumed, 99):.1f}x"
+        f"ratio ours/naive p50: {median(ours_naive):.2f} (median of {args.runs} runs, each {min(ours_naive):.2f}"
+        f" .. {max(ours_naive):.2f}); {system_load()}"
+    )
+    print(
+        f"ratio ours/bare p50: {median(ours_bare):.2f}, naive/bare p50: {median(naive_bare):.2f} "
+        f"(the bare chord is the floor)"
     )
     if problems:
         print(f"invariants I1-I5: VIOLATED ({len(problems)})")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    print(f"invariants I1-I5: ok ({len(ours) + args.warmup} parents)")
+    print(f"invariants I1-I5: ok ({args.warmup + args.runs * args.rounds} parents of ours)")
     return 0
 
 

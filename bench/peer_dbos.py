@@ -1,8 +1,10 @@
-"""Ours beside DBOS Transact: ``python bench/peer_dbos.py [--parents P] [--children K]``.
+"""Ours beside DBOS Transact: ``python bench/peer_dbos.py [--parents P] [--children K] [--modes ...]``.
 
-The crash-and-recover fan-out/fan-in workload of ``bench/recovery.py``, run on our stack and
-then on DBOS Transact (the optional ``bench`` extra: ``pip install -e ".[bench]"``) against the
-same PostgreSQL server, each in its own throwaway database, with the same scripted model:
+Three figures (``--modes crash,restart,normal``, all by default), each on our stack and on DBOS
+Transact (the optional ``bench`` extra: ``pip install -e ".[bench]"``) against the same
+PostgreSQL server, each run in its own throwaway database, with the same scripted model.
+
+crash — the crash-and-recover fan-out/fan-in workload of ``bench/recovery.py``:
 
 - ours: ``bench.recovery.run_recovery`` (SIGKILLed prefork worker, broker flushed, a fresh
   worker's scan until every parent resumed);
@@ -14,17 +16,33 @@ same PostgreSQL server, each in its own throwaway database, with the same script
   workflow is SUCCESS.
 
 Prints both throughputs (child results delivered to their parents per second, until every
-parent finished; the median of ``--trials`` alternating runs) and the ratio ours/DBOS. DBOS's
-queue and result polling intervals are set to ``--dbos-poll-seconds`` (DBOS's default is 1 s).
-Exits 0 with a message when DBOS is not installed; 1 when either side loses or duplicates a
-delivery.
+parent finished) and the ratio ours/DBOS.
+
+restart — restart to recovered, the figure users feel. The same crash, but ours runs as it
+would in production: the crashed worker has a stable name (``-n w1@%h``, ``WORKER_ID`` the
+same) and an embedded beat, default ``LEASE_SECONDS`` and ``SCAN_INTERVAL_SECONDS`` (30 s
+each, ``--lease-seconds`` / ``--scan-interval-seconds``), and nobody expires a lease by hand.
+Timed from the moment the crashed worker is started again (its process spawned) until every
+parent resumed; DBOS from the moment its new process is spawned until every parent workflow
+is done (the same DBOS run as the crash figure).
+
+normal — no crash: P parents x K children with a model that answers at once, parents per
+second from the first enqueue until every parent answered. Ours: one worker, ``--concurrency``
+pool processes; the bench creates each session and sends ``agent.run``. DBOS: as many
+processes as our pool (``--dbos-processes``), each running at most ``--concurrency`` /
+processes child workflows at once; the bench enqueues each parent workflow with
+``DBOSClient`` on a queue the processes share.
+
+Every figure is the median of ``--trials`` alternating runs; the ratios are ours/DBOS (higher
+is better for us on throughput, lower on seconds). DBOS's queue and result polling intervals
+are set to ``--dbos-poll-seconds`` (DBOS's default is 1 s). Exits 0 with a message when DBOS is
+not installed; 1 when either side loses or duplicates a delivery.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +51,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the project root, not bench/, comes first
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+#: ``bench._dbos_app.PARENTS_QUEUE`` (that module runs only in its own processes).
+PARENTS_QUEUE = "parents"
 INSTALL_HINT = 'DBOS Transact is not installed: install with pip install -e ".[bench]"'
 
 
@@ -41,12 +61,32 @@ class DbosFigures:
     parents: int
     children: int
     first_delivery_s: float
-    all_resumed_s: float
+    all_resumed_s: float  #: from just before DBOS.launch()
     problems: list[str]
+    #: from the moment the recovering process was spawned
+    from_spawn_s: float = 0.0
 
     @property
     def deliveries_per_second(self) -> float:
         return self.parents * self.children / self.all_resumed_s
+
+
+@dataclass
+class NormalFigures:
+    parents: int
+    seconds: float  #: the first enqueue -> every parent answered
+    problems: list[str]
+
+    @property
+    def parents_per_second(self) -> float:
+        return self.parents / self.seconds
+
+
+@dataclass
+class RestartFigures:
+    seconds: float  #: the restarted worker spawned -> every parent resumed
+    ready_s: float  #: the restarted worker spawned -> its worker_ready line
+    problems: list[str]
 
 
 def _status() -> dict[str, int]:
@@ -70,11 +110,34 @@ def _status() -> dict[str, int]:
     return dict(row._mapping)
 
 
-def _dbos_process(env: dict[str, str], log_dir: Path, *args: str) -> Any:
+def _dbos_process(env: dict[str, str], log_dir: Path, *args: str, name: str = "") -> Any:
     from demo.stack import Service
 
     cmd = [sys.executable, "-m", "bench._dbos_app", *args]
-    return Service(cmd, env, log_dir / f"dbos-{args[0]}.log", "event=launched")
+    return Service(cmd, env, log_dir / f"dbos-{name or args[0]}.log", "event=launched")
+
+
+def _dbos_env(url: str, model_url: str, concurrency: int, poll_seconds: float, **extra: str) -> dict[str, str]:
+    import os
+
+    from bench._common import ROOT
+
+    out = {k: v for k, v in os.environ.items() if not k.startswith("DBOS__")}
+    out.update(
+        BENCH_DBOS_DATABASE_URL=_dbos_url(url),
+        BENCH_MODEL_URL=model_url,
+        BENCH_DBOS_CONCURRENCY=str(concurrency),
+        BENCH_DBOS_POLL_SECONDS=str(poll_seconds),
+        PYTHONPATH=str(ROOT),
+        **extra,
+    )
+    return out
+
+
+def _dbos_url(url: str) -> str:
+    from sqlalchemy import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _checks(parents: int, children: int) -> list[str]:
@@ -109,31 +172,20 @@ def _checks(parents: int, children: int) -> list[str]:
 
 def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_seconds: float) -> DbosFigures:
     """Crash and recover the same workload on DBOS Transact in the (empty) database ``url``."""
-    from sqlalchemy import make_url, text
+    import time
+
+    from sqlalchemy import text
 
     from bench._common import Stack, point_settings_at, progress, wait_for
     from bench.recovery import RECOVERY_SCRIPT, crash_script
     from models import get_engine
 
     point_settings_at(url)  # our engine only reads DBOS's tables here
-    dbos_url = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     expected = parents * children
     with Stack("bench-peer-dbos") as stack:
 
         def env(model_url: str) -> dict[str, str]:
-            import os
-
-            from bench._common import ROOT
-
-            out = {k: v for k, v in os.environ.items() if not k.startswith("DBOS__")}
-            out.update(
-                BENCH_DBOS_DATABASE_URL=dbos_url,
-                BENCH_MODEL_URL=model_url,
-                BENCH_DBOS_CONCURRENCY=str(concurrency),
-                BENCH_DBOS_POLL_SECONDS=str(poll_seconds),
-                PYTHONPATH=str(ROOT),
-            )
-            return out
+            return _dbos_env(url, model_url, concurrency, poll_seconds)
 
         hanging = stack.model(crash_script(children))
         doomed = stack.add_worker(_dbos_process(env(hanging.base_url), stack.log_dir, "start", str(parents)))
@@ -160,6 +212,7 @@ def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_se
 
         instant = stack.model(RECOVERY_SCRIPT)
         fresh = stack.add_worker(_dbos_process(env(instant.base_url), stack.log_dir, "recover"))
+        spawned = time.time()
         fresh.start()
         match = re.search(r"^t0=([0-9.]+)$", fresh.log(), re.MULTILINE)
         if match is None:
@@ -190,21 +243,222 @@ def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_se
                 text("SELECT extract(epoch FROM min(created_at)) FROM peer_message WHERE role = 'TOOL'")
             ).scalar_one()
         problems = _checks(parents, children)
-    return DbosFigures(parents, children, float(first) - t0, done_ms / 1000.0 - t0, problems)
+    return DbosFigures(
+        parents, children, float(first) - t0, done_ms / 1000.0 - t0, problems, from_spawn_s=done_ms / 1000.0 - spawned
+    )
+
+
+def run_dbos_normal(
+    url: str, *, parents: int, children: int, processes: int, concurrency: int, poll_seconds: float
+) -> NormalFigures:
+    """No crash: ``processes`` DBOS processes share the queues; the bench enqueues P parent
+    workflows with DBOSClient; timed from the first enqueue to the last parent SUCCESS."""
+    import time
+
+    from dbos import DBOSClient
+    from sqlalchemy import text
+
+    from bench._common import Stack, point_settings_at, wait_for
+    from bench.delegation import instant_script
+    from models import get_engine
+
+    point_settings_at(url)
+    with Stack("bench-peer-dbos-normal") as stack:
+        model = stack.model(instant_script(children))
+        per_process = max(1, concurrency // processes)
+        for n in range(processes):  # one after the other: the first creates DBOS's tables
+            env = _dbos_env(url, model.base_url, per_process, poll_seconds, BENCH_DBOS_EXECUTOR_ID=f"bench-{n}")
+            stack.add_worker(_dbos_process(env, stack.log_dir, "serve", name=f"serve-{n}")).start(timeout=60)
+        client = DBOSClient(system_database_url=_dbos_url(url))
+        try:
+            t0 = time.time()
+            for n in range(parents):
+                client.enqueue({"queue_name": PARENTS_QUEUE, "workflow_name": "parent_workflow"}, f"job {n}")
+
+            def done() -> bool:
+                st = _status()
+                if st["parents_failed"]:
+                    raise RuntimeError(f"{st['parents_failed']} DBOS parent workflows failed")
+                return st["parents_done"] == parents
+
+            try:
+                wait_for(done, timeout=60 + 2 * parents * children, what="every DBOS parent done", interval=0.01)
+            except Exception:
+                stack.failed = True
+                stack.dump_logs()
+                raise
+        finally:
+            client.destroy()
+        with get_engine().connect() as conn:
+            done_ms = conn.execute(
+                text("SELECT max(updated_at) FROM dbos.workflow_status WHERE name = 'parent_workflow'")
+            ).scalar_one()
+        problems = _checks(parents, children)
+    return NormalFigures(parents, done_ms / 1000.0 - t0, problems)
+
+
+def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) -> NormalFigures:
+    """No crash: one worker; the bench creates P sessions and sends ``agent.run`` for each;
+    timed from the first session created to the last parent's answer committed."""
+    import tasks
+    from bench._common import Stack, bench_env, flush_redis, wait_for
+    from bench.delegation import instant_script
+    from bench.recovery import _counts, _db_times
+    from demo.stack import apply_env
+    from harness.views import create_session
+    from models import transaction
+    from models.base import utcnow
+    from recovery.invariants import check_all
+
+    flush_redis()
+    with Stack("bench-peer-ours-normal") as stack:
+        model = stack.model(instant_script(children))
+        env = bench_env(url, model.base_url)
+        apply_env(env)
+        stack.worker(env, "normal", concurrency=concurrency)
+        t0 = utcnow()
+        for n in range(parents):
+            sid = create_session("main", f"job {n}: split the work")
+            tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
+
+        def done() -> bool:
+            c = _counts()
+            if c["failed"]:
+                raise RuntimeError(f"{c['failed']} parents FAILED (see the worker log)")
+            return c["resumed"] == parents and c["delivered"] == parents * children
+
+        try:
+            wait_for(done, timeout=60 + 2 * parents * children, what="every parent answered", interval=0.01)
+        except Exception:
+            stack.failed = True
+            stack.dump_logs()
+            raise
+        _, _, answered = _db_times()
+        with transaction() as s:
+            problems = check_all(s, settled=True)
+    return NormalFigures(parents, (answered - t0).total_seconds(), problems)
+
+
+def run_ours_restart(
+    url: str, *, parents: int, children: int, concurrency: int, lease_seconds: float, scan_interval_seconds: float
+) -> RestartFigures:
+    """The crash of ``bench/recovery.py``, then the SAME worker name started again with
+    production settings (no lease expired by hand, no scan sent by the bench): timed from the
+    restarted worker's spawn until every parent resumed."""
+    import socket
+    import time
+    from datetime import UTC, datetime
+
+    import tasks
+    from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from bench.recovery import RECOVERY_SCRIPT, _counts, _db_times, crash_script
+    from demo.stack import Worker, apply_env
+    from harness.views import create_session
+    from models import transaction
+    from recovery.invariants import check_all
+
+    name = "w1"
+    settings = {
+        "LEASE_SECONDS": f"{lease_seconds:g}",
+        "SCAN_INTERVAL_SECONDS": f"{scan_interval_seconds:g}",
+        "WORKER_ID": f"{name}@{socket.gethostname()}",
+    }
+    expected = parents * children
+    flush_redis()
+    with Stack("bench-peer-ours-restart") as stack:
+        hanging = stack.model(crash_script(children))
+        env = bench_env(url, hanging.base_url, **settings)
+        apply_env(env)
+        for n in range(parents):
+            sid = create_session("main", f"job {n}: split the work")
+            tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
+        doomed = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        doomed.start(timeout=60)
+
+        def crashed_state() -> bool:
+            c = _counts()
+            return (
+                c["open_rounds"] == parents and c["executions"] == expected and c["taken"] >= min(expected, concurrency)
+            )
+
+        wait_for(crashed_state, timeout=60 + parents, what="every round committed")
+        doomed.kill()
+        hanging.stop()
+        flush_redis()
+        progress(f"worker {name} SIGKILLed with {parents} open rounds; broker flushed; starting {name} again")
+        instant = stack.model(RECOVERY_SCRIPT)
+        env = bench_env(url, instant.base_url, **settings)
+        apply_env(env)
+        again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        spawned = datetime.now(UTC)
+        started = time.monotonic()
+        again.start(timeout=60)
+        ready_s = time.monotonic() - started
+
+        def recovered() -> bool:
+            c = _counts()
+            if c["failed"]:
+                raise RuntimeError(f"{c['failed']} parents FAILED during recovery (see the worker log)")
+            return c["delivered"] == expected and c["resumed"] == parents
+
+        def status() -> str:
+            c = _counts()
+            return f"{c['delivered']}/{expected} delivered, {c['resumed']}/{parents} parents resumed"
+
+        try:
+            wait_for(
+                recovered,
+                timeout=lease_seconds + 3 * scan_interval_seconds + 60 + 2 * expected,
+                what="every parent resumed after the restart",
+                describe=status,
+                every=10,
+            )
+        except Exception:
+            stack.failed = True
+            stack.dump_logs()
+            raise
+        _, _, resumed = _db_times()
+        with transaction() as s:
+            problems = check_all(s, settled=True)
+    return RestartFigures((resumed - spawned).total_seconds(), ready_s, problems)
+
+
+MODES = ("crash", "restart", "normal")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/peer_dbos.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--parents", type=int, default=20, help="parents crashed mid-flight (default 20)")
+    parser.add_argument("--parents", type=int, default=20, help="parents per run (default 20)")
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
     parser.add_argument("--concurrency", type=int, default=2, help="our pool size = DBOS queue concurrency (2)")
     parser.add_argument("--trials", type=int, default=3, help="alternating trials of each, medians (default 3)")
     parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)"
+    )
+    parser.add_argument(
         "--dbos-poll-seconds", type=float, default=0.05, help="DBOS queue and result polling interval (0.05)"
     )
+    parser.add_argument(
+        "--dbos-processes", type=int, default=0, help="DBOS processes on the normal path (default: --concurrency)"
+    )
+    parser.add_argument(
+        "--lease-seconds", type=float, default=30.0, help="restart: LEASE_SECONDS of our workers (default 30)"
+    )
+    parser.add_argument(
+        "--scan-interval-seconds",
+        type=float,
+        default=30.0,
+        help="restart: SCAN_INTERVAL_SECONDS of our beat (default 30)",
+    )
     args = parser.parse_args(argv)
-    if min(args.parents, args.children, args.concurrency, args.trials) < 1 or args.dbos_poll_seconds <= 0:
-        parser.error("--parents, --children, --concurrency and --trials must be >= 1, --dbos-poll-seconds > 0")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or set(args.modes) - set(MODES):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
+    args.dbos_processes = args.dbos_processes or args.concurrency
+    if min(args.parents, args.children, args.concurrency, args.trials, args.dbos_processes) < 1:
+        parser.error("--parents, --children, --concurrency, --trials and --dbos-processes must be >= 1")
+    if args.dbos_poll_seconds <= 0 or args.lease_seconds < 3 or args.scan_interval_seconds <= 0:
+        parser.error("--dbos-poll-seconds and --scan-interval-seconds must be > 0, --lease-seconds >= 3")
     return args
 
 
@@ -218,44 +472,115 @@ def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
     from bench._common import bench_database
+    from bench._figures import median, system_load
     from bench.recovery import run_recovery
 
     print(
-        f"peer_dbos: {args.parents} parents x {args.children} children crashed mid-flight and recovered, "
+        f"peer_dbos: {args.parents} parents x {args.children} children, modes {','.join(args.modes)}; "
         f"pool/queue concurrency {args.concurrency}; {args.trials} trial(s) of ours then DBOS Transact "
-        f"{version('dbos')}, alternating",
+        f"{version('dbos')}, alternating; {system_load()}",
         flush=True,
     )
+    crash = "crash" in args.modes or "restart" in args.modes  # DBOS: one run gives both figures
     ours_rates: list[float] = []
     dbos_rates: list[float] = []
+    ours_restart: list[RestartFigures] = []
+    dbos_restart: list[float] = []
+    ours_normal: list[float] = []
+    dbos_normal: list[float] = []
     problems: list[str] = []
     for trial in range(1, args.trials + 1):
-        with bench_database("bench_peer_ours") as url:
-            ours = run_recovery(
-                url, parents=args.parents, children=args.children, workers=1, concurrency=args.concurrency
+        if "crash" in args.modes:
+            with bench_database("bench_peer_ours") as url:
+                ours = run_recovery(
+                    url, parents=args.parents, children=args.children, workers=1, concurrency=args.concurrency
+                )
+            ours_rates.append(ours.deliveries_per_second)
+            problems += [f"trial {trial} ours crash: {p}" for p in ours.invariants]
+        if crash:
+            with bench_database("bench_peer_dbos", migrate=False) as url:
+                theirs = run_dbos(
+                    url,
+                    parents=args.parents,
+                    children=args.children,
+                    concurrency=args.concurrency,
+                    poll_seconds=args.dbos_poll_seconds,
+                )
+            dbos_rates.append(theirs.deliveries_per_second)
+            dbos_restart.append(theirs.from_spawn_s)
+            problems += [f"trial {trial} crash {p}" for p in theirs.problems]
+        if "crash" in args.modes:
+            print(
+                f"  trial {trial} crash: ours {ours.deliveries_per_second:.1f} deliveries/s (every parent resumed "
+                f"{ours.all_resumed_s:.3f} s after the scan); DBOS {theirs.deliveries_per_second:.1f} deliveries/s "
+                f"(every parent workflow done {theirs.all_resumed_s:.3f} s after DBOS.launch()); {system_load()}",
+                flush=True,
             )
-        with bench_database("bench_peer_dbos", migrate=False) as url:
-            theirs = run_dbos(
-                url,
-                parents=args.parents,
-                children=args.children,
-                concurrency=args.concurrency,
-                poll_seconds=args.dbos_poll_seconds,
+        if "restart" in args.modes:
+            with bench_database("bench_peer_restart") as url:
+                restarted = run_ours_restart(
+                    url,
+                    parents=args.parents,
+                    children=args.children,
+                    concurrency=args.concurrency,
+                    lease_seconds=args.lease_seconds,
+                    scan_interval_seconds=args.scan_interval_seconds,
+                )
+            ours_restart.append(restarted)
+            problems += [f"trial {trial} ours restart: {p}" for p in restarted.problems]
+            print(
+                f"  trial {trial} restart: ours {restarted.seconds:.2f} s from the restart to every parent resumed "
+                f"(worker ready after {restarted.ready_s:.2f} s); DBOS {theirs.from_spawn_s:.2f} s from its process "
+                f"start to every workflow done; {system_load()}",
+                flush=True,
             )
-        ours_rates.append(ours.deliveries_per_second)
-        dbos_rates.append(theirs.deliveries_per_second)
-        problems += [f"trial {trial} ours: {p}" for p in ours.invariants]
-        problems += [f"trial {trial} {p}" for p in theirs.problems]
+        if "normal" in args.modes:
+            with bench_database("bench_peer_normal") as url:
+                normal = run_ours_normal(
+                    url, parents=args.parents, children=args.children, concurrency=args.concurrency
+                )
+            with bench_database("bench_peer_dbos_normal", migrate=False) as url:
+                theirs_normal = run_dbos_normal(
+                    url,
+                    parents=args.parents,
+                    children=args.children,
+                    processes=args.dbos_processes,
+                    concurrency=args.concurrency,
+                    poll_seconds=args.dbos_poll_seconds,
+                )
+            ours_normal.append(normal.parents_per_second)
+            dbos_normal.append(theirs_normal.parents_per_second)
+            problems += [f"trial {trial} ours normal: {p}" for p in normal.problems]
+            problems += [f"trial {trial} normal {p}" for p in theirs_normal.problems]
+            print(
+                f"  trial {trial} normal: ours {normal.parents_per_second:.1f} parents/s ({normal.seconds:.3f} s); "
+                f"DBOS {theirs_normal.parents_per_second:.1f} parents/s ({theirs_normal.seconds:.3f} s); "
+                f"{system_load()}",
+                flush=True,
+            )
+    n = f"median of {args.trials}"
+    if "crash" in args.modes:
+        ours_rate, dbos_rate = median(ours_rates), median(dbos_rates)
+        print(f"ours: {ours_rate:.1f} deliveries/s ({n})")
+        print(f"DBOS: {dbos_rate:.1f} deliveries/s ({n})")
+        print(f"ratio ours/DBOS: {ours_rate / dbos_rate:.2f} (crash and recover, deliveries/s; {system_load()})")
+    if "restart" in args.modes:
+        ours_s, dbos_s = median([r.seconds for r in ours_restart]), median(dbos_restart)
         print(
-            f"  trial {trial}: ours {ours.deliveries_per_second:.1f} deliveries/s (every parent resumed "
-            f"{ours.all_resumed_s:.3f} s after the scan); DBOS {theirs.deliveries_per_second:.1f} deliveries/s "
-            f"(every parent workflow done {theirs.all_resumed_s:.3f} s after DBOS.launch())",
-            flush=True,
+            f"restart -> every parent resumed, ours: {ours_s:.2f} s ({n}; LEASE_SECONDS {args.lease_seconds:g}, "
+            f"SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, worker ready after "
+            f"{median([r.ready_s for r in ours_restart]):.2f} s)"
         )
-    ours_rate, dbos_rate = statistics.median(ours_rates), statistics.median(dbos_rates)
-    print(f"ours: {ours_rate:.1f} deliveries/s (median of {args.trials})")
-    print(f"DBOS: {dbos_rate:.1f} deliveries/s (median of {args.trials})")
-    print(f"ratio ours/DBOS: {ours_rate / dbos_rate:.2f}")
+        print(f"process start -> every workflow done, DBOS: {dbos_s:.2f} s ({n})")
+        print(f"restart ratio ours/DBOS (seconds, lower is better): {ours_s / dbos_s:.2f} ({system_load()})")
+    if "normal" in args.modes:
+        ours_pps, dbos_pps = median(ours_normal), median(dbos_normal)
+        print(f"normal path, ours: {ours_pps:.1f} parents/s ({n}; 1 worker x {args.concurrency} pool processes)")
+        print(
+            f"normal path, DBOS: {dbos_pps:.1f} parents/s ({n}; {args.dbos_processes} processes x "
+            f"{max(1, args.concurrency // args.dbos_processes)} child workflows at once)"
+        )
+        print(f"normal path ratio ours/DBOS (parents/s): {ours_pps / dbos_pps:.2f} ({system_load()})")
     if problems:
         print(f"exactly-once checks: VIOLATED ({len(problems)})")
         for problem in problems:

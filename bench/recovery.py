@@ -12,8 +12,16 @@
    processes commit the delivery's transaction shape (2 message inserts + 1 execution
    update) as fast as PostgreSQL takes them, through the same driver (psycopg2).
 
-Prints deliveries/s, the ceiling and the ratio ours/ceiling; checks invariants I1–I5 over the
-whole database and exits 1 when one is violated.
+Prints deliveries/s, the ceiling and the ratio ours/ceiling (medians of ``--runs`` runs, each
+on a fresh database); checks invariants I1–I5 over the whole database and exits 1 when one is
+violated.
+
+``--delivered-only`` (spec R16): instead of a crash, P parents delegate K children through the
+real loop in this process, every child COMPLETES, and no chord callback is ever sent (the state
+a crash between the last child and ``deliver_round`` leaves). The children's completion and
+the leases are then dated in the past, and ``recovery.scan`` is sent: the scan hands each
+parent to ``deliver_round`` alone, no child runs again (checked against the model's journal).
+Deliveries/s is then the delivery path alone, beside the same commit ceiling.
 """
 
 from __future__ import annotations
@@ -129,6 +137,32 @@ def _expire_leases() -> None:
             )
 
 
+def delivered_only_script(children: int) -> list[dict[str, Any]]:
+    """Every answer at once: the parent delegates K children, each child answers, the resumed
+    parent answers. Rule 1 is the children's: the journal counts how often it answered."""
+    calls = crash_script(children)[0]
+    return [
+        calls,
+        {"when": {"system_contains": "subagent", "turn": 0}, "reply": {"content": "child answer"}},
+        *RECOVERY_SCRIPT[:1],
+    ]
+
+
+def _date_completions_back() -> None:
+    """The passage of time after the lost callbacks: the scan's callback grace has run out."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    with transaction() as s:
+        s.execute(
+            text(
+                "UPDATE subagent_execution SET completed_at = completed_at - interval '1 hour'"
+                " WHERE completed_at IS NOT NULL AND delivery_status = 'PENDING'"
+            )
+        )
+
+
 def _db_times() -> tuple[datetime, datetime, datetime]:
     """(first delivery, last delivery, last parent's final answer) as written by the workers."""
     from sqlalchemy import text
@@ -234,6 +268,73 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
         figures.all_resumed_s = (resumed - t0).total_seconds()
         with transaction() as s:
             figures.invariants = check_all(s, settled=True)
+    return figures
+
+
+def run_delivery_only(url: str, *, parents: int, children: int, workers: int, concurrency: int) -> RecoveryFigures:
+    """R16 on ``url`` (a migrated, empty database): every child COMPLETED, every result
+    undelivered, no callback on its way; timed from the scan to every parent resumed."""
+    import tasks
+    from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from demo.stack import apply_env
+    from models import transaction
+    from models.base import utcnow
+    from recovery.invariants import check_all
+    from tests.helpers import children_done_callback_lost
+
+    figures = RecoveryFigures(parents, children, workers, concurrency)
+    expected = parents * children
+    flush_redis()
+    with Stack("bench-delivery") as stack:
+        model = stack.model(delivered_only_script(children))
+        env = bench_env(url, model.base_url)
+        apply_env(env)
+        fresh = [stack.worker(env, f"r{n + 1}", concurrency=concurrency) for n in range(workers)]
+        wait_for(
+            lambda: all("event=subagent_recovery_scan" in w.log() for w in fresh),
+            timeout=30,
+            what="the boot scans",
+        )
+        # After the boot scans: no worker scans again (no beat) until the timed scan is sent.
+        for i in range(parents):
+            children_done_callback_lost(model.base_url, f"job {i}: split the work")
+        c = _counts()
+        if c["executions"] != expected or c["delivered"]:
+            raise RuntimeError(f"the R16 state is not what it should be: {c}")
+        child_answers = sum(1 for entry in model.journal() if entry.get("rule") == 1)
+        progress(
+            f"{parents} parents delegated {expected} children in this process; every child COMPLETED, no callback sent"
+        )
+        _date_completions_back()
+        _expire_leases()
+        t0 = utcnow()
+        tasks.app.signature("recovery.scan").apply_async()
+
+        def recovered() -> bool:
+            c = _counts()
+            if c["failed"]:
+                raise RuntimeError(f"{c['failed']} parents FAILED during delivery (see the worker logs)")
+            return c["delivered"] == expected and c["resumed"] == parents
+
+        def status() -> str:
+            c = _counts()
+            return f"{c['delivered']}/{expected} delivered, {c['resumed']}/{parents} parents resumed"
+
+        try:
+            wait_for(recovered, timeout=60 + expected, what="every parent resumed", describe=status)
+        except Exception:
+            stack.failed = True
+            stack.dump_logs()
+            raise
+        first, last, resumed = _db_times()
+        figures.first_delivery_s = (first - t0).total_seconds()
+        figures.all_delivered_s = (last - t0).total_seconds()
+        figures.all_resumed_s = (resumed - t0).total_seconds()
+        with transaction() as s:
+            figures.invariants = check_all(s, settled=True)
+        rerun = sum(1 for entry in model.journal() if entry.get("rule") == 1) - child_answers
+        if rerun:
+            figures.invariants.append(f"R16: {rerun} children asked the model again during delivery")
     return figures
 
 
@@ -371,8 +472,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ceiling-seconds", type=float, default=3.0, help="how long the commit ceiling is measured (default 3)"
     )
+    parser.add_argument("--runs", type=int, default=3, help="runs, each on a fresh database; medians (default 3)")
+    parser.add_argument(
+        "--delivered-only",
+        action="store_true",
+        help="R16: every child already COMPLETED, only the delivery runs (no child re-runs)",
+    )
     args = parser.parse_args(argv)
-    for name in ("parents", "children", "workers", "concurrency"):
+    for name in ("parents", "children", "workers", "concurrency", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     return args
@@ -381,36 +488,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from bench._common import bench_database, progress
+    from bench._figures import median, system_load
 
-    with bench_database("bench_recovery") as url:
+    mode = "delivery only (R16: children COMPLETED, results undelivered)" if args.delivered_only else "crash"
+    run = run_delivery_only if args.delivered_only else run_recovery
+    print(
+        f"recovery, {mode}: {args.parents} parents x {args.children} children = {args.parents * args.children} "
+        f"executions; {args.workers} worker(s) x {args.concurrency} pool processes recover; {args.runs} run(s), "
+        f"{system_load()}",
+        flush=True,
+    )
+    runs: list[tuple[RecoveryFigures, CeilingFigures]] = []
+    for n in range(1, args.runs + 1):
+        with bench_database("bench_recovery") as url:
+            ours = run(
+                url, parents=args.parents, children=args.children, workers=args.workers, concurrency=args.concurrency
+            )
+            progress(f"measuring the commit ceiling with {ours.connections} connections for {args.ceiling_seconds:g}s")
+            ceiling = commit_ceiling(url, connections=ours.connections, seconds=args.ceiling_seconds)
+        runs.append((ours, ceiling))
         print(
-            f"recovery: {args.parents} parents x {args.children} children = {args.parents * args.children} "
-            f"executions; {args.workers} worker(s) x {args.concurrency} pool processes recover",
+            f"  run {n}: {ours.deliveries_per_second:.1f} deliveries/s (every parent resumed "
+            f"{ours.all_resumed_s:.3f} s "
+            f"after the scan), ceiling {ceiling.per_second:.0f} tx/s, ratio "
+            f"{ours.deliveries_per_second / ceiling.per_second:.4f}; {system_load()}",
             flush=True,
         )
-        ours = run_recovery(
-            url, parents=args.parents, children=args.children, workers=args.workers, concurrency=args.concurrency
-        )
-        progress(f"measuring the commit ceiling with {ours.connections} connections for {args.ceiling_seconds:g}s")
-        ceiling = commit_ceiling(url, connections=ours.connections, seconds=args.ceiling_seconds)
-    print(f"  scan -> first delivery:       {ours.first_delivery_s:8.3f} s")
-    print(f"  scan -> all delivered:        {ours.all_delivered_s:8.3f} s")
-    print(f"  scan -> every parent resumed: {ours.all_resumed_s:8.3f} s")
+    ours, ceiling = runs[len(runs) // 2]
+    first = median([o.first_delivery_s for o, _ in runs])
+    delivered = median([o.all_delivered_s for o, _ in runs])
+    resumed = median([o.all_resumed_s for o, _ in runs])
+    rate = median([o.deliveries_per_second for o, _ in runs])
+    ceiling_rate = median([c.per_second for _, c in runs])
+    ratio = median([o.deliveries_per_second / c.per_second for o, c in runs])
+    label = "delivery only (R16), " if args.delivered_only else ""
+    print(f"  scan -> first delivery:       {first:8.3f} s (median of {args.runs})")
+    print(f"  scan -> all delivered:        {delivered:8.3f} s")
+    print(f"  scan -> every parent resumed: {resumed:8.3f} s")
     print(
-        f"deliveries/s: {ours.deliveries_per_second:.1f} "
-        f"({ours.executions} executions / {ours.all_resumed_s:.3f} s, scan -> every parent resumed)"
+        f"{label}deliveries/s: {rate:.1f} ({ours.executions} executions, scan -> every parent resumed; "
+        f"median of {args.runs})"
     )
     print(
-        f"commit ceiling: {ceiling.per_second:.0f} tx/s (2 message inserts + 1 execution update per "
-        f"transaction, {ceiling.connections} connections, {ceiling.transactions} tx in {ceiling.seconds:.2f} s)"
+        f"commit ceiling: {ceiling_rate:.0f} tx/s (2 message inserts + 1 execution update per transaction, "
+        f"{ceiling.connections} connections, {ceiling.seconds:.2f} s per run; median of {args.runs})"
     )
-    print(f"ratio ours/ceiling: {ours.deliveries_per_second / ceiling.per_second:.4f}")
-    if ours.invariants:
-        print(f"invariants I1-I5: VIOLATED ({len(ours.invariants)})")
-        for problem in ours.invariants:
+    print(f"{label}ratio ours/ceiling: {ratio:.4f} (median of the runs' ratios; {system_load()})")
+    problems = [f"run {n}: {p}" for n, (o, _) in enumerate(runs, start=1) for p in o.invariants]
+    if problems:
+        print(f"invariants I1-I5: VIOLATED ({len(problems)})")
+        for problem in problems:
             print(f"  {problem}")
         return 1
-    print(f"invariants I1-I5: ok ({ours.executions} executions, {ours.parents} parents)")
+    print(f"invariants I1-I5: ok ({ours.executions} executions, {ours.parents} parents, each run)")
     return 0
 
 

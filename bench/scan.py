@@ -1,4 +1,5 @@
-"""Scan cost against history: ``python bench/scan.py [--pending 1000] [--history 1000000]``.
+"""Scan cost against history: ``python bench/scan.py [--pending 1000] [--history 1000000]``;
+scan at scale: ``python bench/scan.py --parents 10000 [--per-parent 3]``.
 
 The recovery scan must cost O(pending), not O(history) (DESIGN §3: the partial index
 ``idx_sae_pending ... WHERE delivery_status = 'PENDING'``). This benchmark times the scan with
@@ -10,6 +11,13 @@ scan's pending query with the index it uses.
 Each pass is the real ``recovery.scan.scan`` with a scheduler that only counts (it takes every
 crashed parent, so the parents are put back between passes, outside the timing). The candidate
 query alone is timed too.
+
+``--parents N`` measures the scan at scale instead: N crashed parents with ``--per-parent``
+executions each (RUNNING, PENDING, every lease expired), taken by the real scan with the real
+Celery scheduler (chords sent to the bench's own Redis broker; no worker consumes them). Timed
+from the scan's start until every parent is taken and the broker holds every recover_child
+message; prints parents taken per second (median of ``--repeat`` passes; the crashed state is
+put back and the broker flushed between passes, outside the timing).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ HISTORY_BATCH = 250_000
 
 
 class CountingScheduler:
-    """A RecoveryScheduler that enqueues nothing: the scan's own cost, without the broker."""
+    """A RecoveryScheduler that enqueues nothing: the scan's own cost, without the broker.
+    (Both shapes of the scheduler: one chord per parent, or recoveries in batches.)"""
 
     def __init__(self) -> None:
         self.parents = 0
@@ -43,6 +52,16 @@ class CountingScheduler:
     def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
         self.parents += 1
         self.executions += len(children)
+
+    def recover_many(self, rounds: Any) -> None:
+        for parent_id, parent_epoch, children in rounds:
+            self.recover_children(parent_id, parent_epoch, children)
+
+    def deliver(self, parent_id: int, epoch: int) -> None:
+        self.parents += 1
+
+    def deliver_many(self, parents: Any) -> None:
+        self.parents += len(parents)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         pass
@@ -90,7 +109,9 @@ def insert_pending(pending: int, per_parent: int) -> int:
 
 
 def put_parents_back() -> None:
-    """Undo what a pass did to the crashed parents (taken: RESUMING, epoch + 1, reserved)."""
+    """Undo what a pass did to the crashed parents (taken: RESUMING, epoch + 1, reserved) and
+    to their executions (whatever a scan may write on them: back to RUNNING under a lease that
+    expired a minute ago)."""
     from sqlalchemy import text
 
     from models import transaction
@@ -100,6 +121,15 @@ def put_parents_back() -> None:
             text(
                 "UPDATE agent_session SET phase = 'RUNNING', lease_owner = NULL, lease_expires_at = NULL"
                 " WHERE user_id = :u AND session_type = 'NORMAL'"
+            ),
+            {"u": PENDING_USER},
+        )
+        s.execute(
+            text(
+                "UPDATE subagent_execution e SET status = 'RUNNING', lease_owner = 'dead-worker',"
+                " lease_expires_at = now() - interval '1 minute'"
+                " FROM agent_session p WHERE p.id = e.parent_session_id AND p.user_id = :u"
+                " AND e.delivery_status = 'PENDING'"
             ),
             {"u": PENDING_USER},
         )
@@ -253,23 +283,134 @@ def _execution_ms(plan: list[str]) -> float:
     return float(line.split(":", 1)[1].split()[0])
 
 
+# --- the scan at scale: --parents N ------------------------------------------------------------
+
+
+def _broker_messages() -> int:
+    """Messages waiting in the bench's broker database (every queue: Redis lists)."""
+    import redis
+
+    from bench._common import REDIS_BASE, REDIS_DBS
+
+    client = redis.Redis.from_url(f"{REDIS_BASE}/{REDIS_DBS[0]}")
+    try:
+        total = 0
+        for key in client.scan_iter(count=1000):
+            if client.type(key) == b"list" and not key.startswith(b"_kombu"):
+                total += client.llen(key)
+        return total
+    finally:
+        client.close()
+
+
+@dataclass
+class ScalePass:
+    scan_s: float  #: the scan call itself
+    enqueued_s: float  #: scan start -> every execution's recover_child message in the broker
+    taken: int  #: parents the scan reported as taken
+    messages: int
+
+
+def time_scale_pass(parents: int, executions: int) -> ScalePass:
+    """One pass of the real scan with the real Celery scheduler over the crashed state. A
+    parent's recovery is enqueued when its executions' recover_child messages are in the
+    broker (one per execution, in a chord or alone)."""
+    import tasks
+    from bench._common import flush_redis, wait_for
+    from recovery.scan import scan
+    from tasks.scheduler import CeleryScheduler
+
+    put_parents_back()
+    flush_redis()
+    scheduler = CeleryScheduler(tasks.app)
+    started = time.perf_counter()
+    report = scan(scheduler, callback_grace_seconds=0)
+    scan_s = time.perf_counter() - started
+    if not report.ran:
+        raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+    wait_for(
+        lambda: _broker_messages() >= executions,
+        timeout=120 + parents / 100,
+        what="every recover_child message in the broker",
+        describe=lambda: f"{_broker_messages()}/{executions} messages",
+        interval=0.01,
+    )
+    enqueued_s = time.perf_counter() - started
+    return ScalePass(scan_s, enqueued_s, len(set(report.parents)), _broker_messages())
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from bench._common import bench_database, flush_redis, progress
+    from bench._figures import system_load
+    from demo.stack import apply_env
+
+    executions = args.parents * args.per_parent
+    with bench_database("bench_scan") as url:
+        from bench._common import bench_env
+
+        apply_env(bench_env(url, "http://127.0.0.1:9/v1"))  # the scheduler's broker: the bench's Redis
+        insert_pending(executions, args.per_parent)
+        vacuum_analyze()
+        print(
+            f"scan at scale: {args.parents} crashed parents x {args.per_parent} executions (every lease expired), "
+            f"real scan + Celery scheduler (broker only, no worker); {args.repeat} passes + 1 warm-up, "
+            f"{system_load()}",
+            flush=True,
+        )
+        passes = []
+        for n in range(args.repeat + 1):
+            one = time_scale_pass(args.parents, executions)
+            label = "warm-up" if n == 0 else f"pass {n}"
+            progress(
+                f"{label}: scan {one.scan_s:.2f} s, every recovery enqueued after {one.enqueued_s:.2f} s "
+                f"({one.taken} parents taken, {one.messages} messages)"
+            )
+            if one.taken != args.parents:
+                print(f"a pass took {one.taken} of {args.parents} parents")
+                return 1
+            if n:
+                passes.append(one)
+        flush_redis()
+    enqueued = statistics.median(p.enqueued_s for p in passes)
+    scan_s = statistics.median(p.scan_s for p in passes)
+    print(
+        f"scan start -> every parent's recovery enqueued: {enqueued:.3f} s "
+        f"(median of {args.repeat}; the scan call itself {scan_s:.3f} s)"
+    )
+    print(f"parents taken per second: {args.parents / enqueued:.0f} (median of {args.repeat}, {system_load()})")
+    return 0
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/scan.py", description=__doc__.split("\n")[0])
     parser.add_argument("--pending", type=int, default=1000, help="crashed executions to recover (default 1000)")
     parser.add_argument("--history", type=int, default=1_000_000, help="finished rows underneath (default 1000000)")
-    parser.add_argument("--per-parent", type=int, default=4, help="pending executions per parent (default 4)")
+    parser.add_argument(
+        "--per-parent", type=int, default=None, help="pending executions per parent (default 4; 3 with --parents)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed passes per case, median printed (default 5)")
+    parser.add_argument(
+        "--parents", type=int, default=0, help="scan at scale: this many crashed parents instead of the history case"
+    )
     args = parser.parse_args(argv)
-    if args.pending < 1 or args.history < 0 or args.per_parent < 1 or args.repeat < 1:
-        parser.error("--pending, --per-parent and --repeat must be >= 1, --history >= 0")
+    if args.per_parent is None:
+        args.per_parent = 3 if args.parents else 4
+    if args.pending < 1 or args.history < 0 or args.per_parent < 1 or args.repeat < 1 or args.parents < 0:
+        parser.error("--pending, --per-parent and --repeat must be >= 1, --history and --parents >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.parents:
+        return run_scale(args)
     import os
 
     from bench._common import REDIS_BASE, REDIS_DBS, bench_database, progress
+    from bench._figures import system_load
 
     os.environ["REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DBS[2]}"  # the scan's session_status events
     with bench_database("bench_scan") as url:
@@ -277,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         parents = insert_pending(args.pending, args.per_parent)
         vacuum_analyze()
         print(
-            f"scan: {args.pending} pending executions under {parents} crashed parents; median of {args.repeat} passes",
+            f"scan: {args.pending} pending executions under {parents} crashed parents; median of {args.repeat} "
+            f"passes; {system_load()}",
             flush=True,
         )
         empty = time_scan(args.repeat)
