@@ -1,0 +1,81 @@
+"""Issue 9 with real worker processes: one of several workers dies while the others run.
+
+The dead execution is recovered on its own, at once, while its sibling still runs elsewhere
+(the barrier is delivery's, I3), and a worker that restarts under its stable name takes back
+its previous process's work at boot, without waiting for the lease (models.worker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import executions_of, wait_until
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(150)]
+
+MAIN = "main agent"
+CHILD_WAIT_SECONDS = 15
+
+
+def script(wait: float = CHILD_WAIT_SECONDS) -> list[dict]:  # type: ignore[type-arg]
+    return [
+        {
+            "when": {"system_contains": MAIN, "turn": 0},
+            "reply": {
+                "tool_calls": [
+                    {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review A"}},
+                    {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research B"}},
+                ]
+            },
+        },
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final: {tool_results}"}},
+        {
+            "when": {"system_contains": "subagent", "last_role": "user"},
+            "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": wait}}]},
+        },
+        {"when": {"system_contains": "subagent", "last_role": "tool"}, "reply": {"content": "child answer"}},
+    ]
+
+
+def _owners(sid: int) -> dict[int, str | None]:
+    return {e.id: e.lease_owner for e in executions_of(sid) if e.status == "RUNNING"}
+
+
+@pytest.mark.parametrize("same_name", [True, False], ids=["restarted_same_name", "other_worker"])
+def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, same_name: bool) -> None:  # type: ignore[no-untyped-def]
+    stack = stack_factory(script())
+    workers = {"wa": stack.worker("wa", concurrency=1), "wb": stack.worker("wb", concurrency=1, beat=True)}
+    sid = stack.submit("go")
+    wait_until(
+        lambda: len(o := _owners(sid)) == 2 and all(o.values()) and len(set(o.values())) == 2,
+        timeout=30,
+        what="one child on each single-slot worker",
+    )
+    owners = _owners(sid)
+    dead_eid, dead_owner = next((eid, o) for eid, o in owners.items() if o and o.startswith("wa@"))
+    live_eid = next(eid for eid in owners if eid != dead_eid)
+    first_epoch = next(e.epoch for e in executions_of(sid) if e.id == dead_eid)
+    workers["wa"].kill()
+    killed = time.monotonic()
+    stack.worker("wa" if same_name else "wc", concurrency=1)
+
+    def resumed() -> bool:
+        e = next(e for e in executions_of(sid) if e.id == dead_eid)
+        return e.epoch >= first_epoch + 2 and e.lease_owner is not None
+
+    wait_until(resumed, timeout=CHILD_WAIT_SECONDS - 3, interval=0.1, what="the dead child resumed")
+    took = time.monotonic() - killed
+    live = next(e for e in executions_of(sid) if e.id == live_eid)
+    assert live.status == "RUNNING" and live.lease_owner is not None  # the sibling is still working
+    # LEASE_SECONDS=3, SCAN_INTERVAL_SECONDS=2 in the stack: a restart under the same name does
+    # not wait for the lease; another worker's scan waits for it (and one scan interval) only.
+    assert took < (3.0 if same_name else 3 + 2 * 2 + 2), f"resumed {took:.1f}s after the kill"
+    snap = stack.wait_phase(sid, timeout=90)
+    execs = executions_of(sid)
+    assert {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
+    assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert sum(1 for j in stack.model.journal() if j["rule"] == 0) == 1
+    assert stack.invariants() == []
+    assert dead_owner.startswith("wa@")
