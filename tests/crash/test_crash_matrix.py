@@ -146,3 +146,34 @@ def test_crash_at_point_then_recovery_delivers_exactly_once(
     assert len(rounds) == shape.parent_rounds
     assert snap["messages"][-1]["content"] == "final answer"
     assert stack.invariants() == []
+
+
+#: Points inside recovery itself: the scan's take, the child's recovery take, and a delivery
+#: and a child end run by the recovering worker.
+RECOVERY_POINTS = ["scan.after_take_parent", "recover.after_take", "child.after_final", "deliver.mid_round"]
+
+
+@pytest.mark.parametrize("point", RECOVERY_POINTS)
+def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(stack_factory, point: str) -> None:  # type: ignore[no-untyped-def]
+    """spec §14.7: two restarts. The first worker dies mid-tool; the worker that recovers dies
+    at ``point`` inside the recovery; a third worker finishes it, exactly once."""
+    shape = SHAPES["two_children"]
+    stack = stack_factory(shape.script)
+    w1 = stack.worker("w1", CRASH_POINT="child.mid_tool")
+    sid = stack.submit("please work", agent="main")
+    wait_until(lambda: "crash_point=child.mid_tool" in w1.log() or w1.exited, timeout=60, what="first crash")
+    w1.kill()
+    before = [(e.id, e.child_session_id) for e in executions_of(sid)]
+    w2 = stack.worker("w2", beat=True, concurrency=1, CRASH_POINT=point)
+    wait_until(lambda: f"crash_point={point}" in w2.log() or w2.exited, timeout=60, what=f"crash at {point}")
+    assert f"crash_point={point}" in w2.log()
+    w2.kill()
+    stack.worker("w3", beat=True)
+    snap = stack.wait_phase(sid, timeout=100)
+    execs = executions_of(sid)
+    assert [(e.id, e.child_session_id) for e in execs] == before  # I4 across both restarts
+    assert {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
+    rounds = [m for m in messages_of(sid) if m.role == "ASSISTANT" and m.tool_calls]
+    assert len(rounds) == 1 and snap["messages"][-1]["content"] == "final answer"
+    assert sum(1 for j in stack.model.journal() if j["rule"] == 0) == 1  # never delegated again
+    assert stack.invariants() == []
