@@ -28,7 +28,7 @@ def build() -> dict[str, Any]:
         "beat_schedule": {
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
         },
-        "imports": ("tasks.signals", "tasks.agent", "tasks.recovery", "tasks.field"),
+        "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field"),
         # Scans, recoveries and deliveries never wait behind hour-long children (issue 9):
         # every worker serves both queues by default (`-Q celery,recovery`); a dedicated
         # recovery worker is `celery -A tasks worker -Q recovery` (Procfile).

@@ -31,8 +31,10 @@ def register(sub: Any) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from recovery.ops import status_report
+    from tasks.queues import queue_waits
 
     report = status_report()
+    report["queues"] = queue_waits()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -42,7 +44,11 @@ def _status(args: argparse.Namespace) -> int:
     print(f"oldest pending age: {report['oldest_pending_age_seconds']} s")
     print(
         f"expired leases: executions={report['expired_execution_leases']} sessions={report['expired_session_leases']}"
+        f" not picked up after a scan interval={report['expired_leases_not_picked_up']}"
     )
+    print(f"stale field keys: {report['stale_field_keys']}")
+    for q in report["queues"]:
+        print(f"queue {q['queue']}: {q['messages']} waiting, oldest {q['oldest_wait_seconds']} s")
     return 0
 
 

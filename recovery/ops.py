@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -21,6 +21,7 @@ from models.base import utcnow
 from recovery.delivery import deliver_round
 from recovery.errors import ExecutionNotFound
 from recovery.scan import RecoveryScheduler, release_dead_parents
+from settings import get_settings
 
 log = logging.getLogger("recovery.ops")
 E = SubagentExecution
@@ -73,6 +74,17 @@ def redeliver(execution_id: int, scheduler: RecoveryScheduler) -> str:
     return redeliver_parent(row.parent_session_id, scheduler)
 
 
+def _stale_field_keys() -> int | None:
+    """IN_PROGRESS field keys past their lease (None when the field schema is not there)."""
+    from recovery.field.store import stale_count
+
+    try:
+        return stale_count()
+    except Exception:
+        log.warning("event=status_field_unavailable", exc_info=True)
+        return None
+
+
 def status_report() -> dict[str, Any]:
     """Counts by status/delivery, parents waiting, the oldest pending age, expired leases."""
     now = utcnow()
@@ -93,6 +105,14 @@ def status_report() -> dict[str, Any]:
                 (E.lease_expires_at.is_(None)) | (E.lease_expires_at < now),
             )
         ).scalar_one()
+        # Work nobody is picking up: lapsed more than one scan interval ago.
+        unpicked = s.execute(
+            select(func.count()).where(
+                E.delivery_status == DeliveryStatus.PENDING,
+                E.status.in_(ACTIVE_EXECUTION),
+                E.lease_expires_at < now - timedelta(seconds=get_settings().SCAN_INTERVAL_SECONDS),
+            )
+        ).scalar_one()
         S = AgentSession
         expired_sessions = s.execute(
             select(func.count()).where(
@@ -111,4 +131,6 @@ def status_report() -> dict[str, Any]:
         "oldest_pending_age_seconds": None if oldest is None else round((now - oldest).total_seconds(), 1),
         "expired_execution_leases": int(expired_exec),
         "expired_session_leases": int(expired_sessions),
+        "expired_leases_not_picked_up": int(unpicked),
+        "stale_field_keys": _stale_field_keys(),
     }

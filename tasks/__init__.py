@@ -9,4 +9,6 @@ import celeryconfig
 app = Celery("agent_recovery")
 app.conf.update(celeryconfig.build())
 
+import tasks.queues  # noqa: E402,F401  (every publisher stamps sent_at: `status` shows queue waits)
+
 __all__ = ["app"]

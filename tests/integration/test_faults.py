@@ -7,6 +7,7 @@ same to our code: an OperationalError from the driver).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -303,3 +304,41 @@ def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(mod
     rows = messages_of(child)
     assert [m.role for m in rows][-2:] == ["ASSISTANT", "USER"] and rows[-1].content == "again"
     assert not any(m.tool_calls for m in rows)
+
+
+def test_status_shows_each_queues_oldest_wait_and_leases_nobody_picks_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    import redis
+
+    import tasks
+    from recovery.ops import status_report
+    from settings import get_settings
+    from tasks.queues import queue_waits
+
+    url = "redis://127.0.0.1:6379/9"
+    redis.Redis.from_url(url).flushdb()
+    monkeypatch.setenv("CELERY_BROKER_URL", url)
+    get_settings.cache_clear()
+    old = tasks.app.conf.broker_url
+    tasks.app.conf.broker_url = url
+    try:
+        tasks.app.signature("recovery.scan").apply_async()
+        time.sleep(1.1)
+        waits = {q["queue"]: q for q in queue_waits()}
+        assert waits["recovery"]["messages"] == 1 and waits["recovery"]["oldest_wait_seconds"] >= 1.0
+        assert waits["celery"]["messages"] == 0
+    finally:
+        tasks.app.conf.broker_url = old
+        redis.Redis.from_url(url).flushdb()
+    parent = create_session("main", "go")
+    from tests.helpers import make_execution, make_session
+
+    child = make_session(phase=Phase.RUNNING)
+    eid = make_execution(parent, child)
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution)
+            .where(SubagentExecution.id == eid)
+            .values(lease_owner="gone", lease_expires_at=utcnow() - timedelta(seconds=120))
+        )
+    report = status_report()
+    assert report["expired_leases_not_picked_up"] == 1 and report["expired_execution_leases"] == 1
