@@ -45,83 +45,20 @@ import secrets
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, fields, replace
-from enum import StrEnum
+from dataclasses import asdict, dataclass, field, replace
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from doubles.superagent_agent import answer_for
-from recovery.field.request_builder import parse_message
+from doubles.superagent_agent import Behaviour, StubConfig, answer_text
 from recovery.field.schemas import canonical_json
+
+__all__ = ["DEFAULT_API_KEY", "Behaviour", "StubConfig", "StubStats", "SuperAgentStub"]
 
 log = logging.getLogger("doubles.superagent")
 
 DEFAULT_API_KEY = "df_open_test"
-
-
-class Behaviour(StrEnum):
-    NORMAL = "normal"
-    SLOW = "slow"
-    CUT_REPLAYABLE = "cut_replayable"
-    CUT_UNRECOVERABLE = "cut_unrecoverable"
-    FENCED = "fenced"
-    PROSE = "prose"
-    UNKNOWN_FIELD = "unknown_field"
-    NON_JSON = "non_json"
-    OVERSIZE = "oversize"
-    BAD_PATCH = "bad_patch"
-    REJECT_ALL = "reject_all"
-    DEEP_JSON = "deep_json"
-    RUN_FAILED = "run_failed"
-    STATUS_FAILED = "status_failed"
-    TRACE_REFUSED = "trace_refused"
-    UNAUTHORIZED = "unauthorized"
-    SERVER_ERROR = "server_error"
-    CREATED_201 = "created_201"
-    SLOW_HEADERS = "slow_headers"
-    GZIP = "gzip"
-    GZIP_ALWAYS = "gzip_always"
-    PLATFORM_CSRF_COOKIE = "platform_csrf_cookie"
-    HEARTBEAT = "heartbeat"
-    UNTERMINATED_AT_EOF = "unterminated_at_eof"
-    REPLAY_IN_PROGRESS = "replay_in_progress"
-
-
-@dataclass(frozen=True)
-class StubConfig:
-    behaviour: Behaviour = Behaviour.NORMAL
-    #: Chunked transfer encoding for SSE; False delimits the body by closing the connection.
-    chunked: bool = True
-    #: cut_*: complete events written before the cut.
-    cut_after: int = 3
-    #: cut_*: also write the first half of the next event before cutting.
-    cut_mid_event: bool = False
-    #: Pause between events (all behaviours).
-    event_delay: float = 0.0
-    #: slow: silence before message.final (a cancel or stop ends it).
-    stall_seconds: float = 30.0
-    #: slow: send a ``: keepalive`` comment every 0.2 s while stalling (defeats read timeouts).
-    drip: bool = False
-    #: oversize: characters of padding added to the answer.
-    oversize_chars: int = 250_000
-    #: deep_json: nesting depth of the answer.
-    deep_json_depth: int = 50_000
-    #: slow_headers: the endpoint whose response head drips (``session`` or ``stream``).
-    slow_headers_on: str = "stream"
-    #: slow_headers: pause between two bytes of the status line and headers.
-    header_drip_seconds: float = 0.5
-    #: replay_in_progress: the run produces one more event every this many seconds.
-    replay_step_seconds: float = 0.25
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StubConfig:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        if "behaviour" in values:
-            values["behaviour"] = Behaviour(values["behaviour"])
-        return cls(**values)
 
 
 @dataclass
@@ -185,31 +122,6 @@ class _State:
         with self.lock:
             if run.status == "running" and len(run.existing(time.monotonic())) == len(run.events):
                 run.status = run.final_status
-
-
-def _answer_text(request_content: str, config: StubConfig) -> str:
-    patch_set = answer_for(parse_message(request_content)).model_dump(mode="json")
-    behaviour = config.behaviour
-    if behaviour == Behaviour.BAD_PATCH and patch_set["patches"]:
-        first = patch_set["patches"][0]
-        first["value"] = first["value"] + "x"  # no longer the value of its candidate ref
-    if behaviour == Behaviour.REJECT_ALL:
-        for patch in patch_set["patches"]:
-            patch["value"] = patch["value"] + "x"
-    if behaviour == Behaviour.UNKNOWN_FIELD:
-        patch_set["reasoning"] = "chosen by evidence"
-    text = json.dumps(patch_set, ensure_ascii=False)
-    if behaviour == Behaviour.FENCED:
-        return f"```json\n{text}\n```"
-    if behaviour == Behaviour.PROSE:
-        return f"Here is the RecoveryPatchSet you asked for:\n{text}\nLet me know if you need more."
-    if behaviour == Behaviour.NON_JSON:
-        return "I could not settle these fields."
-    if behaviour == Behaviour.OVERSIZE:
-        return text + " " * config.oversize_chars
-    if behaviour == Behaviour.DEEP_JSON:
-        return '{"x":' + "[" * config.deep_json_depth + "]" * config.deep_json_depth + "}"
-    return text
 
 
 _REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden"}
@@ -418,7 +330,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, "invalid_message")
             return
         try:
-            answer = _answer_text(content, config)
+            answer = answer_text(content, config)
         except ValueError:
             self._error(400, "invalid_message")
             return
@@ -623,6 +535,17 @@ class _BodyWriter:
         wfile.flush()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (a watchdog's shutdown, a cut) is normal here: no traceback."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class SuperAgentStub:
     """The stand-in server, started and stopped in-process (``with SuperAgentStub() as stub``)."""
 
@@ -636,7 +559,7 @@ class SuperAgentStub:
     ) -> None:
         self._state = _State(api_key, config or StubConfig())
         handler = type("_BoundHandler", (_Handler,), {"state": self._state})
-        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server = _Server((host, port), handler)
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 

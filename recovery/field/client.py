@@ -1,4 +1,4 @@
-"""SuperAgent Open API client for the parsing agent (requests + sseclient-py).
+"""SuperAgent Open API client for the parsing agent (requests; SSE reading in sse.py).
 
 One call (``recover``) under one Deadline:
 
@@ -36,36 +36,32 @@ another agent's key.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 import urllib3.exceptions
-from sseclient import SSEClient
 
-from recovery.field.deadline import Deadline, Watchdog, response_socket
+from recovery.field.deadline import Deadline, Watchdog
 from recovery.field.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
     InvocationLost,
-    ProviderOutputInvalid,
     ProviderRejected,
     ProviderUnavailable,
 )
 from recovery.field.logs import get_logger, log_event
+from recovery.field.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
 from recovery.field.transport import CSRF_COOKIE, watched_session
 from settings import FieldRecoverySettings, OpenApiSettings
 
 log = get_logger("client")
 
-READ_CHUNK_BYTES = 8192
 #: The cancel is sent after the deadline (cancel grace is outside it) with this bound.
 CANCEL_TIMEOUT_SECONDS = 5.0
 #: First pause between SSE recovery attempts; doubles, with jitter, capped by the time left.
@@ -74,8 +70,6 @@ RECOVERY_BACKOFF_SECONDS = 0.05
 RECOVERY_MAX_PAUSE_SECONDS = 1.0
 #: Run statuses that mean "not over yet": a replay without ``end`` is followed, not a failure.
 RUN_IN_PROGRESS = frozenset({"running", "queued", "pending", "in_progress", "created"})
-#: The only event types this client reads; every other type is skipped, whatever its data.
-CONSUMED_EVENTS = frozenset({"run.started", "message.final", "error", "end"})
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -114,26 +108,6 @@ class ProviderAnswer:
     total_tokens: int | None
 
 
-class _StreamBroken(Exception):
-    """The SSE stream stopped before ``end`` (recoverable through the events endpoint)."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-#: How a stream read fails when the stream is cut (recoverable through the events endpoint).
-_BROKEN = (_StreamBroken, requests.RequestException, urllib3.exceptions.HTTPError, OSError)
-
-
-@dataclass
-class _StreamState:
-    last_event_id: str | None = None
-    final: str | None = None
-    ended: bool = False
-    bytes_read: int = 0
-
-
 def _safe(value: Any, default: str) -> str:
     return value if isinstance(value, str) and _SAFE_TOKEN.match(value) else default
 
@@ -148,14 +122,6 @@ def _opt_int(value: Any) -> int | None:
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):  # a hostile nesting depth is "not JSON" too
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _transport_code(exc: BaseException) -> str:
@@ -312,7 +278,7 @@ class OpenApiClient:
         body: dict[str, Any] = {"content": content, "idempotency_key": idempotency_key}
         if self._include_trace:
             body["include_trace"] = True
-        state = _StreamState()
+        state = StreamState()
         progress.streams += 1
         try:
             stream = self._send(
@@ -323,7 +289,7 @@ class OpenApiClient:
             raise
         try:
             self._read_stream(stream, state, deadline, progress)
-        except _BROKEN as exc:
+        except BROKEN as exc:
             self._note_broken(exc, watchdog, deadline, progress, state)
         finally:
             stream.close()
@@ -363,7 +329,7 @@ class OpenApiClient:
         watchdog: Watchdog,
         deadline: Deadline,
         progress: CallProgress,
-        state: _StreamState,
+        state: StreamState,
     ) -> None:
         """Replay the run's events after the last complete one until ``end`` (module doc, step 3)."""
         failures = 0
@@ -394,16 +360,16 @@ class OpenApiClient:
                     accept="text/event-stream",
                     transient_5xx=True,
                 )
-            except (_StreamBroken, requests.RequestException) as exc:
+            except (StreamBroken, requests.RequestException) as exc:
                 if watchdog.fired.is_set() or deadline.expired:
                     raise DeadlineExceeded() from None
-                code = exc.code if isinstance(exc, _StreamBroken) else _transport_code(exc)
+                code = exc.code if isinstance(exc, StreamBroken) else _transport_code(exc)
                 log_event(log, "sse_recovery_failed", run_id=progress.run_id, attempt=replays, code=code)
                 failures += 1
                 continue
             try:
                 self._read_stream(replay, state, deadline, progress)
-            except _BROKEN as exc:
+            except BROKEN as exc:
                 self._note_broken(exc, watchdog, deadline, progress, state)
                 failures += 1
                 continue
@@ -419,12 +385,12 @@ class OpenApiClient:
 
     @staticmethod
     def _note_broken(
-        exc: Exception, watchdog: Watchdog, deadline: Deadline, progress: CallProgress, state: _StreamState
+        exc: Exception, watchdog: Watchdog, deadline: Deadline, progress: CallProgress, state: StreamState
     ) -> None:
         """A stream broke: the watchdog's doing (raise), or a cut to recover from (log)."""
         if watchdog.fired.is_set() or deadline.expired:
             raise DeadlineExceeded() from None
-        code = exc.code if isinstance(exc, _StreamBroken) else _transport_code(exc)
+        code = exc.code if isinstance(exc, StreamBroken) else _transport_code(exc)
         log_event(log, "sse_broken", run_id=progress.run_id, code=code, last_event_id=state.last_event_id)
 
     # --- HTTP plumbing ---------------------------------------------------------------------
@@ -479,7 +445,7 @@ class OpenApiClient:
     def _raise_for_status(self, response: requests.Response, transient_5xx: bool) -> None:
         status = response.status_code
         try:
-            payload = _json_object(response.content[:4096].decode("utf-8", "replace")) or {}
+            payload = json_object(response.content[:4096].decode("utf-8", "replace")) or {}
         finally:
             response.close()
         error = _dict(payload.get("error"))
@@ -488,44 +454,21 @@ class OpenApiClient:
             raise ProviderRejected("the external application refuses include_trace", code=provider_code)
         if status >= 500:
             if transient_5xx:
-                raise _StreamBroken(f"http_{status}")
+                raise StreamBroken(f"http_{status}")
             raise ProviderUnavailable(f"the provider answered HTTP {status}", code=f"http_{status}")
         raise ProviderRejected(f"the provider answered HTTP {status}", code=f"http_{status}")
 
-    def _json(self, response: requests.Response) -> dict[str, Any]:
-        try:
-            obj = _json_object(response.content.decode("utf-8", "replace"))
-        finally:
-            response.close()
-        if obj is None:
-            raise ProviderUnavailable("the provider answered something that is not a JSON object", code="bad_response")
-        return obj
-
     def _read_stream(
-        self, response: requests.Response, state: _StreamState, deadline: Deadline, progress: CallProgress
+        self, response: requests.Response, state: StreamState, deadline: Deadline, progress: CallProgress
     ) -> None:
-        """Consume SSE events into ``state``; return at ``end`` or at a clean end of the body.
-
-        Raises _StreamBroken for a malformed event of a type we use, or for an event left
-        unterminated when the body ended (dropped, its id not acknowledged).
-        """
-        framer = _EventFramer()
-        for event in SSEClient(framer.blocks(self._chunks(response, state, deadline))).events():
-            name = event.event
-            if name in CONSUMED_EVENTS:
-                payload = _json_object(event.data)
-                if payload is None:
-                    raise _StreamBroken("sse_malformed")
-                self._consume(name, payload, state, progress)
-            if event.id:
-                state.last_event_id = event.id
+        """Consume the events we use into ``state``; return at ``end`` or at a clean end of body."""
+        for name, payload in read_events(response, state, deadline, byte_budget=self._byte_budget):
+            self._consume(name, payload, state, progress)
             if state.ended:
                 return
-        if framer.unterminated:
-            raise _StreamBroken("sse_unterminated")
 
     @staticmethod
-    def _consume(name: str, payload: dict[str, Any], state: _StreamState, progress: CallProgress) -> None:
+    def _consume(name: str, payload: dict[str, Any], state: StreamState, progress: CallProgress) -> None:
         if name == "run.started":
             run_id = payload.get("run_id")
             if not isinstance(run_id, str) or not _SAFE_TOKEN.match(run_id):
@@ -542,42 +485,11 @@ class OpenApiClient:
             state.ended = True
             progress.run_over = True
 
-    def _chunks(self, response: requests.Response, state: _StreamState, deadline: Deadline) -> Iterator[bytes]:
-        """Decoded body bytes as they arrive; each read's socket timeout is capped at the time left.
-
-        The budget counts decoded bytes, so a compression bomb is refused like a long stream.
-        """
-        raw = response.raw
-        while True:
-            deadline.check()
-            sock = response_socket(response)
-            if sock is not None:
-                sock.settimeout(deadline.cap(deadline.seconds))
-            data = raw.read1(READ_CHUNK_BYTES, decode_content=True)
-            if not data:
-                return
-            state.bytes_read += len(data)
-            if state.bytes_read > self._byte_budget:
-                raise ProviderOutputInvalid("the stream exceeds the response budget", code="response_too_large")
-            yield data
-
-
-class _EventFramer:
-    """Cuts a byte stream into complete SSE event blocks (each ending in a blank line).
-
-    The same line logic as sseclient-py's reader, which would also yield the unterminated rest
-    at the end of the body as if it were an event; here that rest is held back and flagged.
-    """
-
-    def __init__(self) -> None:
-        self.unterminated = False
-
-    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
-        data = b""
-        for chunk in chunks:
-            for line in chunk.splitlines(True):
-                data += line
-                if data.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
-                    yield data
-                    data = b""
-        self.unterminated = bool(data.strip())
+    def _json(self, response: requests.Response) -> dict[str, Any]:
+        try:
+            obj = json_object(response.content.decode("utf-8", "replace"))
+        finally:
+            response.close()
+        if obj is None:
+            raise ProviderUnavailable("the provider answered something that is not a JSON object", code="bad_response")
+        return obj

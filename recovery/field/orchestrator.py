@@ -29,6 +29,7 @@ from recovery.field.eml import parse_eml
 from recovery.field.errors import FieldRecoveryError, RequestTooLarge
 from recovery.field.logs import get_logger, log_event
 from recovery.field.projector import project
+from recovery.field.records import InvocationMeta, ProviderAudit
 from recovery.field.request_builder import build_request, render_message, request_hash
 from recovery.field.schemas import (
     AssemblyResult,
@@ -39,14 +40,7 @@ from recovery.field.schemas import (
     SourceKind,
     sha256_hex,
 )
-from recovery.field.store import (
-    ClaimOutcome,
-    InvocationMeta,
-    InvocationStore,
-    LeaseKeeper,
-    ProviderAudit,
-    new_owner_id,
-)
+from recovery.field.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
 from recovery.field.tables import ArtifactType
 from settings import FieldRecoverySettings, get_settings
 
