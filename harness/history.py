@@ -226,15 +226,18 @@ def tail_garbage(rows: Sequence[Row]) -> list[int]:
     return extra + after_run
 
 
-def cleanup_incomplete_tail(s: Session, session_id: int, boundary: int | None) -> list[int]:
+def cleanup_incomplete_tail(
+    s: Session, session_id: int, boundary: int | None, *, protected: frozenset[int] = frozenset()
+) -> list[int]:
     """Logically delete the last tool round lacking any TOOL result, and orphan TOOLs after it.
 
     Works on RAW live rows after the validated boundary; complete rounds are kept. Returns the
     ids it deleted (empty when the tail was already clean). Interrupted tools are never re-run:
-    the model is asked again from the last complete round.
+    the model is asked again from the last complete round. ``protected`` rows (another
+    execution's delivered result) are never deleted.
     """
     rows = load_raw(s, session_id, boundary)
-    ids = tail_garbage(rows)
+    ids = [i for i in tail_garbage(rows) if i not in protected]
     if ids:
         s.execute(
             update(Message)
@@ -258,37 +261,54 @@ class PairState:
         return self.assistant_id is not None and self.tool_id is not None
 
 
-def pair_state(s: Session, session_id: int, tool_call_id: str) -> PairState:
+def pair_state(
+    s: Session, session_id: int, tool_call_id: str, *, protected: frozenset[int] = frozenset()
+) -> PairState:
     """Inspect raw live rows for ``tool_call_id``: a complete assistant+TOOL pair, or the
-    broken rows (malformed JSON naming the id, orphan TOOL, assistant without its TOOL)."""
+    broken rows (malformed JSON naming the id, orphan TOOL, assistant without its TOOL).
+
+    The repair never reaches rows it must keep: nothing at or before the compaction boundary
+    (the summary stands for them), and no round that holds a ``protected`` row (another
+    execution's delivered assistant or TOOL) — only this id's own TOOL rows leave such a
+    round, so another execution's delivered result is never deleted."""
     rows = load_raw(s, session_id, None, validate=False)
+    boundary = validated_boundary(s, session_id)
+    keep = set(protected)
+    if boundary is not None:
+        keep |= {r.id for r in rows if r.id <= boundary}
     assistant_id = tool_id = None
     broken: list[int] = []
     for idx, row in enumerate(rows):
         if _role(row) != Role.ASSISTANT or row.tool_calls is None or tool_call_id not in row.tool_calls:
             continue
         calls = parse_tool_calls(row.tool_calls)
+        run = _tool_run(rows, idx)
+        guarded = row.id in keep or any(r.id in keep for r in run)
         if calls is MALFORMED:
-            broken.append(row.id)
-            broken.extend(r.id for r in _tool_run(rows, idx))
+            if guarded:
+                broken.extend(r.id for r in run if r.tool_call_id == tool_call_id and r.id not in keep)
+            else:
+                broken.append(row.id)
+                broken.extend(r.id for r in run)
             continue
         if not isinstance(calls, list) or tool_call_id not in _call_ids(calls):
             continue
-        run = _tool_run(rows, idx)
         answers = [r for r in run if r.tool_call_id == tool_call_id]
         wanted = _call_ids(calls)
         round_complete = all(any(r.tool_call_id == w for r in run) for w in wanted)
         if answers and round_complete and assistant_id is None:
             assistant_id, tool_id = row.id, answers[0].id
-            broken.extend(r.id for r in answers[1:])
+            broken.extend(r.id for r in answers[1:] if r.id not in keep)
+        elif guarded:
+            broken.extend(r.id for r in answers if r.id not in keep)
         else:
             broken.append(row.id)
             broken.extend(r.id for r in run)
     paired = {tool_id} | set(broken)
     for row in rows:
-        if _role(row) == Role.TOOL and row.tool_call_id == tool_call_id and row.id not in paired:
+        if _role(row) == Role.TOOL and row.tool_call_id == tool_call_id and row.id not in paired | keep:
             broken.append(row.id)  # orphan TOOL
-    return PairState(assistant_id, tool_id, tuple(sorted(set(broken))))
+    return PairState(assistant_id, tool_id, tuple(sorted(set(broken) - keep)))
 
 
 def _tool_run(rows: Sequence[Any], idx: int) -> list[Any]:

@@ -40,8 +40,8 @@ def write_round(
     assistant = append_message(s, session_id, Role.ASSISTANT, assistant_content or "", tool_calls=tool_calls)
     crash_point("round.after_assistant")
     tool_ids: dict[str, int] = {}
-    for n, call_id in enumerate(ids):
-        r = by_id[call_id]
+    for n, r in enumerate(results):  # in the order given (delivery orders by execution id)
+        call_id = r.tool_call_id
         msg = append_message(
             s, session_id, Role.TOOL, r.content, tool_call_id=call_id, source_session_id=r.source_session_id
         )

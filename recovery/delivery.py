@@ -119,6 +119,16 @@ def result_content(row: SubagentExecution) -> str:
     return json.dumps(result, ensure_ascii=False)
 
 
+def _delivered_rows(s: Session, parent_id: int, execution_id: int) -> frozenset[int]:
+    """Parent rows that hold other executions' delivered results: never repaired away."""
+    rows = s.execute(
+        select(E.parent_assistant_message_id, E.parent_tool_message_id).where(
+            E.parent_session_id == parent_id, E.id != execution_id, E.delivery_status == DeliveryStatus.DELIVERED
+        )
+    ).all()
+    return frozenset(i for r in rows for i in r if i is not None)
+
+
 def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
     """Deliver one execution without a pending round as an assistant+TOOL pair (spec §7.6).
 
@@ -128,7 +138,7 @@ def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
         log.info("event=subagent_result_delivery_skipped executionId=%s reason=already_delivered", row.id)
         return False
     invocation, call_id = infer_and_store(s, row.id)
-    state = pair_state(s, parent_id, call_id)
+    state = pair_state(s, parent_id, call_id, protected=_delivered_rows(s, parent_id, row.id))
     if state.complete:
         mark_delivered(s, row.id, assistant_message_id=state.assistant_id, tool_message_id=state.tool_id)
         log.info("event=subagent_result_delivery_skipped executionId=%s reason=messages_exist", row.id)
@@ -160,12 +170,16 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
     if rnd is None:
         return []
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
+    # spec R23: delegation results in ascending execution id. They take the delegation slots
+    # of the round in that order; inline results keep their own slots.
+    by_id = iter(sorted(members.values(), key=lambda m: m.id))
     results = []
     for call in rnd.tool_calls:
         call_id = str(call["id"])
-        member = members.get(call_id)
-        if member is not None:
-            results.append(ToolResult(call_id, result_content(member), member.child_session_id))
+        if call_id in members:
+            member = next(by_id)
+            member_call = str(member.parent_tool_call_id)
+            results.append(ToolResult(member_call, result_content(member), member.child_session_id))
         else:
             results.append(ToolResult(call_id, rnd.inline_results.get(call_id, INTERRUPTED)))
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
@@ -271,7 +285,9 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         if active:
             log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, active)))
             return DeliveryOutcome("waiting")
-        cleanup_incomplete_tail(s, parent_id, validated_boundary(s, parent_id))
+        cleanup_incomplete_tail(
+            s, parent_id, validated_boundary(s, parent_id), protected=_delivered_rows(s, parent_id, -1)
+        )
         legacy = [r.id for r in pending if r.pending_round_id is None]
         outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered)
     for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)

@@ -17,6 +17,7 @@ from models import (
     ACTIVE_PHASES,
     AgentSession,
     DeliveryStatus,
+    ExecutionStatus,
     InvocationType,
     Message,
     PendingRound,
@@ -117,16 +118,30 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
         if len(delegates) > 1 or (delegates and delegates[0].id != child_execs[0].id):
             problems.append(f"I4 subagent session {sid}: {len(delegates)} DELEGATE executions")
 
-    # I5: the deadline is absolute: nothing ended later than started_at + timeout + grace.
+    # I5: the deadline is absolute: no result was produced later than started_at + timeout +
+    # grace. A recovery that comes later still ENDS the execution late — as a timeout, or as
+    # the final answer that was already written in time (R20) — never as new work.
     cfg = get_settings()
     limit = timedelta(seconds=cfg.SUBAGENT_TIMEOUT_SECONDS + cfg.SUBAGENT_CANCEL_GRACE_SECONDS + deadline_slack_seconds)
+    created = {m.id: m.created_at for rows in live.values() for m in rows}
     for e in executions:
-        if (
-            e.completed_at is not None
-            and e.completed_at - e.started_at > limit
-            and e.delivery_status != DeliveryStatus.LEGACY
+        if e.completed_at is None or e.delivery_status == DeliveryStatus.LEGACY:
+            continue
+        if e.status == ExecutionStatus.COMPLETED:
+            produced = created.get(e.final_message_id or -1, e.completed_at)
+            if produced - e.started_at > limit:
+                problems.append(
+                    f"I5 execution {e.id}: its result was produced {produced - e.started_at} after its start"
+                )
+        elif (
+            e.completed_at - e.started_at > limit
+            and e.status == ExecutionStatus.FAILED
+            and "timed out" not in (e.error or "")
+            and "did not connect" not in (e.error or "")
         ):
-            problems.append(f"I5 execution {e.id}: ended {e.completed_at - e.started_at} after its start")
+            problems.append(
+                f"I5 execution {e.id}: failed {e.completed_at - e.started_at} after its start, not as a timeout"
+            )
     return problems
 
 

@@ -32,6 +32,7 @@ from models import (
     SubagentExecution,
     transaction,
 )
+from models.base import utcnow
 from recovery.cancel import cancel_session
 from recovery.child import recover_child
 from recovery.child import start_child as run_child
@@ -688,3 +689,215 @@ def test_a_parent_cancelled_during_recovery_gets_nothing_and_a_second_restart_le
     assert (e2.epoch, e2.completed_at) == before and phase_of(sid) == Phase.CANCELLED
     assert rule_calls(model, 1) == 0
     assert invariants() == []
+
+
+# --- R-cases made able to fail (issue 9) ------------------------------------------------------
+
+
+def test_r6_recovery_long_after_the_crash_keeps_the_absolute_deadline(model_factory, short_timeout) -> None:  # type: ignore[no-untyped-def]
+    """The crash was long ago: a deadline reset at recovery would let the (instant) child
+    complete; the absolute deadline fails it without calling the model."""
+    from datetime import timedelta
+
+    model = model_factory(one_child_script())
+    sid, _ = parent_yielded(model.base_url)
+    (e,) = executions_of(sid)
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution)
+            .where(SubagentExecution.id == e.id)
+            .values(started_at=e.started_at - timedelta(seconds=600))
+        )
+    drive(model.base_url)
+    (done,) = executions_of(sid)
+    assert (done.status, done.delivery_status) == ("FAILED", "DELIVERED")
+    assert "timed out" in done.result["error"]  # type: ignore[index]
+    assert rule_calls(model, 2) == 0  # the child's model was never called again
+    assert invariants() == []
+
+
+def test_r6_past_deadline_and_grace_a_live_lease_does_not_hold_the_execution(model_factory, short_timeout) -> None:  # type: ignore[no-untyped-def]
+    """A stuck worker keeps renewing its lease: past deadline + cancel grace the scan takes it."""
+    from datetime import timedelta
+
+    model = model_factory(one_child_script())
+    sid, _ = parent_yielded(model.base_url)
+    (e,) = executions_of(sid)
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution)
+            .where(SubagentExecution.id == e.id)
+            .values(
+                started_at=e.started_at - timedelta(seconds=60),
+                lease_owner="stuck-worker",
+                lease_expires_at=utcnow() + timedelta(hours=1),
+            )
+        )
+    drive(model.base_url, after_crash=False)  # nobody expires the lease: only the deadline path can
+    (done,) = executions_of(sid)
+    assert (done.status, done.delivery_status) == ("FAILED", "DELIVERED")
+    assert "timed out" in done.result["error"]  # type: ignore[index]
+    assert done.epoch > e.epoch  # the stuck worker is fenced
+
+
+def test_r7_a_local_child_shows_running_and_calls_no_model_until_the_client_connects(
+    model_factory, local_presence
+) -> None:  # type: ignore[no-untyped-def]
+    from harness.views import snapshot
+
+    model = model_factory(one_child_script())
+    sid, _ = parent_yielded(model.base_url)
+    (e,) = executions_of(sid)
+    make_local(e.child_session_id)
+    presence.disconnect("cli")
+    seen: dict[str, Any] = {}
+
+    def connect() -> None:
+        seen["child_calls"] = rule_calls(model, 2)
+        with transaction() as s:
+            seen["phase"] = snapshot(s, e.child_session_id)["phase"]  # type: ignore[index]
+        presence.connect("cli")
+
+    timer = threading.Timer(1.5, connect)
+    timer.start()
+    drive(model.base_url)
+    timer.join()
+    assert seen == {"child_calls": 0, "phase": "RUNNING"}  # waited (no model call), shown RUNNING
+    (done,) = executions_of(sid)
+    assert (done.status, done.delivery_status) == ("COMPLETED", "DELIVERED")
+    assert rule_calls(model, 2) == 1
+
+
+def test_r19_legacy_rows_are_neither_delivered_nor_resumed_by_scans(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(one_child_script())
+    parent = make_session(phase=Phase.WAITING_USER)
+    add_message(parent, Role.USER, "old request")
+    done = make_execution(parent, status=ExecutionStatus.COMPLETED, invocation=None, tool_call_id=None)
+    odd = make_execution(parent, status=ExecutionStatus.RUNNING, invocation=None, tool_call_id=None)
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution).where(SubagentExecution.id.in_((done, odd))).values(delivery_status="LEGACY")
+        )
+    expire_leases()
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert not sched.pending() and report.parents == [] and report.recovering == []
+    assert [m.role for m in messages_of(parent)] == ["USER"]
+    assert {(e.status, e.delivery_status) for e in executions_of(parent)} == {
+        ("COMPLETED", "LEGACY"),
+        ("RUNNING", "LEGACY"),
+    }
+    assert len(model.journal()) == 0
+
+
+def test_r23_inside_a_pending_round_results_follow_ascending_execution_id(model_factory) -> None:  # type: ignore[no-untyped-def]
+    """The round lists call_b before call_a, but call_a's execution is older: its result comes first."""
+    from models import PendingRound
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "q")
+    calls = [
+        {"id": cid, "type": "function", "function": {"name": "delegate", "arguments": "{}"}}
+        for cid in ("call_b", "call_a")
+    ]
+    with transaction() as s:
+        rnd = PendingRound(session_id=parent, assistant_content="", tool_calls=calls, inline_results={})
+        s.add(rnd)
+        s.flush()
+        round_id = rnd.id
+    low = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_a")
+    high = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_b")
+    from models.execution import finish_execution
+
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution).where(SubagentExecution.id.in_((low, high))).values(pending_round_id=round_id)
+        )
+        for eid in (high, low):  # the higher id finishes first
+            finish_execution(s, eid, epoch=0, status=ExecutionStatus.COMPLETED, result={"success": True, "id": eid})
+    drive(model.base_url)
+    tools = [m for m in messages_of(parent) if m.role == Role.TOOL]
+    assert [t.tool_call_id for t in tools] == ["call_a", "call_b"]
+    assert invariants() == []
+
+
+def test_r24_parent_side_delivery_after_a_compaction_boundary_with_deleted_rows(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(one_child_script())
+    sid, _ = parent_yielded(model.base_url)
+    calls = [{"id": "old1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "x"}'}}]
+    # The round committed before the crash sits before its pending round's delivery; build a
+    # compacted parent history with a deleted row and an orphan TOOL in its tail.
+    add_message(sid, Role.ASSISTANT, "", tool_calls=calls)
+    boundary = add_message(sid, Role.TOOL, "x", tool_call_id="old1")
+    deleted = add_message(sid, Role.ASSISTANT, "deleted words")
+    orphan = add_message(sid, Role.TOOL, "orphan", tool_call_id="ghost")
+    with transaction() as s:
+        s.execute(update(Message).where(Message.id == deleted).values(deleted=True))
+        s.execute(
+            update(AgentSession)
+            .where(AgentSession.id == sid)
+            .values(compaction_boundary_message_id=boundary, compaction_summary="summary")
+        )
+    drive(model.base_url)
+    live = [m.id for m in messages_of(sid)]
+    assert boundary in live and deleted not in live and orphan not in live
+    (e,) = executions_of(sid)
+    assert e.delivery_status == "DELIVERED" and e.parent_tool_message_id in live
+    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert invariants() == []
+
+
+def test_a_broken_legacy_pair_repair_keeps_another_executions_delivered_tool_and_the_boundary(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "q")
+    both = [
+        {"id": cid, "type": "function", "function": {"name": "delegate", "arguments": "{}"}}
+        for cid in ("call_a", "call_b")
+    ]
+    assistant = add_message(parent, Role.ASSISTANT, "", tool_calls=both)
+    b_tool = add_message(parent, Role.TOOL, "b result", tool_call_id="call_b")  # call_a's TOOL is missing
+    add_message(parent, Role.USER, "later")  # the broken round is not the tail
+    add_message(parent, Role.ASSISTANT, "later answer")
+    a = make_execution(parent, status=ExecutionStatus.COMPLETED, tool_call_id="call_a", result={"success": True})
+    b = make_execution(parent, status=ExecutionStatus.COMPLETED, tool_call_id="call_b", result={"success": True})
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution)
+            .where(SubagentExecution.id == b)
+            .values(
+                delivery_status="DELIVERED",
+                parent_result_delivered_at=utcnow(),
+                parent_assistant_message_id=assistant,
+                parent_tool_message_id=b_tool,
+            )
+        )
+        s.execute(
+            update(AgentSession).where(AgentSession.id == parent).values(compaction_boundary_message_id=assistant)
+        )
+    drive(model.base_url)
+    live = [m.id for m in messages_of(parent)]
+    assert assistant in live and b_tool in live  # neither the boundary nor b's delivered result goes
+    (ea,) = [e for e in executions_of(parent) if e.id == a]
+    assert ea.delivery_status == "DELIVERED"
+
+
+def test_a_legacy_followup_finished_without_a_model_call_has_its_followup_fields(model_factory) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}},
+            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "SHOULD NOT BE CALLED"}},
+        ]
+    )
+    parent, child, first = _legacy_parent_with_child(status=ExecutionStatus.COMPLETED)
+    with transaction() as s:
+        s.execute(update(SubagentExecution).where(SubagentExecution.id == first).values(delivery_status="LEGACY"))
+    add_message(child, Role.ASSISTANT, "old answer")
+    add_message(child, Role.USER, "legacy followup")
+    second = make_execution(parent, child, invocation=None, tool_call_id=None, task="legacy followup")
+    add_message(child, Role.ASSISTANT, "followup final")
+    drive(model.base_url)
+    e = next(x for x in executions_of(parent) if x.id == second)
+    assert rule_calls(model, 1) == 0 and e.status == "COMPLETED"
+    assert e.result["follow_up"] is True and e.result["round"] == 2  # type: ignore[index]
