@@ -85,18 +85,18 @@ def _patches(answer: ProviderAnswer) -> dict[str, str]:
 def test_headers_dripped_at_session_creation_are_cut_at_the_deadline(stub: SuperAgentStub) -> None:
     # One byte every 0.2 s: ~100 header bytes would take 20 s; each byte resets a read timeout.
     stub.configure(behaviour=Behaviour.SLOW_HEADERS, slow_headers_on="session", header_drip_seconds=0.2)
-    error, progress, elapsed = _fails(_client(stub), seconds=1.0)
+    error, progress, elapsed = _fails(_client(stub), seconds=0.5)
     assert isinstance(error, DeadlineExceeded)
-    assert elapsed < 1.6
+    assert elapsed < 1.1
     assert progress.session_id is None and not progress.cancel_sent  # no session, nothing to cancel
     assert stub.stats()["streams"] == 0
 
 
 def test_headers_dripped_on_the_stream_are_cut_and_the_sessions_run_is_cancelled(stub: SuperAgentStub) -> None:
     stub.configure(behaviour=Behaviour.SLOW_HEADERS, slow_headers_on="stream", header_drip_seconds=0.2)
-    error, progress, elapsed = _fails(_client(stub), seconds=1.0)
+    error, progress, elapsed = _fails(_client(stub), seconds=0.5)
     assert isinstance(error, DeadlineExceeded)
-    assert elapsed < 1.6 + 0.2  # the deadline, plus the bounded session cancel
+    assert elapsed < 1.1 + 0.2  # the deadline, plus the bounded session cancel
     # The run id never arrived (it is in the body behind the headers): the session cancel
     # stops the run the message started.
     assert progress.run_id is None and progress.session_id is not None
@@ -184,8 +184,8 @@ def test_a_run_still_in_progress_is_followed_until_it_ends_not_until_the_attempt
 
 def test_following_a_run_in_progress_still_ends_at_the_deadline(stub: SuperAgentStub) -> None:
     stub.configure(behaviour=Behaviour.REPLAY_IN_PROGRESS, replay_step_seconds=5.0)
-    error, progress, elapsed = _fails(_client(stub, sse_recovery_max_attempts=2), seconds=1.0)
-    assert isinstance(error, DeadlineExceeded) and elapsed < 1.8
+    error, progress, elapsed = _fails(_client(stub, sse_recovery_max_attempts=2), seconds=0.5)
+    assert isinstance(error, DeadlineExceeded) and elapsed < 1.3
     assert progress.run_id is not None and stub.cancelled_runs == [progress.run_id]
 
 
