@@ -74,15 +74,16 @@ def apply_env(env: dict[str, str]) -> None:
     from settings import get_settings
 
     get_settings.cache_clear()
+    from kombu import pools
+
     import tasks
 
-    if tasks.app.conf.broker_url != env["CELERY_BROKER_URL"]:
-        # NOTE: the app caches its broker connection pool; a stack on another broker (redis <->
-        # amqp) in the same process must not publish through the previous one.
-        if tasks.app._pool is not None:
-            tasks.app._pool.force_close_all()
-        tasks.app._pool = None
-        tasks.app.amqp._producer_pool = None
+    # NOTE: the app caches its broker connection pool, and conf.broker_url already reads the new
+    # CELERY_BROKER_URL from os.environ: drop the pools always, so that a stack on another broker
+    # (redis <-> amqp) in the same process never publishes through the previous one.
+    pools.reset()  # closes every pooled connection and forgets the pools
+    tasks.app._pool = None
+    tasks.app.amqp._producer_pool = None
     tasks.app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
     if env["CELERY_BROKER_URL"].startswith("amqp"):
         # The workers' broker options (queue types above all: RabbitMQ refuses to redeclare a
