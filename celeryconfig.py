@@ -27,6 +27,8 @@ def build() -> dict[str, Any]:
         "result_backend_transport_options": {"visibility_timeout": int(s.SUBAGENT_TIMEOUT_SECONDS + 2 * 3600)},
         "beat_schedule": {
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
+            # Field invocations and artifacts past retention_until, in batches (issue 10).
+            "field-purge-expired": {"task": "field.purge_expired", "schedule": 3600.0},
         },
         "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field"),
         # Scans, recoveries and deliveries never wait behind hour-long children (issue 9):
