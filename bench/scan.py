@@ -311,6 +311,21 @@ class ScalePass:
     messages: int
 
 
+def time_counting_pass() -> tuple[float, int]:
+    """One pass of the real scan with a scheduler that enqueues nothing: the scan's own cost
+    (the database), without the broker. (seconds, parents handed over)."""
+    from recovery.scan import scan
+
+    put_parents_back()
+    scheduler = CountingScheduler()
+    started = time.perf_counter()
+    report = scan(scheduler, callback_grace_seconds=0)
+    elapsed = time.perf_counter() - started
+    if not report.ran:
+        raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+    return elapsed, scheduler.parents
+
+
 def time_scale_pass(parents: int, executions: int) -> ScalePass:
     """One pass of the real scan with the real Celery scheduler over the crashed state. A
     parent's recovery is enqueued when its executions' recover_child messages are in the
@@ -348,7 +363,9 @@ def run_scale(args: argparse.Namespace) -> int:
     with bench_database("bench_scan") as url:
         from bench._common import bench_env
 
-        apply_env(bench_env(url, "http://127.0.0.1:9/v1"))  # the scheduler's broker: the bench's Redis
+        # The scheduler's broker: the bench's Redis. Production lease settings: the scan reserves
+        # executions for 2 x LEASE_SECONDS, and the bench stack's 3 s would lapse mid-pass.
+        apply_env(bench_env(url, "http://127.0.0.1:9/v1", LEASE_SECONDS="30", SCAN_INTERVAL_SECONDS="30"))
         insert_pending(executions, args.per_parent)
         vacuum_analyze()
         print(
@@ -371,6 +388,15 @@ def run_scale(args: argparse.Namespace) -> int:
             if n:
                 passes.append(one)
         flush_redis()
+        alone = []
+        for n in range(args.repeat + 1):
+            seconds, handed = time_counting_pass()
+            if handed != args.parents:
+                print(f"a pass without the broker handed over {handed} of {args.parents} parents")
+                return 1
+            if n:
+                alone.append(seconds)
+        progress(f"without the broker: {statistics.median(alone):.2f} s per pass")
     enqueued = statistics.median(p.enqueued_s for p in passes)
     scan_s = statistics.median(p.scan_s for p in passes)
     print(
@@ -378,6 +404,11 @@ def run_scale(args: argparse.Namespace) -> int:
         f"(median of {args.repeat}; the scan call itself {scan_s:.3f} s)"
     )
     print(f"parents taken per second: {args.parents / enqueued:.0f} (median of {args.repeat}, {system_load()})")
+    db = statistics.median(alone)
+    print(
+        f"the scan without the broker (a scheduler that only counts): {db:.3f} s, {args.parents / db:.0f} parents/s "
+        f"(median of {args.repeat}): the rest is sending {executions} messages"
+    )
     return 0
 
 

@@ -58,7 +58,11 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
     "scan-parents": (
         "scan",
         ["--parents", "100", "--repeat", "1"],
-        ["scan start -> every parent's recovery enqueued:", "parents taken per second:"],
+        [
+            "scan start -> every parent's recovery enqueued:",
+            "parents taken per second:",
+            "the scan without the broker",
+        ],
         None,
     ),
     "delegation": (
