@@ -1,7 +1,14 @@
-"""Soak: random delegation workloads with SIGKILLs at random moments (and now and then a Redis
-flush); after each trial invariants I1–I7 are checked over the whole database.
+"""Soak: random delegation workloads under a fault chosen at random per trial; after each
+trial invariants I1–I7 are checked over the whole database.
 
-    python bench/soak.py --trials 200 --seed 1 [--workers 2]
+    python bench/soak.py --trials 1000 --seed 1 [--workers 3]
+
+Fault kinds (issue 9): ``kill_one`` SIGKILLs one of several workers (not all) and restarts it,
+under its own name half the time (boot generation) or as a new worker; ``kill_in_recovery``
+kills a worker, then kills the worker that is recovering its work; ``redis_restart`` kills the
+private redis-server and starts it EMPTY; ``pg_cuts`` resets every PostgreSQL connection of the
+workers (through a fault proxy) every 300 ms for 3 s. The workers use a private redis-server and
+reach PostgreSQL through the proxy; the soak itself talks to both directly.
 
 Prints one line per failed trial with its seed (re-run it alone with --trials 1 --seed S),
 a progress line every 10 trials, and ends with `N passed, M failed`. Exit code 1 on failure.
@@ -26,6 +33,7 @@ os.environ.setdefault("STACK_REDIS_DBS", "7,8,9")  # stay clear of the test suit
 
 PG_ADMIN = os.environ.get("SOAK_PG_ADMIN_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
 SHAPES = ("one", "two", "mixed", "three")
+FAULTS = ("kill_one", "kill_in_recovery", "redis_restart", "pg_cuts")
 
 
 def script() -> list[dict[str, Any]]:
@@ -61,6 +69,9 @@ class Soak:
     def __init__(self, workers: int, log_dir: Path) -> None:
         from sqlalchemy import create_engine, text
 
+        from tests.faultproxy import FaultProxy
+        from tests.services import RedisServer
+
         self.db_name = f"soak_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         self.admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
         with self.admin.connect() as conn:
@@ -71,28 +82,38 @@ class Soak:
         from migrations import upgrade
 
         upgrade(self.url)
+        self.redis = RedisServer(log_dir).start()
+        self.proxy = FaultProxy.for_url(self.url).start()
         self.model = ScriptedModelServer(script())
-        self.env = service_env(self.url, self.model.start())
+        self.env = service_env(self.url, self.model.start(), redis_base=self.redis.url, broker="redis")
         apply_env(self.env)
-        flush_broker()
+        self.worker_env = {**self.env, "DATABASE_URL": self.proxy.rewrite(self.url)}
+        flush_broker(self.redis.url, broker="redis")
         self.log_dir = log_dir
-        self.n_workers = workers
+        self.n_workers = max(2, workers)  # "one of several": a fault never takes every worker
         self.workers: list[Any] = []
         self.counter = 0
+        self.mix: dict[str, int] = dict.fromkeys(FAULTS, 0)
 
-    def worker(self, beat: bool = False) -> Any:
+    def worker(self, beat: bool = False, name: str | None = None) -> Any:
         from demo.stack import Worker
 
-        self.counter += 1
-        w = Worker(self.env, self.log_dir, name=f"s{self.counter}", concurrency=2, beat=beat).start()
+        if name is None:
+            self.counter += 1
+            name = f"s{self.counter}"
+        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat).start()
         self.workers.append(w)
         return w
 
-    def ensure_workers(self) -> None:
+    def ensure_workers(self, rng: random.Random | None = None, dead: list[Any] | None = None) -> None:
+        """Replace dead workers: under their own name half the time (the supervisor restarts
+        it; boot generation), else a new worker takes its place (leases lapse)."""
         self.workers = [w for w in self.workers if not w.exited]
+        names = [w.name for w in dead or []]
         has_beat = any(w.beat for w in self.workers)
         while len(self.workers) < self.n_workers:
-            self.worker(beat=not has_beat)
+            same = names.pop() if names and rng is not None and rng.random() < 0.5 else None
+            self.worker(beat=not has_beat, name=same)
             has_beat = True
 
     def reset(self) -> None:
@@ -104,7 +125,8 @@ class Soak:
         from demo.stack import flush_broker
         from models import get_engine
 
-        flush_broker()
+        self.proxy.clear()
+        flush_broker(self.redis.url, broker="redis")
         for attempt in range(5):
             try:
                 with get_engine().begin() as conn:
@@ -116,12 +138,13 @@ class Soak:
 
     def trial(self, seed: int) -> list[str]:
         import tasks
-        from demo.stack import flush_broker
         from harness.views import create_session
         from models import transaction
         from recovery.invariants import check_all
 
         rng = random.Random(seed)
+        fault = rng.choice(FAULTS)
+        self.mix[fault] += 1
         self.reset()
         self.ensure_workers()
         parents = []
@@ -129,21 +152,58 @@ class Soak:
             sid = create_session("main", f"work [{rng.choice(SHAPES)}]")
             tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
             parents.append(sid)
-        for _ in range(rng.randint(1, 3)):
-            time.sleep(rng.uniform(0.1, 2.5))
-            victim = rng.choice(self.workers)
-            victim.kill()
-            if rng.random() < 0.1:
-                flush_broker()
-            self.ensure_workers()
+        time.sleep(rng.uniform(0.1, 2.5))
+        getattr(self, fault)(rng)
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             with transaction() as s:
                 problems = check_all(s, settled=True)
             if not problems:
                 return []
-            time.sleep(0.5)
-        return problems[:5]
+            time.sleep(0.25)
+        return [f"fault={fault}", *problems[:5]]
+
+    def _kill(self, victim: Any, rng: random.Random) -> None:
+        victim.kill()
+        self.ensure_workers(rng, [victim])
+
+    def kill_one(self, rng: random.Random) -> None:
+        self._kill(rng.choice(self.workers), rng)
+
+    def kill_in_recovery(self, rng: random.Random) -> None:
+        from sqlalchemy import select
+
+        from models import SubagentExecution, transaction
+
+        self._kill(rng.choice(self.workers), rng)
+        end = time.monotonic() + 15
+        while time.monotonic() < end:  # the worker that is recovering the work dies too
+            with transaction() as s:
+                owners = (
+                    s.execute(
+                        select(SubagentExecution.lease_owner).where(
+                            SubagentExecution.status == "RECOVERING", SubagentExecution.lease_owner.is_not(None)
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
+            victims = [w for w in self.workers if any(o and o.startswith(f"{w.name}@") for o in owners)]
+            if victims:
+                time.sleep(rng.uniform(0.0, 0.5))
+                self._kill(rng.choice(victims), rng)
+                return
+            time.sleep(0.1)
+
+    def redis_restart(self, rng: random.Random) -> None:
+        self.redis.restart(down_seconds=rng.uniform(0.2, 3.0))  # started again EMPTY
+        self.ensure_workers(rng)
+
+    def pg_cuts(self, rng: random.Random) -> None:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            self.proxy.cut_all()
+            time.sleep(0.3)
 
     def close(self) -> None:
         from sqlalchemy import text
@@ -151,6 +211,8 @@ class Soak:
         for w in self.workers:
             w.stop()
         self.model.stop()
+        self.proxy.stop()
+        self.redis.stop()
         from models import dispose_engines
 
         dispose_engines()
@@ -162,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3)
     args = parser.parse_args(argv)
     if args.trials < 1 or args.workers < 1:
         parser.error("--trials and --workers must be positive")
@@ -186,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         soak.close()
-    print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s (logs in {log_dir})")
+    mix = ", ".join(f"{k}={v}" for k, v in soak.mix.items())
+    print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s; faults: {mix} (logs in {log_dir})")
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 
