@@ -39,6 +39,10 @@ def build() -> dict[str, Any]:
             "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
         },
     }
+    import brokerconfig
+
+    # RabbitMQ: publisher confirms, quorum queues (README "RabbitMQ as the broker").
+    conf.update(brokerconfig.options_for(s.CELERY_BROKER_URL))
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
         conf["broker_transport_options"] = {
             "data_folder_in": s.CELERY_FS_FOLDER + "/out",
