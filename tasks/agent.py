@@ -27,7 +27,7 @@ def deps() -> LoopDeps:
     return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
 
 
-@app.task(name="agent.run")
+@app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write
 def run(session_id: int, epoch: int) -> str:
     return run_agent(int(session_id), int(epoch), deps())
 
@@ -42,7 +42,7 @@ def run_child_task(execution_id: int, epoch: int) -> str:
         return "error"
 
 
-@app.task(name="agent.deliver_round")
+@app.task(name="agent.deliver_round", ignore_result=True)
 def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
     """Chord callback (also sent alone by the scan and by the last recovered child)."""
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind

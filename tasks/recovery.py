@@ -26,7 +26,7 @@ def scan_task() -> dict[str, int]:
     }
 
 
-@app.task(name="recovery.recover_child")
+@app.task(name="recovery.recover_child", ignore_result=True)  # not a chord header any more
 def recover_child_task(execution_id: int, epoch: int) -> str:
     """Chord header: never raises (every failure becomes a FAILED execution)."""
     return recover_child(int(execution_id), int(epoch), deps())
