@@ -22,9 +22,11 @@ restart — restart to recovered, the figure users feel. The same crash, but our
 would in production: the crashed worker has a stable name (``-n w1@%h``, ``WORKER_ID`` the
 same) and an embedded beat, default ``LEASE_SECONDS`` and ``SCAN_INTERVAL_SECONDS`` (30 s
 each, ``--lease-seconds`` / ``--scan-interval-seconds``), and nobody expires a lease by hand.
-Timed from the moment the crashed worker is started again (its process spawned) until every
-parent resumed; DBOS from the moment its new process is spawned until every parent workflow
-is done (the same DBOS run as the crash figure).
+Only the worker dies: the broker keeps the children still queued (``--restart-broker flush``
+loses them too, as the crash figure does). Timed from the moment the crashed worker is
+started again (its process spawned) until every parent resumed; DBOS from the moment its new
+process is spawned until every parent workflow is done (the same DBOS run as the crash
+figure).
 
 normal — no crash: P parents x K children with a model that answers at once, parents per
 second from the first enqueue until every parent answered. Ours: one worker, ``--concurrency``
@@ -340,11 +342,20 @@ def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) 
 
 
 def run_ours_restart(
-    url: str, *, parents: int, children: int, concurrency: int, lease_seconds: float, scan_interval_seconds: float
+    url: str,
+    *,
+    parents: int,
+    children: int,
+    concurrency: int,
+    lease_seconds: float,
+    scan_interval_seconds: float,
+    flush_broker: bool = False,
 ) -> RestartFigures:
     """The crash of ``bench/recovery.py``, then the SAME worker name started again with
     production settings (no lease expired by hand, no scan sent by the bench): timed from the
-    restarted worker's spawn until every parent resumed."""
+    restarted worker's spawn until every parent resumed. The broker keeps its messages (only
+    the worker died: the children still queued run when it is back, the ones it was running
+    are lost with it) unless ``flush_broker`` (Redis lost too: everything from the database)."""
     import socket
     import time
     from datetime import UTC, datetime
@@ -384,8 +395,10 @@ def run_ours_restart(
         wait_for(crashed_state, timeout=60 + parents, what="every round committed")
         doomed.kill()
         hanging.stop()
-        flush_redis()
-        progress(f"worker {name} SIGKILLed with {parents} open rounds; broker flushed; starting {name} again")
+        if flush_broker:
+            flush_redis()
+        broker = "broker flushed" if flush_broker else "broker kept"
+        progress(f"worker {name} SIGKILLed with {parents} open rounds; {broker}; starting {name} again")
         instant = stack.model(RECOVERY_SCRIPT)
         env = bench_env(url, instant.base_url, **settings)
         apply_env(env)
@@ -449,6 +462,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=30.0,
         help="restart: SCAN_INTERVAL_SECONDS of our beat (default 30)",
+    )
+    parser.add_argument(
+        "--restart-broker",
+        choices=("keep", "flush"),
+        default="keep",
+        help="restart: the broker keeps its messages (only the worker died; default) or is flushed",
     )
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -525,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                     concurrency=args.concurrency,
                     lease_seconds=args.lease_seconds,
                     scan_interval_seconds=args.scan_interval_seconds,
+                    flush_broker=args.restart_broker == "flush",
                 )
             ours_restart.append(restarted)
             problems += [f"trial {trial} ours restart: {p}" for p in restarted.problems]
@@ -568,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_s, dbos_s = median([r.seconds for r in ours_restart]), median(dbos_restart)
         print(
             f"restart -> every parent resumed, ours: {ours_s:.2f} s ({n}; LEASE_SECONDS {args.lease_seconds:g}, "
-            f"SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, worker ready after "
+            f"SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, broker {args.restart_broker}, worker ready after "
             f"{median([r.ready_s for r in ours_restart]):.2f} s)"
         )
         print(f"process start -> every workflow done, DBOS: {dbos_s:.2f} s ({n})")
