@@ -5,12 +5,13 @@ The recovery scan must cost O(pending), not O(history) (DESIGN §3: the partial 
 ``idx_sae_pending ... WHERE delivery_status = 'PENDING'``). This benchmark times the scan with
 ``--pending`` crashed executions (RUNNING, PENDING, lease expired) over an empty history, then
 over ``--history`` finished rows (DELIVERED and LEGACY, bulk-inserted with generate_series and
-analyzed, as autovacuum would), and prints both times, their ratio, and the EXPLAIN of the
-scan's pending query with the index it uses.
+analyzed, as autovacuum would), and prints both times and their ratio. The statements the scan
+sends about executions are captured during one more pass and explained (``EXPLAIN (ANALYZE,
+BUFFERS)``, in a transaction rolled back): their time inside PostgreSQL over both histories,
+the costliest plan, and whether the partial index carries them.
 
 Each pass is the real ``recovery.scan.scan`` with a scheduler that only counts (it takes every
-crashed parent, so the parents are put back between passes, outside the timing). The candidate
-query alone is timed too.
+crashed execution, so the crashed state is put back between passes, outside the timing).
 
 ``--parents N`` measures the scan at scale instead: N crashed parents with ``--per-parent``
 executions each (RUNNING, PENDING, every lease expired), taken by the real scan with the real
@@ -35,8 +36,6 @@ if __package__ in (None, ""):  # run as a script: the project root, not bench/, 
 
 PENDING_USER = "bench-pending"
 HISTORY_USER = "bench-history"
-#: Runs of the candidate query alone per timed scan pass.
-QUERY_RUNS_PER_PASS = 10
 #: History rows inserted per statement (one progress line each).
 HISTORY_BATCH = 250_000
 
@@ -213,35 +212,18 @@ def vacuum_analyze() -> None:
             conn.execute(text(f"VACUUM ANALYZE {table}"))
 
 
-def pending_query() -> Any:
-    """The scan's candidate query, as ``recovery.scan._recover_parents`` builds it."""
-    from sqlalchemy import select
-
-    from models import DeliveryStatus, SubagentExecution
-
-    E = SubagentExecution
-    return (
-        select(E.parent_session_id, E.id, E.status, E.epoch, E.lease_expires_at, E.started_at, E.completed_at)
-        .where(E.delivery_status == DeliveryStatus.PENDING)
-        .order_by(E.parent_session_id, E.id)
-    )
-
-
 @dataclass
 class Timing:
     scan_s: float
-    query_s: float
     parents: int
     executions: int
 
 
 def time_scan(repeat: int) -> Timing:
-    """Median of ``repeat`` full scan passes and of ``QUERY_RUNS_PER_PASS * repeat`` runs of
-    the candidate query (a few milliseconds each, so noisier), after one warm-up of each."""
-    from models import transaction
+    """Median of ``repeat`` full scan passes, after one warm-up."""
     from recovery.scan import scan
 
-    scans, queries = [], []
+    scans = []
     sched = CountingScheduler()
     for n in range(repeat + 1):
         put_parents_back()
@@ -253,29 +235,69 @@ def time_scan(repeat: int) -> Timing:
             raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
         if n:
             scans.append(elapsed)
+    return Timing(statistics.median(scans), sched.parents, sched.executions)
+
+
+@dataclass
+class Plan:
+    statement: str  #: the statement's first characters
+    lines: list[str]
+
+    @property
+    def execution_ms(self) -> float:
+        return _execution_ms(self.lines)
+
+
+def explain_scan() -> list[Plan]:
+    """The scan's statements that read or write executions, captured during one pass, each
+    EXPLAIN (ANALYZE, BUFFERS)-ed with its own parameters in a transaction that is rolled
+    back (ANALYZE runs an UPDATE for real)."""
+    from sqlalchemy import event
+
+    from models import get_engine
+    from recovery.scan import scan
+
+    engine = get_engine()
+    captured: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        head = statement.lstrip().split(None, 1)[0].upper()
+        if "subagent_execution" in statement and head in ("SELECT", "UPDATE", "WITH") and not executemany:
+            captured.append((statement, parameters))
+
     put_parents_back()
-    query = pending_query()
-    for n in range(QUERY_RUNS_PER_PASS * repeat + 1):
-        with transaction() as s:
-            started = time.perf_counter()
-            rows = s.execute(query).all()
-            elapsed = time.perf_counter() - started
-        if n:
-            queries.append(elapsed)
-    del rows
-    return Timing(statistics.median(scans), statistics.median(queries), sched.parents, sched.executions)
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        scan(CountingScheduler(), callback_grace_seconds=0)
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    put_parents_back()
+    plans = []
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        for statement, parameters in captured:
+            sql = cursor.mogrify(statement, parameters).decode()
+            cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql)
+            plans.append(Plan(" ".join(statement.split())[:60], [r[0] for r in cursor.fetchall()]))
+            raw.rollback()
+    finally:
+        raw.rollback()
+        raw.close()
+    return plans
 
 
-def explain_pending() -> list[str]:
-    """EXPLAIN (ANALYZE, BUFFERS) of the candidate query on this database."""
-    from sqlalchemy import text
-    from sqlalchemy.dialects import postgresql
+def _total_ms(plans: list[Plan]) -> float:
+    return sum(p.execution_ms for p in plans)
 
-    from models import transaction
 
-    sql = str(pending_query().compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
-    with transaction() as s:
-        return [r[0] for r in s.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + sql))]
+def _index_verdict(plans: list[Plan]) -> str:
+    """yes when the partial index carries the scan and nothing reads executions sequentially."""
+    seq = [p.statement for p in plans if any("Seq Scan on subagent_execution" in line for line in p.lines)]
+    uses = sum(1 for p in plans if any("idx_sae_pending" in line for line in p.lines))
+    if seq or not uses:
+        return f"NO ({uses} of {len(plans)} statements use it; sequential scans in: {seq})"
+    return f"yes ({uses} of {len(plans)} statements; no sequential scan of subagent_execution)"
 
 
 def _execution_ms(plan: list[str]) -> float:
@@ -454,36 +476,31 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         empty = time_scan(args.repeat)
-        empty_plan = explain_pending()
+        empty_plans = explain_scan()
         progress(f"over 0 historic rows: scan {empty.scan_s * 1000:.1f} ms; inserting {args.history} historic rows")
         started = time.monotonic()
         insert_history(args.history)
         vacuum_analyze()
         progress(f"history inserted and analyzed in {time.monotonic() - started:.1f} s")
         full = time_scan(args.repeat)
-        plan = explain_pending()
+        plans = explain_scan()
     if (empty.parents, empty.executions) != (full.parents, full.executions) or full.executions != args.pending:
         print(f"each pass should hand over {args.pending} executions: {empty} vs {full}")
         return 1
     print(f"  each pass takes {full.parents} parents and hands over {full.executions} executions")
-    print(f"scan over 0 historic rows: {empty.scan_s * 1000:.1f} ms (candidate query {empty.query_s * 1000:.2f} ms)")
+    print(f"scan over 0 historic rows: {empty.scan_s * 1000:.1f} ms (median of {args.repeat})")
+    print(f"scan over {args.history} historic rows: {full.scan_s * 1000:.1f} ms (median of {args.repeat})")
+    print(f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f} ({system_load()})")
     print(
-        f"scan over {args.history} historic rows: {full.scan_s * 1000:.1f} ms "
-        f"(candidate query {full.query_s * 1000:.2f} ms)"
+        f"the scan's {len(plans)} statements on subagent_execution inside PostgreSQL (EXPLAIN ANALYZE execution "
+        f"time, summed): {_total_ms(empty_plans):.3f} ms over 0 rows, {_total_ms(plans):.3f} ms over "
+        f"{args.history} rows"
     )
-    print(
-        f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f}, "
-        f"candidate query {full.query_s / empty.query_s:.2f}"
-    )
-    print(
-        "pending query inside PostgreSQL (EXPLAIN ANALYZE execution time): "
-        f"{_execution_ms(empty_plan):.3f} ms over 0 rows, {_execution_ms(plan):.3f} ms over {args.history} rows"
-    )
-    print(f"EXPLAIN (ANALYZE, BUFFERS) of the pending query over {args.history} historic rows:")
-    for line in plan:
+    costliest = max(plans, key=lambda p: p.execution_ms)
+    print(f"EXPLAIN (ANALYZE, BUFFERS) of the costliest over {args.history} historic rows ({costliest.statement}...):")
+    for line in costliest.lines:
         print(f"  {line}")
-    uses = any("idx_sae_pending" in line for line in plan)
-    print(f"plan uses idx_sae_pending: {'yes' if uses else 'NO'}")
+    print(f"plan uses idx_sae_pending: {_index_verdict(plans)}")
     return 0
 
 
