@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
@@ -67,25 +68,28 @@ def child_deadline(started_at: datetime) -> datetime:
     return started_at + timedelta(seconds=get_settings().SUBAGENT_TIMEOUT_SECONDS)
 
 
-def load_child(execution_id: int) -> ChildInfo:
+def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
+    """The execution's child facts, in ``s`` when given (a taker's transaction), else in one of its own."""
+    if s is None:
+        with transaction() as own:
+            return load_child(execution_id, own)
     E = SubagentExecution
     S = AgentSession
-    with transaction() as s:
-        row = s.execute(
-            select(
-                E.id,
-                E.child_session_id,
-                E.agent_type,
-                E.invocation_type,
-                E.started_at,
-                E.execution_start_message_id,
-                S.execution_mode,
-                S.user_id,
-                E.task_description,
-            )
-            .join(S, S.id == E.child_session_id)
-            .where(E.id == execution_id)
-        ).one()
+    row = s.execute(
+        select(
+            E.id,
+            E.child_session_id,
+            E.agent_type,
+            E.invocation_type,
+            E.started_at,
+            E.execution_start_message_id,
+            S.execution_mode,
+            S.user_id,
+            E.task_description,
+        )
+        .join(S, S.id == E.child_session_id)
+        .where(E.id == execution_id)
+    ).one()
     return ChildInfo(*row)
 
 

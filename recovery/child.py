@@ -184,7 +184,7 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
             return "stale"
         parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
         invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
-        info = _load_child(s, execution_id)
+        info = load_child(execution_id, s)
         child_phase = s.execute(select(AgentSession.phase).where(AgentSession.id == info.child_session_id)).scalar_one()
         # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
         s.execute(
@@ -196,26 +196,6 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         removed = cleanup_incomplete_tail(s, info.child_session_id, validated_boundary(s, info.child_session_id))
         final = existing_final(s, info, child_phase)
     return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
-
-
-def _load_child(s: Session, execution_id: int) -> ChildInfo:
-    S = AgentSession
-    row = s.execute(
-        select(
-            E.id,
-            E.child_session_id,
-            E.agent_type,
-            E.invocation_type,
-            E.started_at,
-            E.execution_start_message_id,
-            S.execution_mode,
-            S.user_id,
-            E.task_description,
-        )
-        .join(S, S.id == E.child_session_id)
-        .where(E.id == execution_id)
-    ).one()
-    return ChildInfo(*row)
 
 
 def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> str:
