@@ -42,14 +42,19 @@ HISTORY_BATCH = 250_000
 
 class CountingScheduler:
     """A RecoveryScheduler that enqueues nothing: the scan's own cost, without the broker.
-    (Both shapes of the scheduler: one chord per parent, or recoveries in batches.)"""
+    (Both shapes of the scheduler: one chord per parent, or recoveries in batches, where one
+    parent's executions may span two batches.)"""
 
     def __init__(self) -> None:
-        self.parents = 0
+        self.parent_ids: set[int] = set()
         self.executions = 0
 
+    @property
+    def parents(self) -> int:
+        return len(self.parent_ids)
+
     def recover_children(self, parent_id: int, parent_epoch: int, children: Any) -> None:
-        self.parents += 1
+        self.parent_ids.add(parent_id)
         self.executions += len(children)
 
     def recover_many(self, rounds: Any) -> None:
@@ -57,10 +62,10 @@ class CountingScheduler:
             self.recover_children(parent_id, parent_epoch, children)
 
     def deliver(self, parent_id: int, epoch: int) -> None:
-        self.parents += 1
+        self.parent_ids.add(parent_id)
 
     def deliver_many(self, parents: Any) -> None:
-        self.parents += len(parents)
+        self.parent_ids.update(parent_id for parent_id, _ in parents)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         pass
