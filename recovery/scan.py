@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import and_, case, exists, func, or_, select, text, update
@@ -182,10 +182,13 @@ def _not_stopped(model: Any) -> Any:
     return or_(model.phase.is_(None), model.phase.not_in(STOPPED_PHASES))
 
 
-def _reserve_batch(s: Session, reserve_seconds: float) -> list[Any]:
-    """Reserve up to BATCH dead executions; returns (id, epoch, parent_session_id) rows."""
+def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime) -> list[Any]:
+    """Reserve up to BATCH dead executions; returns (id, epoch, parent_session_id) rows.
+
+    NOTE: "dead" is judged at ``pass_started``: a reservation this pass wrote lapses only
+    after it, so a pass longer than its reservations never takes its own rows again."""
     settings = get_settings()
-    now = utcnow()
+    now = pass_started
     # Past deadline + grace: taken even from a live owner (a stuck worker must not hold it).
     overdue = now - timedelta(seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS)
     Parent = S.__table__.alias("parent")
@@ -212,7 +215,7 @@ def _reserve_batch(s: Session, reserve_seconds: float) -> list[Any]:
                 epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
                 lease_owner=None,
                 lease_generation=None,
-                lease_expires_at=now + timedelta(seconds=reserve_seconds),
+                lease_expires_at=utcnow() + timedelta(seconds=reserve_seconds),
             )
             .returning(E.id, E.epoch, E.parent_session_id)
             .execution_options(synchronize_session=False)
@@ -257,9 +260,10 @@ def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int
 
 def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport) -> None:
     reserve_seconds = 2 * get_settings().LEASE_SECONDS
+    pass_started = utcnow()
     while True:
         with transaction() as s:
-            rows = _reserve_batch(s, reserve_seconds)
+            rows = _reserve_batch(s, reserve_seconds, pass_started)
             by_parent: dict[int, list[tuple[int, int]]] = defaultdict(list)
             for eid, epoch, parent_id in rows:
                 by_parent[int(parent_id)].append((int(eid), int(epoch)))

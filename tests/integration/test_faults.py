@@ -342,3 +342,42 @@ def test_status_shows_each_queues_oldest_wait_and_leases_nobody_picks_up(monkeyp
         )
     report = status_report()
     assert report["expired_leases_not_picked_up"] == 1 and report["expired_execution_leases"] == 1
+
+
+def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_rows_again(
+    model_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    import itertools
+
+    import recovery.scan as scan_module
+
+    model = model_factory(TWO)
+    for _ in range(3):
+        _yielded(model.base_url)
+    expire_leases()
+    ticks = itertools.count()
+    real = scan_module.utcnow
+    # Every call is a minute later: each batch's reservations have lapsed by the next batch.
+    monkeypatch.setattr(scan_module, "utcnow", lambda: real() + timedelta(seconds=60 * next(ticks)))
+    monkeypatch.setattr(scan_module, "BATCH", 2)
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    sent = [eid for _, _, children in sched.recoveries for eid, _ in children]
+    assert sorted(sent) == sorted(set(sent)) and len(sent) == 6
+
+
+def test_a_reservation_nobody_picked_up_is_sent_again_with_the_same_epoch(model_factory) -> None:  # type: ignore[no-untyped-def]
+    """A queue slower than two leases: the late message must stay valid, not be fenced over and over."""
+    model = model_factory(TWO)
+    sid, _, _, deps = _yielded(model.base_url)
+    expire_leases()
+    first, second = RecordingScheduler(), RecordingScheduler()
+    scan(first, callback_grace_seconds=0)
+    expire_leases()  # nobody took the reserved executions within the reservation
+    scan(second, callback_grace_seconds=0)
+    assert first.recoveries[0][2] == second.recoveries[0][2]  # same (execution, epoch) pairs
+    for eid, epoch in first.recoveries[0][2]:  # the FIRST (late) messages still work
+        assert recover_child(eid, epoch, deps) == "completed"
+    for eid, epoch in second.recoveries[0][2]:
+        assert recover_child(eid, epoch, deps) == "stale"
+    assert {e.status for e in executions_of(sid)} == {ExecutionStatus.COMPLETED}
