@@ -32,6 +32,13 @@ def recover_child_task(execution_id: int, epoch: int) -> str:
     return recover_child(int(execution_id), int(epoch), deps())
 
 
+@app.task(name="recovery.fan_out", ignore_result=True)
+def fan_out_task(children: list[list[int]]) -> int:
+    """A batch of a large scan pass: one recovery.recover_child message per execution."""
+    CeleryScheduler(app).fan_out([(int(eid), int(epoch)) for eid, epoch in children])
+    return len(children)
+
+
 @app.task(name="recovery.redeliver")
 def redeliver_task(execution_id: int) -> str:
     """`celery -A tasks call recovery.redeliver --args='[EXECUTION_ID]'`: idempotent."""

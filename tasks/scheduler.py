@@ -12,6 +12,10 @@ from typing import Any
 
 from celery import chord
 
+#: Recoveries sent one message each up to this many executions in a pass; above, in batches.
+FAN_OUT_ABOVE = 200
+FAN_OUT_BATCH = 500
+
 
 class CeleryScheduler:
     def __init__(self, app: Any) -> None:
@@ -34,11 +38,24 @@ class CeleryScheduler:
 
     def recover_many(self, rounds: Sequence[tuple[int, int, Sequence[tuple[int, int]]]]) -> None:
         """One recover_child message per execution; the last of a round to end asks for its
-        delivery (recovery.child), so no chord has to survive the next crash."""
+        delivery (recovery.child), so no chord has to survive the next crash.
+
+        A large pass (after a big crash) sends ``recovery.fan_out`` batches instead: the scan
+        hands them over at once and the workers publish the per-execution messages in parallel."""
+        children = [(eid, epoch) for _parent, _epoch, kids in rounds for eid, epoch in kids]
         with self.app.producer_or_acquire() as producer:
-            for _parent_id, _epoch, children in rounds:
+            if len(children) <= FAN_OUT_ABOVE:
                 for eid, epoch in children:
                     self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
+                return
+            for i in range(0, len(children), FAN_OUT_BATCH):
+                batch = [list(pair) for pair in children[i : i + FAN_OUT_BATCH]]
+                self._sig("recovery.fan_out", batch).apply_async(producer=producer)
+
+    def fan_out(self, children: Sequence[tuple[int, int]]) -> None:
+        with self.app.producer_or_acquire() as producer:
+            for eid, epoch in children:
+                self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self._sig("agent.run", parent_id, epoch).apply_async()

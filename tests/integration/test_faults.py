@@ -381,3 +381,34 @@ def test_a_reservation_nobody_picked_up_is_sent_again_with_the_same_epoch(model_
     for eid, epoch in second.recoveries[0][2]:
         assert recover_child(eid, epoch, deps) == "stale"
     assert {e.status for e in executions_of(sid)} == {ExecutionStatus.COMPLETED}
+
+
+def test_a_large_pass_is_handed_over_in_fan_out_batches_that_publish_every_recovery() -> None:
+    import json
+
+    import redis
+
+    import tasks
+    from tasks.scheduler import FAN_OUT_ABOVE, FAN_OUT_BATCH, CeleryScheduler
+
+    url = "redis://127.0.0.1:6379/9"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    old = tasks.app.conf.broker_url
+    tasks.app.conf.broker_url = url
+    try:
+        children = [(i, 2) for i in range(FAN_OUT_ABOVE + 1)]
+        sched = CeleryScheduler(tasks.app)
+        sched.recover_many([(1, 0, children)])
+        batches = [json.loads(m) for m in client.lrange("recovery", 0, -1)]
+        assert len(batches) == -(-len(children) // FAN_OUT_BATCH)
+        assert {b["headers"]["task"] for b in batches} == {"recovery.fan_out"}
+        client.delete("recovery")
+        for b in batches:
+            (args, _, _) = json.loads(__import__("base64").b64decode(b["body"]))
+            sched.fan_out([tuple(x) for x in args[0]])
+        singles = [json.loads(m)["headers"] for m in client.lrange("recovery", 0, -1)]
+        assert len(singles) == len(children) and {h["task"] for h in singles} == {"recovery.recover_child"}
+    finally:
+        tasks.app.conf.broker_url = old
+        client.flushdb()
