@@ -115,6 +115,38 @@ def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
     return followup_fields(len(earlier), completed)
 
 
+@dataclass(frozen=True)
+class RoundState:
+    """The execution's round as its end left it (read in the finishing transaction): what the
+    lifecycle needs to decide whether to ask for the round's delivery, without another trip."""
+
+    parent_id: int
+    parent_epoch: int
+    parent_owner: str | None
+    pending: int  #: executions of the parent still PENDING delivery (this one included)
+    active: int  #: of those, still running
+    max_epoch: int  #: >= 2 when some went through recovery
+
+
+def _round_state(s: Any, execution_id: int) -> RoundState:
+    E, S = SubagentExecution, AgentSession
+    parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
+    # NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
+    # finishing at the same moment serialize on it, so the later one counts the earlier one's
+    # end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete.
+    parent = s.execute(select(S.epoch, S.lease_owner).where(S.id == parent_id)).one()
+    active, max_epoch, pending = s.execute(
+        select(
+            func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
+            func.max(E.epoch),
+            func.count(),
+        ).where(E.parent_session_id == parent_id, E.delivery_status == "PENDING")
+    ).one()
+    return RoundState(
+        int(parent_id), int(parent.epoch), parent.lease_owner, int(pending), int(active), int(max_epoch or 0)
+    )
+
+
 def finish_child(
     info: ChildInfo,
     epoch: int,
@@ -126,20 +158,21 @@ def finish_child(
     fence: Fence | None = None,
     tokens: tuple[int, int] = (0, 0),
     final_message_id: int | None = None,
-) -> bool:
+) -> RoundState | None:
     """Commit the execution's end in ONE transaction: (final ASSISTANT when there is new text),
     final_message_id, terminal status, result JSON (the one factory), counters, child phase.
-    Returns False when a newer owner holds the execution (nothing written)."""
+    Returns the round's state as that transaction saw it, or None when a newer owner holds
+    the execution (nothing written)."""
     try:
-        status, phase, rounds = _finish_child_tx(
+        status, phase, rounds, state = _finish_child_tx(
             info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
         )
     except _Lost:
-        return False
+        return None
     crash_point("child.after_final")
     publish_status(info.child_session_id, phase)
     log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, status, rounds)
-    return True
+    return state
 
 
 class _Lost(Exception):
@@ -156,8 +189,16 @@ def _finish_child_tx(
     fence: Fence | None,
     tokens: tuple[int, int],
     final_message_id: int | None = None,
-) -> tuple[ExecutionStatus, Phase, int]:
+) -> tuple[ExecutionStatus, Phase, int, RoundState]:
     with transaction() as s:
+        # NOTE: the parent row first, as delivery locks it (parent, then its executions): the
+        # same order everywhere, so a finishing child and a delivery never deadlock.
+        E, S = SubagentExecution, AgentSession
+        s.execute(
+            select(S.id)
+            .where(S.id == select(E.parent_session_id).where(E.id == info.execution_id).scalar_subquery())
+            .with_for_update()
+        )
         if fence is not None:
             fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
         final_id = final_message_id
@@ -210,15 +251,24 @@ def _finish_child_tx(
             .values(phase=phase, updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )
-    return status, phase, rounds
+        state = _round_state(s, info.execution_id)
+    return status, phase, rounds, state
 
 
 #: Phases of a child session that a taken execution may (re)start from.
 CHILD_STARTABLE = (None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING)
 
 
-def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> str:
-    """Run a taken execution's rounds to its end (the taker set the child's phase). Returns
+@dataclass(frozen=True)
+class ChildEnd:
+    """How a run of the execution ended, and (when it wrote the end) the round's state."""
+
+    outcome: str
+    state: RoundState | None = None
+
+
+def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
+    """Run a taken execution's rounds to its end (the taker set the child's phase). Outcomes:
     "completed", "failed", "cancelled", "lost" (a newer owner: nothing written) or
     "infra_error" (a database/Redis fault: nothing written, the lease lapses and the scan
     resumes it — DESIGN §6). Never raises: a chord header never breaks its callback."""
@@ -234,36 +284,35 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> str:
             final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
         text = final.content or ""
         tokens = (final.prompt_tokens, final.completion_tokens)
-        if not finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens):
-            return "lost"
-        return "completed"
+        state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
+        return ChildEnd("completed", state) if state else ChildEnd("lost")
     except LeaseLost:
         log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
-        return "lost"
+        return ChildEnd("lost")
     except Cancelled:
-        return _finish_or(info, epoch, "cancelled", failure="subagent cancelled", cancelled=True)
+        return end_with_failure(info, epoch, "cancelled", failure="subagent cancelled", cancelled=True)
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
-        return _finish_or(info, epoch, "failed", failure=reason)
+        return end_with_failure(info, epoch, "failed", failure=reason)
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
-            return "infra_error"
+            return ChildEnd("infra_error")
         log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
-        return _finish_or(info, epoch, "failed", failure=f"subagent failed: {describe_exception(exc)}")
+        return end_with_failure(info, epoch, "failed", failure=f"subagent failed: {describe_exception(exc)}")
 
 
-def _finish_or(info: ChildInfo, epoch: int, outcome: str, *, failure: str, cancelled: bool = False) -> str:
+def end_with_failure(info: ChildInfo, epoch: int, outcome: str, *, failure: str, cancelled: bool = False) -> ChildEnd:
     """Record a failure result; an infrastructure error while recording writes nothing."""
     try:
-        ok = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
+        state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=child_infra_error execution=%s error=%s", info.execution_id, type(exc).__name__)
-            return "infra_error"
+            return ChildEnd("infra_error")
         log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
-        return "error"
-    return outcome if ok else "lost"
+        return ChildEnd("error")
+    return ChildEnd(outcome, state) if state else ChildEnd("lost")
 
 
 def _child_rounds(

@@ -24,14 +24,16 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.child import (
     CHILD_STARTABLE,
+    ChildEnd,
     ChildInfo,
     child_deadline,
+    end_with_failure,
     finish_child,
     load_child,
     run_rounds,
@@ -41,9 +43,7 @@ from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls,
 from harness.loop import LoopDeps, is_infrastructure_error
 from harness.results import describe_exception
 from models import (
-    ACTIVE_EXECUTION,
     AgentSession,
-    DeliveryStatus,
     ExecutionStatus,
     IllegalTransition,
     Message,
@@ -100,7 +100,8 @@ def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> Fi
 
 
 def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
-    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it."""
+    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
+    the child's phase and the facts the run needs are ONE transaction."""
     try:
         with transaction() as s:
             new_epoch = take_execution(
@@ -113,9 +114,9 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
                 require_expired=True,
                 free_when_unowned=True,
             )
-            if new_epoch is not None:
-                child = s.execute(select(E.child_session_id).where(E.id == execution_id)).scalar_one()
-                set_phase(s, child, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+            info = load_child(execution_id, s) if new_epoch is not None else None
+            if info is not None:
+                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
     except IllegalTransition:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
         return "stale"
@@ -124,32 +125,32 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
             raise
         log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
         return "infra_error"
-    if new_epoch is None:
+    if new_epoch is None or info is None:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
         return "stale"
     crash_point("child.after_take")
-    outcome = run_rounds(load_child(execution_id), new_epoch, deps)
-    _after_end(execution_id, outcome, deps, recovered=False)
-    return outcome
+    end = run_rounds(info, new_epoch, deps)
+    _after_end(execution_id, end, deps, recovered=False)
+    return end.outcome
 
 
 def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
     """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
     started = time.monotonic()
     try:
-        outcome = _recover(execution_id, epoch, deps)
+        end = _recover(execution_id, epoch, deps)
     except Exception as exc:
         kind = "infra_error" if is_infrastructure_error(exc) else "error"
         log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
-        outcome = kind
+        end = ChildEnd(kind)
     log.info(
         "event=subagent_recovery_complete executionId=%s outcome=%s durationMs=%d",
         execution_id,
-        outcome,
+        end.outcome,
         (time.monotonic() - started) * 1000,
     )
-    _after_end(execution_id, outcome, deps, recovered=True)
-    return outcome
+    _after_end(execution_id, end, deps, recovered=True)
+    return end.outcome
 
 
 @dataclass(frozen=True)
@@ -198,10 +199,10 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
     return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
 
 
-def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
     taken = _take_for_recovery(execution_id, epoch, deps)
     if isinstance(taken, str):
-        return taken
+        return ChildEnd(taken)
     crash_point("recover.after_take")
     info, new_epoch = taken.info, taken.epoch
     log.info(
@@ -215,45 +216,34 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> str:
     try:
         if taken.final is not None:
             # R20: the final answer exists; finish without calling the model again.
-            ok = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
-            return "completed_from_final" if ok else "lost"
+            state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
+            return ChildEnd("completed_from_final", state) if state else ChildEnd("lost")
         if utcnow() >= child_deadline(info.started_at):
-            ok = finish_child(info, new_epoch, text=None, failure=timeout_reason())
-            return "timed_out" if ok else "lost"
+            return end_with_failure(info, new_epoch, "timed_out", failure=timeout_reason())
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=subagent_recovery_infra_error executionId=%s error=%s", execution_id, type(exc).__name__)
-            return "infra_error"
+            return ChildEnd("infra_error")
         log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
-        ok = finish_child(info, new_epoch, text=None, failure=f"subagent recovery failed: {describe_exception(exc)}")
-        return "failed" if ok else "lost"
+        return end_with_failure(
+            info, new_epoch, "failed", failure=f"subagent recovery failed: {describe_exception(exc)}"
+        )
     return run_rounds(info, new_epoch, deps)
 
 
-def _after_end(execution_id: int, outcome: str, deps: LoopDeps, *, recovered: bool) -> None:
-    """The last execution of a recovered round to end asks for the round's delivery."""
-    if outcome not in _ENDED:
+def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: bool) -> None:
+    """The last execution of a recovered round to end asks for the round's delivery. The
+    round's state comes from the finishing transaction itself (no extra trip)."""
+    state = end.state
+    if end.outcome not in _ENDED or state is None:
         return
+    if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
+        return  # delivered already, siblings still running, or the parent is not waiting
+    if not recovered and state.max_epoch < 2:
+        return  # an untouched round: its chord callback delivers it
+    log.info("event=round_delivery_requested parent=%s executionId=%s", state.parent_id, execution_id)
     try:
-        with transaction() as s:
-            parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
-            row = s.execute(
-                select(
-                    func.count().filter(E.status.in_(ACTIVE_EXECUTION)),
-                    func.max(E.epoch),
-                    func.count(),
-                ).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
-            ).one()
-            parent = s.execute(
-                select(AgentSession.epoch, AgentSession.lease_owner).where(AgentSession.id == parent_id)
-            ).one()
-        active, max_epoch, pending = int(row[0]), int(row[1] or 0), int(row[2])
-        if pending == 0 or active > 0 or parent.lease_owner is not None:
-            return  # delivered already, siblings still running, or the parent is not waiting
-        if not recovered and max_epoch < 2:
-            return  # an untouched round: its chord callback delivers it
-        log.info("event=round_delivery_requested parent=%s executionId=%s", parent_id, execution_id)
-        deps.scheduler.deliver(parent_id, int(parent.epoch))
+        deps.scheduler.deliver(state.parent_id, state.parent_epoch)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
         log.warning("event=round_delivery_request_failed executionId=%s", execution_id, exc_info=True)
