@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from sqlalchemy.orm import Session
+
 from harness.agents import AgentDef
 from harness.errors import DeadlineExceeded, ModelUnavailable
 from harness.fence import Fence
@@ -97,9 +99,12 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
     return [REGISTRY[n].spec() for n in names]
 
 
-def model_messages(session_id: int, agent: AgentDef) -> list[dict[str, Any]]:
-    with transaction() as s:
-        return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id)]
+def model_messages(session_id: int, agent: AgentDef, s: Session | None = None) -> list[dict[str, Any]]:
+    """The system prompt and the session's model view, in ``s`` when given."""
+    if s is None:
+        with transaction() as own:
+            return model_messages(session_id, agent, own)
+    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id)]
 
 
 def ask(

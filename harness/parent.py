@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -55,6 +56,8 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
                 free_when_unowned=True,
             )
             agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
+            # The first round's view is read in the take's transaction (one trip fewer).
+            first_view = model_messages(session_id, get_agent(agent_type), s) if new_epoch is not None else None
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise
@@ -70,7 +73,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
     allowed = agent.tool_names(TOOL_NAMES, subagent=False)
     try:
         with Heartbeat(fence):
-            return _parent_rounds(session_id, fence, agent, allowed, deps)
+            return _parent_rounds(session_id, fence, agent, allowed, deps, first_view)
     except LeaseLost:
         log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
         return "lost"
@@ -95,14 +98,20 @@ def _release(fence: Fence, phase: Phase | None) -> None:
 
 
 def _parent_rounds(
-    session_id: int, fence: SessionFence, agent: AgentDef, allowed: tuple[str, ...], deps: LoopDeps
+    session_id: int,
+    fence: SessionFence,
+    agent: AgentDef,
+    allowed: tuple[str, ...],
+    deps: LoopDeps,
+    view: list[dict[str, Any]] | None = None,
 ) -> str:
     for _ in range(agent.max_rounds):
         if fence.cancelled():
             if fence.lost:
                 raise LeaseLost()
             raise Cancelled()
-        reply = ask(deps, model_messages(session_id, agent), allowed, None)
+        reply = ask(deps, view or model_messages(session_id, agent), allowed, None)
+        view = None
         if not reply.tool_calls:
             with transaction() as s:
                 fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
@@ -224,6 +233,16 @@ def _delegating_round(
                 raise _NothingCreated(errors)
             round_row.inline_results = errors
             round_id = round_row.id
+            inline = [
+                c
+                for c in reply.tool_calls
+                if c.id not in {x.tool_call_id for x in created}
+                and c.id not in errors
+                and c.name not in DELEGATION_TOOLS
+            ]
+            if not inline:
+                # Nothing runs between the round and the yield: release in the same transaction.
+                release_session(s, session_id, epoch=fence.epoch)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
         results = []
@@ -244,19 +263,17 @@ def _delegating_round(
         round_id,
         ",".join(str(c.execution_id) for c in created),
     )
-    delegated = {c.tool_call_id for c in created}
-    for call in reply.tool_calls:
-        if call.id in delegated or call.id in refused or call.name in DELEGATION_TOOLS:
-            continue
+    for call in inline:
         ctx = ToolContext(session_id, call.id, None, fence.cancelled, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
         _record_inline(fence, round_id, call.id, result)
         crash_point("parent.mid_inline")
     crash_point("parent.before_yield")
-    with transaction() as s:
-        # Release as the epoch's owner; the epoch itself stays: deliver_round is handed it.
-        fence.check(s)
-        release_session(s, session_id, epoch=fence.epoch)
+    if inline:
+        with transaction() as s:
+            # Release as the epoch's owner; the epoch itself stays: deliver_round is handed it.
+            fence.check(s)
+            release_session(s, session_id, epoch=fence.epoch)
     try:
         deps.scheduler.start_children(session_id, fence.epoch, [(c.execution_id, 0) for c in created])
     except Exception as exc:
