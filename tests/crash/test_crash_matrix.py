@@ -112,6 +112,26 @@ def _arm(shape: Shape, point: str) -> tuple[dict[str, str], int]:
 def test_crash_at_point_then_recovery_delivers_exactly_once(
     stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
 ) -> None:  # type: ignore[no-untyped-def]
+    crash_trial(stack_factory, monkeypatch, shape_name, point)
+
+
+#: Points that only some shapes reach: each with one shape that does.
+SHAPED_POINTS = [
+    ("parent.mid_inline", "mixed_inline"),
+    ("parent.before_yield", "mixed_inline"),
+    ("child.after_take", "two_children"),
+    ("child.after_round", "one_child"),
+]
+
+
+@pytest.mark.parametrize(("point", "shape_name"), SHAPED_POINTS)
+def test_crash_at_a_shape_specific_point_then_recovery_delivers_exactly_once(
+    stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
+) -> None:  # type: ignore[no-untyped-def]
+    crash_trial(stack_factory, monkeypatch, shape_name, point)
+
+
+def crash_trial(stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str) -> None:  # type: ignore[no-untyped-def]
     shape = SHAPES[shape_name]
     stack = stack_factory(shape.script)
     extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
