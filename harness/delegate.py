@@ -33,6 +33,7 @@ from models import (
 )
 from models.base import utcnow
 from models.db import cas
+from models.worker import identity
 
 #: Phases a child session may be in for a follow-up to take it (its previous execution ended).
 FOLLOWUP_FROM = (Phase.IDLE, Phase.COMPLETED, Phase.FAILED)
@@ -77,6 +78,7 @@ def _new_execution(
     lease_seconds: float,
 ) -> SubagentExecution:
     now = utcnow()
+    booted = identity()
     row = SubagentExecution(
         parent_session_id=parent.id,
         child_session_id=child_id,
@@ -89,8 +91,12 @@ def _new_execution(
         execution_start_message_id=start_message_id,
         started_at=now,
         pending_round_id=pending_round_id,
-        # A reservation, not an owner: covers the enqueue window so the scan leaves it alone.
-        lease_owner=None,
+        # A reservation for the epoch-0 message (the chord's run_child), not an owner: it covers
+        # the enqueue window so the scan leaves it alone. It names the creating worker's boot
+        # identity: when that worker restarts under its name, the reservation is known dead at
+        # once (a broker that lost the message then costs no lease wait).
+        lease_owner=booted[0] if booted else None,
+        lease_generation=booted[1] if booted else None,
         lease_expires_at=now + timedelta(seconds=lease_seconds),
         epoch=0,
     )

@@ -261,9 +261,7 @@ class PairState:
         return self.assistant_id is not None and self.tool_id is not None
 
 
-def pair_state(
-    s: Session, session_id: int, tool_call_id: str, *, protected: frozenset[int] = frozenset()
-) -> PairState:
+def pair_state(s: Session, session_id: int, tool_call_id: str, *, protected: frozenset[int] = frozenset()) -> PairState:
     """Inspect raw live rows for ``tool_call_id``: a complete assistant+TOOL pair, or the
     broken rows (malformed JSON naming the id, orphan TOOL, assistant without its TOOL).
 

@@ -151,8 +151,8 @@ def take_execution(
     """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease.
 
     Returns the new epoch, or None when a newer owner holds it (epoch moved, or a live lease
-    when ``require_expired``; with ``free_when_unowned`` a reservation without an owner, as
-    written at creation or hand-over, counts as free for the epoch's holder). Raises
+    when ``require_expired``; with ``free_when_unowned`` a reservation — unowned as a scan's
+    hand-over, or naming its creator at epoch 0 — counts as free for the epoch's holder). Raises
     IllegalTransition for a terminal or non-PENDING row at the expected epoch (spec §6.2:
     terminal never goes back; only PENDING may be taken over).
     """
@@ -168,6 +168,9 @@ def take_execution(
         free = [lease_free(E, now)]
         if free_when_unowned:
             free.append(E.lease_owner.is_(None))
+            if expected_epoch == 0:
+                # The creation reservation belongs to the epoch-0 message, whoever created it.
+                free.append(E.epoch == 0)
         conditions.append(or_(*free))
     rows = cas(
         s,

@@ -78,7 +78,7 @@ def sender(worker_env: dict[str, str]) -> Iterator[Celery]:
 
 def _one_child_running(parent: int) -> bool:
     execs = executions_of(parent)
-    return len(execs) == 1 and execs[0].status == "RUNNING" and execs[0].lease_owner is not None
+    return len(execs) == 1 and execs[0].status == "RUNNING" and execs[0].epoch >= 1  # taken, not only reserved
 
 
 def _worker_report(worker: Worker) -> str:

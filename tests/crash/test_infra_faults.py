@@ -193,7 +193,7 @@ def test_d_postgres_refusing_connections_for_20s_mid_recovery(rig_factory: Any, 
         w1 = rig.worker("wd1", DATABASE_URL=proxy.rewrite(db))
         sid = rig.submit()
         wait_until(
-            lambda: len(e := executions_of(sid)) == 2 and all(x.lease_owner for x in e), timeout=30, what="running"
+            lambda: len(e := executions_of(sid)) == 2 and all(x.epoch >= 1 for x in e), timeout=30, what="running"
         )
         w1.kill()
         rig.worker("wd2", DATABASE_URL=proxy.rewrite(db))

@@ -40,7 +40,7 @@ def script(wait: float = CHILD_WAIT_SECONDS) -> list[dict]:  # type: ignore[type
 
 
 def _owners(sid: int) -> dict[int, str | None]:
-    return {e.id: e.lease_owner for e in executions_of(sid) if e.status == "RUNNING"}
+    return {e.id: e.lease_owner for e in executions_of(sid) if e.status == "RUNNING" and e.epoch >= 1}
 
 
 @pytest.mark.parametrize("same_name", [True, False], ids=["restarted_same_name", "other_worker"])
@@ -79,3 +79,22 @@ def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, s
     assert sum(1 for j in stack.model.journal() if j["rule"] == 0) == 1
     assert stack.invariants() == []
     assert dead_owner.startswith("wa@")
+
+
+def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_restarts(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """The worker dies right after committing the round (the chord was never sent, as when the
+    broker lost it); restarted under its name with production leases (30 s), its boot takes
+    the children's creation reservations back at once: no lease wait."""
+    stack = stack_factory(script(wait=1))
+    slow = {"LEASE_SECONDS": "30", "SCAN_INTERVAL_SECONDS": "30"}
+    w1 = stack.worker("wz", concurrency=1, CRASH_POINT="delegate.after_create", **slow)
+    sid = stack.submit("go")
+    wait_until(lambda: w1.exited or "crash_point=delegate.after_create" in w1.log(), timeout=30, what="the crash")
+    w1.kill()
+    restarted = time.monotonic()
+    stack.worker("wz", concurrency=2, **slow)
+    snap = stack.wait_phase(sid, timeout=25)
+    assert time.monotonic() - restarted < 20  # far below one 30 s lease
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+    assert snap["messages"][-1]["role"] == "ASSISTANT"
+    assert stack.invariants() == []

@@ -34,7 +34,7 @@ SCRIPT = [
 
 def children_running(parent: int) -> bool:
     execs = executions_of(parent)
-    return len(execs) == 2 and all(e.lease_owner is not None and e.status == "RUNNING" for e in execs)
+    return len(execs) == 2 and all(e.epoch >= 1 and e.status == "RUNNING" for e in execs)  # taken, not only reserved
 
 
 def ids(parent: int) -> list[tuple[int, int]]:
