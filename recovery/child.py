@@ -13,8 +13,9 @@ Then the same steps: finish from an existing final without calling the model, or
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
 last execution of a round to end asks for the round's delivery when the round went through
 recovery (an execution with epoch >= 2): its original chord may have lost a header for good,
-so its callback may never come. Delivery's barrier is the database's (I3): asking early is
-harmless. Never raises: a chord header that raised would stop the parent's delivery.
+so its callback may never come. It delivers the round itself, in one short transaction, and
+enqueues the parent's run. Delivery's barrier is the database's (I3): trying early is harmless.
+Never raises: a chord header that raised would stop the parent's delivery.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from models import (
 from models.base import utcnow
 from models.execution import take_execution
 from models.session import set_phase
+from recovery.delivery import deliver_and_resume
 from recovery.legacy import infer_and_store
 from settings import get_settings
 
@@ -243,10 +245,12 @@ def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: b
         return  # an untouched round: its chord callback delivers it
     log.info("event=round_delivery_requested parent=%s executionId=%s", state.parent_id, execution_id)
     try:
-        deps.scheduler.deliver(state.parent_id, state.parent_epoch)
+        # Delivered right here (one short transaction): no task hop between the last child and
+        # its parent. A duplicate request or the chord callback loses the epoch check.
+        deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
-        log.warning("event=round_delivery_request_failed executionId=%s", execution_id, exc_info=True)
+        log.warning("event=round_delivery_failed executionId=%s", execution_id, exc_info=True)
 
 
 def deadline_passed_with_grace(started_at: datetime) -> bool:

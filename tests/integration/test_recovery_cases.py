@@ -185,10 +185,12 @@ def test_r3_two_parallel_children_are_recovered_and_the_parent_waits_for_both(mo
     recover_child(*children[0], deps)
     assert deliver_round(sid, epoch).kind == "waiting"  # I3: one child still active
     assert [m.role for m in messages_of(sid)] == ["USER"]
-    recover_child(*children[1], deps)
-    out = deliver_round(sid, epoch)
-    assert out.kind == "resume" and sorted(out.delivered) == sorted(e for e, _ in children)
-    assert run_agent(sid, out.new_epoch, deps) == "waiting_user"  # type: ignore[arg-type]
+    recover_child(*children[1], deps)  # the last one: it delivers the round itself
+    assert deliver_round(sid, epoch).kind == "stale"  # a late callback finds it done
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    ((parent_id, new_epoch),) = sched.resumed
+    assert parent_id == sid
+    assert run_agent(sid, new_epoch, deps) == "waiting_user"
     assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert invariants() == []
 
@@ -617,8 +619,10 @@ def test_the_same_recover_child_and_deliver_round_messages_several_times_deliver
         assert recover_child(eid, e, deps) == "completed"
         assert recover_child(eid, e, deps) == "stale"
         assert recover_child(eid, e, deps) == "stale"
-    kinds = [deliver_round(sid, epoch).kind for _ in range(3)]
-    assert kinds == ["resume", "stale", "stale"]
+    # The last recovered child delivered the round itself and asked for the parent's run once.
+    assert [p for p, _ in sched.resumed] == [sid]
+    kinds = [deliver_round(sid, epoch).kind for _ in range(3)]  # the chord callback, late, three times
+    assert kinds == ["stale", "stale", "stale"]
     assert sum(1 for m in messages_of(sid) if m.role == Role.TOOL) == 2
     assert invariants(settled=False) == []
 
