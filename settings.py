@@ -154,6 +154,8 @@ class Settings(BaseSettings):
     WORKER_ID: str = ""
     #: Queue of scans, recoveries and deliveries (served by every worker with `-Q celery,recovery`).
     RECOVERY_QUEUE: str = "recovery"
+    #: Tests only: shift this process's clock, as a badly set machine would (models.clock).
+    CLOCK_SKEW_SECONDS: float = 0.0
     #: Named crash point to die at (tests, soak, demo); empty in production.
     CRASH_POINT: str = ""
     LOG_LEVEL: str = "INFO"

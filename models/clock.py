@@ -9,19 +9,18 @@ database's ``clock_timestamp()``. The offset is measured on first use and re-mea
 is half a round trip (well under a millisecond on a LAN), far below any lease.
 
 ``CLOCK_SKEW_SECONDS`` (tests only) shifts this process's local clock, as a badly set machine
-would; it is read once at import, like CRASH_POINT.
+would; it is read once, on first use.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 RESYNC_SECONDS = 60.0
 
-_skew = timedelta(seconds=float(os.environ.get("CLOCK_SKEW_SECONDS", "0") or "0"))
+_skew: timedelta | None = None  # read from settings on first use
 _lock = threading.Lock()
 _offset = timedelta(0)
 _synced_at = float("-inf")
@@ -30,6 +29,11 @@ _syncing = False
 
 def local_utcnow() -> datetime:
     """This machine's clock (with the test skew), uncorrected."""
+    global _skew
+    if _skew is None:
+        from settings import get_settings
+
+        _skew = timedelta(seconds=get_settings().CLOCK_SKEW_SECONDS)
     return datetime.now(UTC) + _skew
 
 
