@@ -905,3 +905,52 @@ def test_a_legacy_followup_finished_without_a_model_call_has_its_followup_fields
     e = next(x for x in executions_of(parent) if x.id == second)
     assert rule_calls(model, 1) == 0 and e.status == "COMPLETED"
     assert e.result["follow_up"] is True and e.result["round"] == 2  # type: ignore[index]
+
+
+def test_an_old_rows_last_words_are_not_its_result_when_the_child_failed(model_factory) -> None:  # type: ignore[no-untyped-def]
+    """spec §7.3.5: the child's phase is part of the judgement. A FAILED child session's last
+    ASSISTANT (an error text) is not a final answer: the child is resumed, the model asked."""
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}},
+            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "real answer"}},
+        ]
+    )
+    parent, child, _ = _legacy_parent_with_child()
+    add_message(child, Role.ASSISTANT, "error: provider exploded")
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == child).values(phase=Phase.FAILED))
+    drive(model.base_url)
+    (e,) = executions_of(parent)
+    assert rule_calls(model, 1) == 1 and e.result["result"] == "real answer"  # type: ignore[index]
+
+
+def test_a_local_client_that_disconnects_mid_run_is_waited_for_before_the_next_round(  # type: ignore[no-untyped-def]
+    model_factory, local_presence
+) -> None:
+    """spec §7.4.1: the child notices the disconnect at its next round and calls no model until
+    the client is back (the wait consumes the same deadline)."""
+    script = one_child_script({"tool_calls": [{"name": "wait", "arguments": {"seconds": 1.0}}]})
+    script.insert(
+        2, {"when": {"system_contains": "reviewer subagent", "last_role": "tool"}, "reply": {"content": "ok"}}
+    )
+    model = model_factory(script)
+    sid, _ = parent_yielded(model.base_url)
+    (e,) = executions_of(sid)
+    make_local(e.child_session_id)
+    presence.connect("cli")
+    seen: dict[str, int] = {}
+
+    def drop_then_return() -> None:
+        presence.disconnect("cli")  # during the child's 1 s tool
+        time.sleep(1.5)
+        seen["final_calls_while_away"] = rule_calls(model, 2)
+        presence.connect("cli")
+
+    timer = threading.Timer(0.5, drop_then_return)
+    timer.start()
+    drive(model.base_url)
+    timer.join()
+    assert seen == {"final_calls_while_away": 0}  # no model call while the client was away
+    (done,) = executions_of(sid)
+    assert (done.status, done.result["result"]) == ("COMPLETED", "ok")  # type: ignore[index]
