@@ -91,6 +91,11 @@ def apply_env(env: dict[str, str]) -> None:
         import celeryconfig
 
         tasks.app.conf.update(celeryconfig.build())
+    # The queue declarations are built once from the configuration of the first use (a Redis
+    # stack declares classic queues): rebuild them from the configuration now in force.
+    for cached in ("queues", "router", "default_queue"):
+        tasks.app.amqp.__dict__.pop(cached, None)
+    tasks.app.amqp._rtable = None
 
 
 def flush_broker(redis_base: str = "redis://127.0.0.1:6379", broker: str | None = None) -> None:

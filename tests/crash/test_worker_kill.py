@@ -1,7 +1,13 @@
 """Real worker processes SIGKILLed mid-flight (issue 4): a new worker's scan recovers; two
-workers with two beats (concurrent scans) deliver exactly once; a Redis flush loses nothing."""
+workers with two beats (concurrent scans) deliver exactly once; a Redis flush loses nothing.
+
+The worker-killing tests run on both brokers (issue 12): Redis, and RabbitMQ with Redis as the
+result backend (real acks: the killed worker's messages come back at once, and meet the scan's
+compare-and-sets)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
@@ -32,6 +38,26 @@ SCRIPT = [
 ]
 
 
+@pytest.fixture(params=["redis", "amqp"])
+def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The stacks of the test run on this broker (STACK_BROKER); RabbitMQ's queues purged after."""
+    if request.param == "amqp":
+        from tests.crash.test_rabbitmq import AMQP_URL, _missing, socket
+
+        try:
+            socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+        except OSError as exc:
+            _missing("RabbitMQ", exc)
+        monkeypatch.setenv("STACK_BROKER", "amqp")
+        yield AMQP_URL
+        from demo.stack import purge_amqp
+
+        purge_amqp()
+        return
+    monkeypatch.setenv("STACK_BROKER", "redis")
+    yield "redis"
+
+
 def children_running(parent: int) -> bool:
     execs = executions_of(parent)
     return len(execs) == 2 and all(e.epoch >= 1 and e.status == "RUNNING" for e in execs)  # taken, not only reserved
@@ -46,7 +72,7 @@ def subagent_sessions() -> int:
         return len(s.execute(select(AgentSession.id).where(AgentSession.session_type == SessionType.SUBAGENT)).all())
 
 
-def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(broker: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     sid = stack.submit("go")
@@ -63,7 +89,7 @@ def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(stack_factory)
     assert stack.invariants() == []
 
 
-def test_two_workers_with_concurrent_scans_deliver_exactly_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_two_workers_with_concurrent_scans_deliver_exactly_once(broker: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     parents = [stack.submit(f"go {i}") for i in range(3)]
