@@ -383,4 +383,3 @@ def take_parent(s: Session, parent_id: int, expected_epoch: int) -> int | None:
         reserve_seconds=2 * get_settings().LEASE_SECONDS,
         from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
     )
-
