@@ -98,3 +98,45 @@ def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_res
     assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
     assert snap["messages"][-1]["role"] == "ASSISTANT"
     assert stack.invariants() == []
+
+
+def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_back_at_boot(  # type: ignore[no-untyped-def]
+    stack_factory, tmp_path
+) -> None:
+    """README "Worker supervision": the runner restarts a worker that exits (here a shell loop,
+    as `Restart=always` would); under its -n name the new process's boot takes the dead one's
+    work back at once, with production leases (30 s)."""
+    import os
+    import signal
+    import subprocess
+
+    from demo.stack import Service, Worker
+
+    stack = stack_factory(script(wait=6))
+    env = {**stack.env, "LEASE_SECONDS": "30", "SCAN_INTERVAL_SECONDS": "30"}
+    worker_cmd = " ".join(Worker(env, tmp_path, name="ws", concurrency=2).cmd)
+    supervisor = Service(
+        ["bash", "-c", f"while true; do {worker_cmd}; sleep 0.2; done"], env, tmp_path / "supervisor.log", None
+    ).start()
+    stack.workers.append(supervisor)
+    try:
+        wait_until(lambda: "event=worker_ready" in supervisor.log(), timeout=30, what="the supervised worker")
+        sid = stack.submit("go")
+        wait_until(lambda: len(_owners(sid)) == 2, timeout=30, what="both children running")
+        assert supervisor.proc is not None
+        (celery_pid,) = (
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-P", str(supervisor.proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+        )
+        subprocess.run(["pkill", "-9", "-P", str(celery_pid)], check=False)  # its pool processes
+        os.kill(celery_pid, signal.SIGKILL)  # the worker dies; the supervisor lives on
+        killed = time.monotonic()
+        wait_until(lambda: supervisor.log().count("event=worker_ready") >= 2, timeout=30, what="restarted")
+        snap = stack.wait_phase(sid, timeout=40)
+        assert time.monotonic() - killed < 25  # below one 30 s lease: taken back at boot
+        assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+        assert snap["messages"][-1]["role"] == "ASSISTANT" and stack.invariants() == []
+    finally:
+        supervisor.kill()
