@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 
@@ -36,3 +37,50 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: fl
         if time.monotonic() >= end:
             return False
         time.sleep(interval)
+
+
+# --- the Open API client against the stand-in (test_field_client, test_field_real_servers) ------
+
+
+class SampleCall:
+    """The ambiguous sample booking as the client sends it: facts, request, message, subject."""
+
+    def __init__(self, name: str = "ambiguous") -> None:
+        from recovery.field.eml import parse_eml
+        from recovery.field.request_builder import build_request, render_message
+        from recovery.field.schemas import sha256_hex
+
+        self.facts = parse_eml(sample_eml(name))
+        request = build_request(self.facts, profile_version="pv1")
+        assert request is not None
+        self.request = request
+        self.message = render_message(request)
+        self.subject = sha256_hex(self.facts.source.message_id)
+
+
+def open_api_client(base_url: str, key: str, max_response_chars: int = 200_000, **open_api: object) -> Any:
+    from recovery.field.client import OpenApiClient
+    from settings import OpenApiSettings
+
+    settings = OpenApiSettings.model_validate({"base_url": base_url, "api_key": key, **open_api})
+    return OpenApiClient(settings, max_response_chars=max_response_chars)
+
+
+def call_provider(
+    client: Any, sample: SampleCall, seconds: float = 5.0, progress: Any = None, stop: Any = None
+) -> tuple[Any, Any]:
+    """One ``client.recover`` of the sample under a ``seconds`` deadline; (answer, progress)."""
+    from recovery.field.client import CallProgress
+    from recovery.field.deadline import Deadline
+
+    progress = progress or CallProgress()
+    kwargs = {"stop": stop} if stop is not None else {}
+    answer = client.recover(
+        sample.message,
+        idempotency_key=sample.request.idempotency_key,
+        subject_id=sample.subject,
+        deadline=Deadline(seconds),
+        progress=progress,
+        **kwargs,
+    )
+    return answer, progress

@@ -17,7 +17,6 @@ from doubles.superagent import Behaviour, SuperAgentStub
 from recovery.field.answer import parse_patch_set
 from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer
 from recovery.field.deadline import Deadline, Watchdog
-from recovery.field.eml import parse_eml
 from recovery.field.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
@@ -25,17 +24,12 @@ from recovery.field.errors import (
     ProviderRejected,
     ProviderUnavailable,
 )
-from recovery.field.request_builder import build_request, render_message
-from recovery.field.schemas import sha256_hex
 from settings import OpenApiSettings
-from tests.field_helpers import sample_eml
+from tests.field_helpers import SampleCall, call_provider, open_api_client
 
 KEY = "df_open_client_test"
-FACTS = parse_eml(sample_eml("ambiguous"))
-REQUEST = build_request(FACTS, profile_version="pv1")
-assert REQUEST is not None
-MESSAGE = render_message(REQUEST)
-SUBJECT = sha256_hex(FACTS.source.message_id)
+SAMPLE = SampleCall()
+FACTS, REQUEST, MESSAGE, SUBJECT = SAMPLE.facts, SAMPLE.request, SAMPLE.message, SAMPLE.subject
 
 
 @pytest.fixture
@@ -45,22 +39,13 @@ def stub() -> Iterator[SuperAgentStub]:
 
 
 def _client(stub: SuperAgentStub, max_response_chars: int = 200_000, **open_api: object) -> OpenApiClient:
-    settings = OpenApiSettings.model_validate({"base_url": stub.base_url, "api_key": KEY, **open_api})
-    return OpenApiClient(settings, max_response_chars=max_response_chars)
+    return open_api_client(stub.base_url, KEY, max_response_chars, **open_api)  # type: ignore[no-any-return]
 
 
 def _call(
     client: OpenApiClient, seconds: float = 5.0, progress: CallProgress | None = None
 ) -> tuple[ProviderAnswer, CallProgress]:
-    progress = progress or CallProgress()
-    answer = client.recover(
-        MESSAGE,
-        idempotency_key=REQUEST.idempotency_key,
-        subject_id=SUBJECT,
-        deadline=Deadline(seconds),
-        progress=progress,
-    )
-    return answer, progress
+    return call_provider(client, SAMPLE, seconds, progress)
 
 
 def _fails(client: OpenApiClient, seconds: float = 5.0) -> tuple[FieldRecoveryError, CallProgress]:

@@ -15,7 +15,6 @@ from doubles.superagent import Behaviour, SuperAgentStub
 from recovery.field.answer import parse_patch_set
 from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer
 from recovery.field.deadline import Deadline
-from recovery.field.eml import parse_eml
 from recovery.field.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
@@ -23,17 +22,12 @@ from recovery.field.errors import (
     ProviderOutputInvalid,
     ProviderUnavailable,
 )
-from recovery.field.request_builder import build_request, render_message
-from recovery.field.schemas import sha256_hex
 from settings import OpenApiSettings
-from tests.field_helpers import sample_eml
+from tests.field_helpers import SampleCall, call_provider, open_api_client
 
 KEY = "df_open_real_servers"
-FACTS = parse_eml(sample_eml("ambiguous"))
-REQUEST = build_request(FACTS, profile_version="pv1")
-assert REQUEST is not None
-MESSAGE = render_message(REQUEST)
-SUBJECT = sha256_hex(FACTS.source.message_id)
+SAMPLE = SampleCall()
+FACTS, REQUEST, MESSAGE, SUBJECT = SAMPLE.facts, SAMPLE.request, SAMPLE.message, SAMPLE.subject
 
 
 @pytest.fixture
@@ -43,8 +37,7 @@ def stub() -> Iterator[SuperAgentStub]:
 
 
 def _client(stub: SuperAgentStub, max_response_chars: int = 200_000, **open_api: object) -> OpenApiClient:
-    settings = OpenApiSettings.model_validate({"base_url": stub.base_url, "api_key": KEY, **open_api})
-    return OpenApiClient(settings, max_response_chars=max_response_chars)
+    return open_api_client(stub.base_url, KEY, max_response_chars, **open_api)  # type: ignore[no-any-return]
 
 
 def _call(
@@ -53,16 +46,7 @@ def _call(
     progress: CallProgress | None = None,
     stop: threading.Event | None = None,
 ) -> tuple[ProviderAnswer, CallProgress]:
-    progress = progress or CallProgress()
-    answer = client.recover(
-        MESSAGE,
-        idempotency_key=REQUEST.idempotency_key,
-        subject_id=SUBJECT,
-        deadline=Deadline(seconds),
-        progress=progress,
-        stop=stop,
-    )
-    return answer, progress
+    return call_provider(client, SAMPLE, seconds, progress, stop)
 
 
 def _fails(
