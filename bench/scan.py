@@ -61,9 +61,6 @@ class CountingScheduler:
         for parent_id, parent_epoch, children in rounds:
             self.recover_children(parent_id, parent_epoch, children)
 
-    def deliver(self, parent_id: int, epoch: int) -> None:
-        self.parent_ids.add(parent_id)
-
     def deliver_many(self, parents: Any) -> None:
         self.parent_ids.update(parent_id for parent_id, _ in parents)
 

@@ -44,9 +44,6 @@ class Scheduler(Protocol):
     def start_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
         """Run each (execution_id, epoch) in parallel, then deliver_round(parent_id, parent_epoch)."""
 
-    def deliver(self, parent_id: int, epoch: int) -> None:
-        """deliver_round(parent_id, epoch) alone (the last child of a recovered round)."""
-
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         """Run the parent's loop with the epoch it was handed."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -58,7 +57,6 @@ from models.execution import take_execution
 from models.session import set_phase
 from recovery.delivery import deliver_and_resume
 from recovery.legacy import infer_and_store
-from settings import get_settings
 
 log = logging.getLogger("recovery.child")
 E = SubagentExecution
@@ -251,8 +249,3 @@ def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: b
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
         log.warning("event=round_delivery_failed executionId=%s", execution_id, exc_info=True)
-
-
-def deadline_passed_with_grace(started_at: datetime) -> bool:
-    grace = timedelta(seconds=get_settings().SUBAGENT_CANCEL_GRACE_SECONDS)
-    return utcnow() >= child_deadline(started_at) + grace

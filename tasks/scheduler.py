@@ -28,9 +28,6 @@ class CeleryScheduler:
         header = [self._sig("agent.run_child", eid, epoch) for eid, epoch in children]
         chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
 
-    def deliver(self, parent_id: int, epoch: int) -> None:
-        self._sig("agent.deliver_round", None, parent_id, epoch).apply_async()
-
     def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
         with self.app.producer_or_acquire() as producer:
             for parent_id, epoch in parents:

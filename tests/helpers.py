@@ -116,9 +116,6 @@ class RecordingScheduler:
         for parent_id, parent_epoch, children in rounds:
             self.recoveries.append((parent_id, parent_epoch, list(children)))
 
-    def deliver(self, parent_id: int, epoch: int) -> None:
-        self.deliveries.append((parent_id, epoch))
-
     def deliver_many(self, parents: Any) -> None:
         self.deliveries.extend(parents)
 
