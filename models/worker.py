@@ -30,16 +30,24 @@ class WorkerBoot(Base):
     #: Bumped at every boot of a process with this name; leases carry the generation they had.
     generation: Mapped[int] = mapped_column(Integer)
     booted_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: Set by an OLDER live process that found this newer generation under its name (two
+    #: processes share one name): the generation it was, and when it noticed (issue 15 item 8).
+    conflict_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    conflict_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class RecoveryScan(Base):
     __tablename__ = "recovery_scan"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    duration_ms: Mapped[int] = mapped_column(Integer)
-    parents: Mapped[int] = mapped_column(Integer)
-    executions: Mapped[int] = mapped_column(Integer)
+    #: NULL until the first pass has finished (the row may exist for the right alone).
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    duration_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    parents: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    executions: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: The right to scan: who holds it and until when (the database's clock; issue 15 item 4).
+    holder: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    held_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 def record_boot(s: Session, name: str) -> int:

@@ -92,7 +92,7 @@ WHERE status = 'IN_PROGRESS'
 LAST_SCAN_SQL = """
 SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
        EXTRACT(EPOCH FROM now() - started_at)
-FROM recovery_scan WHERE id = 1
+FROM recovery_scan WHERE id = 1 AND started_at IS NOT NULL
 """
 #: Settled executions (O(history): index-only scan of idx_sae_recovery), recounted now and then.
 SETTLED_SQL = """
