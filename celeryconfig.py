@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from kombu import Exchange, Queue
+
 from settings import get_settings
+
+#: Celery's default queue: agent loops and children (long work).
+DEFAULT_QUEUE = "celery"
+
+
+def queues(recovery_queue: str, queue_type: str = "classic") -> tuple[Queue, ...]:
+    """The declared queues: ``celery`` (agent loops, children, recovered children) and the
+    recovery queue (scans, fan-out, deliveries, redeliveries: short work)."""
+    arguments = {"x-queue-type": queue_type} if queue_type != "classic" else None
+    return tuple(
+        Queue(name, Exchange(name), routing_key=name, queue_arguments=arguments)
+        for name in (DEFAULT_QUEUE, recovery_queue)
+    )
 
 
 def build() -> dict[str, Any]:
@@ -31,10 +46,12 @@ def build() -> dict[str, Any]:
             "field-purge-expired": {"task": "field.purge_expired", "schedule": 3600.0},
         },
         "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field"),
-        # Scans, recoveries and deliveries never wait behind hour-long children (issue 9):
-        # every worker serves both queues by default (`-Q celery,recovery`); a dedicated
-        # recovery worker is `celery -A tasks worker -Q recovery` (Procfile).
+        # Short work (scans, fan-out, deliveries, redeliveries) never waits behind hour-long
+        # children (issues 9, 15): it has a queue of its own. A recovered child IS a child and
+        # runs where children run (an exact name wins over the pattern in Celery's router).
+        "task_default_queue": DEFAULT_QUEUE,
         "task_routes": {
+            "recovery.recover_child": {"queue": DEFAULT_QUEUE},
             "recovery.*": {"queue": s.RECOVERY_QUEUE},
             "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
         },
@@ -43,6 +60,9 @@ def build() -> dict[str, Any]:
 
     # RabbitMQ: publisher confirms, quorum queues (README "RabbitMQ as the broker").
     conf.update(brokerconfig.options_for(s.CELERY_BROKER_URL))
+    # Every queue a task is routed to is DECLARED, so a bare `celery -A tasks worker` consumes
+    # them all (CELERY-NOTES "Queues and routing"); `-Q` still narrows a worker to some of them.
+    conf["task_queues"] = queues(s.RECOVERY_QUEUE, conf.get("task_default_queue_type", "classic"))
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
         conf["broker_transport_options"] = {
             "data_folder_in": s.CELERY_FS_FOLDER + "/out",

@@ -150,11 +150,11 @@ class Service:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[2:4]} exited early:\n{self.log()[-3000:]}")
+                raise RuntimeError(f"{self.cmd[1:5]} exited early:\n{self.log()[-3000:]}")
             if self.ready_line in self.log():
                 return self
             time.sleep(0.05)
-        raise RuntimeError(f"{self.cmd[2:4]} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
+        raise RuntimeError(f"{self.cmd[1:5]} not ready after {timeout:g}s:\n{self.log()[-3000:]}")
 
     def log(self) -> str:
         try:
@@ -182,35 +182,38 @@ class Service:
         return self.proc is not None and self.proc.poll() is not None
 
 
+#: The ``celery`` command of this interpreter's environment: workers are started exactly as an
+#: operator starts them (``celery -A tasks worker ...``), not through ``python -m``.
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
 class Worker(Service):
-    """`celery -A tasks worker -P prefork -c N` (optionally with an embedded beat, -B)."""
+    """``celery -A tasks worker -P prefork -c N -n NAME@%h`` (optionally with an embedded beat,
+    -B). Without ``queues`` the worker is started bare, as Celery's docs and our README start
+    it, and serves every queue the app declares; ``queues`` adds ``-Q`` (e.g. the dedicated
+    recovery worker). ``argv`` replaces the whole command line after ``celery`` (a Procfile
+    line, verbatim)."""
 
     def __init__(
-        self, env: dict[str, str], log_dir: Path, name: str = "w1", concurrency: int = 2, beat: bool = False
+        self,
+        env: dict[str, str],
+        log_dir: Path,
+        name: str = "w1",
+        concurrency: int = 2,
+        beat: bool = False,
+        *,
+        queues: str | None = None,
+        argv: list[str] | None = None,
     ) -> None:
         self.name, self.concurrency, self.beat = name, concurrency, beat
         log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tasks",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-n",
-            f"{name}@%h",
-            "-Q",
-            "celery,recovery",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "INFO",
-        ]
+        if argv is not None:
+            cmd = [CELERY, *argv]
+        else:
+            cmd = [CELERY, "-A", "tasks", "worker", "-P", "prefork", "-c", str(concurrency), "-n", f"{name}@%h"]
+            if queues:
+                cmd += ["-Q", queues]
+            cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
         if beat:
             cmd += ["-B", "-s", str(log_path.with_suffix(".beat"))]
         super().__init__(cmd, env, log_path, "event=worker_ready")
@@ -220,15 +223,29 @@ class Worker(Service):
         return self
 
 
+def procfile_commands(path: Path = ROOT / "Procfile") -> dict[str, list[str]]:
+    """The Procfile's process lines as argv lists after ``celery`` (``{"worker": ["-A", ...]}``),
+    so that tests start workers exactly as the Procfile writes them."""
+    import shlex
+
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        name, sep, command = line.partition(":")
+        if not sep or line.startswith("#") or not name.strip().isidentifier():
+            continue
+        argv = shlex.split(command)
+        if argv and argv[0] == "celery":
+            out[name.strip()] = argv[1:]
+    return out
+
+
 class Beat(Service):
     """`celery -A tasks beat`: sends recovery.scan every SCAN_INTERVAL_SECONDS."""
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         log_path = log_dir / f"beat-{int(time.time() * 1000)}.log"
         cmd = [
-            sys.executable,
-            "-m",
-            "celery",
+            CELERY,
             "-A",
             "tasks",
             "beat",

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    case,
     or_,
     text,
     update,
@@ -129,13 +130,16 @@ def reserve_session(
     from_phases: tuple[Phase | None, ...] = (Phase.RUNNING, Phase.RESUMING),
     extra: tuple[Any, ...] = (),
 ) -> int | None:
-    """The scan's takeover: when the lease has expired, bump the epoch, set ``to_phase`` and
-    leave an unowned reservation for the task it hands the new epoch to. Returns the new epoch,
-    or None when the session moved on, is leased, or is not in ``from_phases``. ``extra``
-    conditions are checked in the same UPDATE (e.g. "nothing pending")."""
+    """The scan's takeover: when the lease has expired, set ``to_phase`` and leave an unowned
+    reservation for the task it hands the epoch to. A session held by an owner gets a new
+    epoch (its loop is fenced out); an unclaimed reservation (no owner: a queued run, a fresh
+    submit or a hand-over after delivery) KEEPS its epoch, so the message already in the queue
+    stays valid and the parent is not sent to the back of the queue by every pass (issue 15
+    item 6). Returns the epoch to hand over, or None when the session moved on, is leased, or
+    is not in ``from_phases``. ``extra`` conditions are checked in the same UPDATE (e.g.
+    "nothing pending")."""
     now = utcnow()
-    rows = cas(
-        s,
+    epoch = s.execute(
         update(S)
         .where(
             S.id == sid,
@@ -146,13 +150,16 @@ def reserve_session(
         )
         .values(
             phase=to_phase,
-            epoch=S.epoch + 1,
+            epoch=case((S.lease_owner.is_(None), S.epoch), else_=S.epoch + 1),
             lease_owner=None,
+            lease_generation=None,
             lease_expires_at=now + timedelta(seconds=reserve_seconds),
             updated_at=now,
-        ),
-    )
-    return expected_epoch + 1 if rows == 1 else None
+        )
+        .returning(S.epoch)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    return None if epoch is None else int(epoch)
 
 
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
@@ -222,6 +229,22 @@ def set_phase(
         conditions.append(S.epoch == epoch)
     rows = cas(s, update(S).where(*conditions).values(phase=to_phase, updated_at=utcnow()))
     return rows == 1
+
+
+def stop_session(
+    s: Session, sid: int, *, epoch: int, to_phase: Phase = Phase.FAILED, require_free: bool = False
+) -> bool:
+    """The epoch's holder stops the session for good (``to_phase`` is a stopped phase) and
+    drops the lease. With ``require_free`` it only lands while no live lease is held (the scan
+    stopping a session nobody runs). Returns False, and writes nothing, when the epoch moved on,
+    the session is already stopped, or (with ``require_free``) a live loop holds it."""
+    if to_phase not in STOPPED_PHASES_:
+        raise IllegalTransition(f"stop_session moves session {sid} to a stopped phase, not {to_phase}")
+    conditions = [S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES)]
+    if require_free:
+        conditions.append(lease_free(S))
+    values = {"phase": to_phase, "lease_owner": None, "lease_expires_at": None, "updated_at": utcnow()}
+    return cas(s, update(S).where(*conditions).values(**values)) == 1
 
 
 def request_cancel(s: Session, sid: int) -> bool:

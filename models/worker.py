@@ -13,7 +13,7 @@ repeated, never delivered twice.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, or_, select, update
@@ -66,7 +66,7 @@ def record_boot(s: Session, name: str) -> int:
 
 
 def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int) -> None:
-    """Upsert the single ``recovery_scan`` row."""
+    """Upsert the single ``recovery_scan`` row (the right to scan it also holds is untouched)."""
     values = {"started_at": started_at, "duration_ms": duration_ms, "parents": parents, "executions": executions}
     landed = cas(s, update(RecoveryScan).where(RecoveryScan.id == 1).values(**values))
     if not landed:
@@ -74,7 +74,52 @@ def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: 
 
 
 def last_scan(s: Session) -> RecoveryScan | None:
-    return s.execute(select(RecoveryScan).where(RecoveryScan.id == 1)).scalar_one_or_none()
+    return s.execute(
+        select(RecoveryScan).where(RecoveryScan.id == 1, RecoveryScan.started_at.is_not(None))
+    ).scalar_one_or_none()
+
+
+def take_scan_right(s: Session, holder: str, seconds: float) -> bool:
+    """Take the right to scan for ``holder`` until ``seconds`` from now (the database's time),
+    or renew it when ``holder`` already has it. Returns False, and changes nothing, when another
+    holder's right has not expired, or when the row is locked by a transaction in flight (the
+    row lock is skipped, never waited for: a frozen scanner blocks nobody).
+
+    NOTE: the right lives in a row with an expiry, not in a session-level advisory lock: a
+    scanner that is SIGSTOPped, paused or cut off loses it when ``held_until`` passes, whatever
+    its connection does, so another worker scans within a couple of scan intervals (issue 15
+    item 4). Call it in a short transaction of its own."""
+    from models.base import utcnow
+
+    now = utcnow()
+    R = RecoveryScan
+    free = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
+    landed = cas(
+        s,
+        update(R)
+        .where(R.id == free, or_(R.held_until.is_(None), R.held_until < now, R.holder == holder))
+        .values(holder=holder, held_until=now + timedelta(seconds=seconds)),
+    )
+    if landed:
+        return True
+    if s.execute(select(R.id).where(R.id == 1)).first() is None:
+        _insert_scan_row(s)
+        return take_scan_right(s, holder, seconds)
+    return False
+
+
+def _insert_scan_row(s: Session) -> None:
+    """The right's row (migration 0007 writes it; a truncated table gets it back here)."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = postgresql if s.get_bind().dialect.name == "postgresql" else sqlite
+    s.execute(dialect.insert(RecoveryScan).values(id=1).on_conflict_do_nothing(index_elements=["id"]))
+
+
+def release_scan_right(s: Session, holder: str) -> bool:
+    """Give the right back (as its holder). False when it had already passed to another."""
+    R = RecoveryScan
+    return bool(cas(s, update(R).where(R.id == 1, R.holder == holder).values(holder=None, held_until=None)))
 
 
 #: (stable name, boot generation) of this process, set at worker boot; None elsewhere.

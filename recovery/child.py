@@ -39,6 +39,7 @@ from harness.child import (
     run_rounds,
     timeout_reason,
 )
+from harness.errors import BoundaryInvalid
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
 from harness.loop import LoopDeps, is_infrastructure_error
 from harness.results import describe_exception
@@ -161,6 +162,9 @@ class _Taken:
     invocation: str
     tail_removed: int
     final: FinalFound | None
+    #: Why the child's history can never be made legal again (an invalid compaction boundary):
+    #: the execution ends FAILED with this reason instead of a take that rolls back forever.
+    unrecoverable: str | None = None
 
 
 def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | str:
@@ -194,7 +198,18 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
             .values(phase=Phase.RESUMING, updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )
-        removed = cleanup_incomplete_tail(s, info.child_session_id, validated_boundary(s, info.child_session_id))
+        try:
+            boundary = validated_boundary(s, info.child_session_id)
+        except BoundaryInvalid as exc:
+            # NOTE: the take itself must land (it is what stops the scan from re-sending this
+            # reservation every two leases); the child then ends FAILED with the reason.
+            log.error(
+                "event=subagent_recovery_unrecoverable execution_id=%s reason=invalid_compaction_boundary", execution_id
+            )
+            return _Taken(
+                new_epoch, info, parent_id, str(invocation), 0, None, f"subagent history cannot be recovered: {exc}"
+            )
+        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary)
         final = existing_final(s, info, child_phase)
     return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
 
@@ -213,6 +228,8 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         taken.invocation,
         taken.tail_removed,
     )
+    if taken.unrecoverable is not None:
+        return end_with_failure(info, new_epoch, "failed", failure=taken.unrecoverable)
     try:
         if taken.final is not None:
             # R20: the final answer exists; finish without calling the model again.

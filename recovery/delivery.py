@@ -43,7 +43,7 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import mark_delivered, suppress_execution
-from models.session import hand_over
+from models.session import hand_over, stop_session
 from recovery.legacy import infer_and_store
 from settings import get_settings
 
@@ -256,14 +256,8 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         log.error("event=parent_stopped parent=%s reason=invalid_compaction_boundary", parent_id)
         with transaction() as s:
             parent = _lock_parent(s, parent_id)
-            if parent is None or parent.epoch != epoch:
+            if parent is None or not stop_session(s, parent_id, epoch=epoch, to_phase=Phase.FAILED):
                 return DeliveryOutcome("stale")
-            s.execute(
-                update(AgentSession)
-                .where(AgentSession.id == parent_id, AgentSession.epoch == epoch)
-                .values(phase=Phase.FAILED, lease_owner=None, lease_expires_at=None, updated_at=utcnow())
-                .execution_options(synchronize_session=False)
-            )
             suppressed = suppress_parent(s, parent_id)
         publish_status(parent_id, Phase.FAILED)
         return DeliveryOutcome("stopped", delivered=tuple(suppressed))

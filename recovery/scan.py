@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import and_, case, exists, func, or_, select, text, update
+from sqlalchemy import and_, case, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
+from harness.errors import BoundaryInvalid
+from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, validated_boundary
 from models import (
     ACTIVE_EXECUTION,
@@ -49,19 +51,17 @@ from models import (
     Phase,
     SessionType,
     SubagentExecution,
-    get_engine,
     transaction,
 )
 from models.base import utcnow
-from models.session import reserve_session
-from models.worker import lease_free, record_scan
+from models.session import reserve_session, stop_session
+from models.worker import lease_free, record_scan, release_scan_right, take_scan_right
 from recovery.delivery import suppress_parent
+from recovery.errors import RecoveryError
 from settings import get_settings
 
 log = logging.getLogger("recovery.scan")
 
-#: Key of the PostgreSQL advisory lock that serializes scans across workers.
-SCAN_LOCK_KEY = 0x5CA11ED
 #: Rows reserved per statement.
 BATCH = 1000
 
@@ -90,40 +90,76 @@ class ScanReport:
     delivering: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     resumed_sessions: list[int] = field(default_factory=list)
+    #: The pass stopped because its right to scan passed to another scanner.
+    right_lost: bool = False
 
 
-@contextmanager
-def scan_lock() -> Iterator[bool]:
-    """Session-level advisory lock on PostgreSQL (True when held); SQLite serializes writers
-    itself, so there it is always True."""
-    engine = get_engine()
-    if engine.dialect.name != "postgresql":
-        yield True
-        return
-    with engine.connect() as conn:
-        got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": SCAN_LOCK_KEY}).scalar())
-        conn.commit()
-        try:
-            yield got
-        finally:
-            if got:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SCAN_LOCK_KEY})
-                conn.commit()
+def reservation_seconds() -> float:
+    """How long a reservation written by the scan waits for the task it was handed: two leases."""
+    return 2 * get_settings().LEASE_SECONDS
+
+
+class ScanRightLost(RecoveryError):
+    """Raised when a pass finds that its right to scan has passed to another scanner (it was
+    frozen or cut off longer than the right lasts); the pass stops where it is."""
+
+
+def scan_right_seconds() -> float:
+    """How long the right to scan lasts without a renewal (renewed before every batch and
+    step): one scan interval, and never less than a lease."""
+    settings = get_settings()
+    return max(float(settings.SCAN_INTERVAL_SECONDS), float(settings.LEASE_SECONDS))
+
+
+class ScanRight:
+    """The right to scan, held for one pass (models.worker.take_scan_right): taken in a short
+    transaction of its own, renewed before every batch, given back at the end. Nothing is held
+    between those transactions, so a frozen scanner blocks nobody and a lock never outlives
+    its pass."""
+
+    def __init__(self) -> None:
+        from harness.loop import worker_id
+
+        self.holder = f"{worker_id()}/{uuid.uuid4().hex[:8]}"[:128]
+        self.seconds = scan_right_seconds()
+
+    def take(self) -> bool:
+        with transaction() as s:
+            return take_scan_right(s, self.holder, self.seconds)
+
+    def renew(self) -> None:
+        """Raises ScanRightLost when another scanner holds the right now."""
+        if not self.take():
+            raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
+
+    def release(self) -> None:
+        with transaction() as s:
+            release_scan_right(s, self.holder)
 
 
 def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
     results may wait for their own delivery before the scan asks for it again."""
     started, started_at = time.monotonic(), utcnow()
-    with scan_lock() as held:
-        if not held:
-            log.info("event=subagent_recovery_scan skipped=another_scan_running")
-            return ScanReport(ran=False)
-        report = ScanReport()
-        _step("suppress", _suppress_stopped_parents, report)
-        _step("recover", _recover_dead_executions, scheduler, report)
-        _step("deliver", _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
-        _step("resume", _resume_plain_sessions, scheduler, report)
+    right = ScanRight()
+    if not right.take():
+        log.info("event=subagent_recovery_scan skipped=another_scan_running")
+        return ScanReport(ran=False)
+    report = ScanReport()
+    try:
+        _step("suppress", right, _suppress_stopped_parents, report)
+        _step("recover", right, _recover_dead_executions, scheduler, report, right)
+        _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
+        _step("resume", right, _resume_plain_sessions, scheduler, report)
+    except ScanRightLost:
+        report.right_lost = True
+        log.warning("event=subagent_recovery_scan stopped=scan_right_lost")
+    finally:
+        if not report.right_lost:
+            try:
+                right.release()
+            except Exception:
+                log.warning("event=scan_right_not_released", exc_info=True)
     duration_ms = int((time.monotonic() - started) * 1000)
     log.info(
         "event=subagent_recovery_scan executions=%d parents=%d suppressed=%d waiting=%d resumed=%d durationMs=%d",
@@ -148,10 +184,14 @@ def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None =
     return report
 
 
-def _step(name: str, fn: Any, *args: Any) -> None:
-    """A step that fails is logged and the next one still runs (one bad row never stops a scan)."""
+def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
+    """A step that fails is logged and the next one still runs (one bad row never stops a
+    scan); a step starts only while the pass still holds the right to scan."""
+    right.renew()
     try:
         fn(*args)
+    except ScanRightLost:
+        raise
     except Exception:
         log.error("event=scan_step_failed step=%s", name, exc_info=True)
 
@@ -182,45 +222,82 @@ def _not_stopped(model: Any) -> Any:
     return or_(model.phase.is_(None), model.phase.not_in(STOPPED_PHASES))
 
 
-def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime) -> list[Any]:
-    """Reserve up to BATCH dead executions; returns (id, epoch, parent_session_id) rows.
+def _dead(pass_started: datetime) -> Any:
+    """SQL: an execution is dead at ``pass_started``: its lease is free (lapsed, never taken, or
+    held by a replaced boot generation), or it is past its absolute deadline + cancel grace and
+    still held by an OWNER (a stuck worker must not hold it). A reservation the scan wrote (no
+    owner) is never taken again before it lapses, overdue or not: its message may just wait in
+    a queue, and re-sending it every pass would flood the queue with duplicates.
 
-    NOTE: "dead" is judged at ``pass_started``: a reservation this pass wrote lapses only
-    after it, so a pass longer than its reservations never takes its own rows again."""
+    NOTE: "dead" is judged at ``pass_started``: a reservation this pass wrote lapses only after
+    it, so a pass longer than its reservations never takes its own rows again."""
     settings = get_settings()
-    now = pass_started
-    # Past deadline + grace: taken even from a live owner (a stuck worker must not hold it).
-    overdue = now - timedelta(seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS)
+    overdue = pass_started - timedelta(
+        seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS
+    )
+    return and_(
+        E.delivery_status == DeliveryStatus.PENDING,
+        E.status.in_(ACTIVE_EXECUTION),
+        or_(lease_free(E, pass_started), and_(E.started_at < overdue, E.lease_owner.is_not(None))),
+    )
+
+
+@dataclass(frozen=True)
+class _Batch:
+    rows: list[Any]  #: (id, epoch, parent_session_id) of the executions reserved
+    cursor: int  #: the highest execution id this batch looked at
+    full: bool  #: the batch was full: more candidates may follow the cursor
+
+
+def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, after_id: int) -> _Batch:
+    """Reserve up to BATCH dead executions with ids above ``after_id`` (RECOVERING, epoch + 1,
+    no owner; an unclaimed reservation keeps its epoch).
+
+    The pass walks the execution ids upwards (keyset), so it visits each row at most once,
+    whatever the backlog (issue 15 item 3). Rows are locked in the one order every path uses:
+    the parent row first, then its executions (issue 15 item 5). A parent locked by a cancel,
+    a delivery or a finishing child is skipped for this pass, never waited for."""
     Parent = S.__table__.alias("parent")
-    candidates = (
-        select(E.id)
+    dead = _dead(pass_started)
+    candidates = s.execute(
+        select(E.id, E.parent_session_id)
         .join(Parent, Parent.c.id == E.parent_session_id)
-        .where(
-            E.delivery_status == DeliveryStatus.PENDING,
-            E.status.in_(ACTIVE_EXECUTION),
-            or_(lease_free(E, now), E.started_at < overdue),
-            or_(Parent.c.phase.is_(None), Parent.c.phase.not_in(STOPPED_PHASES)),
-        )
+        .where(E.id > after_id, dead, or_(Parent.c.phase.is_(None), Parent.c.phase.not_in(STOPPED_PHASES)))
         .order_by(E.id)
         .limit(BATCH)
-        .with_for_update(of=E, skip_locked=True)
-    )
-    unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
-    return list(
+    ).all()
+    if not candidates:
+        return _Batch([], after_id, False)
+    cursor = int(candidates[-1][0])
+    parents = sorted({int(p) for _, p in candidates})
+    locked = list(
         s.execute(
-            update(E)
-            .where(E.id.in_(candidates.scalar_subquery()))
-            .values(
-                status=ExecutionStatus.RECOVERING,
-                epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
-                lease_owner=None,
-                lease_generation=None,
-                lease_expires_at=utcnow() + timedelta(seconds=reserve_seconds),
-            )
-            .returning(E.id, E.epoch, E.parent_session_id)
-            .execution_options(synchronize_session=False)
-        ).all()
+            select(S.id).where(S.id.in_(parents), _not_stopped(S)).order_by(S.id).with_for_update(skip_locked=True)
+        )
+        .scalars()
+        .all()
     )
+    rows: list[Any] = []
+    if locked:
+        ids = [int(i) for i, p in candidates if int(p) in locked]
+        free = select(E.id).where(E.id.in_(ids)).with_for_update(skip_locked=True)
+        unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
+        rows = list(
+            s.execute(
+                update(E)
+                .where(E.id.in_(free.scalar_subquery()), dead)  # re-checked under the locks
+                .values(
+                    status=ExecutionStatus.RECOVERING,
+                    epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
+                    lease_owner=None,
+                    lease_generation=None,
+                    lease_expires_at=utcnow() + timedelta(seconds=reserve_seconds),
+                )
+                .returning(E.id, E.epoch, E.parent_session_id)
+                .execution_options(synchronize_session=False)
+            ).all()
+        )
+    return _Batch(rows, cursor, len(candidates) == BATCH)
 
 
 def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int]:
@@ -228,7 +305,7 @@ def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int
     owner. Returns every given parent's current epoch, whether released now or already free;
     a parent still leased by a live loop keeps its epoch (its loop yields with it)."""
     now = utcnow()
-    reserve = 2 * get_settings().LEASE_SECONDS
+    reserve = reservation_seconds()
     s.execute(
         update(S)
         .where(
@@ -258,31 +335,33 @@ def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int
     return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 
 
-def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport) -> None:
-    reserve_seconds = 2 * get_settings().LEASE_SECONDS
+def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport, right: ScanRight) -> None:
+    reserve_seconds = reservation_seconds()
     pass_started = utcnow()
+    cursor = 0
     while True:
         with transaction() as s:
-            rows = _reserve_batch(s, reserve_seconds, pass_started)
+            batch = _reserve_batch(s, reserve_seconds, pass_started, cursor)
             by_parent: dict[int, list[tuple[int, int]]] = defaultdict(list)
-            for eid, epoch, parent_id in rows:
+            for eid, epoch, parent_id in batch.rows:
                 by_parent[int(parent_id)].append((int(eid), int(epoch)))
             epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
-        if not rows:
+        cursor = batch.cursor
+        if batch.rows:
+            crash_point("scan.after_take_parent")
+            rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
+            for pid, _, children in rounds:
+                report.parents.append(pid)
+                report.recovering += [eid for eid, _ in children]
+                log.info(
+                    "event=parent_recovery_wait parent=%s childExecutions=%s",
+                    pid,
+                    ",".join(str(eid) for eid, _ in children),
+                )
+            scheduler.recover_many(rounds)
+        if not batch.full:
             return
-        crash_point("scan.after_take_parent")
-        rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
-        for pid, _, children in rounds:
-            report.parents.append(pid)
-            report.recovering += [eid for eid, _ in children]
-            log.info(
-                "event=parent_recovery_wait parent=%s childExecutions=%s",
-                pid,
-                ",".join(str(eid) for eid, _ in children),
-            )
-        scheduler.recover_many(rounds)
-        if len(rows) < BATCH:
-            return
+        right.renew()
 
 
 def _deliver_waiting_rounds(scheduler: RecoveryScheduler, report: ScanReport, grace_seconds: float | None) -> None:
@@ -357,29 +436,26 @@ def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> 
 
 def _take_plain(sid: int, epoch: int) -> int | None:
     """Take a plain session; "nothing pending" is part of the UPDATE (a delegation committed
-    between the SELECT and here makes it miss)."""
-    with transaction() as s:
-        new_epoch = reserve_session(
-            s,
-            sid,
-            expected_epoch=epoch,
-            to_phase=Phase.RUNNING,
-            reserve_seconds=2 * get_settings().LEASE_SECONDS,
-            extra=_nothing_pending(),
-        )
-        if new_epoch is not None:
-            cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
-        return new_epoch
-
-
-def take_parent(s: Session, parent_id: int, expected_epoch: int) -> int | None:
-    """Recovery owns the parent: new epoch, phase RESUMING (shown as RUNNING), and a
-    reservation for the delivery it hands that epoch to. None when leased or moved on."""
-    return reserve_session(
-        s,
-        parent_id,
-        expected_epoch=expected_epoch,
-        to_phase=Phase.RESUMING,
-        reserve_seconds=2 * get_settings().LEASE_SECONDS,
-        from_phases=(None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING, Phase.WAITING_USER),
-    )
+    between the SELECT and here makes it miss). A session whose compaction boundary is invalid
+    can never get a legal history: it ends FAILED (issue 15 item 7) instead of a take that rolls
+    back on every pass."""
+    try:
+        with transaction() as s:
+            new_epoch = reserve_session(
+                s,
+                sid,
+                expected_epoch=epoch,
+                to_phase=Phase.RUNNING,
+                reserve_seconds=reservation_seconds(),
+                extra=_nothing_pending(),
+            )
+            if new_epoch is not None:
+                cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
+            return new_epoch
+    except BoundaryInvalid:
+        with transaction() as s:
+            stopped = stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED, require_free=True)
+        if stopped:
+            log.error("event=session_stopped session_id=%s reason=invalid_compaction_boundary", sid)
+            publish_status(sid, Phase.FAILED)
+        return None

@@ -40,6 +40,8 @@ def upgrade() -> None:
             batch.alter_column(column, existing_type=TS, nullable=True)
         for column in ("duration_ms", "parents", "executions"):
             batch.alter_column(column, existing_type=sa.Integer, nullable=True)
+    # The right's row exists from now on (a pass before the first finished scan can take it).
+    op.execute("INSERT INTO recovery_scan (id) SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM recovery_scan WHERE id = 1)")
 
 
 def downgrade() -> None:

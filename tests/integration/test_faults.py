@@ -407,7 +407,10 @@ def test_a_large_pass_is_handed_over_in_fan_out_batches_that_publish_every_recov
         for b in batches:
             (args, _, _) = json.loads(__import__("base64").b64decode(b["body"]))
             sched.fan_out([tuple(x) for x in args[0]])
-        singles = [json.loads(m)["headers"] for m in client.lrange("recovery", 0, -1)]
+        # A recovered child is a child: it runs where children run (issue 15 item 2), never on
+        # the recovery queue of short work.
+        assert client.llen("recovery") == 0
+        singles = [json.loads(m)["headers"] for m in client.lrange("celery", 0, -1)]
         assert len(singles) == len(children) and {h["task"] for h in singles} == {"recovery.recover_child"}
     finally:
         tasks.app.conf.broker_url = old
