@@ -3,7 +3,9 @@
 ``crash_point("deliver.mid_round")`` does nothing unless armed:
 - by environment: ``CRASH_POINT=deliver.mid_round`` (optionally ``CRASH_POINT_AFTER=N``: die on
   the N-th time the point is reached in this process) -> the process exits with os._exit(137),
-  exactly like a SIGKILL at that line (no cleanup, no commit, no ack);
+  exactly like a SIGKILL at that line (no cleanup, no commit, no ack); with
+  ``CRASH_POINT_MODE=stop`` the process instead SIGSTOPs itself there (frozen, as a paused VM
+  or a debugger would leave it; the test sends SIGCONT or SIGKILL);
 - in-process, by a test: ``with armed_fault("round.after_assistant"): ...`` -> raises
   ``InjectedFault`` at that point (transaction rollback tests, spec R25).
 
@@ -13,6 +15,7 @@ Unarmed it costs one dict lookup. This module imports nothing from the project.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -37,6 +40,7 @@ POINTS = (
     "parent.after_resume",  # the parent's loop took its session again
     "recover.after_take",  # recovery took the execution, child loop not yet started
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
+    "scan.holding_right",  # scan took the right to scan, nothing else done yet
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
 )
 
@@ -49,6 +53,7 @@ class InjectedFault(RuntimeError):
 
 _armed_env = os.environ.get("CRASH_POINT", "")
 _after = int(os.environ.get("CRASH_POINT_AFTER", "1") or "1")
+_mode = os.environ.get("CRASH_POINT_MODE", "")
 _hits: dict[str, int] = {}
 _faults: dict[str, int] = {}
 _lock = threading.Lock()
@@ -56,9 +61,10 @@ _lock = threading.Lock()
 
 def rearm_from_env() -> None:
     """Re-read CRASH_POINT (tests that set it after import)."""
-    global _armed_env, _after
+    global _armed_env, _after, _mode
     _armed_env = os.environ.get("CRASH_POINT", "")
     _after = int(os.environ.get("CRASH_POINT_AFTER", "1") or "1")
+    _mode = os.environ.get("CRASH_POINT_MODE", "")
     _hits.clear()
 
 
@@ -72,7 +78,11 @@ def crash_point(name: str) -> None:
                     raise InjectedFault(name)
     if _armed_env and name == _armed_env:
         _hits[name] = _hits.get(name, 0) + 1
-        if _hits[name] >= _after:
+        if _hits[name] == _after and _mode == "stop":
+            sys.stderr.write(f"crash_point={name} pid={os.getpid()} stopping\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif _hits[name] >= _after and _mode != "stop":
             sys.stderr.write(f"crash_point={name} pid={os.getpid()} exiting\n")
             sys.stderr.flush()
             os._exit(EXIT_CODE)

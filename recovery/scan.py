@@ -147,6 +147,7 @@ def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None =
         return ScanReport(ran=False)
     report = ScanReport()
     try:
+        crash_point("scan.holding_right")
         _step("suppress", right, _suppress_stopped_parents, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)

@@ -87,6 +87,8 @@ def db(pg_url: str) -> Iterator[str]:
         names = ", ".join(t for t in TABLES if t in existing)
         if names:
             conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+        if "recovery_scan" in existing:  # the right to scan is free at the start of every test
+            conn.execute(text("UPDATE recovery_scan SET holder = NULL, held_until = NULL"))
     yield pg_url
 
 

@@ -1,0 +1,403 @@
+"""The recovery scan (recovery/scan.py) on real PostgreSQL: a pass visits each row at most once,
+the right to scan is bounded in time, rows are locked parent first, queued runs keep their
+epoch, and an invalid compaction boundary ends the work instead of a take that rolls back
+forever (issue 15 items 3-7)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, event, select, text, update
+
+from harness.parent import run_agent
+from harness.views import create_session
+from models import (
+    AgentSession,
+    DeliveryStatus,
+    ExecutionStatus,
+    Phase,
+    RecoveryScan,
+    Role,
+    SessionType,
+    SubagentExecution,
+    transaction,
+)
+from models.base import utcnow
+from models.worker import take_scan_right
+from recovery.cancel import cancel_session
+from recovery.child import recover_child
+from recovery.scan import ScanRight, ScanRightLost, scan
+from tests.helpers import (
+    RecordingScheduler,
+    add_message,
+    executions_of,
+    expire_leases,
+    invariants,
+    loop_deps,
+    make_execution,
+    make_session,
+    messages_of,
+)
+
+E = SubagentExecution
+
+
+def _sent(sched: RecordingScheduler) -> list[int]:
+    return [eid for _, _, children in sched.recoveries for eid, _ in children]
+
+
+# --- item 3: a pass visits each row at most once ------------------------------------------
+
+
+def _seed_legacy_backlog(url: str, parents: int, per_parent: int, started: datetime) -> None:
+    """Pre-upgrade rows (schema 0001): RUNNING parents with RUNNING executions, no leases."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        for _ in range(parents):
+            parent = conn.execute(
+                text(
+                    "INSERT INTO agent_session (user_id, session_type, agent_type, phase, started_at, updated_at)"
+                    " VALUES ('u1', 'NORMAL', 'main', 'RUNNING', :t, :t) RETURNING id"
+                ),
+                {"t": started},
+            ).scalar_one()
+            for i in range(per_parent):
+                child = conn.execute(
+                    text(
+                        "INSERT INTO agent_session (user_id, session_type, parent_session_id, agent_type, phase,"
+                        " started_at, updated_at) VALUES ('u1', 'SUBAGENT', :p, 'reviewer', 'RUNNING', :t, :t)"
+                        " RETURNING id"
+                    ),
+                    {"p": parent, "t": started},
+                ).scalar_one()
+                conn.execute(
+                    text("INSERT INTO message (session_id, role, content, created_at) VALUES (:c, 'USER', :task, :t)"),
+                    {"c": child, "task": f"old task {i}", "t": started},
+                )
+                conn.execute(
+                    text(
+                        "INSERT INTO subagent_execution (parent_session_id, child_session_id, agent_type,"
+                        " task_description, status, started_at) VALUES (:p, :c, 'reviewer', :task, 'RUNNING', :t)"
+                    ),
+                    {"p": parent, "c": child, "task": f"old task {i}", "t": started},
+                )
+    engine.dispose()
+
+
+@pytest.fixture
+def upgrade_day_db(fresh_db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A database at schema 0001 holding 300 parents x 5 RUNNING executions from two days ago,
+    then upgraded to head, as `agent-recovery db upgrade` does on upgrade day."""
+    from alembic import command
+
+    from migrations import alembic_config
+    from models.db import dispose_engines
+    from settings import get_settings
+
+    cfg = alembic_config(fresh_db_url)
+    command.upgrade(cfg, "0001")
+    _seed_legacy_backlog(fresh_db_url, 300, 5, datetime.now(UTC) - timedelta(days=2))
+    command.upgrade(cfg, "head")
+    monkeypatch.setenv("DATABASE_URL", fresh_db_url)
+    get_settings.cache_clear()
+    dispose_engines()
+    yield fresh_db_url
+    dispose_engines()
+    get_settings.cache_clear()
+
+
+@pytest.mark.timeout(600)
+def test_an_upgrade_day_backlog_of_overdue_executions_ends_in_one_pass_and_each_is_delivered_timed_out_once(
+    upgrade_day_db: str,
+) -> None:
+    with transaction() as s:
+        total = s.execute(select(E.id).where(E.delivery_status == DeliveryStatus.PENDING)).all()
+    assert len(total) == 1500  # more than one batch (BATCH = 1000)
+    first = RecordingScheduler()
+    started = time.monotonic()
+    report = scan(first, callback_grace_seconds=0)
+    assert report.ran and not report.right_lost
+    sent = _sent(first)
+    assert len(sent) == 1500 and len(set(sent)) == 1500, "every overdue execution is sent exactly once"
+    assert time.monotonic() - started < 60
+    # The next pass leaves the live reservations alone, overdue or not: nothing is sent twice.
+    second = RecordingScheduler()
+    assert scan(second, callback_grace_seconds=0).ran
+    assert _sent(second) == []
+    deps = loop_deps("http://127.0.0.1:9/v1", RecordingScheduler())  # no model call is made
+    work = [(eid, epoch) for _, _, children in first.recoveries for eid, epoch in children]
+    with ThreadPoolExecutor(4) as pool:  # as several worker slots would
+        outcomes = set(pool.map(lambda pair: recover_child(*pair, deps), work))
+    assert outcomes == {"timed_out"}
+    with transaction() as s:
+        rows = s.execute(select(E.status, E.delivery_status, E.error)).all()
+        tools = s.execute(text("SELECT count(*), count(DISTINCT tool_call_id) FROM message WHERE role = 'TOOL'")).one()
+    assert {(r.status, r.delivery_status) for r in rows} == {(ExecutionStatus.FAILED, DeliveryStatus.DELIVERED)}
+    assert all("timed out" in (r.error or "") for r in rows)
+    assert tools == (1500, 1500), "one TOOL result per execution, each delivered once"
+    assert invariants(settled=False) == []
+
+
+def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_overdue_rows_again(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import itertools
+
+    import recovery.scan as scan_module
+
+    for _ in range(3):
+        parent = make_session()
+        for _ in range(2):
+            make_execution(parent, started_ago_seconds=2 * 86400)  # past deadline + grace
+    ticks = itertools.count()
+    real = scan_module.utcnow
+    # Every call is a minute later: each batch's reservations have lapsed by the next batch.
+    monkeypatch.setattr(scan_module, "utcnow", lambda: real() + timedelta(seconds=60 * next(ticks)))
+    monkeypatch.setattr(scan_module, "BATCH", 2)
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    sent = _sent(sched)
+    assert sorted(sent) == sorted(set(sent)) and len(sent) == 6
+
+
+def test_an_overdue_execution_held_by_a_live_owner_is_taken_once_and_its_reservation_is_left_alone(db: str) -> None:
+    parent = make_session()
+    eid = make_execution(
+        parent, started_ago_seconds=2 * 86400, lease_owner="stuck@host", lease_expires_at=utcnow() + timedelta(hours=1)
+    )
+    first, second = RecordingScheduler(), RecordingScheduler()
+    scan(first, callback_grace_seconds=0)
+    scan(second, callback_grace_seconds=0)
+    assert _sent(first) == [eid] and _sent(second) == []
+
+
+# --- item 4: the right to scan is bounded in time -----------------------------------------
+
+
+def _right() -> tuple[str | None, datetime | None]:
+    with transaction() as s:
+        row = s.execute(select(RecoveryScan.holder, RecoveryScan.held_until).where(RecoveryScan.id == 1)).one()
+    return row.holder, row.held_until
+
+
+def test_a_frozen_scanners_right_passes_to_another_scanner_once_it_expires(db: str) -> None:
+    frozen = ScanRight()
+    assert frozen.take()
+    blocked = scan(RecordingScheduler())
+    assert not blocked.ran, "a live right is respected"
+    # The frozen scanner never renews: its right lapses in the database's time.
+    with transaction() as s:
+        s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow() - timedelta(seconds=1)))
+    assert scan(RecordingScheduler()).ran
+    assert _right() == (None, None), "the pass gave its right back"
+    assert frozen.take()  # free again; but a frozen scanner whose right was taken cannot renew it
+    other = ScanRight()
+    with transaction() as s:
+        s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow() - timedelta(seconds=1)))
+    assert other.take()
+    with pytest.raises(ScanRightLost):
+        frozen.renew()
+
+
+def test_a_pass_that_loses_its_right_between_batches_stops_there(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import recovery.scan as scan_module
+
+    for _ in range(3):
+        make_execution(make_session(), lease_expires_at=utcnow() - timedelta(seconds=5))
+    monkeypatch.setattr(scan_module, "BATCH", 1)
+    thief = ScanRight()
+    real_recover_many = RecordingScheduler.recover_many
+
+    def steal_after_first_batch(self: RecordingScheduler, rounds: Any) -> None:
+        real_recover_many(self, rounds)
+        with transaction() as s:  # another scanner takes the right while this one is frozen
+            s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow()))
+        assert thief.take()
+
+    monkeypatch.setattr(RecordingScheduler, "recover_many", steal_after_first_batch)
+    sched = RecordingScheduler()
+    report = scan(sched)
+    assert report.right_lost and len(_sent(sched)) == 1
+    assert _right()[0] == thief.holder, "the thief keeps the right: a lost right is not released"
+
+
+def test_a_failing_step_never_leaves_the_right_held(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import recovery.scan as scan_module
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(scan_module, "_recover_dead_executions", broken)
+    assert scan(RecordingScheduler()).ran
+    assert _right() == (None, None)
+    with transaction() as s:
+        assert take_scan_right(s, "next", 5.0)
+
+
+def test_a_right_locked_by_a_frozen_transaction_is_skipped_not_waited_for(db: str) -> None:
+    """A scanner frozen INSIDE its right's transaction holds the row lock: others skip, never wait."""
+    from models import get_engine
+
+    conn = get_engine().connect()
+    trans = conn.begin()
+    conn.execute(text("SELECT id FROM recovery_scan WHERE id = 1 FOR UPDATE"))
+    try:
+        started = time.monotonic()
+        assert not scan(RecordingScheduler()).ran
+        assert time.monotonic() - started < 5
+    finally:
+        trans.rollback()
+        conn.close()
+
+
+# --- item 5: one lock order (parent, then its executions) ---------------------------------
+
+
+class _Interleave:
+    """Pauses the scan thread right after its first row-locking statement until the cancel and
+    the finishing child have each sent their first locking statement (or a short bound passed),
+    so the three transactions overlap on the same parent and executions."""
+
+    def __init__(self) -> None:
+        self.scan_locked = threading.Event()
+        self.others = threading.Semaphore(0)
+        self.local = threading.local()
+
+    def listener(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        role = getattr(self.local, "role", None)
+        locking = "FOR UPDATE" in statement or statement.lstrip().upper().startswith("UPDATE")
+        if role == "scan" and locking and "recovery_scan" not in statement and not self.scan_locked.is_set():
+            self.scan_locked.set()
+            for _ in range(2):
+                self.others.acquire(timeout=1.0)
+            time.sleep(0.2)  # let the others reach their lock waits (bounded; ordering is the assertion)
+        elif role in ("cancel", "finish") and locking and not getattr(self.local, "signalled", False):
+            self.local.signalled = True
+            self.others.release()
+
+
+def test_cancel_scan_and_a_finishing_child_racing_on_one_parent_never_deadlock(
+    db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from harness.child import finish_child, load_child
+    from models import get_engine
+
+    engine = get_engine()
+    for _ in range(4):
+        parent = make_session(phase=Phase.RUNNING)
+        finishing = make_execution(parent, lease_owner="w@h", lease_expires_at=utcnow() + timedelta(seconds=30))
+        make_execution(parent, lease_expires_at=utcnow() - timedelta(seconds=5))  # dead: the scan takes it
+        with transaction() as s:
+            epoch = s.execute(select(E.epoch).where(E.id == finishing)).scalar_one()
+        info = load_child(finishing)
+        gate = _Interleave()
+        event.listen(engine, "before_cursor_execute", gate.listener)
+        errors: list[BaseException] = []
+
+        def run(role: str, fn: Any, gate: _Interleave = gate, errors: list[BaseException] = errors) -> None:
+            gate.local.role = role
+            if role != "scan":
+                gate.scan_locked.wait(5)
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=run, args=("scan", lambda: scan(RecordingScheduler(), callback_grace_seconds=0))),
+            threading.Thread(target=run, args=("cancel", lambda p=parent: cancel_session(p))),
+            threading.Thread(
+                target=run,
+                args=("finish", lambda i=info, e=epoch: finish_child(i, e, text="done", final_content="done")),
+            ),
+        ]
+        caplog.clear()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        event.remove(engine, "before_cursor_execute", gate.listener)
+        assert errors == [], f"a racer failed: {errors!r}"
+        assert "deadlock" not in caplog.text.lower() and "scan_step_failed" not in caplog.text
+        with transaction() as s:
+            phase = s.execute(select(AgentSession.phase).where(AgentSession.id == parent)).scalar_one()
+        assert phase == Phase.CANCELLED
+        assert {e.delivery_status for e in executions_of(parent)} == {DeliveryStatus.SUPPRESSED}
+    assert invariants(settled=False) == []
+
+
+# --- item 6: a queued run keeps its epoch ---------------------------------------------------
+
+
+def test_a_queued_parent_run_keeps_its_epoch_through_every_scan_pass(model_factory: Any) -> None:
+    model = model_factory([{"when": {}, "reply": {"content": "hello"}}])
+    sid = create_session("main", "hi")  # reserved for agent.run(sid, 0), still in a long queue
+    for _ in range(3):
+        expire_leases()  # the queue is slower than the reservation
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert sched.resumed == [(sid, 0)], "the scan re-sends the same run, it does not fence the queued one"
+    deps = loop_deps(model.base_url)
+    assert run_agent(sid, 0, deps) == "waiting_user", "the message queued first still runs the session"
+    assert run_agent(sid, 0, deps) == "stale", "its duplicate loses the compare-and-set"
+
+
+def test_a_dead_loops_session_still_gets_a_new_epoch_from_the_scan(db: str) -> None:
+    sid = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=4)
+    add_message(sid, Role.USER, "hi")
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    assert sched.resumed == [(sid, 5)]
+
+
+# --- item 7: an invalid compaction boundary ends the work -----------------------------------
+
+
+def test_a_recovered_child_with_an_invalid_boundary_ends_failed_and_is_delivered_as_a_failure(db: str) -> None:
+    parent = make_session(phase=Phase.RUNNING)
+    child = make_session(session_type=SessionType.SUBAGENT, phase=Phase.RUNNING, parent_session_id=parent)
+    start = add_message(child, Role.USER, "review the change")
+    eid = make_execution(
+        parent,
+        child,
+        tool_call_id="call_x",
+        execution_start_message_id=start,
+        lease_expires_at=utcnow() - timedelta(seconds=5),
+    )
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == child).values(compaction_boundary_message_id=999999))
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    assert _sent(sched) == [eid]
+    (_, _, [(_, epoch)]) = sched.recoveries[0]
+    deps = loop_deps("http://127.0.0.1:9/v1", sched)
+    assert recover_child(eid, epoch, deps) == "failed"
+    (row,) = executions_of(parent)
+    assert row.status == ExecutionStatus.FAILED and "compaction boundary" in (row.error or "")
+    assert row.delivery_status == DeliveryStatus.DELIVERED, "the last child of the round delivers it"
+    tool = [m for m in messages_of(parent) if m.role == Role.TOOL]
+    assert len(tool) == 1 and json.loads(tool[0].content or "{}")["success"] is False
+    again = RecordingScheduler()
+    scan(again, callback_grace_seconds=0)
+    assert _sent(again) == [], "nothing is re-sent forever"
+
+
+def test_a_plain_session_with_an_invalid_boundary_ends_failed_and_is_not_resumed(db: str) -> None:
+    sid = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5))
+    add_message(sid, Role.USER, "hi")
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == sid).values(compaction_boundary_message_id=999999))
+    for _ in range(2):
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert sched.resumed == []
+    with transaction() as s:
+        phase = s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one()
+    assert phase == Phase.FAILED
