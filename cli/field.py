@@ -66,9 +66,9 @@ def register(sub: Any) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.orchestrator import RecoveryStatus, recover_eml
-    from recovery.field.schemas import SourceKind
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.orchestrator import RecoveryStatus, recover_eml
+    from fieldrecovery.schemas import SourceKind
     from settings import get_settings
 
     settings = get_settings()  # invalid settings stop here, naming the variable (exit 2)
@@ -95,8 +95,8 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _stale(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.store import list_stale
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.store import list_stale
 
     try:
         stale = list_stale(limit=args.limit)
@@ -120,8 +120,8 @@ def _stale(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.store import ReleaseOutcome, store_from_settings
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.store import ReleaseOutcome, store_from_settings
 
     try:
         outcome = store_from_settings().release(args.key, reason=args.reason, epoch=args.epoch)

@@ -52,7 +52,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from doubles.superagent_agent import Behaviour, StubConfig, answer_text
-from recovery.field.schemas import canonical_json
+from fieldrecovery.schemas import canonical_json
 
 __all__ = ["DEFAULT_API_KEY", "Behaviour", "StubConfig", "StubStats", "SuperAgentStub"]
 

@@ -24,8 +24,8 @@ from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Any
 
-from recovery.field.request_builder import parse_message
-from recovery.field.schemas import (
+from fieldrecovery.request_builder import parse_message
+from fieldrecovery.schemas import (
     SCHEMA_VERSION,
     RecoveryPatch,
     RecoveryPatchSet,

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from doubles.superagent import Behaviour, SuperAgentStub
-from recovery.field.answer import parse_patch_set
-from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer
-from recovery.field.deadline import Deadline
-from recovery.field.errors import (
+from fieldrecovery.answer import parse_patch_set
+from fieldrecovery.client import CallProgress, OpenApiClient, ProviderAnswer
+from fieldrecovery.deadline import Deadline
+from fieldrecovery.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
     InvocationLost,

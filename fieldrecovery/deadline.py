@@ -17,7 +17,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
-from recovery.field.errors import DeadlineExceeded
+from fieldrecovery.errors import DeadlineExceeded
 
 #: How often the watchdog looks at its stop event (a lost lease) while the call runs.
 STOP_POLL_SECONDS = 0.05

@@ -43,17 +43,17 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from models.db import get_engine
-from recovery.field.artifacts import ArtifactDraft, put_artifacts
-from recovery.field.errors import FieldRecoveryError, StoreUnavailable
-from recovery.field.logs import get_logger, log_event
-from recovery.field.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
-from recovery.field.tables import (
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
+from fieldrecovery.tables import (
     DEFAULT_RETENTION_DAYS,
     DEFAULT_SCHEMA,
     FieldRecoveryInvocation,
     InvocationStatus,
 )
+from models.db import get_engine
 
 log = get_logger("store")
 Inv = FieldRecoveryInvocation

@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery.field.errors import ProviderOutputInvalid
-from recovery.field.schemas import RecoveryPatchSet
+from fieldrecovery.errors import ProviderOutputInvalid
+from fieldrecovery.schemas import RecoveryPatchSet
 
 
 def parse_patch_set(answer: str, *, max_chars: int) -> RecoveryPatchSet:

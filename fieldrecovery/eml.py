@@ -33,8 +33,8 @@ from datetime import date, datetime
 from email.message import EmailMessage
 from email.utils import parsedate_to_datetime
 
-from recovery.field.errors import EmlInvalid
-from recovery.field.schemas import (
+from fieldrecovery.errors import EmlInvalid
+from fieldrecovery.schemas import (
     Candidate,
     Evidence,
     FactStatus,

@@ -47,17 +47,17 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from recovery.field.deadline import Deadline, Watchdog
-from recovery.field.errors import (
+from fieldrecovery.deadline import Deadline, Watchdog
+from fieldrecovery.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
     InvocationLost,
     ProviderRejected,
     ProviderUnavailable,
 )
-from recovery.field.logs import get_logger, log_event
-from recovery.field.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
-from recovery.field.transport import CSRF_COOKIE, watched_session
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
+from fieldrecovery.transport import CSRF_COOKIE, watched_session
 from settings import FieldRecoverySettings, OpenApiSettings
 
 log = get_logger("client")

@@ -20,18 +20,18 @@ from enum import StrEnum
 from typing import Any
 
 from crashpoints import crash_point
-from recovery.field.answer import parse_patch_set
-from recovery.field.artifacts import ArtifactDraft, put_artifacts
-from recovery.field.assembly import assemble
-from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer, client_for
-from recovery.field.deadline import Deadline
-from recovery.field.eml import parse_eml
-from recovery.field.errors import FieldRecoveryError, RequestTooLarge
-from recovery.field.logs import get_logger, log_event
-from recovery.field.projector import project
-from recovery.field.records import InvocationMeta, ProviderAudit
-from recovery.field.request_builder import build_request, render_message, request_hash
-from recovery.field.schemas import (
+from fieldrecovery.answer import parse_patch_set
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.assembly import assemble
+from fieldrecovery.client import CallProgress, OpenApiClient, ProviderAnswer, client_for
+from fieldrecovery.deadline import Deadline
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.errors import FieldRecoveryError, RequestTooLarge
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.projector import project
+from fieldrecovery.records import InvocationMeta, ProviderAudit
+from fieldrecovery.request_builder import build_request, render_message, request_hash
+from fieldrecovery.schemas import (
     AssemblyResult,
     EffectiveFactView,
     ParsedFactSet,
@@ -40,8 +40,8 @@ from recovery.field.schemas import (
     SourceKind,
     sha256_hex,
 )
-from recovery.field.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
-from recovery.field.tables import ArtifactType
+from fieldrecovery.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
+from fieldrecovery.tables import ArtifactType
 from settings import FieldRecoverySettings, get_settings
 
 log = get_logger("orchestrator")

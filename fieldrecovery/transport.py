@@ -23,7 +23,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from recovery.field.deadline import Watchdog
+from fieldrecovery.deadline import Watchdog
 
 #: The double-submit cookie name; the header is X-CSRF-Token.
 CSRF_COOKIE = "csrf_token"
