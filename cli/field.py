@@ -29,6 +29,19 @@ from typing import Any
 
 #: Exit status of `field recover` when the recovery succeeded but needs review.
 EXIT_NEEDS_REVIEW = 3
+#: The largest attempt number (an ``integer`` column).
+MAX_ATTEMPT = 2**31 - 1
+
+
+def _attempt(text: str) -> int:
+    """``--attempt``: an integer from 1 to MAX_ATTEMPT (argparse turns the error into exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= MAX_ATTEMPT:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_ATTEMPT}")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -37,7 +50,9 @@ def register(sub: Any) -> None:
     rec = fsub.add_parser("recover", help="recover the unresolved fields of one booking EML")
     rec.add_argument("file", metavar="FILE.eml", type=Path)
     rec.add_argument("--json", action="store_true", help="print one JSON object")
-    rec.add_argument("--attempt", type=int, default=1, help="attempt number (part of the idempotency key)")
+    rec.add_argument(
+        "--attempt", type=_attempt, default=1, help="attempt number, 1 or more (part of the idempotency key)"
+    )
     rec.add_argument("--source", choices=("MANUAL_EML", "AGENTBUS"), default="MANUAL_EML")
     rec.set_defaults(handler=_recover)
     stale = fsub.add_parser("stale", help="list invocations IN_PROGRESS past their lease (a dead owner)")
