@@ -26,7 +26,7 @@ test: $(STAMP) ## the whole suite (unit, integration, crash) on a throwaway Post
 lint: $(STAMP) ## ruff lint + format check, mypy on the domain packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy models harness recovery
+	$(BIN)/mypy models harness recovery fieldrecovery
 
 demo: $(STAMP) ## a parent delegates, a worker is SIGKILLed mid-flight, a new worker recovers
 	$(BIN)/python -m demo

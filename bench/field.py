@@ -135,7 +135,7 @@ class Run:
 
 class Bench:
     def __init__(self, url: str, stand_in: Any, module: ModuleType) -> None:
-        from recovery.field.eml import parse_eml
+        from fieldrecovery.eml import parse_eml
 
         self.url, self.stand_in, self.module = url, stand_in, module
         self.eml = sample_eml()
@@ -143,7 +143,7 @@ class Bench:
         self.attempt = 1
 
     def orchestrator(self, **changes: Any) -> Any:
-        from recovery.field.orchestrator import FieldRecoveryOrchestrator
+        from fieldrecovery.orchestrator import FieldRecoveryOrchestrator
 
         return FieldRecoveryOrchestrator(field_settings(self.stand_in.base_url, **changes), url=self.url)
 
@@ -163,10 +163,10 @@ class Bench:
 
     def fresh_calls(self, n: int, run: Run) -> None:
         """Per call, alternating: the minimal client, our client alone, the whole pipeline."""
-        from recovery.field.client import CallProgress, client_for
-        from recovery.field.deadline import Deadline
-        from recovery.field.request_builder import build_request, render_message
-        from recovery.field.schemas import sha256_hex
+        from fieldrecovery.client import CallProgress, client_for
+        from fieldrecovery.deadline import Deadline
+        from fieldrecovery.request_builder import build_request, render_message
+        from fieldrecovery.schemas import sha256_hex
 
         settings = field_settings(self.stand_in.base_url)
         orchestrator = self.orchestrator()

@@ -29,6 +29,19 @@ from typing import Any
 
 #: Exit status of `field recover` when the recovery succeeded but needs review.
 EXIT_NEEDS_REVIEW = 3
+#: The largest attempt number (an ``integer`` column).
+MAX_ATTEMPT = 2**31 - 1
+
+
+def _attempt(text: str) -> int:
+    """``--attempt``: an integer from 1 to MAX_ATTEMPT (argparse turns the error into exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= MAX_ATTEMPT:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_ATTEMPT}")
+    return value
 
 
 def register(sub: Any) -> None:
@@ -37,7 +50,9 @@ def register(sub: Any) -> None:
     rec = fsub.add_parser("recover", help="recover the unresolved fields of one booking EML")
     rec.add_argument("file", metavar="FILE.eml", type=Path)
     rec.add_argument("--json", action="store_true", help="print one JSON object")
-    rec.add_argument("--attempt", type=int, default=1, help="attempt number (part of the idempotency key)")
+    rec.add_argument(
+        "--attempt", type=_attempt, default=1, help="attempt number, 1 or more (part of the idempotency key)"
+    )
     rec.add_argument("--source", choices=("MANUAL_EML", "AGENTBUS"), default="MANUAL_EML")
     rec.set_defaults(handler=_recover)
     stale = fsub.add_parser("stale", help="list invocations IN_PROGRESS past their lease (a dead owner)")
@@ -66,9 +81,9 @@ def register(sub: Any) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.orchestrator import RecoveryStatus, recover_eml
-    from recovery.field.schemas import SourceKind
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.orchestrator import RecoveryStatus, recover_eml
+    from fieldrecovery.schemas import SourceKind
     from settings import get_settings
 
     settings = get_settings()  # invalid settings stop here, naming the variable (exit 2)
@@ -95,8 +110,8 @@ def _recover(args: argparse.Namespace) -> int:
 
 
 def _stale(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.store import list_stale
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.store import list_stale
 
     try:
         stale = list_stale(limit=args.limit)
@@ -120,8 +135,8 @@ def _stale(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from recovery.field.errors import FieldRecoveryError
-    from recovery.field.store import ReleaseOutcome, store_from_settings
+    from fieldrecovery.errors import FieldRecoveryError
+    from fieldrecovery.store import ReleaseOutcome, store_from_settings
 
     try:
         outcome = store_from_settings().release(args.key, reason=args.reason, epoch=args.epoch)

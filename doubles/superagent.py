@@ -28,7 +28,13 @@ Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front
   gzip (gzip bodies, SSE included, when the request accepts gzip), gzip_always (gzip even when
   the request asked for identity, as some proxies do), platform_csrf_cookie (every response
   sets the platform's own ``csrf_token`` cookie and a ``route`` cookie; the CSRF check reads
-  the FIRST ``csrf_token`` of the Cookie header, as Go and Spring servers do).
+  the FIRST ``csrf_token`` of the Cookie header, as Go and Spring servers do), gzip_bomb (the
+  session response is a gzip body of ``bomb_bytes`` decoded bytes, with status ``bomb_status``,
+  whatever the request accepts);
+* hostile values (issue 18): lone_surrogate (a lone surrogate inside the final answer, sent as a
+  JSON escape), nul_model / nul_profile (a NUL in the run status's ``model`` or resolved
+  profile), huge_tokens (token counts above int32), bare_end (the ``end`` event without a
+  ``data:`` line, which the SSE specification never dispatches).
 
 Besides ``POST /open/v1/runs/{id}/cancel`` it serves ``POST /open/v1/sessions/{id}/cancel``
 (cancel the session's active run), which a client uses when it must stop before it learned the
@@ -52,7 +58,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from doubles.superagent_agent import Behaviour, StubConfig, answer_text
-from recovery.field.schemas import canonical_json
+from fieldrecovery.schemas import canonical_json
 
 __all__ = ["DEFAULT_API_KEY", "Behaviour", "StubConfig", "StubStats", "SuperAgentStub"]
 
@@ -190,6 +196,29 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client went away (a watchdog shut its socket down)
             self.close_connection = True
 
+    def _send_bomb(self, session_id: str) -> None:
+        """A small gzip body that decodes to ``bomb_bytes`` (zeros for 401, spaces inside JSON for 200)."""
+        config = self.state.config
+        compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+        if config.bomb_status == 200:
+            head, filler, tail = b'{"session_id": "' + session_id.encode() + b'", "pad": "', b" ", b'"}'
+        else:
+            head, filler, tail = b'{"error": {"code": "unauthorized", "pad": "', b"0", b'"}}'
+        parts = [compressor.compress(head)]
+        block = filler * 1_000_000
+        for _ in range(config.bomb_bytes // len(block)):
+            parts.append(compressor.compress(block))
+        parts.append(compressor.compress(tail) + compressor.flush())
+        data = b"".join(parts)
+        self.state.bump("gzip_responses")
+        headers = [("Content-Type", "application/json"), ("Content-Encoding", "gzip")]
+        headers.append(("Content-Length", str(len(data))))
+        try:
+            self._head(config.bomb_status, headers)
+            self.wfile.write(data)
+        except OSError:
+            self.close_connection = True
+
     def _error(self, status: int, code: str) -> None:
         self._send_json(status, {"error": {"code": code}})
 
@@ -313,6 +342,9 @@ class _Handler(BaseHTTPRequestHandler):
         session_id = self.state.next_id("ses")
         with self.state.lock:
             self.state.sessions[session_id] = subject
+        if self.state.config.behaviour == Behaviour.GZIP_BOMB:
+            self._send_bomb(session_id)
+            return
         status = 201 if self.state.config.behaviour == Behaviour.CREATED_201 else 200
         self._send_json(status, {"session_id": session_id})
 
@@ -383,17 +415,25 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if run.available_at:
             self.state.settle(run)
+        behaviour = self.state.config.behaviour
+        tokens = 2**31 if behaviour == Behaviour.HUGE_TOKENS else 1
         self._send_json(
             200,
             {
                 "run_id": run.run_id,
                 "status": run.status,
                 "metadata": {
-                    "resolved_profile_id": "prof_fixed_channel_recovery",
+                    "resolved_profile_id": "prof_fixed\x00channel"
+                    if behaviour == Behaviour.NUL_PROFILE
+                    else "prof_fixed_channel_recovery",
                     "resolved_profile_version": "7",
                 },
-                "model": "superagent-stub-1",
-                "usage": {"prompt_tokens": 812, "completion_tokens": 164, "total_tokens": 976},
+                "model": "superagent\x00stub-1" if behaviour == Behaviour.NUL_MODEL else "superagent-stub-1",
+                "usage": {
+                    "prompt_tokens": 812 * tokens,
+                    "completion_tokens": 164 * tokens,
+                    "total_tokens": 976 * tokens,
+                },
             },
         )
 
@@ -426,6 +466,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _frame(self, event_id: int, name: str, data: dict[str, Any]) -> bytes:
         payload = canonical_json(data)
+        if self.state.config.behaviour == Behaviour.LONE_SURROGATE:
+            payload = json.dumps(data, sort_keys=True, separators=(",", ":"))  # the surrogate as an escape
+        if self.state.config.behaviour == Behaviour.BARE_END and name == "end":
+            return f"id: {event_id}\nevent: end\n\n".encode()
         if self.state.config.behaviour == Behaviour.UNTERMINATED_AT_EOF:
             return f"id: {event_id}\ndata: {payload}\nevent: {name}\n\n".encode()
         return f"id: {event_id}\nevent: {name}\ndata: {payload}\n\n".encode()

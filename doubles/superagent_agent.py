@@ -24,8 +24,8 @@ from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Any
 
-from recovery.field.request_builder import parse_message
-from recovery.field.schemas import (
+from fieldrecovery.request_builder import parse_message
+from fieldrecovery.schemas import (
     SCHEMA_VERSION,
     RecoveryPatch,
     RecoveryPatchSet,
@@ -171,6 +171,12 @@ class Behaviour(StrEnum):
     HEARTBEAT = "heartbeat"
     UNTERMINATED_AT_EOF = "unterminated_at_eof"
     REPLAY_IN_PROGRESS = "replay_in_progress"
+    LONE_SURROGATE = "lone_surrogate"
+    NUL_MODEL = "nul_model"
+    NUL_PROFILE = "nul_profile"
+    HUGE_TOKENS = "huge_tokens"
+    GZIP_BOMB = "gzip_bomb"
+    BARE_END = "bare_end"
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,10 @@ class StubConfig:
     header_drip_seconds: float = 0.5
     #: replay_in_progress: the run produces one more event every this many seconds.
     replay_step_seconds: float = 0.25
+    #: gzip_bomb: decoded size of the gzip body of the session response (zeros, ~1000:1).
+    bomb_bytes: int = 50_000_000
+    #: gzip_bomb: status of that response (401: an error body; 200: a JSON body padded with spaces).
+    bomb_status: int = 401
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StubConfig:
@@ -219,6 +229,9 @@ def answer_text(request_content: str, config: StubConfig) -> str:
             patch["value"] = patch["value"] + "x"
     if behaviour == Behaviour.UNKNOWN_FIELD:
         patch_set["reasoning"] = "chosen by evidence"
+    if behaviour == Behaviour.LONE_SURROGATE and patch_set["patches"]:
+        # Valid JSON (the event carries it as an escape) that no UTF-8 encoder accepts.
+        patch_set["patches"][0]["value"] = patch_set["patches"][0]["value"] + "\ud800"
     text = json.dumps(patch_set, ensure_ascii=False)
     if behaviour == Behaviour.FENCED:
         return f"```json\n{text}\n```"

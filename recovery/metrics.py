@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from fieldrecovery.tables import InvocationStatus
 from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine
 from settings import get_settings
 
@@ -49,9 +50,9 @@ DEFAULT_SETTLED_REFRESH_SECONDS = 60.0
 #: A scrape that the database cannot answer in this time fails (database_up 0) instead of piling up.
 STATEMENT_TIMEOUT_MS = 5000
 
-#: Field invocation statuses (recovery/field/tables.py, CHECK constraint of migration 0004).
-FIELD_IN_PROGRESS = "IN_PROGRESS"
-FIELD_FINISHED = ("SUCCEEDED", "FAILED")
+#: Field invocation statuses (fieldrecovery/tables.py, CHECK constraint of migration 0004).
+FIELD_IN_PROGRESS = InvocationStatus.IN_PROGRESS.value
+FIELD_FINISHED = (InvocationStatus.SUCCEEDED.value, InvocationStatus.FAILED.value)
 SETTLED_DELIVERY = (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED, DeliveryStatus.LEGACY)
 
 # NOTE: every query below names its index in a comment; tests/integration/test_metrics.py checks

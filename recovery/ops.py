@@ -76,7 +76,7 @@ def redeliver(execution_id: int, scheduler: RecoveryScheduler) -> str:
 
 def _stale_field_keys() -> int | None:
     """IN_PROGRESS field keys past their lease (None when the field schema is not there)."""
-    from recovery.field.store import stale_count
+    from fieldrecovery.store import stale_count
 
     try:
         return stale_count()

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from recovery.field.orchestrator import recover_eml
-from recovery.field.retention import purge_expired
-from recovery.field.schemas import SourceKind
-from recovery.field.store import store_from_settings
+from fieldrecovery.orchestrator import recover_eml
+from fieldrecovery.retention import purge_expired
+from fieldrecovery.schemas import SourceKind
+from fieldrecovery.store import store_from_settings
 from settings import get_settings
 from tasks import app
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from sqlalchemy import text
 
+from fieldrecovery.tables import DEFAULT_SCHEMA, FieldBase
 from models.db import get_engine
-from recovery.field.tables import DEFAULT_SCHEMA, FieldBase
 
 #: tests/data, where the sample EML files live.
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -46,9 +46,9 @@ class SampleCall:
     """The ambiguous sample booking as the client sends it: facts, request, message, subject."""
 
     def __init__(self, name: str = "ambiguous") -> None:
-        from recovery.field.eml import parse_eml
-        from recovery.field.request_builder import build_request, render_message
-        from recovery.field.schemas import sha256_hex
+        from fieldrecovery.eml import parse_eml
+        from fieldrecovery.request_builder import build_request, render_message
+        from fieldrecovery.schemas import sha256_hex
 
         self.facts = parse_eml(sample_eml(name))
         request = build_request(self.facts, profile_version="pv1")
@@ -59,7 +59,7 @@ class SampleCall:
 
 
 def open_api_client(base_url: str, key: str, max_response_chars: int = 200_000, **open_api: object) -> Any:
-    from recovery.field.client import OpenApiClient
+    from fieldrecovery.client import OpenApiClient
     from settings import OpenApiSettings
 
     settings = OpenApiSettings.model_validate({"base_url": base_url, "api_key": key, **open_api})
@@ -70,8 +70,8 @@ def call_provider(
     client: Any, sample: SampleCall, seconds: float = 5.0, progress: Any = None, stop: Any = None
 ) -> tuple[Any, Any]:
     """One ``client.recover`` of the sample under a ``seconds`` deadline; (answer, progress)."""
-    from recovery.field.client import CallProgress
-    from recovery.field.deadline import Deadline
+    from fieldrecovery.client import CallProgress
+    from fieldrecovery.deadline import Deadline
 
     progress = progress or CallProgress()
     kwargs = {"stop": stop} if stop is not None else {}

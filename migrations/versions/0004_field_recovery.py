@@ -2,7 +2,7 @@
 
 Additive. The schema is ``booking.field-recovery.db-schema`` (env
 BOOKING_FIELD_RECOVERY__DB_SCHEMA, default ``th_hotel_booking``) and is created here. The
-tables mirror recovery/field/tables.py (checked by tests/integration/test_field_migration.py).
+tables mirror fieldrecovery/tables.py (checked by tests/integration/test_field_migration.py).
 Field recovery runs on PostgreSQL only: on another database (the SQLite embedded default of
 the crash demo) this revision creates nothing.
 

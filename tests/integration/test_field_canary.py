@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from doubles.superagent import Behaviour, SuperAgentStub
-from recovery.field.client import CallProgress, client_for
-from recovery.field.deadline import Deadline
-from recovery.field.errors import FieldRecoveryError
-from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
-from recovery.field.request_builder import render_message
+from fieldrecovery.client import CallProgress, client_for
+from fieldrecovery.deadline import Deadline
+from fieldrecovery.errors import FieldRecoveryError
+from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
+from fieldrecovery.request_builder import render_message
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml
 
@@ -115,7 +115,7 @@ def test_canary_key_is_in_no_log_record_no_exception_text_and_no_column(
 
 
 def _request():  # type: ignore[no-untyped-def]
-    from recovery.field.eml import parse_eml
-    from recovery.field.request_builder import build_request
+    from fieldrecovery.eml import parse_eml
+    from fieldrecovery.request_builder import build_request
 
     return build_request(parse_eml(sample_eml("ambiguous")), profile_version="p")

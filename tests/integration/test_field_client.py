@@ -14,10 +14,10 @@ import pytest
 import requests
 
 from doubles.superagent import Behaviour, SuperAgentStub
-from recovery.field.answer import parse_patch_set
-from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer
-from recovery.field.deadline import Deadline, Watchdog
-from recovery.field.errors import (
+from fieldrecovery.answer import parse_patch_set
+from fieldrecovery.client import CallProgress, OpenApiClient, ProviderAnswer
+from fieldrecovery.deadline import Deadline, Watchdog
+from fieldrecovery.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
     ProviderOutputInvalid,

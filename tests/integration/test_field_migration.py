@@ -15,9 +15,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Column, Integer, MetaData, create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
+from fieldrecovery.store import InvocationMeta, InvocationStore
+from fieldrecovery.tables import DEFAULT_SCHEMA, FieldBase
 from migrations import alembic_config
-from recovery.field.store import InvocationMeta, InvocationStore
-from recovery.field.tables import DEFAULT_SCHEMA, FieldBase
 from settings import get_settings
 from tests.field_helpers import clean_field_tables
 

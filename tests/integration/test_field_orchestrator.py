@@ -19,11 +19,11 @@ from sqlalchemy import create_engine, text
 
 from doubles.superagent import Behaviour, SuperAgentStub
 from doubles.superagent_agent import answer_for
-from recovery.field.eml import parse_eml
-from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
-from recovery.field.request_builder import build_request, render_message, request_hash
-from recovery.field.schemas import Provenance, SourceKind
-from recovery.field.store import InvocationMeta, InvocationStore, ProviderAudit
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
+from fieldrecovery.request_builder import build_request, render_message, request_hash
+from fieldrecovery.schemas import Provenance, SourceKind
+from fieldrecovery.store import InvocationMeta, InvocationStore, ProviderAudit
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml, wait_until
 
@@ -324,7 +324,7 @@ def test_caller_waits_for_a_live_owner_only_until_its_own_deadline(field_db: str
 def test_waiter_gets_the_owners_result_when_it_lands_in_time(
     field_db: str, stub: SuperAgentStub, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="recovery.field")
+    caplog.set_level(logging.INFO, logger="fieldrecovery")
     owner = _claim_as_other_owner(field_db, lease_seconds=60)
     result: list[RecoveryRun] = []
     waiter = threading.Thread(target=lambda: result.append(_process(field_db, _settings(stub, max_wait=3))))
@@ -387,12 +387,12 @@ def test_owner_fenced_out_mid_call_never_applies_its_answer(field_db: str, stub:
 def test_structured_log_lines_for_claim_replay_and_provider_calls(
     field_db: str, stub: SuperAgentStub, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="recovery.field")
+    caplog.set_level(logging.INFO, logger="fieldrecovery")
     _process(field_db, _settings(stub))
     _process(field_db, _settings(stub))
     stub.configure(behaviour=Behaviour.SERVER_ERROR)
     _process(field_db, _settings(stub), attempt=2)
-    ours = [r for r in caplog.records if r.name.startswith("recovery.field.")]
+    ours = [r for r in caplog.records if r.name.startswith("fieldrecovery.")]
     lines = [r.getMessage() for r in ours]
     events = [dict(part.split("=", 1) for part in line.split()) for line in lines]
     names = [e["event"] for e in events]

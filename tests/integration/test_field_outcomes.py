@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from doubles.superagent import Behaviour, SuperAgentStub
-from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
-from recovery.field.schemas import Provenance
+from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
+from fieldrecovery.schemas import Provenance
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml, wait_until
 

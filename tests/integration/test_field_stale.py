@@ -14,13 +14,13 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from doubles.superagent import SuperAgentStub
-from recovery.field.artifacts import ArtifactDraft, put_artifacts
-from recovery.field.eml import parse_eml
-from recovery.field.orchestrator import FieldRecoveryOrchestrator, RecoveryStatus
-from recovery.field.request_builder import build_request, render_message, request_hash
-from recovery.field.retention import purge_expired
-from recovery.field.schemas import SourceKind, SourceRef
-from recovery.field.store import (
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryStatus
+from fieldrecovery.request_builder import build_request, render_message, request_hash
+from fieldrecovery.retention import purge_expired
+from fieldrecovery.schemas import SourceKind, SourceRef
+from fieldrecovery.store import (
     RELEASED_CODE,
     InvocationMeta,
     InvocationStore,
@@ -28,7 +28,7 @@ from recovery.field.store import (
     ReleaseOutcome,
     stale_count,
 )
-from recovery.field.tables import ArtifactType
+from fieldrecovery.tables import ArtifactType
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml
 

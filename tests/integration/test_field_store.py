@@ -13,17 +13,17 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from recovery.field.artifacts import ArtifactDraft, list_artifacts
-from recovery.field.errors import FieldRecoveryError, StoreUnavailable
-from recovery.field.schemas import SourceKind, SourceRef
-from recovery.field.store import (
+from fieldrecovery.artifacts import ArtifactDraft, list_artifacts
+from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable
+from fieldrecovery.schemas import SourceKind, SourceRef
+from fieldrecovery.store import (
     ClaimOutcome,
     InvocationMeta,
     InvocationStore,
     LeaseKeeper,
     ProviderAudit,
 )
-from recovery.field.tables import ArtifactType, FieldRecoveryInvocation, InvocationStatus
+from fieldrecovery.tables import ArtifactType, FieldRecoveryInvocation, InvocationStatus
 from tests.field_helpers import clean_field_tables, wait_until
 
 SOURCE = SourceRef(message_id="<store@test>", revision=1, channel=SourceKind.MANUAL_EML)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from recovery.field.answer import parse_patch_set
-from recovery.field.errors import FieldRecoveryError, ProviderOutputInvalid
+from fieldrecovery.answer import parse_patch_set
+from fieldrecovery.errors import FieldRecoveryError, ProviderOutputInvalid
 
 GOOD = {
     "schema_version": "1",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from recovery.field.eml import ROOM_CATALOGUE, parse_eml
-from recovery.field.errors import EmlInvalid
-from recovery.field.schemas import FactStatus, Recoverability, SourceKind
+from fieldrecovery.eml import ROOM_CATALOGUE, parse_eml
+from fieldrecovery.errors import EmlInvalid
+from fieldrecovery.schemas import FactStatus, Recoverability, SourceKind
 from tests.field_helpers import sample_eml
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from recovery.field.eml import parse_eml
-from recovery.field.request_builder import (
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.request_builder import (
     PROTOCOL_HINT,
     build_request,
     idempotency_key,

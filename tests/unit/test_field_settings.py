@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from cli.main import main
-from recovery.field.client import client_for
+from fieldrecovery.client import client_for
 from settings import FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS, SettingsError, get_settings, load_settings
 
 

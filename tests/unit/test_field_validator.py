@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from doubles.superagent_agent import answer_for
-from recovery.field.assembly import assemble
-from recovery.field.eml import parse_eml
-from recovery.field.projector import project
-from recovery.field.request_builder import build_request
-from recovery.field.resolver import resolve_dependencies
-from recovery.field.schemas import (
+from fieldrecovery.assembly import assemble
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.projector import project
+from fieldrecovery.request_builder import build_request
+from fieldrecovery.resolver import resolve_dependencies
+from fieldrecovery.schemas import (
     FactStatus,
     Provenance,
     RecoveryPatch,
@@ -19,7 +19,7 @@ from recovery.field.schemas import (
     RecoveryTask,
     UnresolvedTask,
 )
-from recovery.field.validator import validate_patch_set
+from fieldrecovery.validator import validate_patch_set
 from tests.field_helpers import sample_eml
 
 FACTS = parse_eml(sample_eml("ambiguous"))

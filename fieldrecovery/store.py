@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -43,17 +44,17 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from models.db import get_engine
-from recovery.field.artifacts import ArtifactDraft, put_artifacts
-from recovery.field.errors import FieldRecoveryError, StoreUnavailable
-from recovery.field.logs import get_logger, log_event
-from recovery.field.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
-from recovery.field.tables import (
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable, ValueRejected
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
+from fieldrecovery.tables import (
     DEFAULT_RETENTION_DAYS,
     DEFAULT_SCHEMA,
     FieldRecoveryInvocation,
     InvocationStatus,
 )
+from models.db import get_engine
 
 log = get_logger("store")
 Inv = FieldRecoveryInvocation
@@ -156,13 +157,20 @@ class InvocationStore:
         except FieldRecoveryError:
             raise
         except SQLAlchemyError as exc:
-            pgcode = getattr(getattr(exc, "orig", None), "pgcode", None)
-            code = "store_schema_missing" if pgcode in ("42P01", "3F000") else "store_unavailable"
-            raise StoreUnavailable(
-                f"database error ({type(exc).__name__}, sqlstate {pgcode or '-'}); "
-                "is migration 0004 applied (agent-recovery db upgrade)?",
-                code=code,
-            ) from None
+            pgcode = getattr(getattr(exc, "orig", None), "pgcode", None) or ""
+            if pgcode in ("42P01", "3F000"):
+                raise StoreUnavailable(
+                    f"database error ({type(exc).__name__}, sqlstate {pgcode}); "
+                    "is migration 0004 applied (agent-recovery db upgrade)?",
+                    code="store_schema_missing",
+                ) from None
+            if pgcode.startswith("22"):  # data exception: a value out of range, too long, badly encoded
+                raise ValueRejected(f"the database refused a value (sqlstate {pgcode})") from None
+            raise StoreUnavailable(f"database error ({type(exc).__name__}, sqlstate {pgcode or '-'})") from None
+        except ValueError:
+            # NOTE: psycopg2 refuses a NUL in a string parameter with a bare ValueError, before
+            # anything reaches the server; SQLAlchemy does not wrap it.
+            raise ValueRejected("the database driver refused a value (a NUL character)") from None
 
     # --- claim and ownership ---------------------------------------------------------------
 
@@ -460,16 +468,59 @@ def stale_count(url: str | None = None) -> int:
         raise
 
 
+class LeaseSignal:
+    """Set when the owner must stop: its lease was taken, or a full lease passed unconfirmed.
+
+    ``is_set`` also turns true on its own once ``lease_seconds`` have passed since the last
+    CONFIRMED renewal (measured from the moment that renewal was sent, on the local monotonic
+    clock, so the owner stops no later than the database's lease runs out). It does not need
+    the renewal thread to run: a renewal blocked on an unreachable database cannot delay it.
+    """
+
+    def __init__(self, lease_seconds: float, confirmed_at: float) -> None:
+        self._event = threading.Event()
+        self._lease_seconds = lease_seconds
+        self._confirmed_at = confirmed_at
+
+    def confirm(self, sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` (monotonic) was confirmed by the database."""
+        self._confirmed_at = max(self._confirmed_at, sent_at)
+
+    def unconfirmed_left(self) -> float:
+        """Seconds until a full lease has passed without a confirmed renewal."""
+        return self._confirmed_at + self._lease_seconds - time.monotonic()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set() or self.unconfirmed_left() <= 0
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not self.is_set():
+            left = min(end - time.monotonic(), max(self.unconfirmed_left(), 0.0) + 0.001)
+            if left <= 0:
+                return self.is_set()
+            self._event.wait(min(left, 0.05))
+        return True
+
+
 class LeaseKeeper:
     """Renews the owner's lease every third of its length while the provider call runs.
 
-    ``lost`` is set when a renewal finds the row no longer ours (a newer epoch took it over):
-    the owner then knows its finish will be fenced and may stop early.
+    ``lost`` is set when a renewal finds the row no longer ours (a newer epoch took it over),
+    and turns set by itself once a full lease has passed without a confirmed renewal (the
+    database unreachable: with ``stale_takeover`` another worker may own the key by then). The
+    owner then stops its call (and cancels the run): one provider call per key.
     """
 
-    def __init__(self, store: InvocationStore, key: str, owner_id: str, epoch: int) -> None:
+    def __init__(
+        self, store: InvocationStore, key: str, owner_id: str, epoch: int, *, claimed_at: float | None = None
+    ) -> None:
+        """``claimed_at``: monotonic time at which the claim was SENT (default: now)."""
         self.store, self.key, self.owner_id, self.epoch = store, key, owner_id, epoch
-        self.lost = threading.Event()
+        self.lost = LeaseSignal(store.lease_seconds, time.monotonic() if claimed_at is None else claimed_at)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="field-lease", daemon=True)
 
@@ -483,11 +534,16 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval = max(self.store.lease_seconds / 3, 0.05)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(min(interval, max(self.lost.unconfirmed_left(), 0.0))):
+            if self.lost.is_set():
+                log_event(log, "lease_unconfirmed", key=self.key, epoch=self.epoch)
+                return
+            sent_at = time.monotonic()
             try:
                 if not self.store.renew_lease(self.key, self.owner_id, self.epoch):
                     self.lost.set()
                     log_event(log, "lease_lost", key=self.key, epoch=self.epoch)
                     return
-            except StoreUnavailable as exc:  # transient: the next tick tries again
+                self.lost.confirm(sent_at)
+            except FieldRecoveryError as exc:  # transient: the next tick tries again, within the lease
                 log_event(log, "lease_renew_failed", key=self.key, error_code=exc.code)

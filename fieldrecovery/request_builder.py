@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from recovery.field.schemas import (
+from fieldrecovery.schemas import (
     SCHEMA_VERSION,
     Evidence,
     FactStatus,

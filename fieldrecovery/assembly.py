@@ -6,9 +6,9 @@ invocation gets the same result, which is what makes put-if-absent of the assemb
 
 from __future__ import annotations
 
-from recovery.field.resolver import resolve_dependencies
-from recovery.field.schemas import AssemblyResult, RecoveryPatchSet, RecoveryRequestSet
-from recovery.field.validator import identity_error, validate_patch_set
+from fieldrecovery.resolver import resolve_dependencies
+from fieldrecovery.schemas import AssemblyResult, RecoveryPatchSet, RecoveryRequestSet
+from fieldrecovery.validator import identity_error, validate_patch_set
 
 
 def assemble(request: RecoveryRequestSet, patch_set: RecoveryPatchSet) -> AssemblyResult:

@@ -18,8 +18,8 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from recovery.field.schemas import SourceRef, canonical_json, sha256_hex
-from recovery.field.tables import DEFAULT_RETENTION_DAYS, ArtifactType, FieldRecoveryArtifact
+from fieldrecovery.schemas import SourceRef, canonical_json, sha256_hex
+from fieldrecovery.tables import DEFAULT_RETENTION_DAYS, ArtifactType, FieldRecoveryArtifact
 
 Art = FieldRecoveryArtifact
 

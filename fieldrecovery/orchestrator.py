@@ -13,6 +13,7 @@ code, the view is the parser baseline, and no part of the answer is used.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,18 +21,19 @@ from enum import StrEnum
 from typing import Any
 
 from crashpoints import crash_point
-from recovery.field.answer import parse_patch_set
-from recovery.field.artifacts import ArtifactDraft, put_artifacts
-from recovery.field.assembly import assemble
-from recovery.field.client import CallProgress, OpenApiClient, ProviderAnswer, client_for
-from recovery.field.deadline import Deadline
-from recovery.field.eml import parse_eml
-from recovery.field.errors import FieldRecoveryError, RequestTooLarge
-from recovery.field.logs import get_logger, log_event
-from recovery.field.projector import project
-from recovery.field.records import InvocationMeta, ProviderAudit
-from recovery.field.request_builder import build_request, render_message, request_hash
-from recovery.field.schemas import (
+from fieldrecovery.answer import parse_patch_set
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.assembly import assemble
+from fieldrecovery.client import CallProgress, OpenApiClient, ProviderAnswer, client_for
+from fieldrecovery.deadline import Deadline
+from fieldrecovery.eml import parse_eml
+from fieldrecovery.errors import AttemptInvalid, FieldRecoveryError, RequestTooLarge
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.projector import project
+from fieldrecovery.records import InvocationMeta, ProviderAudit
+from fieldrecovery.request_builder import build_request, render_message, request_hash
+from fieldrecovery.schemas import (
+    INT32_MAX,
     AssemblyResult,
     EffectiveFactView,
     ParsedFactSet,
@@ -40,8 +42,8 @@ from recovery.field.schemas import (
     SourceKind,
     sha256_hex,
 )
-from recovery.field.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
-from recovery.field.tables import ArtifactType
+from fieldrecovery.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
+from fieldrecovery.tables import ArtifactType
 from settings import FieldRecoverySettings, get_settings
 
 log = get_logger("orchestrator")
@@ -127,7 +129,13 @@ class FieldRecoveryOrchestrator:
         self._next_stage = next_stage
 
     def process(self, raw_eml: bytes, *, source: SourceKind = SourceKind.MANUAL_EML, attempt: int = 1) -> RecoveryRun:
-        """Run the pipeline for one EML; the next stage runs only after recovery finished."""
+        """Run the pipeline for one EML; the next stage runs only after recovery finished.
+
+        Raises EmlInvalid for a file the parser cannot take and AttemptInvalid for an attempt
+        outside 1..INT32_MAX, before anything is written.
+        """
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 1 <= attempt <= INT32_MAX:
+            raise AttemptInvalid(f"the attempt must be an integer from 1 to {INT32_MAX}")
         facts = parse_eml(raw_eml, channel=source)
         with self.store.transaction() as s:
             draft = ArtifactDraft(ArtifactType.PARSED_FACT_SET, facts.source, facts.model_dump(mode="json"))
@@ -172,6 +180,7 @@ class FieldRecoveryOrchestrator:
             )
         owner_id = new_owner_id()
         while True:
+            claim_sent = time.monotonic()  # the lease runs from the claim: count from before it was sent
             claim = self.store.claim(meta, owner_id, stale_takeover=self.settings.stale_takeover)
             if claim.owned:
                 break
@@ -191,7 +200,7 @@ class FieldRecoveryOrchestrator:
             time.sleep(min(self.settings.poll_interval, left))
         assert claim.epoch is not None
         crash_point("field.after_claim")  # owner recorded, provider not called yet
-        return self._call_as_owner(facts, request, message, owner_id, claim.epoch, deadline)
+        return self._call_as_owner(facts, request, message, owner_id, claim.epoch, deadline, claim_sent)
 
     def _call_as_owner(
         self,
@@ -201,6 +210,7 @@ class FieldRecoveryOrchestrator:
         owner_id: str,
         epoch: int,
         deadline: Deadline,
+        claim_sent: float,
     ) -> RecoveryRun:
         key = request.idempotency_key
         progress = CallProgress()
@@ -211,7 +221,7 @@ class FieldRecoveryOrchestrator:
             if len(message) > self.settings.max_message_chars:
                 raise RequestTooLarge()
             client = self._client_factory(self.settings)
-            with LeaseKeeper(self.store, key, owner_id, epoch) as lease:
+            with LeaseKeeper(self.store, key, owner_id, epoch, claimed_at=claim_sent) as lease:
                 # A lost lease (a newer epoch took the key) stops the call: the answer could
                 # never be stored, so calling on would only spend the provider's time.
                 answer = client.recover(
@@ -235,15 +245,24 @@ class FieldRecoveryOrchestrator:
                 error_code=exc.code,
                 cancel_sent=progress.cancel_sent,
             )
-            landed = self.store.finish_failure(key, owner_id, epoch, code=exc.code, summary=str(exc), audit=audit)
+            try:
+                landed = self.store.finish_failure(key, owner_id, epoch, code=exc.code, summary=str(exc), audit=audit)
+            except FieldRecoveryError as store_exc:  # e.g. a run-status value the database refused
+                log_event(log, "finish_failure_retry", key=key, error_code=store_exc.code)
+                landed = self._finish_failed(key, owner_id, epoch, exc.code, self._audit(progress, None, started))
             return self._failed(facts, key, exc.code if landed else "invocation_lost", provider_calls=progress.called)
-        except BaseException:
-            # A bug or an interrupt: fail closed in the record too, then let it propagate.
-            audit = self._audit(progress, answer, started)
-            log_event(log, "provider_call_end", key=key, run_id=progress.run_id, error_code="internal_error")
-            self.store.finish_failure(
-                key, owner_id, epoch, code="internal_error", summary="unexpected error in the owner", audit=audit
+        except Exception as exc:
+            # A bug: fail closed in the record too and return a FAILED result (never a traceback).
+            error = type(exc).__name__
+            log_event(
+                log, "provider_call_end", key=key, run_id=progress.run_id, error_code="internal_error", error=error
             )
+            self._finish_failed(key, owner_id, epoch, "internal_error", self._audit(progress, None, started))
+            return self._failed(facts, key, "internal_error", provider_calls=progress.called)
+        except BaseException:
+            # An interrupt: fail closed in the record too, then let it propagate.
+            log_event(log, "provider_call_end", key=key, run_id=progress.run_id, error_code="interrupted")
+            self._finish_failed(key, owner_id, epoch, "interrupted", self._audit(progress, None, started))
             raise
         audit = self._audit(progress, answer, started)
         log_event(
@@ -256,10 +275,26 @@ class FieldRecoveryOrchestrator:
             error_code=None,
             profile_version=answer.resolved_profile_version,
         )
-        if not self.store.finish_success(key, owner_id, epoch, patch_set.model_dump(mode="json"), audit):
+        try:
+            landed = self.store.finish_success(key, owner_id, epoch, patch_set.model_dump(mode="json"), audit)
+        except FieldRecoveryError as exc:
+            # The answer could not be stored (a value the database refused, the database gone):
+            # the key must not stay IN_PROGRESS; FAILED with the minimal audit, if the store lets us.
+            log_event(log, "provider_answer_not_stored", key=key, run_id=progress.run_id, error_code=exc.code)
+            self._finish_failed(key, owner_id, epoch, exc.code, self._audit(progress, None, started))
+            return self._failed(facts, key, exc.code, provider_calls=progress.called)
+        if not landed:
             # NOTE: a newer owner fenced us out; our answer is never used (it may differ).
             return self._failed(facts, key, "invocation_lost", provider_calls=progress.called)
         return self._apply(facts, request, patch_set, replayed=False, provider_calls=progress.called)
+
+    def _finish_failed(self, key: str, owner_id: str, epoch: int, code: str, audit: ProviderAudit) -> bool:
+        """IN_PROGRESS -> FAILED on a path that is already failing: never raises (False if not written)."""
+        try:
+            return self.store.finish_failure(key, owner_id, epoch, code=code, summary=f"failed: {code}", audit=audit)
+        except Exception as exc:  # the database is gone too: the lease expires; operators can release
+            log_event(log, "finish_failure_failed", key=key, error_code=code, error=type(exc).__name__)
+            return False
 
     @staticmethod
     def _audit(progress: CallProgress, answer: ProviderAnswer | None, started: float) -> ProviderAudit:
@@ -276,7 +311,9 @@ class FieldRecoveryOrchestrator:
             completion_tokens=answer.completion_tokens,
             total_tokens=answer.total_tokens,
             duration_ms=duration_ms,
-            response_hash=sha256_hex(answer.content),
+            # NOTE: surrogatepass: the client refuses a lone surrogate, but the audit of a failing
+            # path must never raise while it records why it failed.
+            response_hash=hashlib.sha256(answer.content.encode("utf-8", "surrogatepass")).hexdigest(),
         )
 
     # --- outcomes --------------------------------------------------------------------------
@@ -294,14 +331,20 @@ class FieldRecoveryOrchestrator:
         assembly = assemble(request, patch_set)
         view = project(facts, assembly)
         key = request.idempotency_key
-        written, stored = self.store.put_assembly(
-            key,
-            assembly.model_dump(mode="json"),
-            artifacts=[
-                ArtifactDraft(ArtifactType.RECOVERY_ASSEMBLY, facts.source, assembly.model_dump(mode="json"), key),
-                ArtifactDraft(ArtifactType.EFFECTIVE_FACT_VIEW, facts.source, view.model_dump(mode="json"), key),
-            ],
-        )
+        try:
+            written, stored = self.store.put_assembly(
+                key,
+                assembly.model_dump(mode="json"),
+                artifacts=[
+                    ArtifactDraft(ArtifactType.RECOVERY_ASSEMBLY, facts.source, assembly.model_dump(mode="json"), key),
+                    ArtifactDraft(ArtifactType.EFFECTIVE_FACT_VIEW, facts.source, view.model_dump(mode="json"), key),
+                ],
+            )
+        except FieldRecoveryError as exc:
+            # NOTE: a purge may delete the row between a replay's read and this write
+            # (``not_succeeded``); nothing was applied: fail closed with the parser baseline.
+            log_event(log, "assembly_not_applied", key=key, error_code=exc.code)
+            return self._failed(facts, key, exc.code, replayed=replayed, provider_calls=provider_calls)
         if not written:  # replay: the stored assembly is the one that counts
             assembly = AssemblyResult.model_validate(stored)
             view = project(facts, assembly)

@@ -11,11 +11,11 @@ import json
 import logging
 from typing import Any
 
-ROOT = "recovery.field"
+ROOT = "fieldrecovery"
 
 
 def get_logger(name: str) -> logging.Logger:
-    """A logger under ``recovery.field`` (``get_logger("client")`` -> recovery.field.client)."""
+    """A logger under ``fieldrecovery`` (``get_logger("client")`` -> fieldrecovery.client)."""
     return logging.getLogger(f"{ROOT}.{name}")
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from sqlalchemy import delete, func, select
 
-from recovery.field.logs import get_logger, log_event
-from recovery.field.store import InvocationStore, rowcount
-from recovery.field.tables import FieldRecoveryArtifact, FieldRecoveryInvocation, InvocationStatus
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.store import InvocationStore, rowcount
+from fieldrecovery.tables import FieldRecoveryArtifact, FieldRecoveryInvocation, InvocationStatus
 
 log = get_logger("retention")
 Inv = FieldRecoveryInvocation

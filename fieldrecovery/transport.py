@@ -23,7 +23,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from recovery.field.deadline import Watchdog
+from fieldrecovery.deadline import Watchdog
 
 #: The double-submit cookie name; the header is X-CSRF-Token.
 CSRF_COOKIE = "csrf_token"
@@ -76,3 +76,27 @@ def watched_session(watchdog: Watchdog) -> requests.Session:
     http.mount("https://", adapter)
     http.cookies.set_policy(_NoCsrfCookiePolicy())
     return http
+
+
+#: Bytes asked of urllib3 per read of a non-stream body (decoded: urllib3 bounds its decoder).
+BODY_CHUNK_BYTES = 8192
+
+
+def read_capped(response: requests.Response, limit: int) -> bytes | None:
+    """The decoded body of ``response``, or None when it has more than ``limit`` decoded bytes.
+
+    Never ``response.content``: that reads (and decompresses) the whole body before anyone can
+    slice it, so a small gzip body could grow the process by gigabytes. urllib3 (>= 2.6) bounds
+    its decoder by the amount asked, so at most ``limit + BODY_CHUNK_BYTES`` bytes are held. The
+    caller's watchdog bounds the time.
+    """
+    parts: list[bytes] = []
+    total = 0
+    raw = response.raw
+    while total <= limit:
+        data = raw.read(min(BODY_CHUNK_BYTES, limit + 1 - total), decode_content=True)
+        if not data:
+            return b"".join(parts)
+        parts.append(data)
+        total += len(data)
+    return None

@@ -33,8 +33,9 @@ from datetime import date, datetime
 from email.message import EmailMessage
 from email.utils import parsedate_to_datetime
 
-from recovery.field.errors import EmlInvalid
-from recovery.field.schemas import (
+from fieldrecovery.errors import EmlInvalid
+from fieldrecovery.schemas import (
+    INT32_MAX,
     Candidate,
     Evidence,
     FactStatus,
@@ -45,6 +46,7 @@ from recovery.field.schemas import (
     SourceRef,
     ValueSchema,
     ValueType,
+    storable_text,
 )
 
 #: Room types the hotel sells, in catalogue order.
@@ -69,6 +71,9 @@ DEPENDS_ON = {"departure_date": ["arrival_date"]}
 #: Evidence ref of the Date header (the sent date).
 SENT_DATE_REF = "H:date"
 
+#: The width of ``source_message_id`` (fieldrecovery/tables.py).
+MAX_MESSAGE_ID_CHARS = 512
+_REVISION = re.compile(r"[1-9][0-9]{0,9}", re.ASCII)
 _LINE = re.compile(r"^\s*([A-Za-z][A-Za-z ]*?)\s*:\s*(.*?)\s*$")
 _CONFIRMATION = re.compile(r"^[A-Z0-9][A-Z0-9-]{3,31}$")
 _NUMERIC_DATE = re.compile(r"^(\d{1,2})[/.](\d{1,2})(?:[/.](\d{4}))?$")
@@ -83,12 +88,30 @@ def path_of(field: str) -> str:
 
 
 def parse_eml(raw: bytes, channel: SourceKind = SourceKind.MANUAL_EML) -> ParsedFactSet:
-    """Parse one EML into facts; raises EmlInvalid when it has no Message-ID or no text part."""
+    """Parse one EML into facts; raises EmlInvalid for anything this parser cannot take.
+
+    A hostile file (an unknown charset, a header the email package chokes on, a NUL or an
+    overlong Message-ID, a revision that is not ASCII digits or does not fit an ``integer``)
+    is EmlInvalid before anything is hashed or written: never another exception.
+    """
+    try:
+        return _parse(raw, channel)
+    except EmlInvalid:
+        raise
+    except (LookupError, ValueError, TypeError, AttributeError, IndexError, KeyError, UnicodeError) as exc:
+        # NOTE: the email package raises many kinds on hostile input (LookupError for an unknown
+        # charset, ValueError or IndexError from header parsers); all mean "not an EML we read".
+        raise EmlInvalid(f"the EML cannot be parsed ({type(exc).__name__})") from None
+
+
+def _parse(raw: bytes, channel: SourceKind) -> ParsedFactSet:
     msg = email.message_from_bytes(raw, policy=email.policy.default)
     assert isinstance(msg, EmailMessage)
     message_id = str(msg.get("Message-ID", "")).strip()
     if not message_id:
         raise EmlInvalid("the EML has no Message-ID header")
+    if len(message_id) > MAX_MESSAGE_ID_CHARS or not storable_text(message_id) or not message_id.isprintable():
+        raise EmlInvalid(f"the Message-ID must be printable text of at most {MAX_MESSAGE_ID_CHARS} characters")
     revision = _revision(msg)
     sent = _sent_date(msg)
     body = _text_part(msg)
@@ -107,8 +130,9 @@ def parse_eml(raw: bytes, channel: SourceKind = SourceKind.MANUAL_EML) -> Parsed
 
 def _revision(msg: EmailMessage) -> int:
     value = str(msg.get("X-Booking-Revision", "1")).strip()
-    if not value.isdigit() or int(value) < 1:
-        raise EmlInvalid("X-Booking-Revision must be a positive integer")
+    # NOTE: str.isdigit() accepts "²" (int() does not) and any number of digits.
+    if not _REVISION.fullmatch(value) or int(value) > INT32_MAX:
+        raise EmlInvalid(f"X-Booking-Revision must be an integer from 1 to {INT32_MAX}")
     return int(value)
 
 

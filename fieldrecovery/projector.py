@@ -7,8 +7,8 @@ the assembly says. Everything else keeps the parser's verdict (provenance PARSER
 
 from __future__ import annotations
 
-from recovery.field.request_builder import task_id_of
-from recovery.field.schemas import (
+from fieldrecovery.request_builder import task_id_of
+from fieldrecovery.schemas import (
     AssemblyResult,
     EffectiveFact,
     EffectiveFactView,

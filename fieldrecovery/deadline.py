@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
-from recovery.field.errors import DeadlineExceeded
+from fieldrecovery.errors import DeadlineExceeded
 
 #: How often the watchdog looks at its stop event (a lost lease) while the call runs.
 STOP_POLL_SECONDS = 0.05
@@ -56,6 +56,12 @@ def response_socket(response: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
+class StopSignal(Protocol):
+    """What the watchdog polls to stop early: a ``threading.Event`` or a lease's LeaseSignal."""
+
+    def is_set(self) -> bool: ...
+
+
 class StopReason(StrEnum):
     DEADLINE = "deadline"  #: the total deadline passed
     STOPPED = "stopped"  #: the caller's stop event was set (the owner lost its lease)
@@ -70,7 +76,7 @@ class Watchdog:
     tells the reader that the error it sees was caused by the watchdog, ``reason`` why.
     """
 
-    def __init__(self, deadline: Deadline, stop: threading.Event | None = None) -> None:
+    def __init__(self, deadline: Deadline, stop: StopSignal | None = None) -> None:
         self.deadline = deadline
         self.fired = threading.Event()
         self.reason: StopReason | None = None

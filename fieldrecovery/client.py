@@ -21,8 +21,9 @@ The deadline bounds the whole call: every socket is watched from the moment it c
 (transport.py), so a peer that drips its headers is cut like one that stalls its body. Every
 request carries ``Authorization: Bearer <key>`` and a fresh CSRF double-submit token (the same
 random value as cookie ``csrf_token`` and header ``X-CSRF-Token``; the session never keeps a
-platform's own ``csrf_token`` cookie, so exactly one goes out). Stream requests ask for
-``Accept-Encoding: identity`` and a body compressed anyway (a proxy) is decoded.
+platform's own ``csrf_token`` cookie, so exactly one goes out). Every request asks for
+``Accept-Encoding: identity``; a body compressed anyway (a proxy) is decoded, capped in decoded
+bytes (a compression bomb is refused, not inflated).
 
 Success needs the explicit ``end`` event and a complete ``message.final``; "the stream ended" is
 never success. Only the event types used here (``run.started``, ``message.final``, ``error``,
@@ -39,7 +40,6 @@ from __future__ import annotations
 import random
 import re
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,17 +47,19 @@ from typing import Any
 import requests
 import urllib3.exceptions
 
-from recovery.field.deadline import Deadline, Watchdog
-from recovery.field.errors import (
+from fieldrecovery.deadline import Deadline, StopSignal, Watchdog
+from fieldrecovery.errors import (
     DeadlineExceeded,
     FieldRecoveryError,
     InvocationLost,
+    ProviderOutputInvalid,
     ProviderRejected,
     ProviderUnavailable,
 )
-from recovery.field.logs import get_logger, log_event
-from recovery.field.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
-from recovery.field.transport import CSRF_COOKIE, watched_session
+from fieldrecovery.logs import get_logger, log_event
+from fieldrecovery.schemas import INT32_MAX, storable_text
+from fieldrecovery.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
+from fieldrecovery.transport import CSRF_COOKIE, read_capped, watched_session
 from settings import FieldRecoverySettings, OpenApiSettings
 
 log = get_logger("client")
@@ -70,6 +72,10 @@ RECOVERY_BACKOFF_SECONDS = 0.05
 RECOVERY_MAX_PAUSE_SECONDS = 1.0
 #: Run statuses that mean "not over yet": a replay without ``end`` is followed, not a failure.
 RUN_IN_PROGRESS = frozenset({"running", "queued", "pending", "in_progress", "created"})
+#: Decoded bytes read of an error body (only its error code is used).
+ERROR_BODY_BYTES = 4096
+#: Decoded bytes allowed in a JSON answer (session, run status): far above any real one.
+JSON_BODY_BYTES = 1 << 20
 _SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -113,11 +119,14 @@ def _safe(value: Any, default: str) -> str:
 
 
 def _opt_str(value: Any) -> str | None:
-    return value[:128] if isinstance(value, str) and value else None
+    """A run-status string for the audit record, or None when it could not be stored."""
+    return value[:128] if isinstance(value, str) and value and storable_text(value) else None
 
 
 def _opt_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """A token count for the audit record (an ``integer`` column), or None when out of range."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT32_MAX
+    return value if ok else None
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -167,7 +176,7 @@ class OpenApiClient:
         subject_id: str,
         deadline: Deadline,
         progress: CallProgress,
-        stop: threading.Event | None = None,
+        stop: StopSignal | None = None,
     ) -> ProviderAnswer:
         """Send the message, wait for the complete successful answer within ``deadline``.
 
@@ -420,9 +429,9 @@ class OpenApiClient:
         token = secrets.token_urlsafe(32)
         streaming = path.endswith("/stream") or accept == "text/event-stream"
         headers = self._headers(token, accept or ("text/event-stream" if streaming else "application/json"))
-        if streaming:
-            # The stream is read raw; proxies that compress anyway are decoded in _chunks.
-            headers["Accept-Encoding"] = "identity"
+        # Every body is read raw and capped in decoded bytes (sse._chunks, transport.read_capped);
+        # a proxy that compresses anyway is decoded within that cap.
+        headers["Accept-Encoding"] = "identity"
         response = http.request(
             method,
             self._base + path,
@@ -445,9 +454,11 @@ class OpenApiClient:
     def _raise_for_status(self, response: requests.Response, transient_5xx: bool) -> None:
         status = response.status_code
         try:
-            payload = json_object(response.content[:4096].decode("utf-8", "replace")) or {}
+            body = read_capped(response, ERROR_BODY_BYTES)
         finally:
             response.close()
+        payload = json_object(body.decode("utf-8", "replace")) if body is not None else None
+        payload = payload or {}
         error = _dict(payload.get("error"))
         provider_code = _safe(error.get("code"), "")
         if provider_code == "open_agent_trace_disabled":
@@ -478,6 +489,8 @@ class OpenApiClient:
             final = payload.get("content")
             if not isinstance(final, str):
                 raise ProviderUnavailable("message.final has no content", code="bad_response")
+            if not storable_text(final):
+                raise ProviderOutputInvalid("message.final has a lone surrogate or a NUL", code="output_bad_text")
             state.final = final
         elif name == "error":
             raise ProviderUnavailable("the run reported an error", code=_safe(payload.get("code"), "provider_error"))
@@ -487,9 +500,12 @@ class OpenApiClient:
 
     def _json(self, response: requests.Response) -> dict[str, Any]:
         try:
-            obj = json_object(response.content.decode("utf-8", "replace"))
+            body = read_capped(response, JSON_BODY_BYTES)
         finally:
             response.close()
+        if body is None:
+            raise ProviderUnavailable("the provider's JSON answer is too large", code="body_too_large")
+        obj = json_object(body.decode("utf-8", "replace"))
         if obj is None:
             raise ProviderUnavailable("the provider answered something that is not a JSON object", code="bad_response")
         return obj

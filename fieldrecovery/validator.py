@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from recovery.field.schemas import (
+from fieldrecovery.schemas import (
     RecoveryPatch,
     RecoveryPatchSet,
     RecoveryRequestSet,

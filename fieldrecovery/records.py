@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from recovery.field.tables import InvocationStatus
+from fieldrecovery.tables import InvocationStatus
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,26 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+#: The largest value of a PostgreSQL ``integer`` column (revisions, attempts, token counts).
+INT32_MAX = 2**31 - 1
+
+
+def storable_text(value: str) -> bool:
+    """True when ``value`` can be hashed and stored: UTF-8 encodable (no lone surrogate), no NUL.
+
+    Every string that comes from outside (an EML header, a provider's answer or run status) is
+    checked with this before it reaches ``sha256_hex`` or a PostgreSQL text column: psycopg2
+    refuses a NUL and ``str.encode`` refuses a lone surrogate, each with a traceback.
+    """
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _INTEGER = re.compile(r"^(0|[1-9][0-9]{0,8})$")
 _DECIMAL = re.compile(r"^(0|[1-9][0-9]{0,11})(\.[0-9]{1,4})?$")
 _ISO_DATE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")

@@ -69,6 +69,18 @@ class StoreUnavailable(FieldRecoveryError):
     default_code = "store_unavailable"
 
 
+class ValueRejected(FieldRecoveryError):
+    """Raised when the database refuses a value (out of range, too long, a NUL); never retried."""
+
+    default_code = "store_value_rejected"
+
+
+class AttemptInvalid(FieldRecoveryError):
+    """Raised when an attempt number is not an integer from 1 to 2**31-1."""
+
+    default_code = "attempt_invalid"
+
+
 class EmlInvalid(FieldRecoveryError):
     """The file is not a booking-confirmation EML this parser understands."""
 

@@ -8,6 +8,8 @@ wrong has its own safe code, checked in this order:
 ``output_prose``        text before or after the object
 ``output_not_json``     not parsable JSON (nesting too deep included), not an object, or a key
                         given twice
+``output_bad_text``     a lone surrogate or a NUL, in the text or in any string of the object
+                        (neither can be hashed or stored)
 ``output_unknown_field`` a field the contract does not have
 ``output_invalid``      any other contract violation (missing field, wrong type, range)
 
@@ -22,14 +24,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery.field.errors import ProviderOutputInvalid
-from recovery.field.schemas import RecoveryPatchSet
+from fieldrecovery.errors import ProviderOutputInvalid
+from fieldrecovery.schemas import RecoveryPatchSet, storable_text
 
 
 def parse_patch_set(answer: str, *, max_chars: int) -> RecoveryPatchSet:
     """Return the PatchSet in ``answer`` or raise ProviderOutputInvalid with a distinct code."""
     if len(answer) > max_chars:
         raise ProviderOutputInvalid("the answer exceeds max_response_chars", code="response_too_large")
+    if not storable_text(answer):
+        raise ProviderOutputInvalid("the answer has a lone surrogate or a NUL", code="output_bad_text")
     if "```" in answer or "~~~" in answer:
         raise ProviderOutputInvalid("the answer is wrapped in a Markdown fence", code="output_fenced")
     text = answer.strip()
@@ -45,6 +49,9 @@ def parse_patch_set(answer: str, *, max_chars: int) -> RecoveryPatchSet:
         raise ProviderOutputInvalid("the answer is not one JSON object", code="output_not_json") from None
     if not isinstance(obj, dict):
         raise ProviderOutputInvalid("the answer is not a JSON object", code="output_not_json")
+    # NOTE: JSON escapes (a backslash-u D800 or 0000) hide what the raw-text check cannot see.
+    if not _all_storable(obj):
+        raise ProviderOutputInvalid("the answer has a lone surrogate or a NUL", code="output_bad_text")
     try:
         return RecoveryPatchSet.model_validate(obj)
     except ValidationError as exc:
@@ -61,3 +68,19 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError("duplicate key")
         result[key] = value
     return result
+
+
+def _all_storable(obj: Any) -> bool:
+    """Every key and string inside ``obj`` is storable (iterative: a deep nesting cannot recurse)."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not storable_text(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True

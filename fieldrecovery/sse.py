@@ -25,8 +25,8 @@ import requests
 import urllib3.exceptions
 from sseclient import SSEClient
 
-from recovery.field.deadline import Deadline, response_socket
-from recovery.field.errors import ProviderOutputInvalid
+from fieldrecovery.deadline import Deadline, response_socket
+from fieldrecovery.errors import ProviderOutputInvalid
 
 READ_CHUNK_BYTES = 8192
 #: The only event types the client reads; every other type is skipped, whatever its data.

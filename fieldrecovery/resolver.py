@@ -8,7 +8,7 @@ this repeats to a fixpoint, so a chain falls as a whole.
 
 from __future__ import annotations
 
-from recovery.field.schemas import RecoveryPatch, RecoveryRequestSet, Rejection
+from fieldrecovery.schemas import RecoveryPatch, RecoveryRequestSet, Rejection
 
 
 def resolve_dependencies(
