@@ -40,7 +40,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free
+from models.worker import generation_of, lease_free, still_current
 
 
 class SubagentExecution(Base):
@@ -162,6 +162,7 @@ def take_execution(
         E.status.in_(sources),
         E.delivery_status == DeliveryStatus.PENDING,
         E.epoch == expected_epoch,
+        *still_current(owner),  # never taken by a process a newer boot of its name replaced
     ]
     now = utcnow()
     if require_expired:
