@@ -178,6 +178,12 @@ def still_current(owner: str | None = None) -> tuple[ColumnElement[bool], ...]:
     return (not_(exists().where(W.name == name, W.generation > generation)),)
 
 
+def superseded(s: Session) -> bool:
+    """True when this process has a boot identity and a newer process booted under its name."""
+    me = _identity
+    return me is not None and newer_generation(s, me[0], me[1]) is not None
+
+
 def newer_generation(s: Session, name: str, generation: int) -> int | None:
     """The generation of ``name`` when it is newer than ``generation`` (another process booted
     under this name), else None."""

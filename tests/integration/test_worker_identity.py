@@ -14,7 +14,7 @@ from sqlalchemy import select
 from harness.fence import ExecutionFence
 from models import ExecutionStatus, LeaseLost, SubagentExecution, transaction
 from models import worker as worker_model
-from models.execution import take_execution
+from models.execution import finish_execution, take_execution
 from models.worker import WorkerBoot, boot, check_name, lease_free, record_boot, set_identity
 from tests.helpers import make_execution, make_session
 
@@ -79,6 +79,9 @@ def test_a_newer_boot_takes_back_the_lease_of_an_older_process_that_still_lives_
     assert fence.renew() is False
     with pytest.raises(LeaseLost), transaction() as s:
         ExecutionFence(session_id=child, epoch=1, lease_seconds=30, execution_id=eid).check(s)
+    with transaction() as s:  # a cancel or failure of its own child is not written either
+        assert not finish_execution(s, eid, epoch=1, status=ExecutionStatus.CANCELLED, result={"success": False})
+    assert _row(eid).status == ExecutionStatus.RUNNING
     other = make_execution(parent)
     assert _take(other, 0, worker_name) is None
     assert _row(other).epoch == 0
