@@ -95,7 +95,11 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
+    from cli.agent import fail
     from harness import presence
+
+    if not args.user_id.strip():
+        return fail(f"local-client {args.local_action}: the user id is empty")
 
     if args.local_action == "connect":
         presence.connect(args.user_id)
