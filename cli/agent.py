@@ -11,6 +11,12 @@ from typing import Any
 TERMINAL_VIEW = ("WAITING_USER", "COMPLETED", "FAILED", "CANCELLED")
 
 
+def fail(problem: str, status: int = 1) -> int:
+    """One line naming the problem on stderr; returns the exit status."""
+    print(f"agent-recovery: {problem}", file=sys.stderr)
+    return status
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("submit", help="start a session: new session, USER message, enqueue agent.run")
     p.add_argument("--agent", default="main", help="agent name (AGENTS_FILE or the built-in default)")
@@ -34,12 +40,35 @@ def register(sub: Any) -> None:
     c.set_defaults(handler=_cancel)
 
 
+#: Exit status of a submit whose session is saved but whose message could not be sent.
+EXIT_NOT_ENQUEUED = 3
+
+
 def _submit(args: argparse.Namespace) -> int:
+    from harness.errors import UnknownAgent
+    from harness.loop import is_infrastructure_error
     from harness.views import create_session
     from tasks import app
 
-    sid = create_session(args.agent, args.text)
-    app.signature("agent.run", args=(sid, 0)).apply_async()
+    if not args.text.strip():
+        return fail("submit: the text is empty")
+    try:
+        sid = create_session(args.agent, args.text)
+    except UnknownAgent as exc:
+        return fail(f"submit: {exc}")
+    try:
+        app.signature("agent.run", args=(sid, 0)).apply_async()
+    except Exception as exc:
+        if not is_infrastructure_error(exc):
+            raise
+        # The session is committed: say which one, and that the scan starts it (its reservation
+        # lapses after a lease, then the recovery scan sends agent.run once a worker runs).
+        print(sid)
+        fail(
+            f"submit: session {sid} is saved but the broker did not take its message "
+            f"({type(exc).__name__}); the recovery scan will start it once the broker and a worker are up"
+        )
+        return EXIT_NOT_ENQUEUED
     if args.wait > 0:
         phase = wait_for_turn(sid, args.wait)
         print(f"session {sid} phase={phase}", file=sys.stderr)
@@ -72,8 +101,7 @@ def _show(args: argparse.Namespace) -> int:
     with transaction() as s:
         snap = snapshot(s, args.id)
     if snap is None:
-        print(f"agent-recovery: no session {args.id}", file=sys.stderr)
-        return 1
+        return fail(f"session show: no session {args.id}")
     if args.json:
         print(json.dumps(snap, ensure_ascii=False, indent=2))
         return 0
@@ -116,8 +144,12 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
+    from models import AgentSession, transaction
     from recovery.cancel import cancel_session
 
+    with transaction() as s:
+        if s.get(AgentSession, args.id) is None:
+            return fail(f"cancel: no session {args.id}")
     changed, suppressed = cancel_session(args.id)
     print(f"session {args.id}: {'cancelled' if changed else 'already stopped'}; suppressed executions {suppressed}")
     return 0

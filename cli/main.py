@@ -32,6 +32,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        problem = unreachable(exc)
+        if problem is None:
+            raise
+        print(f"agent-recovery: {args.command}: {problem}", file=sys.stderr)
+        return 2
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """One line naming the service a command could not reach (no secrets: the database URL is
+    shown without its password), or None for any other error."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
+        from sqlalchemy.engine import make_url
+
+        from settings import get_settings
+
+        where = make_url(get_settings().DATABASE_URL).render_as_string(hide_password=True)
+        return f"the database is unreachable at {where} ({type(exc.orig).__name__})"
+    module = type(exc).__module__
+    if module.startswith(("kombu.", "amqp.")):
+        return f"the broker is unreachable ({type(exc).__name__}; CELERY_BROKER_URL)"
+    if module.startswith("redis."):
+        return f"Redis is unreachable ({type(exc).__name__}; REDIS_URL or CELERY_BROKER_URL)"
+    return None
 
 
 if __name__ == "__main__":

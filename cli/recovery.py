@@ -47,6 +47,12 @@ def _status(args: argparse.Namespace) -> int:
         f" not picked up after a scan interval={report['expired_leases_not_picked_up']}"
     )
     print(f"stale field keys: {report['stale_field_keys']}")
+    for c in report["worker_name_conflicts"]:
+        state = "NOW: two live processes share this name" if c["live"] else "seen before"
+        print(
+            f"worker name conflict {c['worker']}: generation {c['older_generation']} ran beside generation "
+            f"{c['generation']} (last seen {c['seen_at']}; {state})"
+        )
     for q in report["queues"]:
         print(f"queue {q['queue']}: {q['messages']} waiting, oldest {q['oldest_wait_seconds']} s")
     return 0
@@ -89,7 +95,11 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
+    from cli.agent import fail
     from harness import presence
+
+    if not args.user_id.strip():
+        return fail(f"local-client {args.local_action}: the user id is empty")
 
     if args.local_action == "connect":
         presence.connect(args.user_id)

@@ -30,6 +30,7 @@ from models import (
 from models.base import utcnow
 from models.db import cas
 from models.session import renew_session_lease
+from models.worker import still_current
 
 log = logging.getLogger("harness.fence")
 
@@ -96,6 +97,7 @@ class SessionFence(Fence):
                 S.epoch == self.epoch,
                 S.lease_owner.is_not(None),
                 or_(S.phase.is_(None), S.phase.not_in(STOPPED_PHASES)),
+                *still_current(),  # a process replaced under its name renews nothing
             )
             .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds)),
         )
@@ -128,7 +130,7 @@ class ExecutionFence(Fence):
         rows = cas(
             s,
             update(E)
-            .where(E.id == self.execution_id, E.epoch == self.epoch, E.status.in_(ACTIVE_EXECUTION))
+            .where(E.id == self.execution_id, E.epoch == self.epoch, E.status.in_(ACTIVE_EXECUTION), *still_current())
             .values(
                 lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds),
                 prompt_tokens=E.prompt_tokens + prompt_tokens,

@@ -3,38 +3,52 @@ database's now(), never a worker's clock").
 
 Workers on several machines disagree about the time. Every lease and deadline is written and
 compared in the database's time: SQL statements use ``now()`` where they compare, and values
-computed in Python use :func:`db_utcnow`, the local clock corrected by the offset to the
-database's ``clock_timestamp()``. The offset is measured on first use and re-measured every
-``RESYNC_SECONDS`` (an NTP step on the worker is absorbed within that); the measurement error
-is half a round trip (well under a millisecond on a LAN), far below any lease.
+computed in Python use :func:`db_utcnow`: the database's ``clock_timestamp()`` read at the
+last sync, plus the time elapsed since on this process's MONOTONIC clock. A step of the
+worker's wall clock (NTP, an operator's ``date -s``) therefore never moves it, between syncs
+or across one (issue 15 item 9); only the rate of the monotonic clock matters, and it is
+re-anchored every ``RESYNC_SECONDS``. The measurement error is half a round trip (well under
+a millisecond on a LAN), far below any lease.
 
-``CLOCK_SKEW_SECONDS`` (tests only) shifts this process's local clock, as a badly set machine
-would; it is read once, on first use.
+``CLOCK_SKEW_SECONDS`` (tests only) shifts this process's local wall clock, as a badly set
+machine would; it is read once, on first use. It moves :func:`local_utcnow` only.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 RESYNC_SECONDS = 60.0
 
 _skew: timedelta | None = None  # read from settings on first use
 _lock = threading.Lock()
-_offset = timedelta(0)
+#: (monotonic seconds at the sync, the database's time at that instant); None before a sync.
+_anchor: tuple[float, datetime] | None = None
 _synced_at = float("-inf")
 _syncing = False
 
 
+def _wall_now() -> datetime:
+    """This machine's wall clock. Tests replace it to simulate a clock step."""
+    return datetime.now(UTC)
+
+
+#: The monotonic clock; tests may replace it too.
+monotonic: Callable[[], float] = time.monotonic
+wall_now: Callable[[], datetime] = _wall_now
+
+
 def local_utcnow() -> datetime:
-    """This machine's clock (with the test skew), uncorrected."""
+    """This machine's wall clock (with the test skew), uncorrected."""
     global _skew
     if _skew is None:
         from settings import get_settings
 
         _skew = timedelta(seconds=get_settings().CLOCK_SKEW_SECONDS)
-    return datetime.now(UTC) + _skew
+    return wall_now() + _skew
 
 
 def set_local_skew(seconds: float) -> None:
@@ -46,46 +60,54 @@ def set_local_skew(seconds: float) -> None:
 
 
 def db_utcnow() -> datetime:
-    """The database's current time, from the local clock and the measured offset."""
-    if time.monotonic() - _synced_at > RESYNC_SECONDS:
+    """The database's current time: its time at the last sync plus the monotonic time since.
+    Before any successful sync (database unreachable), the local wall clock."""
+    if monotonic() - _synced_at > RESYNC_SECONDS:
         _resync()
-    return local_utcnow() + _offset
+    anchor = _anchor
+    if anchor is None:
+        return local_utcnow()
+    at, db_time = anchor
+    return db_time + timedelta(seconds=monotonic() - at)
 
 
 def _resync() -> None:
-    global _offset, _synced_at, _syncing
+    global _anchor, _synced_at, _syncing
     with _lock:
-        if _syncing or time.monotonic() - _synced_at <= RESYNC_SECONDS:
+        if _syncing or monotonic() - _synced_at <= RESYNC_SECONDS:
             return
         _syncing = True
     try:
-        offset = _measure()
+        anchor = _measure()
         with _lock:
-            if offset is not None:
-                _offset = offset
-            # A failed measurement keeps the last offset and tries again on a later call.
-            _synced_at = time.monotonic() if offset is not None else _synced_at
+            # A failed measurement keeps the last anchor and tries again on a later call.
+            if anchor is not None:
+                _anchor = anchor
+                _synced_at = anchor[0]
     finally:
         with _lock:
             _syncing = False
 
 
-def _measure() -> timedelta | None:
+def _measure() -> tuple[float, datetime] | None:
+    """(monotonic time, the database's time at that instant), or None when unreachable."""
     from sqlalchemy import text
 
     from models.db import get_engine
 
     engine = get_engine()
     if engine.dialect.name != "postgresql":
-        return timedelta(0)  # the embedded default: one machine, one clock
+        return monotonic(), local_utcnow()  # the embedded default: one machine, one clock
     try:
         with engine.connect() as conn:
-            before = local_utcnow()
+            before = monotonic()
             server: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
-            after = local_utcnow()
+            after = monotonic()
     except Exception:
         return None
-    return server - (before + (after - before) / 2)
+    if server.tzinfo is None:
+        server = server.replace(tzinfo=UTC)
+    return before + (after - before) / 2, server
 
 
 def forget() -> None:

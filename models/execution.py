@@ -40,7 +40,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free
+from models.worker import generation_of, lease_free, still_current, superseded
 
 
 class SubagentExecution(Base):
@@ -162,6 +162,7 @@ def take_execution(
         E.status.in_(sources),
         E.delivery_status == DeliveryStatus.PENDING,
         E.epoch == expected_epoch,
+        *still_current(owner),  # never taken by a process a newer boot of its name replaced
     ]
     now = utcnow()
     if require_expired:
@@ -220,7 +221,8 @@ def finish_execution(
 ) -> bool:
     """Active -> terminal with the result, counters and final message, by the epoch's owner.
 
-    Returns False when a newer owner holds the execution (nothing written).
+    Returns False when a newer owner holds the execution, or a newer process booted under this
+    process's worker name (nothing written).
     """
     if status not in TERMINAL_EXECUTION:
         raise IllegalTransition(f"finish_execution needs a terminal status, got {status}")
@@ -243,9 +245,12 @@ def finish_execution(
             values[key] = value
     if prompt_tokens is not None and completion_tokens is not None:
         values["total_tokens"] = prompt_tokens + completion_tokens
-    rows = cas(s, update(E).where(E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status])).values(**values))
+    where = (E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status]), *still_current())
+    rows = cas(s, update(E).where(*where).values(**values))
     if rows == 1:
         return True
+    if superseded(s):
+        return False  # replaced under its worker name: the newer process finishes it
     _classify(s, eid, epoch, f"finish as {status}")
     return False
 

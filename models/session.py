@@ -25,7 +25,7 @@ from models.db import cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free
+from models.worker import generation_of, lease_free, still_current
 
 
 class AgentSession(Base):
@@ -98,7 +98,7 @@ def take_session(
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
     now = utcnow()
-    conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases)]
+    conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases), *still_current(owner)]
     if require_expired:
         free = [lease_free(S, now)]
         if free_when_unowned:
@@ -167,7 +167,7 @@ def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) 
     rows = cas(
         s,
         update(S)
-        .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None))
+        .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None), *still_current())
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)),
     )
     return rows == 1

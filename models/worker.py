@@ -3,9 +3,15 @@
 ``worker_boot`` holds one row per stable worker name (Celery's ``-n`` node name or the
 ``WORKER_ID`` setting) with a generation bumped at every boot. A lease written by an older
 generation of the same name is known dead: its process was replaced by a newer one, so its
-work is taken back at once, without waiting for the lease (issue 11). Two live processes
-misconfigured with one name stay safe: the epoch still fences every write; at worst work is
-repeated, never delivered twice.
+work is taken back at once, without waiting for the lease (issue 11).
+
+Two LIVE processes under one name (a shared ``WORKER_ID``, two ``-n worker1@%h`` on one host)
+are a misconfiguration that must not cost more than one take-back (issue 15 item 8): every take
+of a lease by a booted process carries :func:`still_current` (no newer generation of my name
+exists), so a superseded process can never take a lease nor renew one, and the scan takes each
+of its leases once. Its watcher (``tasks.signals``) notices the newer generation within a third
+of a lease, logs ``event=worker_name_conflict`` at ERROR, records it here
+(:func:`record_conflict`, read by ``agent-recovery status`` and the metrics) and stops consuming.
 
 ``recovery_scan`` is one row (id = 1) with the last scan's start and duration, read by
 ``agent-recovery status`` and the metrics endpoint at scrape time (not process memory).
@@ -16,7 +22,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, not_, or_, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
@@ -56,7 +62,10 @@ def record_boot(s: Session, name: str) -> int:
     rows = s.execute(
         update(WorkerBoot)
         .where(WorkerBoot.name == name)
-        .values(generation=WorkerBoot.generation + 1, booted_at=func.now())
+        # A new boot clears the last conflict: an older process still alive records it again.
+        .values(
+            generation=WorkerBoot.generation + 1, booted_at=func.now(), conflict_generation=None, conflict_seen_at=None
+        )
         .returning(WorkerBoot.generation)
     ).all()
     if rows:
@@ -150,6 +159,67 @@ def boot(name: str) -> int:
         generation = record_boot(s, name)
     set_identity(name, generation)
     return generation
+
+
+def still_current(owner: str | None = None) -> tuple[ColumnElement[bool], ...]:
+    """SQL conditions for a take or renewal of a lease by this process (for ``owner``, when
+    given): no newer boot generation of this process's name exists. Empty when the process has
+    no boot identity, or takes for another owner. Spread into a WHERE: ``*still_current(owner)``.
+
+    NOTE: checked in the same UPDATE that takes the lease, so a process superseded by a newer
+    boot under its name can never write a lease after that boot committed; the scan takes
+    each of its older leases back once (``lease_free``), and nothing of its ever becomes
+    takeable again."""
+    me = _identity
+    if me is None or (owner is not None and owner != me[0]):
+        return ()
+    name, generation = me
+    W = WorkerBoot
+    return (not_(exists().where(W.name == name, W.generation > generation)),)
+
+
+def superseded(s: Session) -> bool:
+    """True when this process has a boot identity and a newer process booted under its name."""
+    me = _identity
+    return me is not None and newer_generation(s, me[0], me[1]) is not None
+
+
+def newer_generation(s: Session, name: str, generation: int) -> int | None:
+    """The generation of ``name`` when it is newer than ``generation`` (another process booted
+    under this name), else None."""
+    current = s.execute(select(WorkerBoot.generation).where(WorkerBoot.name == name)).scalar_one_or_none()
+    return int(current) if current is not None and current > generation else None
+
+
+def record_conflict(s: Session, name: str, generation: int) -> bool:
+    """Record that ``generation`` of ``name`` still lives beside a newer one (refreshes the time
+    seen). False when nothing was recorded: no newer generation exists any more."""
+    W = WorkerBoot
+    rows = cas(
+        s,
+        update(W)
+        .where(W.name == name, W.generation > generation)
+        .values(conflict_generation=generation, conflict_seen_at=func.now()),
+    )
+    return rows == 1
+
+
+def check_name(name: str, generation: int) -> int | None:
+    """One tick of the name watcher: the newer generation of ``name`` when a newer process booted
+    under it (the conflict is then recorded, or its time seen refreshed), else None."""
+    from models.db import transaction
+
+    with transaction() as s:
+        newer = newer_generation(s, name, generation)
+        if newer is not None:
+            record_conflict(s, name, generation)
+    return newer
+
+
+def name_conflicts(s: Session) -> list[WorkerBoot]:
+    """Worker names under which an older live process saw a newer one, by name."""
+    W = WorkerBoot
+    return list(s.execute(select(W).where(W.conflict_seen_at.is_not(None)).order_by(W.name)).scalars())
 
 
 def lease_free(model: Any, now: Any = None) -> ColumnElement[bool]:

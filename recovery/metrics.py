@@ -13,6 +13,7 @@ follows the work in flight, not the history:
 3. Field invocations IN_PROGRESS and the stale ones (lease expired): the partial index
    ``ix_field_recovery_invocation_in_progress``.
 4. The last scan: the single ``recovery_scan`` row.
+5. Worker names two live processes share: ``worker_boot`` (one row per name).
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
@@ -89,6 +90,12 @@ SELECT count(*),
        count(*) FILTER (WHERE lease_expires_at IS NULL OR lease_expires_at < now())
 FROM "{schema}".field_recovery_invocation
 WHERE status = 'IN_PROGRESS'
+"""
+#: Worker names two live processes share right now: the older one refreshed its conflict within
+#: the last lease (worker_boot is one row per name: a sequential scan of a handful of rows).
+NAME_CONFLICTS_SQL = """
+SELECT count(*) FROM worker_boot
+WHERE conflict_seen_at IS NOT NULL AND conflict_seen_at > now() - make_interval(secs => :lease)
 """
 LAST_SCAN_SQL = """
 SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
@@ -174,6 +181,7 @@ class RecoveryCollector(Collector):
             out += self._rounds(conn)
             out += self._field(conn)
             out += self._last_scan(conn)
+            out += self._name_conflicts(conn)
             out += self._settled_counters(conn)
         return out
 
@@ -273,6 +281,17 @@ class RecoveryCollector(Collector):
                 )
             )
         return out
+
+    def _name_conflicts(self, conn: Connection) -> list[Metric]:
+        count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": get_settings().LEASE_SECONDS}).scalar_one()
+        return [
+            GaugeMetricFamily(
+                _name("worker_name_conflicts"),
+                "Worker names (WORKER_ID or -n) under which two live processes run: the older one "
+                "saw the newer boot within the last lease and stopped consuming",
+                value=float(count),
+            )
+        ]
 
     def _settled_counters(self, conn: Connection) -> list[Metric]:
         now = time.monotonic()

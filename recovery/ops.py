@@ -133,4 +133,28 @@ def status_report() -> dict[str, Any]:
         "expired_session_leases": int(expired_sessions),
         "expired_leases_not_picked_up": int(unpicked),
         "stale_field_keys": _stale_field_keys(),
+        "worker_name_conflicts": worker_name_conflicts(),
     }
+
+
+def worker_name_conflicts() -> list[dict[str, Any]]:
+    """Worker names under which an older process saw a newer one boot (issue 15 item 8). ``live``:
+    the older process still reported it within the last lease (its watcher refreshes it every
+    third of a lease), so two processes run under that name right now."""
+    from models.worker import name_conflicts
+
+    lease = timedelta(seconds=get_settings().LEASE_SECONDS)
+    now = utcnow()  # the database's time (models.clock)
+    with transaction() as s:
+        rows = name_conflicts(s)
+        out = [
+            {
+                "worker": r.name,
+                "generation": int(r.generation),
+                "older_generation": r.conflict_generation,
+                "seen_at": r.conflict_seen_at.isoformat() if r.conflict_seen_at else None,
+                "live": bool(r.conflict_seen_at is not None and now - r.conflict_seen_at <= lease),
+            }
+            for r in rows
+        ]
+    return out

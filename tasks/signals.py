@@ -1,8 +1,12 @@
-"""Worker signals: fresh DB connections in each pool process; logging set up once."""
+"""Worker signals: a boot generation per start, a watcher of the worker's name, fresh DB
+connections in each pool process; logging set up once."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from typing import Any
 
 from celery.signals import setup_logging as setup_logging_signal
 from celery.signals import worker_init, worker_process_init, worker_ready
@@ -54,3 +58,93 @@ def _logging(**_: object) -> None:
 @worker_ready.connect
 def _ready(sender: object = None, **_: object) -> None:
     logging.getLogger("tasks.signals").warning("event=worker_ready")
+    _start_name_watcher(sender)
+
+
+class NameWatcher:
+    """Watches this worker's name in ``worker_boot`` from the worker's MAIN process (issue 15
+    item 8). When a newer process booted under the same name (a shared ``WORKER_ID``, two
+    ``-n worker1@%h`` on one host), this one is the older: it logs ``event=worker_name_conflict``
+    at ERROR once, records the conflict at every tick (``agent-recovery status``, the metrics)
+    and stops consuming from every queue, so it takes no new message.
+
+    NOTE: it does not exit: under a restarting supervisor an exit would come back as the newest
+    generation, and the two processes would supersede each other in turns forever. Its leases
+    are safe meanwhile: a superseded process can neither take nor renew one
+    (``models.worker.still_current``), so the scan takes each of them back once. Messages
+    already prefetched by its pool still run and find their take refused (the scan re-sends
+    their work once the reservation lapses)."""
+
+    def __init__(self, consumer: Any, name: str, generation: int, period_seconds: float) -> None:
+        self.consumer, self.name, self.generation = consumer, name, generation
+        self.period_seconds = period_seconds
+        self.superseded_by: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-name-watcher", daemon=True)
+
+    def start(self) -> NameWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_seconds):
+            self.tick()
+
+    def tick(self) -> int | None:
+        """One check; returns the newer generation when this process is superseded."""
+        from models.worker import check_name
+
+        try:
+            newer = check_name(self.name, self.generation)
+        except Exception:  # a DB blip: check again next tick
+            log.warning("event=worker_name_check_failed worker=%s", self.name, exc_info=True)
+            return None
+        if newer is not None and self.superseded_by is None:
+            self.superseded_by = newer
+            log.error(
+                "event=worker_name_conflict worker=%s generation=%s newer_generation=%s hostname=%s pid=%s "
+                "action=stopped_consuming",
+                self.name,
+                self.generation,
+                newer,
+                getattr(self.consumer, "hostname", ""),
+                os.getpid(),
+            )
+            self._stop_consuming()
+        return newer
+
+    def _stop_consuming(self) -> None:
+        consumer = self.consumer
+        if consumer is None or not hasattr(consumer, "call_soon"):
+            return
+        # The consumer's event loop owns its channels: cancel from there, not from this thread.
+        consumer.call_soon(_cancel_all_queues, consumer)
+
+
+def _cancel_all_queues(consumer: Any) -> None:
+    queues = consumer.app.amqp.queues
+    names = list(queues.consume_from or {})
+    for name in names:
+        queues.deselect(name)  # a reconnect must not consume it again
+        if consumer.task_consumer is not None:
+            consumer.task_consumer.cancel_by_queue(name)
+    log.error("event=worker_stopped_consuming queues=%s", ",".join(names))
+
+
+#: The running watcher of this process (tests read it).
+watcher: NameWatcher | None = None
+
+
+def _start_name_watcher(consumer: object) -> None:
+    global watcher
+    from models.worker import identity
+    from settings import get_settings
+
+    booted = identity()
+    if booted is None:
+        return
+    period = max(0.5, get_settings().LEASE_SECONDS / 3)
+    watcher = NameWatcher(consumer, booted[0], booted[1], period).start()

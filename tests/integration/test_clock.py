@@ -1,0 +1,69 @@
+"""models.clock: the database's time, carried between syncs by the monotonic clock (issue 15
+item 9). A step of the worker's wall clock must not move it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import text
+
+from models import clock, transaction
+
+
+class _SteppedDatetime(datetime):
+    """``datetime`` whose ``now()`` is the real wall clock plus a step the test sets."""
+
+    step = timedelta(0)
+
+    @classmethod
+    def now(cls, tz=None):  # type: ignore[no-untyped-def,override]
+        return datetime.now(tz) + cls.step
+
+
+@pytest.fixture
+def stepped_wall_clock(db: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    _SteppedDatetime.step = timedelta(0)
+    monkeypatch.setattr(clock, "datetime", _SteppedDatetime)
+    clock.forget()
+    yield _SteppedDatetime
+    _SteppedDatetime.step = timedelta(0)
+    clock.forget()
+
+
+def _db_now() -> datetime:
+    with transaction() as s:
+        value: datetime = s.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return value
+
+
+def test_a_wall_clock_step_forward_between_resyncs_does_not_move_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+    before = clock.db_utcnow()  # synced now
+    stepped_wall_clock.step = timedelta(seconds=45)  # NTP steps this worker's clock forward
+    after = clock.db_utcnow()
+    assert timedelta(0) <= after - before < timedelta(seconds=2)
+    assert abs(after - _db_now()) < timedelta(seconds=2)
+
+
+def test_a_wall_clock_step_backward_between_resyncs_does_not_move_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+    before = clock.db_utcnow()
+    stepped_wall_clock.step = timedelta(seconds=-300)
+    after = clock.db_utcnow()
+    assert timedelta(0) <= after - before < timedelta(seconds=2)  # time never goes back
+
+
+def test_a_resync_after_a_wall_clock_step_still_gives_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+    clock.db_utcnow()
+    stepped_wall_clock.step = timedelta(seconds=120)
+    clock.forget()  # the next call re-measures, with the wall clock still stepped
+    assert abs(clock.db_utcnow() - _db_now()) < timedelta(seconds=2)
+    assert abs(clock.local_utcnow() - datetime.now(UTC)) > timedelta(seconds=100)  # the step is real
+
+
+def test_the_test_skew_moves_the_local_clock_but_not_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+    try:
+        clock.set_local_skew(-600)
+        assert abs(clock.db_utcnow() - _db_now()) < timedelta(seconds=2)
+        assert datetime.now(UTC) - clock.local_utcnow() > timedelta(seconds=590)
+    finally:
+        clock.set_local_skew(0)
