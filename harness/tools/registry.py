@@ -19,11 +19,12 @@ What a call can end in (``run_inline``):
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
 import typing
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -201,6 +202,9 @@ def build_tool(
             raise ToolError(f"invalid arguments for tool {tool_name!r}: {describe_validation(exc)}") from None
         kwargs = {n: getattr(validated, n) for n in names}
         result = func(ctx, **kwargs) if wants_context else func(**kwargs)
+        if inspect.isawaitable(result):
+            # An ``async def`` tool runs to its end on an event loop of its own (the loops are sync).
+            result = asyncio.run(_awaited(result))
         return as_text(result)
 
     return Tool(
@@ -213,6 +217,10 @@ def build_tool(
         module=module,
         qualname=getattr(func, "__qualname__", tool_name),
     )
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:

@@ -86,6 +86,18 @@ def test_a_plain_function_becomes_a_tool_with_its_name_docstring_and_a_schema_fr
     assert run_inline("ship_to", '{"address": {"city": "Oslo"}, "copies": 2}', ctx(), ("ship_to",)) == "2 to Oslo"
 
 
+def test_an_async_tool_runs_to_its_end(scratch: list[str]) -> None:
+    import asyncio
+
+    @tool
+    async def slow_double(n: int) -> int:
+        await asyncio.sleep(0.01)
+        return n * 2
+
+    scratch.append("slow_double")
+    assert run_inline("slow_double", '{"n": 21}', ctx(), ("slow_double",)) == "42"
+
+
 def test_name_read_only_and_idempotent_are_declared_in_the_decorator(scratch: list[str]) -> None:
     @tool(name="fetch_page", read_only=True)
     def fetch(url: str) -> str:
@@ -259,6 +271,21 @@ def test_tool_modules_are_imported_and_their_tools_offered(usertools: None) -> N
     assert run_inline("check_inventory", '{"sku": "A-1"}', ctx(), ("check_inventory",)) == (
         "error: ConnectionRefusedError: inventory service refused the request for A-1"
     )
+
+
+def test_an_installed_package_offers_tools_through_the_entry_point_group(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # An installed distribution as importlib.metadata finds one: a .dist-info folder on sys.path.
+    dist = tmp_path / "acme_shop-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-shop\nVersion: 1.0\n", encoding="utf-8")
+    (dist / "entry_points.txt").write_text("[agent_recovery.tools]\nshop = acme_tools\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "lookup_order" not in REGISTRY
+    assert load_tool_modules(()) == ("acme_tools",)
+    entry = lookup("lookup_order")
+    assert entry is not None and entry.read_only and entry.module == "acme_tools"
 
 
 def _start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, modules: str, agents_toml: str) -> str:
