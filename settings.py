@@ -143,8 +143,17 @@ class Settings(BaseSettings):
     MODEL_NAME: str = "scripted"
     MODEL_CONNECT_TIMEOUT_SECONDS: float = Field(default=5.0, gt=0)
     MODEL_READ_TIMEOUT_SECONDS: float = Field(default=120.0, gt=0)
+    #: Retries of a model call after HTTP 429, 5xx or a connection error (0: none); each waits
+    #: Retry-After or an exponential backoff with jitter, within the call's absolute deadline.
+    MODEL_MAX_RETRIES: int = Field(default=4, ge=0, le=20)
+    #: No retry starts a wait that would end more than this long after the call's first attempt.
+    MODEL_RETRY_MAX_SECONDS: float = Field(default=60.0, ge=0)
     #: TOML file with [agents.NAME] tables; empty means the built-in default.
     AGENTS_FILE: str = ""
+    #: Comma-separated modules of @tool functions that every process imports at start
+    #: ("pkg.tools,other.tools"); installed packages may also use the entry point group
+    #: agent_recovery.tools.
+    TOOL_MODULES: str = ""
     SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
     SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
     LEASE_SECONDS: float = Field(default=30.0, gt=0)

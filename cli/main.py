@@ -24,11 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from harness.agents import load_at_start
+    from harness.errors import AgentConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked (issue 17)
         return int(handler(args) or 0)
+    except AgentConfigError as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 2
     except SettingsError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,8 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
     {"when": {"system_contains": "...", "user_contains": "...", "turn": 1, "last_role": "tool"},
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
               | {"error": {"status": 500, "message": "..."}},
-     "delay_seconds": 0.5}
+     "delay_seconds": 0.5,
+     "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
 
 The first rule whose every condition holds answers; a request no rule matches gets HTTP 400
 naming the head of its system prompt. Before any rule is looked at, the message sequence is
@@ -19,8 +20,15 @@ user message. In ``content`` (and an error's ``message``), ``{tool_results}`` be
 of the tool messages after the last assistant message joined by newlines, and ``{user}`` the
 first user message.
 
+``fail_first`` (optional) makes a rule answer like a provider under load: the first N requests
+it matches get these failures in order (an HTTP error with an optional ``Retry-After`` header in
+seconds, or the connection closed without an answer), and only the next ones its ``reply``. Each
+failure is journaled as ``{"rule", "turn", "reply": "error"}``.
+
 ``GET /_journal`` lists every answered request as ``{"rule", "turn", "reply"}``; ``POST /_reset``
-clears it. Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
+clears it (and the ``fail_first`` counts). ``GET /_received`` lists what each chat-completions
+request asked for besides its messages: ``{"model", "temperature", "max_tokens", "tools"}`` (tool
+names; absent options are null). Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
 ``python -m doubles.scripted_model`` with the same flags).
 """
 
@@ -50,7 +58,10 @@ SYSTEM_HEAD_CHARS = 60
 #: Largest request body the server reads.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
-_RULE_KEYS = frozenset({"when", "reply", "delay_seconds"})
+_RULE_KEYS = frozenset({"when", "reply", "delay_seconds", "fail_first"})
+_FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"})
+#: Status of a scripted failure that closes the connection without an answer.
+DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
 _REPLY_KEYS = frozenset({"content", "tool_calls", "error"})
 _TOOL_CALL_KEYS = frozenset({"name", "arguments", "id"})
@@ -107,11 +118,22 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """One scripted failure of ``fail_first``: an HTTP error status (DROP_CONNECTION: the
+    connection is closed without an answer) and an optional Retry-After in seconds."""
+
+    status: int
+    retry_after: float | None = None
+    message: str = "scripted overload"
+
+
+@dataclass(frozen=True)
 class Rule:
     index: int
     when: When
     reply: Reply
     delay_seconds: float = 0.0
+    fail_first: tuple[Failure, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,7 +265,40 @@ def _rule(index: int, raw: Any) -> Rule:
     delay = rule.get("delay_seconds", 0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
         raise ScriptError(f"{at}: delay_seconds must be a number >= 0")
-    return Rule(index=index, when=_when(at, rule.get("when")), reply=_reply(at, rule["reply"]), delay_seconds=delay)
+    return Rule(
+        index=index,
+        when=_when(at, rule.get("when")),
+        reply=_reply(at, rule["reply"]),
+        delay_seconds=delay,
+        fail_first=_failures(at, rule.get("fail_first", [])),
+    )
+
+
+def _failures(at: str, raw: Any) -> tuple[Failure, ...]:
+    if not isinstance(raw, list):
+        raise ScriptError(f"{at}: fail_first must be a list of failures")
+    out: list[Failure] = []
+    for position, item in enumerate(raw):
+        where = f"{at} fail_first[{position}]"
+        failure = _check_keys(item, _FAILURE_KEYS, where)
+        if failure.get("drop_connection") is True:
+            if set(failure) != {"drop_connection"}:
+                raise ScriptError(f"{where}: drop_connection takes no other key")
+            out.append(Failure(status=DROP_CONNECTION))
+            continue
+        status = failure.get("status")
+        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+            raise ScriptError(f"{where}: status must be an HTTP error status (400-599)")
+        retry_after = failure.get("retry_after")
+        if retry_after is not None and (
+            isinstance(retry_after, bool) or not isinstance(retry_after, int | float) or retry_after < 0
+        ):
+            raise ScriptError(f"{where}: retry_after must be a number of seconds >= 0")
+        message = failure.get("message", "scripted overload")
+        if not isinstance(message, str):
+            raise ScriptError(f"{where}: message must be a string")
+        out.append(Failure(status=status, retry_after=retry_after, message=message))
+    return tuple(out)
 
 
 def _when(at: str, raw: Any) -> When:
@@ -318,6 +373,9 @@ class ScriptedModelServer:
         self._api_key = api_key or None
         self._journal: list[dict[str, Any]] = []
         self._rejected: list[dict[str, Any]] = []
+        self._received: list[dict[str, Any]] = []
+        self._matched: dict[int, int] = {}  #: how often each rule matched (fail_first counts)
+        self._local = threading.local()  #: extra response headers of the request on this thread
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
@@ -374,10 +432,24 @@ class ScriptedModelServer:
         with self._lock:
             return [dict(entry) for entry in self._rejected]
 
+    def received(self) -> list[dict[str, Any]]:
+        """What each chat-completions request asked for besides its messages, in order:
+        ``{"model", "temperature", "max_tokens", "tools"}``."""
+        with self._lock:
+            return [dict(entry) for entry in self._received]
+
     def reset(self) -> None:
         with self._lock:
             self._journal.clear()
             self._rejected.clear()
+            self._received.clear()
+            self._matched.clear()
+
+    def take_headers(self) -> dict[str, str]:
+        """Extra headers of the answer this thread just computed (Retry-After), then forgotten."""
+        headers: dict[str, str] = getattr(self._local, "headers", {})
+        self._local.headers = {}
+        return headers
 
     def answer(self, body: Any, authorization: str | None) -> tuple[int, dict[str, Any]]:
         """Status and JSON body for one chat-completions request."""
@@ -395,6 +467,21 @@ class ScriptedModelServer:
                 self._rejected.append({"index": index, "message": message})
             return 400, _error_body(message, "invalid_message_sequence", param=f"messages.[{index}]")
         request = RequestView.of(body["messages"])
+        raw_tools = body.get("tools")
+        tools: list[Any] = raw_tools if isinstance(raw_tools, list) else []
+        with self._lock:
+            self._received.append(
+                {
+                    "model": body.get("model"),
+                    "temperature": body.get("temperature"),
+                    "max_tokens": body.get("max_tokens"),
+                    "tools": [
+                        t["function"].get("name")
+                        for t in tools
+                        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                    ],
+                }
+            )
         rule = next((r for r in self.rules if r.when.matches(request)), None)
         if rule is None:
             head = " ".join((request.system or "")[:SYSTEM_HEAD_CHARS].split()) or "(none)"
@@ -408,7 +495,17 @@ class ScriptedModelServer:
             return 503, _error_body("the scripted model server is stopping", "stopping", "server_error")
         reply = rule.reply
         with self._lock:
-            self._journal.append({"rule": rule.index, "turn": request.turn, "reply": reply.kind})
+            seen = self._matched.get(rule.index, 0)
+            self._matched[rule.index] = seen + 1
+            failure = rule.fail_first[seen] if seen < len(rule.fail_first) else None
+            self._journal.append(
+                {"rule": rule.index, "turn": request.turn, "reply": "error" if failure else reply.kind}
+            )
+        if failure is not None:
+            if failure.retry_after is not None:
+                self._local.headers = {"Retry-After": f"{failure.retry_after:g}"}
+            kind = "server_error" if failure.status >= 500 else "rate_limit_error"
+            return failure.status, _error_body(failure.message, "scripted_failure", kind)
         if reply.error_status is not None:
             kind = "server_error" if reply.error_status >= 500 else "invalid_request_error"
             return reply.error_status, _error_body(request.fill(reply.error_message), "scripted_error", kind)
@@ -457,6 +554,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if _route(self.path) == "/_journal":
             self._send(200, {"requests": self.server.app.journal()})
+        elif _route(self.path) == "/_received":
+            self._send(200, {"requests": self.server.app.received()})
         else:
             self._send(404, _error_body(f"no such path: {self.path}", "not_found"))
 
@@ -473,8 +572,13 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError:
                 self._send(400, _error_body("the request body is not JSON", "bad_request"))
                 return
-            status, payload = self.server.app.answer(body, self.headers.get("Authorization"))
-            self._send(status, payload)
+            app = self.server.app
+            app.take_headers()
+            status, payload = app.answer(body, self.headers.get("Authorization"))
+            if status == DROP_CONNECTION:
+                self.close_connection = True  # no status line: the client sees a dropped connection
+                return
+            self._send(status, payload, app.take_headers())
         else:
             self._send(404, _error_body(f"no such path: {self.path}", "not_found"))
 
@@ -487,10 +591,12 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return self.rfile.read(length)
 
-    def _send(self, status: int, payload: dict[str, Any]) -> None:
+    def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode("utf-8")
         try:
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.send_header("Connection", "close")

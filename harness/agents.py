@@ -1,22 +1,45 @@
 """Agent definitions from TOML (`AGENTS_FILE`, or the built-in default).
 
-One table per agent: ``[agents.NAME]`` with ``system_prompt``, optional ``tools`` (allow list),
-``deny``, ``max_rounds``, ``execution_mode`` (CLOUD | LOCAL). A subagent's tools never include
-``delegate`` / ``delegate_followup`` (no recursive delegation, spec §5.1).
+One table per agent: ``[agents.NAME]`` with ``system_prompt``, optional ``tools`` (allow list of
+tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``deny``,
+``max_rounds``, ``execution_mode`` (CLOUD | LOCAL), model options ``model``, ``temperature``,
+``max_tokens`` (sent as the chat-completions API names them; unset means the endpoint's default,
+and ``model`` defaults to MODEL_NAME), and ``mcp_servers`` (a list of ``{name, url}`` tables:
+streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``). A subagent's tools
+never include ``delegate`` / ``delegate_followup`` (no recursive delegation, spec §5.1).
+
+``load_at_start`` is what every process calls at start: it imports the tool modules and checks
+every agent's tools, so that a configuration error stops the process before it takes work.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit
 
 from harness.errors import AgentConfigError, UnknownAgent
+from harness.model import ModelOptions
 from models import ExecutionMode
 from settings import get_settings
 
 DELEGATION_TOOLS = ("delegate", "delegate_followup")
-_KEYS = {"system_prompt", "tools", "deny", "max_rounds", "execution_mode"}
+_KEYS = {
+    "system_prompt",
+    "tools",
+    "deny",
+    "max_rounds",
+    "execution_mode",
+    "model",
+    "temperature",
+    "max_tokens",
+    "mcp_servers",
+}
+_MCP_KEYS = {"name", "url", "timeout_seconds"}
+_MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 
 DEFAULT_AGENTS_TOML = """
 [agents.main]
@@ -36,6 +59,15 @@ max_rounds = 10
 
 
 @dataclass(frozen=True)
+class McpServer:
+    """An MCP server (streamable HTTP) whose tools an agent is offered as ``<name>__<tool>``."""
+
+    name: str
+    url: str
+    timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
 class AgentDef:
     name: str
     system_prompt: str
@@ -43,12 +75,21 @@ class AgentDef:
     deny: tuple[str, ...]
     max_rounds: int
     execution_mode: ExecutionMode
+    #: Options of this agent's model calls; unset ones are left to the endpoint (model: MODEL_NAME).
+    model_options: ModelOptions = field(default_factory=ModelOptions)
+    mcp_servers: tuple[McpServer, ...] = ()
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
-        """The tools this agent may call, in registry order."""
+        """The tools this agent may call, in registry order, then the tools of its MCP servers
+        that could be listed (a server that is down offers none until it is back)."""
         names = [n for n in available if (self.tools is None or n in self.tools) and n not in self.deny]
         if subagent:
             names = [n for n in names if n not in DELEGATION_TOOLS]
+        if self.mcp_servers:
+            from harness.tools.mcp import server_tool_names
+
+            for server in self.mcp_servers:
+                names.extend(n for n in server_tool_names(server) if n not in self.deny)
         return tuple(names)
 
 
@@ -93,8 +134,69 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             deny=tuple(deny),
             max_rounds=max_rounds,
             execution_mode=execution_mode,
+            model_options=_model_options(f"{source}: agents.{name}", table),
+            mcp_servers=_mcp_servers(f"{source}: agents.{name}", table.get("mcp_servers", [])),
         )
+    _check_mcp_names(source, out)
     return out
+
+
+def _model_options(at: str, table: dict[str, Any]) -> ModelOptions:
+    model = table.get("model")
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise AgentConfigError(f"{at}.model must be a non-empty string")
+    temperature = table.get("temperature")
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2
+    ):
+        raise AgentConfigError(f"{at}.temperature must be a number between 0 and 2")
+    max_tokens = table.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise AgentConfigError(f"{at}.max_tokens must be a positive integer")
+    return ModelOptions(
+        model=model,
+        temperature=float(temperature) if temperature is not None else None,
+        max_tokens=max_tokens,
+    )
+
+
+def _mcp_servers(at: str, raw: Any) -> tuple[McpServer, ...]:
+    if not isinstance(raw, list):
+        raise AgentConfigError(f"{at}.mcp_servers must be a list of {{name, url}} tables")
+    servers: list[McpServer] = []
+    for position, entry in enumerate(raw):
+        where = f"{at}.mcp_servers[{position}]"
+        if not isinstance(entry, dict):
+            raise AgentConfigError(f"{where} must be a table with name and url")
+        extra = set(entry) - _MCP_KEYS
+        if extra:
+            raise AgentConfigError(f"{where} has unknown keys {sorted(extra)}")
+        name, url = entry.get("name"), entry.get("url")
+        if not isinstance(name, str) or not _MCP_NAME.match(name):
+            raise AgentConfigError(f"{where}.name must be letters, digits, '-' and single '_'")
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise AgentConfigError(f"{where}.url must be an http:// or https:// URL")
+        timeout = entry.get("timeout_seconds", 10.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise AgentConfigError(f"{where}.timeout_seconds must be a number > 0")
+        if any(s.name == name for s in servers):
+            raise AgentConfigError(f"{where}: MCP server {name!r} is listed twice")
+        servers.append(McpServer(name=name, url=str(url), timeout_seconds=float(timeout)))
+    return tuple(servers)
+
+
+def _check_mcp_names(source: str, agents: dict[str, AgentDef]) -> None:
+    """One MCP server name means one URL in the whole file: a tool name ``<server>__<tool>``
+    must say which server runs it, whichever agent called it."""
+    seen: dict[str, tuple[str, str]] = {}
+    for agent in agents.values():
+        for server in agent.mcp_servers:
+            first = seen.setdefault(server.name, (agent.name, server.url))
+            if first[1] != server.url:
+                raise AgentConfigError(
+                    f"{source}: MCP server {server.name!r} has two URLs (agents {first[0]} and {agent.name})"
+                )
 
 
 @lru_cache(maxsize=4)
@@ -119,3 +221,30 @@ def get_agent(name: str) -> AgentDef:
         return agents[name]
     except KeyError:
         raise UnknownAgent(f"unknown agent {name!r}; known: {', '.join(sorted(agents))}") from None
+
+
+def load_at_start() -> dict[str, AgentDef]:
+    """What every process (worker, beat, CLI, demo) calls at start: import the tool modules
+    (TOOL_MODULES, entry points), read the agents, and check that every tool an agent lists
+    exists. Raises AgentConfigError naming the agent, the tool and the module(s) otherwise."""
+    from harness.tools import REGISTRY, ToolDefinitionError, load_tool_modules
+    from harness.tools.mcp import configure
+    from harness.tools.registry import MCP_SEPARATOR
+
+    agents = load_agents()
+    try:
+        modules = load_tool_modules()
+    except ToolDefinitionError as exc:
+        users = sorted(a.name for a in agents.values() if a.tools is not None and exc.tool in a.tools)
+        listed = f" (listed by agent {', '.join(users)})" if users else ""
+        raise AgentConfigError(f"{exc}{listed}") from None
+    where = f"modules loaded: {', '.join(modules)}" if modules else "no tool module loaded (TOOL_MODULES is empty)"
+    for agent in agents.values():
+        for name in (*(agent.tools or ()), *(n for n in agent.deny if MCP_SEPARATOR not in n)):
+            if name not in REGISTRY:
+                raise AgentConfigError(
+                    f"agent {agent.name!r} lists tool {name!r}, which no tool module defines ({where}; "
+                    "built-ins: delegate, delegate_followup, echo, wait)"
+                )
+    configure([s for a in agents.values() for s in a.mcp_servers])
+    return agents

@@ -26,7 +26,7 @@ from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, m
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception, failure_result, followup_fields, success_result
-from harness.tools import TOOL_NAMES
+from harness.tools import tool_names
 from models import (
     AgentSession,
     ExecutionMode,
@@ -278,7 +278,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
     try:
         publish_status(info.child_session_id, Phase.RUNNING)
         agent = get_agent(info.agent_type)
-        allowed = agent.tool_names(TOOL_NAMES, subagent=True)
+        allowed = agent.tool_names(tool_names(), subagent=True)
         local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
         with Heartbeat(fence):
             final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
@@ -338,7 +338,7 @@ def _child_rounds(
             wait_for_client(info.user_id, deadline, fence.cancelled)
             if fence.cancelled():
                 continue
-        reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline)
+        reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline, agent.model_options)
         if not reply.tool_calls:
             return reply
         inline_round(fence, info.child_session_id, reply, allowed, deadline, "child")

@@ -27,9 +27,9 @@ from harness.agents import AgentDef
 from harness.errors import DeadlineExceeded, ModelUnavailable
 from harness.fence import Fence
 from harness.history import model_view
-from harness.model import ModelClient, ModelReply
+from harness.model import ModelClient, ModelOptions, ModelReply
 from harness.rounds import ToolResult, write_round
-from harness.tools import REGISTRY, ToolContext, run_inline
+from harness.tools import ToolContext, lookup, run_inline
 from models import transaction
 from models.base import utcnow
 from models.worker import identity
@@ -93,7 +93,7 @@ def is_infrastructure_error(exc: BaseException) -> bool:
 
 
 def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [REGISTRY[n].spec() for n in names]
+    return [t.spec() for t in map(lookup, names) if t is not None]
 
 
 def model_messages(session_id: int, agent: AgentDef, s: Session | None = None) -> list[dict[str, Any]]:
@@ -105,7 +105,11 @@ def model_messages(session_id: int, agent: AgentDef, s: Session | None = None) -
 
 
 def ask(
-    deps: LoopDeps, messages: list[dict[str, Any]], tools: tuple[str, ...], deadline: datetime | None
+    deps: LoopDeps,
+    messages: list[dict[str, Any]],
+    tools: tuple[str, ...],
+    deadline: datetime | None,
+    options: ModelOptions | None = None,
 ) -> ModelReply:
     timeout = None
     if deadline is not None:
@@ -114,7 +118,7 @@ def ask(
             raise DeadlineExceeded()
     assert deps.model is not None
     try:
-        return deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout)
+        return deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
         if deadline is not None and utcnow() >= deadline:
             raise DeadlineExceeded() from None

@@ -5,17 +5,28 @@ Every failure leaves this module as ``ModelUnavailable`` with one of these codes
 ``http_5xx``, ``bad_response`` (an answer that is not a chat completion). Exception messages name
 the endpoint and the HTTP status; they never hold the API key or text of the request messages
 (an error body that echoes the prompt is redacted before it is summarized).
+
+Retries (as a real provider's client does): HTTP 429, every 5xx and a connection error
+(``connect``: the endpoint could not be reached, or dropped the connection) are retried with
+exponential backoff and jitter, honouring ``Retry-After`` (seconds or an HTTP date), at most
+``max_retries`` times, and only while the wait still ends before the absolute deadline the call
+was given and within ``retry_max_seconds`` of the first attempt. A wait that would cross either
+gives up at once with the last error. Other 4xx, a read timeout and an answer that is not a chat
+completion fail at once. Each retry is one ``event=model_retry`` log line (status, code,
+attempt, wait), never message content.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -35,6 +46,24 @@ _ECHO_WINDOW_CHARS = 16
 _ECHO_MIN_CHARS = 4
 _REDACTED = "[redacted]"
 _ERRNO_REASON = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+
+
+#: First backoff of a retry; doubled at each further attempt (before jitter).
+DEFAULT_RETRY_BASE_SECONDS = 0.5
+#: Longest backoff between two attempts when the server gives no Retry-After.
+RETRY_BACKOFF_CAP_SECONDS = 8.0
+#: HTTP statuses worth another attempt (besides every 5xx).
+_RETRY_STATUSES = frozenset({429})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Per-agent options of a chat completion (AGENTS_FILE ``model``, ``temperature``,
+    ``max_tokens``); None leaves the endpoint's default (``model``: the client's MODEL_NAME)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,11 +92,26 @@ class ModelReply:
 class ModelClient:
     """A chat-completions client on one ``requests.Session``; meant for one agent loop at a time."""
 
-    def __init__(self, base_url: str, api_key: str, model: str, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        model: str,
+        connect_timeout: float,
+        read_timeout: float,
+        *,
+        max_retries: int = 0,
+        retry_max_seconds: float = 0.0,
+        retry_base_seconds: float = DEFAULT_RETRY_BASE_SECONDS,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        #: Retries after the first attempt (0: none), within retry_max_seconds of the first attempt.
+        self.max_retries = max_retries
+        self.retry_max_seconds = retry_max_seconds
+        self.retry_base_seconds = retry_base_seconds
         self._api_key = api_key
         self._url = f"{self.base_url}/chat/completions"
         #: The endpoint as messages may show it: no userinfo, no query.
@@ -76,7 +120,8 @@ class ModelClient:
 
     @classmethod
     def from_settings(cls) -> ModelClient:
-        """A client for MODEL_BASE_URL / MODEL_API_KEY / MODEL_NAME and the MODEL_* timeouts."""
+        """A client for MODEL_BASE_URL / MODEL_API_KEY / MODEL_NAME, the MODEL_* timeouts and
+        retries (MODEL_MAX_RETRIES, MODEL_RETRY_MAX_SECONDS)."""
         from settings import get_settings
 
         s = get_settings()
@@ -86,6 +131,8 @@ class ModelClient:
             s.MODEL_NAME,
             s.MODEL_CONNECT_TIMEOUT_SECONDS,
             s.MODEL_READ_TIMEOUT_SECONDS,
+            max_retries=s.MODEL_MAX_RETRIES,
+            retry_max_seconds=s.MODEL_RETRY_MAX_SECONDS,
         )
 
     def __repr__(self) -> str:
@@ -100,23 +147,63 @@ class ModelClient:
         tools: list[dict[str, Any]] | None = None,
         *,
         timeout: float | None = None,
+        options: ModelOptions | None = None,
     ) -> ModelReply:
-        """One chat completion. ``timeout`` is the time left to an absolute deadline: it caps both
-        the connect and the read timeout, and a deadline already passed fails without a request.
-
-        No retry here: the caller decides what a failure means for its round.
-        """
-        connect, read = self.connect_timeout, self.read_timeout
-        if timeout is not None:
-            if timeout <= 0:
-                raise ModelUnavailable(f"no time left for a model call to {self._where}", code="timeout")
-            connect, read = min(connect, timeout), min(read, timeout)
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        """One chat completion, retried as the module docstring says. ``timeout`` is the time left
+        to an absolute deadline: it caps every attempt's connect and read timeouts and every wait
+        between attempts, and a deadline already passed fails without a request."""
+        started = time.monotonic()
+        give_up_at = started + timeout if timeout is not None else None
+        retry_until = started + self.retry_max_seconds
+        body: dict[str, Any] = {"model": (options.model if options else None) or self.model, "messages": messages}
+        if options is not None and options.temperature is not None:
+            body["temperature"] = options.temperature
+        if options is not None and options.max_tokens is not None:
+            body["max_tokens"] = options.max_tokens
         if tools:
             body["tools"] = tools
         # Serialized here so that a message that is not JSON is a programming error (TypeError),
         # not a transport failure.
         data = json.dumps(body).encode("utf-8")
+        attempt = 0
+        while True:
+            left = None if give_up_at is None else give_up_at - time.monotonic()
+            try:
+                return self._attempt(data, messages, left)
+            except _Retryable as failure:
+                attempt += 1
+                wait = self._backoff(attempt, failure.retry_after)
+                now = time.monotonic()
+                if (
+                    attempt > self.max_retries
+                    or now + wait > retry_until
+                    or (give_up_at is not None and now + wait >= give_up_at)
+                ):
+                    raise failure.error from failure.__cause__
+                log.info(
+                    "event=model_retry attempt=%d status=%s code=%s wait_ms=%d",
+                    attempt,
+                    failure.status if failure.status is not None else "-",
+                    failure.error.code,
+                    int(wait * 1000),
+                )
+                time.sleep(wait)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds before attempt ``attempt + 1``: the server's Retry-After when it gave one,
+        else exponential backoff with equal jitter (half fixed, half random), capped."""
+        if retry_after is not None:
+            return retry_after
+        backoff = min(RETRY_BACKOFF_CAP_SECONDS, self.retry_base_seconds * 2.0 ** (attempt - 1))
+        return backoff / 2 + random.uniform(0, backoff / 2)
+
+    def _attempt(self, data: bytes, messages: list[dict[str, Any]], left: float | None) -> ModelReply:
+        """One HTTP request. Raises _Retryable for what may be tried again, ModelUnavailable else."""
+        connect, read = self.connect_timeout, self.read_timeout
+        if left is not None:
+            if left <= 0:
+                raise ModelUnavailable(f"no time left for a model call to {self._where}", code="timeout")
+            connect, read = min(connect, left), min(read, left)
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
@@ -126,18 +213,23 @@ class ModelClient:
                 self._url, data=data, headers=headers, timeout=(connect, read), allow_redirects=False
             )
         except requests.ConnectTimeout as exc:
-            raise self._unavailable(f"could not connect to {self._where} within {connect:g}s", "connect") from exc
+            error = self._unavailable(f"could not connect to {self._where} within {connect:g}s", "connect")
+            raise _Retryable(error, None, None) from exc
         except requests.Timeout as exc:
             raise self._unavailable(f"{self._where} did not answer within {read:g}s", "timeout") from exc
         except requests.RequestException as exc:
-            raise self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect") from exc
+            error = self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect")
+            raise _Retryable(error, None, None) from exc
         duration_ms = int((time.monotonic() - started) * 1000)
         status = response.status_code
         if not 200 <= status < 300:
             code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
             log.info("model_call_failed status=%d code=%s duration_ms=%d", status, code, duration_ms)
-            raise self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
+            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
+            if status in _RETRY_STATUSES or status >= 500:
+                raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
+            raise error
         try:
             payload = response.json()
         except ValueError as exc:
@@ -193,6 +285,35 @@ class ModelClient:
             prompt_tokens=_count(usage.get("prompt_tokens")),
             completion_tokens=_count(usage.get("completion_tokens")),
         )
+
+
+class _Retryable(Exception):
+    """Control flow only: an attempt failed in a way worth another attempt."""
+
+    def __init__(self, error: ModelUnavailable, status: int | None, retry_after: float | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.status = status
+        self.retry_after = retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent
+    or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def _parse_tool_call(raw: Any) -> ToolCall | None:

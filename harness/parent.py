@@ -32,7 +32,7 @@ from harness.history import append_message
 from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
-from harness.tools import TOOL_NAMES, ToolContext, run_inline
+from harness.tools import ToolContext, run_inline, tool_names
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
 from models.session import release_session, take_session
 
@@ -70,7 +70,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
     publish_status(session_id, Phase.RUNNING)
     fence = SessionFence(session_id, new_epoch, deps.lease_seconds)
     agent = get_agent(agent_type)
-    allowed = agent.tool_names(TOOL_NAMES, subagent=False)
+    allowed = agent.tool_names(tool_names(), subagent=False)
     try:
         with Heartbeat(fence):
             return _parent_rounds(session_id, fence, agent, allowed, deps, first_view)
@@ -110,7 +110,7 @@ def _parent_rounds(
             if fence.lost:
                 raise LeaseLost()
             raise Cancelled()
-        reply = ask(deps, view or model_messages(session_id, agent), allowed, None)
+        reply = ask(deps, view or model_messages(session_id, agent), allowed, None, agent.model_options)
         view = None
         if not reply.tool_calls:
             with transaction() as s:

@@ -273,6 +273,10 @@ def test_stop_cuts_a_delayed_reply_short() -> None:
         ([{"when": {"last_role": "bot"}, "reply": {"content": "x"}}], "last_role must be one of"),
         ([{"when": {}}], "rule 0: a rule needs a reply"),
         ({"rule": []}, '"rules"'),
+        ([{"reply": {"content": "x"}, "fail_first": {"status": 429}}], "fail_first must be a list"),
+        ([{"reply": {"content": "x"}, "fail_first": [{"status": 200}]}], "fail_first[0]: status must be"),
+        ([{"reply": {"content": "x"}, "fail_first": [{"status": 429, "retry_after": -1}]}], "retry_after must be"),
+        ([{"reply": {"content": "x"}, "fail_first": [{"drop_connection": True, "status": 503}]}], "takes no other"),
     ],
 )
 def test_an_invalid_script_is_a_load_error_naming_the_rule(script: Any, fragment: str) -> None:
@@ -347,3 +351,22 @@ def test_serve_command_with_an_invalid_script_exits_2_naming_the_rule(tmp_path: 
     )
     assert proc.returncode == 2
     assert "rule 0: unknown key(s) bogus" in proc.stderr
+
+
+def test_fail_first_answers_the_failures_in_order_then_the_reply_and_reset_starts_over() -> None:
+    import requests
+
+    script = [{"reply": {"content": "ok"}, "fail_first": [{"status": 429, "retry_after": 2}, {"status": 503}]}]
+    with ScriptedModelServer(script) as server:
+        url = f"{server.base_url}/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}
+        first = requests.post(url, json=body, timeout=5)
+        assert (first.status_code, first.headers.get("Retry-After")) == (429, "2")
+        second = requests.post(url, json=body, timeout=5)
+        assert second.status_code == 503 and "Retry-After" not in second.headers
+        assert requests.post(url, json=body, timeout=5).json()["choices"][0]["message"]["content"] == "ok"
+        assert [e["reply"] for e in server.journal()] == ["error", "error", "content"]
+        received = requests.get(f"{server.base_url}/_received", timeout=5).json()["requests"]
+        assert received[0] == {"model": "m", "temperature": 0.5, "max_tokens": None, "tools": []}
+        server.reset()
+        assert requests.post(url, json=body, timeout=5).status_code == 429

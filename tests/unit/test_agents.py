@@ -38,6 +38,16 @@ def test_deny_and_execution_mode() -> None:
         ("[agents.x]\n", "system_prompt is required"),
         ('[agents.x]\nsystem_prompt = "p"\nmax_rounds = 0\n', "max_rounds"),
         ('[agents.x]\nsystem_prompt = "p"\nexecution_mode = "MOON"\n', "CLOUD or LOCAL"),
+        ('[agents.x]\nsystem_prompt = "p"\ntemperature = 3\n', "agents.x.temperature must be a number between 0 and 2"),
+        ('[agents.x]\nsystem_prompt = "p"\nmax_tokens = 0\n', "agents.x.max_tokens must be a positive integer"),
+        ('[agents.x]\nsystem_prompt = "p"\nmodel = ""\n', "agents.x.model must be a non-empty string"),
+        ('[agents.x]\nsystem_prompt = "p"\nmcp_servers = [{name = "a", url = "ftp://h"}]\n', "url must be an http"),
+        ('[agents.x]\nsystem_prompt = "p"\nmcp_servers = [{name = "a__b", url = "http://h"}]\n', ".name must be"),
+        (
+            '[agents.x]\nsystem_prompt = "p"\nmcp_servers = [{name = "a", url = "http://h/1"}]\n'
+            '[agents.y]\nsystem_prompt = "p"\nmcp_servers = [{name = "a", url = "http://h/2"}]\n',
+            "MCP server 'a' has two URLs",
+        ),
         ('[agents.x]\nsystem_prompt = "p"\ntools = "echo"\n', "list of tool names"),
         ("[other]\nx = 1\n", "unknown top-level"),
         ("not toml [", "not valid TOML"),

@@ -1,0 +1,53 @@
+"""The tool room (DESIGN §2): ``from harness.tools import tool, ToolContext``.
+
+- ``registry``: the ``@tool`` decorator, the registry, schemas from type hints, ``run_inline``.
+- ``context``: ``ToolContext`` (session, call id, deadline, cancellation, idempotency key).
+- ``builtins``: ``delegate`` / ``delegate_followup`` (specs only), ``echo``, ``wait``.
+- ``loading``: user modules (``TOOL_MODULES``, entry point group ``agent_recovery.tools``).
+- ``mcp``: tools of MCP servers (streamable HTTP) an agent lists.
+"""
+
+from __future__ import annotations
+
+from harness.tools import builtins as _builtins  # noqa: F401  (registers the built-ins)
+from harness.tools.context import ToolContext
+from harness.tools.loading import ENTRY_POINT_GROUP, ToolModuleError, load_tool_modules
+from harness.tools.registry import (
+    REGISTRY,
+    Tool,
+    ToolDefinitionError,
+    build_tool,
+    lookup,
+    parse_arguments,
+    register,
+    run_inline,
+    tool,
+    tool_names,
+    unregister,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "REGISTRY",
+    "Tool",
+    "ToolContext",
+    "ToolDefinitionError",
+    "ToolModuleError",
+    "build_tool",
+    "load_tool_modules",
+    "lookup",
+    "parse_arguments",
+    "register",
+    "run_inline",
+    "tool",
+    "tool_names",
+    "unregister",
+]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # TOOL_NAMES was a constant before user tools existed; it is now read at each use, so that
+    # tools registered after this import (TOOL_MODULES) are in it.
+    if name == "TOOL_NAMES":
+        return tool_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,245 @@
+"""Tools of MCP servers (streamable HTTP), through the official ``mcp`` SDK (issue 17 item 4).
+
+An agent lists servers in AGENTS_FILE (``mcp_servers = [{name = "files", url = "..."}]``); tool
+``read`` of server ``files`` is offered to the model as ``files__read``, beside the Python tools.
+
+- The server's listing is read when a loop starts (``AgentDef.tool_names``) and kept
+  LISTING_TTL_SECONDS (a failed listing FAILED_LISTING_TTL_SECONDS, so a server that comes back
+  is noticed soon). A call opens its own session: a worker holds no MCP connection between rounds.
+- The tool annotations decide the crash behaviour: ``readOnlyHint`` -> ``read_only``,
+  ``idempotentHint`` -> ``idempotent`` (absent: neither). The call carries the call's
+  ``idempotency_key`` in ``_meta`` (IDEMPOTENCY_META_KEY) for a server that deduplicates.
+- A server that is down never fails the session: while it is down its tools are not offered,
+  and a call of one (a listing from before, or a model that remembers it) is a TOOL error result
+  naming the server and the error type. A result with ``isError`` is a TOOL error with its text.
+- The ``mcp`` package is imported only when an agent lists a server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
+from harness.tools.context import ToolContext
+from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message
+
+if TYPE_CHECKING:
+    from harness.agents import McpServer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How long a server's tool listing is used before it is read again.
+LISTING_TTL_SECONDS = 60.0
+#: How long a failed listing is remembered (its tools not offered) before the server is tried again.
+FAILED_LISTING_TTL_SECONDS = 5.0
+#: ``_meta`` key of a tools/call that carries ToolContext.idempotency_key.
+IDEMPOTENCY_META_KEY = "io.agent-recovery/idempotency-key"
+#: OpenAI function names: at most 64 of [A-Za-z0-9_-].
+_MAX_NAME = 64
+
+
+class McpUnavailable(ToolError):
+    """Raised when an MCP server cannot be reached or fails a call; its message is the TOOL result."""
+
+
+@dataclass
+class _Listing:
+    tools: dict[str, Tool] = field(default_factory=dict)
+    fetched_at: float = 0.0
+    error: str | None = None
+
+    def fresh(self, now: float) -> bool:
+        ttl = FAILED_LISTING_TTL_SECONDS if self.error else LISTING_TTL_SECONDS
+        return now - self.fetched_at < ttl
+
+
+_servers: dict[str, McpServer] = {}
+_listings: dict[str, _Listing] = {}
+_lock = threading.Lock()
+
+
+def configure(servers: Iterable[McpServer]) -> None:
+    """Know these servers (load_at_start: every server of every agent). Raises AgentConfigError
+    when a server is listed and the ``mcp`` package is not installed."""
+    servers = list(servers)
+    if not servers:
+        return
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        raise AgentConfigError(
+            f"AGENTS_FILE lists MCP server {servers[0].name!r}, but the mcp package is not installed "
+            "(pip install 'agent-recovery[mcp]')"
+        ) from None
+    # The HTTP client logs every request line (the URL may carry credentials) at INFO.
+    for noisy in ("httpx", "httpx2"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger(noisy).level))
+    with _lock:
+        for server in servers:
+            _servers[server.name] = server
+
+
+def forget() -> None:
+    """Forget every server and listing (tests)."""
+    with _lock:
+        _servers.clear()
+        _listings.clear()
+
+
+def server_tool_names(server: McpServer) -> tuple[str, ...]:
+    """The names of the server's tools as offered to the model; () while it cannot be listed."""
+    with _lock:
+        _servers.setdefault(server.name, server)
+    return tuple(_listing(server).tools)
+
+
+def lookup_mcp_tool(name: str) -> Tool | None:
+    """The MCP tool of that offered name, when its server is configured and could be listed."""
+    server = _server_of(name)
+    if server is None:
+        return None
+    return _listing(server).tools.get(name)
+
+
+def unavailable_reason(name: str) -> str:
+    """Why the tools of the name's server are not offered now ("" when they are, or it is not an
+    MCP server's name)."""
+    server = _server_of(name)
+    if server is None:
+        return ""
+    return _listing(server).error or ""
+
+
+def _server_of(name: str) -> McpServer | None:
+    prefix, sep, _ = name.partition(MCP_SEPARATOR)
+    if not sep:
+        return None
+    with _lock:
+        return _servers.get(prefix)
+
+
+def _listing(server: McpServer) -> _Listing:
+    now = time.monotonic()
+    with _lock:
+        cached = _listings.get(server.name)
+    if cached is not None and cached.fresh(now):
+        return cached
+    try:
+        listed = _run(lambda: _list_tools(server), server.timeout_seconds)
+        listing = _Listing({t.name: t for t in listed}, now, None)
+        log.info("event=mcp_tools_listed server=%s tools=%d", server.name, len(listed))
+    except Exception as exc:
+        kind = _leaf_name(exc)
+        log.warning("event=mcp_list_failed server=%s error=%s", server.name, kind)
+        listing = _Listing({}, now, f"MCP server {server.name!r} is unreachable: {kind}")
+    with _lock:
+        _listings[server.name] = listing
+    return listing
+
+
+async def _list_tools(server: McpServer) -> list[Tool]:
+    from mcp import Client
+
+    out: list[Tool] = []
+    async with Client(server.url, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+        cursor: str | None = None
+        while True:
+            page = await client.list_tools(cursor=cursor)
+            for remote in page.tools:
+                entry = _tool_of(server, remote)
+                if entry is not None:
+                    out.append(entry)
+            cursor = page.next_cursor
+            if not cursor:
+                return out
+
+
+def _tool_of(server: McpServer, remote: Any) -> Tool | None:
+    name = f"{server.name}{MCP_SEPARATOR}{remote.name}"
+    if len(name) > _MAX_NAME or not all(c.isalnum() or c in "_-" for c in name):
+        log.warning("event=mcp_tool_skipped server=%s reason=name_not_allowed", server.name)
+        return None
+    annotations = remote.annotations
+    remote_name = str(remote.name)
+
+    def run(ctx: ToolContext, args: dict[str, Any]) -> str:
+        return call_tool(server, remote_name, args, ctx)
+
+    return Tool(
+        name=name,
+        description=remote.description or "",
+        parameters=dict(remote.input_schema or {"type": "object", "properties": {}}),
+        run=run,
+        read_only=bool(annotations and annotations.read_only_hint),
+        idempotent=bool(annotations and annotations.idempotent_hint),
+        module=f"mcp:{server.name}",
+        qualname=remote_name,
+    )
+
+
+def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: ToolContext) -> str:
+    """One tools/call in its own session, bounded by the server's timeout and the deadline.
+    Raises McpUnavailable (a TOOL error result) for a server that fails, and DeadlineExceeded when
+    the loop's deadline passed meanwhile."""
+    timeout = server.timeout_seconds
+    left = ctx.seconds_left()
+    if left is not None:
+        if left <= 0:
+            raise DeadlineExceeded()
+        timeout = min(timeout, left)
+    started = time.monotonic()
+    try:
+        result = _run(lambda: _call(server, tool_name, args, ctx.idempotency_key), timeout)
+    except Exception as exc:
+        if left is not None and time.monotonic() - started >= left:
+            raise DeadlineExceeded() from None
+        kind = _leaf_name(exc)
+        log.warning("event=mcp_call_failed server=%s tool=%s error=%s", server.name, tool_name, kind)
+        raise McpUnavailable(f"MCP server {server.name!r} failed the call: {kind}") from None
+    text = _text_of(result)
+    if result.is_error:
+        # One line, cut: the server's error text may be long (a validation dump).
+        raise ToolError(safe_message(Exception(text)) or f"MCP tool {tool_name!r} failed")
+    return text
+
+
+async def _call(server: McpServer, tool_name: str, args: dict[str, Any], key: str) -> Any:
+    from mcp import Client
+
+    async with Client(server.url, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+        return await client.call_tool(tool_name, args, meta={IDEMPOTENCY_META_KEY: key})  # type: ignore[arg-type]
+
+
+def _text_of(result: Any) -> str:
+    texts = [block.text for block in result.content if getattr(block, "type", None) == "text"]
+    if texts:
+        return "\n".join(texts)
+    if result.structured_content is not None:
+        return json.dumps(result.structured_content, ensure_ascii=False)
+    return ""
+
+
+def _run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
+    """Run one coroutine to its end on a new event loop, within ``timeout`` seconds (TimeoutError)."""
+    import anyio
+
+    async def bounded() -> T:
+        with anyio.fail_after(timeout):
+            return await make()
+
+    return anyio.run(bounded)
+
+
+def _leaf_name(exc: BaseException) -> str:
+    """The type name of the first error inside (task groups wrap errors in ExceptionGroup)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return type(exc).__name__

@@ -1,0 +1,332 @@
+"""The tool registry and the ``@tool`` decorator.
+
+A tool is a plain function. Its name is the function's name (or ``@tool(name=...)``), its
+description the docstring, its JSON schema built by pydantic from the type hints, and the
+model's arguments are validated by that same pydantic model before the function runs. An
+optional first parameter annotated ``ToolContext`` receives the call's context and is not part
+of the schema.
+
+What a call can end in (``run_inline``):
+
+- the function's return value (text as is; anything else as JSON);
+- ``error: ...`` for an unknown or refused tool, arguments that are not a JSON object or do not
+  validate (the pydantic errors, without the values), a ``ToolError`` (its message), or any other
+  exception (its type and message, one line, secrets redacted, never a traceback);
+- ``Cancelled``, ``DeadlineExceeded``, a models error (``LeaseLost`` above all) and an
+  infrastructure error (``harness.loop.is_infrastructure_error``) propagate: the loop stops
+  without a result and the lease lapses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic_core import to_json
+
+from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
+from harness.tools.context import ToolContext
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Longest exception message carried into a TOOL error result.
+ERROR_MESSAGE_CHARS = 300
+#: MCP tool names are ``<server>__<tool>`` (OpenAI function names allow [A-Za-z0-9_-] only).
+MCP_SEPARATOR = "__"
+
+
+class ToolDefinitionError(AgentConfigError):
+    """Raised when a tool cannot be registered: its name is taken or its schema cannot be built."""
+
+    def __init__(self, message: str, *, tool: str = "", module: str = "") -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.module = module
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool as the loops see it. ``run`` is None for the delegation tools (the loop turns
+    their calls into child executions, DESIGN §6)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[[ToolContext, dict[str, Any]], str] | None
+    #: Declared crash behaviour (MCP's tool annotation words): safe to run again after a crash.
+    read_only: bool = False
+    idempotent: bool = False
+    #: Where it was defined ("harness.tools.builtins", "acme_tools", "mcp:files").
+    module: str = ""
+    qualname: str = ""
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as a chat-completions request offers it."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+#: Every Python tool of this process, by name, in registration order (built-ins first).
+REGISTRY: dict[str, Tool] = {}
+
+
+def register(entry: Tool) -> Tool:
+    """Add ``entry``; a second definition of the same function (a module imported again) replaces
+    the first. Raises ToolDefinitionError when another function already holds the name."""
+    existing = REGISTRY.get(entry.name)
+    if existing is not None and (existing.module, existing.qualname) != (entry.module, entry.qualname):
+        raise ToolDefinitionError(
+            f"tool {entry.name!r} is defined twice: in module {existing.module} and in module {entry.module}",
+            tool=entry.name,
+            module=entry.module,
+        )
+    if MCP_SEPARATOR in entry.name.strip("_"):
+        raise ToolDefinitionError(
+            f"tool {entry.name!r} in module {entry.module}: a name with {MCP_SEPARATOR!r} is reserved for MCP tools",
+            tool=entry.name,
+            module=entry.module,
+        )
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Forget a tool (tests that define tools of their own)."""
+    REGISTRY.pop(name, None)
+
+
+def tool_names() -> tuple[str, ...]:
+    """The names of every registered Python tool, in registration order."""
+    return tuple(REGISTRY)
+
+
+def lookup(name: str) -> Tool | None:
+    """The tool of that name: a registered Python tool, or an MCP tool (``<server>__<tool>``) of
+    a configured server whose tool list could be read; None otherwise."""
+    found = REGISTRY.get(name)
+    if found is not None or MCP_SEPARATOR not in name:
+        return found
+    from harness.tools.mcp import lookup_mcp_tool
+
+    return lookup_mcp_tool(name)
+
+
+@overload
+def tool(fn: F, /) -> F: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    read_only: bool = False,
+    idempotent: bool = False,
+) -> Callable[[F], F]: ...
+
+
+def tool(
+    fn: F | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    read_only: bool = False,
+    idempotent: bool = False,
+) -> F | Callable[[F], F]:
+    """Register a function as a tool; the function itself is returned unchanged (still callable).
+
+    ``read_only=True`` / ``idempotent=True`` declare that the tool may run again after a crash
+    interrupted it (with the same ``ToolContext.idempotency_key``); the default is neither, and
+    such a tool is never run twice for one call. Raises ToolDefinitionError (naming the tool and
+    the module) when its schema cannot be built or its name is taken.
+    """
+
+    def wrap(func: F) -> F:
+        register(build_tool(func, name=name, description=description, read_only=read_only, idempotent=idempotent))
+        return func
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def build_tool(
+    func: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    read_only: bool = False,
+    idempotent: bool = False,
+) -> Tool:
+    """A Tool for ``func`` without registering it."""
+    tool_name = str(name or getattr(func, "__name__", ""))
+    module = str(getattr(func, "__module__", "") or "?")
+    if not tool_name or not all(c.isalnum() or c in "_-" for c in tool_name) or len(tool_name) > 64:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} in module {module}: a name is 1-64 letters, digits, '_' or '-'",
+            tool=tool_name,
+            module=module,
+        )
+    try:
+        wants_context, fields = _fields(func)
+        arguments: type[BaseModel] = create_model(
+            f"{tool_name}_arguments", __config__=ConfigDict(extra="forbid"), **fields
+        )
+        schema = arguments.model_json_schema()
+        json.dumps(schema)
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} in module {module}: its JSON schema cannot be built: "
+            f"{type(exc).__name__}: {first_line}",
+            tool=tool_name,
+            module=module,
+        ) from exc
+    schema.pop("title", None)
+    names = tuple(fields)
+
+    def run(ctx: ToolContext, args: dict[str, Any]) -> str:
+        try:
+            validated = arguments.model_validate(args)
+        except ValidationError as exc:
+            raise ToolError(f"invalid arguments for tool {tool_name!r}: {describe_validation(exc)}") from None
+        kwargs = {n: getattr(validated, n) for n in names}
+        result = func(ctx, **kwargs) if wants_context else func(**kwargs)
+        if inspect.isawaitable(result):
+            # An ``async def`` tool runs to its end on an event loop of its own (the loops are sync).
+            result = asyncio.run(_awaited(result))
+        return as_text(result)
+
+    return Tool(
+        name=tool_name,
+        description=description if description is not None else inspect.getdoc(func) or "",
+        parameters=schema,
+        run=run,
+        read_only=read_only,
+        idempotent=idempotent,
+        module=module,
+        qualname=getattr(func, "__qualname__", tool_name),
+    )
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:
+    """Whether the first parameter takes the ToolContext, and pydantic field definitions of the rest."""
+    hints = typing.get_type_hints(func, include_extras=True)
+    params = list(inspect.signature(func).parameters.values())
+    wants_context = bool(params) and hints.get(params[0].name) is ToolContext
+    if wants_context:
+        params = params[1:]
+    fields: dict[str, Any] = {}
+    for param in params:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise TypeError(f"parameter {param.name!r}: *args, **kwargs and positional-only parameters have no schema")
+        if param.name not in hints:
+            raise TypeError(f"parameter {param.name!r} has no type hint")
+        if hints[param.name] is ToolContext:
+            raise TypeError(f"parameter {param.name!r}: only the first parameter may be the ToolContext")
+        fields[param.name] = (hints[param.name], ... if param.default is param.empty else param.default)
+    return wants_context, fields
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """Each error as ``field: message``, without the input values (they may hold anything)."""
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "arguments"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def as_text(result: Any) -> str:
+    """A tool's return value as the TOOL message content: text as is, None as "", else JSON."""
+    if isinstance(result, str):
+        return result
+    if result is None:
+        return ""
+    return to_json(result, fallback=str).decode("utf-8")
+
+
+def parse_arguments(raw: str) -> dict[str, Any]:
+    """The JSON object of a tool call's arguments; ToolError when it is not one."""
+    try:
+        value = json.loads(raw or "{}")
+    except ValueError:
+        raise ToolError("arguments are not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ToolError("arguments must be a JSON object")
+    return value
+
+
+def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[str, ...]) -> str:
+    """Run one inline tool and return its TOOL result text. Every failure of the tool itself is
+    that text; cancellation, the deadline, a lost lease and an infrastructure error propagate so
+    the loop can stop without writing a result."""
+    found = lookup(name) if name in allowed else None
+    if found is None or found.run is None:
+        return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
+    try:
+        return found.run(ctx, parse_arguments(raw_arguments))
+    except ToolError as exc:
+        return f"error: {exc}"
+    except (Cancelled, DeadlineExceeded):
+        raise
+    except Exception as exc:
+        from harness.loop import is_infrastructure_error
+        from models.errors import ModelError
+
+        if isinstance(exc, ModelError) or is_infrastructure_error(exc):
+            raise
+        log.warning(
+            "event=tool_failed session=%s tool=%s tool_call_id=%s error=%s",
+            ctx.session_id,
+            name,
+            ctx.tool_call_id,
+            type(exc).__name__,
+        )
+        message = safe_message(exc)
+        return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"
+
+
+def _unavailable_reason(name: str) -> str:
+    if MCP_SEPARATOR not in name:
+        return ""
+    from harness.tools.mcp import unavailable_reason
+
+    reason = unavailable_reason(name)
+    return f" ({reason})" if reason else ""
+
+
+def safe_message(exc: BaseException) -> str:
+    """The exception's message on one line, cut to ERROR_MESSAGE_CHARS, with the secrets this
+    process knows (model API key, field-recovery key) redacted."""
+    text = " ".join(str(exc).split())
+    for secret in _secrets():
+        text = text.replace(secret, "[redacted]")
+    if len(text) > ERROR_MESSAGE_CHARS:
+        text = text[: ERROR_MESSAGE_CHARS - 1] + "…"
+    return text
+
+
+def _secrets() -> list[str]:
+    try:
+        from settings import get_settings
+
+        s = get_settings()
+        keys = [s.MODEL_API_KEY, s.booking_field_recovery.open_api.api_key.get_secret_value()]
+    except Exception:
+        return []
+    return [k for k in keys if len(k) >= 4]

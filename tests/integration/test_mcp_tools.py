@@ -1,0 +1,150 @@
+"""Tools of MCP servers (issue 17 item 4), against a real MCP server on loopback built with the
+official SDK (doubles/mcp_server.py), in-process and through a REAL worker."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from doubles.mcp_server import McpTestServer
+from harness.agents import McpServer, parse_agents
+from harness.tools import ToolContext, lookup, run_inline, tool_names
+from harness.tools import mcp as mcp_tools
+from tests.services import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def travel() -> Iterator[McpTestServer]:
+    mcp_tools.forget()
+    with McpTestServer() as server:
+        yield server
+    mcp_tools.forget()
+
+
+def ctx(call_id: str = "call_1") -> ToolContext:
+    return ToolContext(5, call_id, None)
+
+
+def test_an_agents_mcp_tools_are_offered_beside_its_python_tools_with_their_annotations(
+    travel: McpTestServer,
+) -> None:
+    toml = (
+        '[agents.trip]\nsystem_prompt = "p"\ntools = ["echo"]\n'
+        f'mcp_servers = [{{name = "travel", url = "{travel.url}"}}]\n'
+    )
+    (agent,) = parse_agents(toml).values()
+    names = agent.tool_names(tool_names(), subagent=True)
+    assert names == ("echo", "travel__lookup_city", "travel__book_room", "travel__charge_card", "travel__always_fails")
+    flags = {n: (t.read_only, t.idempotent) for n in names[1:] if (t := lookup(n)) is not None}
+    assert flags == {
+        "travel__lookup_city": (True, False),
+        "travel__book_room": (False, True),
+        "travel__charge_card": (False, False),
+        "travel__always_fails": (False, False),
+    }
+    book = lookup("travel__book_room")
+    assert book is not None and book.spec()["function"]["parameters"]["required"] == ["city", "nights"]
+    assert book.description.startswith("Book a room")
+
+
+def test_an_mcp_tool_call_returns_its_text_and_a_failing_tool_is_a_tool_error(travel: McpTestServer) -> None:
+    server = McpServer("travel", travel.url)
+    allowed = mcp_tools.server_tool_names(server)
+    assert run_inline("travel__lookup_city", '{"name": "Oslo"}', ctx(), allowed) == "Oslo: 3 hotels"
+    assert run_inline("travel__book_room", '{"city": "Oslo", "nights": 2}', ctx(), allowed) == "booked 2 nights in Oslo"
+    failed = run_inline("travel__always_fails", "{}", ctx(), allowed)
+    assert failed.startswith("error: ") and "\n" not in failed
+    invalid = run_inline("travel__book_room", '{"city": "Oslo"}', ctx(), allowed)
+    assert invalid.startswith("error: ") and "nights" in invalid
+    assert [name for name, _ in travel.calls] == ["lookup_city", "book_room", "always_fails"]
+    assert travel.keys[0] == ctx().idempotency_key  # handed to the server in _meta
+
+
+def test_a_server_that_is_down_offers_no_tools_and_a_call_of_one_is_a_tool_error() -> None:
+    mcp_tools.forget()
+    down = McpServer("down", f"http://127.0.0.1:{free_port()}/mcp", timeout_seconds=3)
+    mcp_tools.configure([down])
+    try:
+        assert mcp_tools.server_tool_names(down) == ()
+        assert run_inline("down__lookup", "{}", ctx(), ("down__lookup",)) == (
+            "error: tool 'down__lookup' is not available (MCP server 'down' is unreachable: ConnectError)"
+        )
+    finally:
+        mcp_tools.forget()
+
+
+def test_a_server_that_goes_down_after_its_listing_fails_the_call_as_a_tool_error() -> None:
+    mcp_tools.forget()
+    with McpTestServer() as travel:
+        server = McpServer("travel", travel.url, timeout_seconds=3)
+        allowed = mcp_tools.server_tool_names(server)
+    try:
+        assert run_inline("travel__lookup_city", '{"name": "Oslo"}', ctx(), allowed) == (
+            "error: MCP server 'travel' failed the call: ConnectError"
+        )
+    finally:
+        mcp_tools.forget()
+
+
+SCRIPT = [
+    {
+        "when": {"system_contains": "trip agent", "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "travel__lookup_city", "arguments": {"name": "Oslo"}, "id": "call_city"},
+                {"name": "travel__book_room", "arguments": {"city": "Oslo", "nights": 2}, "id": "call_book"},
+                {"name": "down__lookup", "arguments": {}, "id": "call_down"},
+                {"name": "echo", "arguments": {"text": "python too"}, "id": "call_echo"},
+            ]
+        },
+    },
+    {"when": {"system_contains": "trip agent", "turn": 1}, "reply": {"content": "trip: {tool_results}"}},
+]
+
+
+def test_a_worker_offers_mcp_tools_and_a_down_server_is_a_tool_error_not_a_failed_session(
+    stack_factory: Any, travel: McpTestServer, tmp_path: Path
+) -> None:
+    from demo.stack import ROOT
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        "[agents.main]\n"
+        'system_prompt = "You are the trip agent."\n'
+        'tools = ["echo"]\n'
+        f'mcp_servers = [{{name = "travel", url = "{travel.url}"}}, '
+        f'{{name = "down", url = "http://127.0.0.1:{free_port()}/mcp", timeout_seconds = 3}}]\n',
+        encoding="utf-8",
+    )
+    stack = stack_factory(SCRIPT)
+    stack.worker(concurrency=1, AGENTS_FILE=str(agents), PYTHONPATH=str(ROOT))
+    sid = stack.submit("plan a trip to Oslo")
+    snap = stack.wait_phase(sid)
+
+    tools = {m["tool_call_id"]: m["content"] for m in snap["messages"] if m["role"] == "TOOL"}
+    assert tools == {
+        "call_city": "Oslo: 3 hotels",
+        "call_book": "booked 2 nights in Oslo",
+        "call_down": "error: tool 'down__lookup' is not available (MCP server 'down' is unreachable: ConnectError)",
+        "call_echo": "python too",
+    }
+    assert snap["messages"][-1]["content"].startswith("trip: ")
+    (offered, *_) = stack.model.received()
+    assert offered["tools"] == [
+        "echo",
+        "travel__lookup_city",
+        "travel__book_room",
+        "travel__charge_card",
+        "travel__always_fails",
+    ]
+    assert [name for name, _ in travel.calls] == ["lookup_city", "book_room"]
+    log = stack.workers[0].log()
+    assert "event=mcp_list_failed server=down error=ConnectError" in log and "Oslo" not in log
+    assert stack.invariants() == []
+    assert os.environ.get("AGENTS_FILE", "") != str(agents)  # the test process kept its own agents

@@ -1,0 +1,354 @@
+"""The tool room (issue 17 items 1 and 5): the decorator, schemas from type hints, validation,
+the ToolContext, what a failing tool becomes, user modules and the checks at start."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+from pydantic import BaseModel, Field
+
+from harness.agents import _load, load_at_start
+from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
+from harness.tools import (
+    REGISTRY,
+    ToolContext,
+    ToolDefinitionError,
+    load_tool_modules,
+    lookup,
+    run_inline,
+    tool,
+    tool_names,
+    unregister,
+)
+from models.base import utcnow
+from models.errors import LeaseLost
+from settings import get_settings
+
+USERTOOLS = Path(__file__).resolve().parent.parent / "data" / "usertools"
+
+
+@pytest.fixture
+def scratch() -> Iterator[list[str]]:
+    """Names of tools a test registers; forgotten after it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        unregister(name)
+
+
+@pytest.fixture
+def usertools(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """tests/data/usertools importable; its modules and tools forgotten after the test."""
+    monkeypatch.syspath_prepend(str(USERTOOLS))
+    before = set(REGISTRY)
+    yield
+    for name in set(REGISTRY) - before:
+        unregister(name)
+    for module in [m for m in sys.modules if m.startswith("acme_")]:
+        del sys.modules[module]
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+class Address(BaseModel):
+    city: str
+    zip_code: str | None = None
+
+
+def ctx(**kw: Any) -> ToolContext:
+    return ToolContext(kw.pop("session_id", 7), kw.pop("tool_call_id", "call_1"), kw.pop("deadline", None), **kw)
+
+
+def test_a_plain_function_becomes_a_tool_with_its_name_docstring_and_a_schema_from_its_hints(
+    scratch: list[str],
+) -> None:
+    @tool
+    def ship_to(address: Address, copies: Annotated[int, Field(ge=1, le=5)] = 1, note: str | None = None) -> str:
+        """Ship the order to an address."""
+        return f"{copies} to {address.city}"
+
+    scratch.append("ship_to")
+    entry = lookup("ship_to")
+    assert entry is not None and entry.run is not None
+    assert entry.description == "Ship the order to an address."
+    assert (entry.read_only, entry.idempotent) == (False, False)
+    schema = entry.spec()["function"]["parameters"]
+    assert schema["type"] == "object" and schema["required"] == ["address"]
+    assert schema["properties"]["copies"]["minimum"] == 1 and schema["properties"]["copies"]["maximum"] == 5
+    assert "Address" in json.dumps(schema["$defs"])
+    assert ship_to(Address(city="Oslo")) == "1 to Oslo"  # still a plain function
+    assert run_inline("ship_to", '{"address": {"city": "Oslo"}, "copies": 2}', ctx(), ("ship_to",)) == "2 to Oslo"
+
+
+def test_an_async_tool_runs_to_its_end(scratch: list[str]) -> None:
+    import asyncio
+
+    @tool
+    async def slow_double(n: int) -> int:
+        await asyncio.sleep(0.01)
+        return n * 2
+
+    scratch.append("slow_double")
+    assert run_inline("slow_double", '{"n": 21}', ctx(), ("slow_double",)) == "42"
+
+
+def test_name_read_only_and_idempotent_are_declared_in_the_decorator(scratch: list[str]) -> None:
+    @tool(name="fetch_page", read_only=True)
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        return url
+
+    @tool(idempotent=True)
+    def put_record(key: str) -> str:
+        return key
+
+    scratch.extend(["fetch_page", "put_record"])
+    fetched, put = lookup("fetch_page"), lookup("put_record")
+    assert fetched is not None and (fetched.read_only, fetched.idempotent) == (True, False)
+    assert put is not None and (put.read_only, put.idempotent) == (False, True)
+    assert lookup("fetch") is None
+
+
+def test_arguments_that_do_not_validate_are_the_tool_result_and_the_function_never_runs(scratch: list[str]) -> None:
+    ran: list[int] = []
+
+    @tool
+    def count_to(n: Annotated[int, Field(ge=1)]) -> str:
+        ran.append(n)
+        return str(n)
+
+    scratch.append("count_to")
+    allowed = ("count_to",)
+    assert run_inline("count_to", '{"n": 0}', ctx(), allowed) == (
+        "error: invalid arguments for tool 'count_to': n: Input should be greater than or equal to 1"
+    )
+    missing = run_inline("count_to", '{"m": "secret-value"}', ctx(), allowed)
+    assert missing.startswith("error: invalid arguments") and "n: Field required" in missing
+    assert "m: Extra inputs are not permitted" in missing and "secret-value" not in missing
+    assert run_inline("count_to", "not json", ctx(), allowed) == "error: arguments are not valid JSON"
+    assert run_inline("count_to", "[1]", ctx(), allowed) == "error: arguments must be a JSON object"
+    assert ran == []
+
+
+def test_the_first_parameter_annotated_tool_context_gets_the_call_and_is_not_in_the_schema(
+    scratch: list[str],
+) -> None:
+    seen: list[ToolContext] = []
+
+    @tool
+    def remember(context: ToolContext, what: str) -> dict[str, Any]:
+        seen.append(context)
+        return {"what": what, "left": round(context.seconds_left() or 0)}
+
+    scratch.append("remember")
+    entry = lookup("remember")
+    assert entry is not None and list(entry.parameters["properties"]) == ["what"]
+    call = ctx(deadline=utcnow() + timedelta(seconds=60))
+    result = run_inline("remember", '{"what": "x"}', call, ("remember",))
+    assert json.loads(result) == {"what": "x", "left": 60}  # not text: sent as JSON
+    assert seen == [call]
+
+
+def test_the_idempotency_key_is_the_same_for_one_call_in_every_process_and_differs_between_calls() -> None:
+    import hashlib
+
+    first = ToolContext(42, "call_abc", None)
+    again = ToolContext(42, "call_abc", utcnow(), lambda: True, "child")  # a recovery of that call
+    assert first.idempotency_key == again.idempotency_key == hashlib.sha256(b"42:call_abc").hexdigest()
+    assert ToolContext(42, "call_abd", None).idempotency_key != first.idempotency_key
+    assert ToolContext(43, "call_abc", None).idempotency_key != first.idempotency_key
+
+
+def test_a_tool_that_raises_becomes_a_tool_error_with_type_and_message_without_traceback_or_secret(
+    scratch: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODEL_API_KEY", "sk-canary-123456")
+    get_settings.cache_clear()
+
+    @tool
+    def explode(x: int) -> str:
+        raise ValueError(f"bad x {x} with key sk-canary-123456\nsecond line")
+
+    @tool
+    def refuse() -> str:
+        raise ToolError("the shop is closed")
+
+    scratch.extend(["explode", "refuse"])
+    try:
+        result = run_inline("explode", '{"x": 3}', ctx(), ("explode",))
+    finally:
+        get_settings.cache_clear()
+    assert result == "error: ValueError: bad x 3 with key [redacted] second line"
+    assert "Traceback" not in result
+    assert run_inline("refuse", "{}", ctx(), ("refuse",)) == "error: the shop is closed"
+
+
+def test_cancellation_deadline_lost_lease_and_infrastructure_errors_propagate_out_of_a_tool(
+    scratch: list[str],
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    errors: dict[str, BaseException] = {
+        "cancel_me": Cancelled(),
+        "late": DeadlineExceeded(),
+        "lose_lease": LeaseLost(),
+        "db_down": OperationalError("SELECT 1", {}, Exception("server closed the connection")),
+    }
+
+    def raiser_of(exc: BaseException) -> Any:
+        def raiser() -> str:
+            raise exc
+
+        return raiser
+
+    for name, exc in errors.items():
+        tool(name=name)(raiser_of(exc))
+        scratch.append(name)
+        with pytest.raises(type(exc)):
+            run_inline(name, "{}", ctx(), (name,))
+
+
+def test_an_unknown_or_refused_tool_is_a_tool_error() -> None:
+    assert run_inline("nope", "{}", ctx(), ("nope",)) == "error: tool 'nope' is not available"
+    assert run_inline("echo", '{"text": "x"}', ctx(), ("wait",)) == "error: tool 'echo' is not available"
+    assert run_inline("delegate", "{}", ctx(), ("delegate",)) == "error: tool 'delegate' is not available"
+
+
+def test_echo_and_wait_are_decorated_tools_that_keep_their_arguments_and_behaviour() -> None:
+    assert tool_names()[:4] == ("delegate", "delegate_followup", "echo", "wait")
+    echo, wait = lookup("echo"), lookup("wait")
+    assert echo is not None and echo.read_only and echo.parameters["required"] == ["text"]
+    assert wait is not None and not wait.read_only and not wait.idempotent
+    assert run_inline("echo", '{"text": "hi"}', ctx(), ("echo",)) == "hi"
+    assert run_inline("wait", '{"seconds": 0.05}', ctx(), ("wait",)) == "waited 0.05 seconds"
+    assert run_inline("wait", '{"seconds": -1}', ctx(), ("wait",)).startswith("error: invalid arguments")
+    with pytest.raises(Cancelled):
+        run_inline("wait", '{"seconds": 5}', ctx(cancelled=lambda: True), ("wait",))
+    with pytest.raises(DeadlineExceeded):
+        run_inline("wait", '{"seconds": 5}', ctx(deadline=utcnow() - timedelta(seconds=1)), ("wait",))
+
+
+def test_a_second_function_under_a_taken_name_is_refused_naming_both_modules(scratch: list[str]) -> None:
+    with pytest.raises(ToolDefinitionError) as info:
+
+        @tool(name="echo")
+        def my_echo(text: str) -> str:
+            return text
+
+    assert "'echo' is defined twice" in str(info.value) and "harness.tools.builtins" in str(info.value)
+    assert __name__ in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("define", "expected"),
+    [
+        ("def f(*args: int) -> str: ...", "*args"),
+        ("def f(x) -> str: ...", "has no type hint"),
+        ("def f(x: int, c: ToolContext) -> str: ...", "only the first parameter"),
+    ],
+)
+def test_a_tool_whose_schema_cannot_be_built_is_refused_naming_the_tool_and_module(define: str, expected: str) -> None:
+    namespace: dict[str, Any] = {"ToolContext": ToolContext, "__name__": "user.module"}
+    exec(define, namespace)
+    with pytest.raises(ToolDefinitionError) as info:
+        tool(name="broken_tool")(namespace["f"])
+    assert "tool 'broken_tool' in module user.module" in str(info.value) and expected in str(info.value)
+    assert "broken_tool" not in REGISTRY
+
+
+def test_tool_modules_are_imported_and_their_tools_offered(usertools: None) -> None:
+    assert load_tool_modules(("acme_tools",)) == ("acme_tools",)
+    entry = lookup("refund_order")
+    assert entry is not None and entry.idempotent and entry.module == "acme_tools"
+    result = run_inline("refund_order", '{"order_id": 7, "amount_cents": 500}', ctx(), ("refund_order",))
+    assert result == f"refunded 500 cents on order 7 with key {ctx().idempotency_key}"
+    assert run_inline("check_inventory", '{"sku": "A-1"}', ctx(), ("check_inventory",)) == (
+        "error: ConnectionRefusedError: inventory service refused the request for A-1"
+    )
+
+
+def test_an_installed_package_offers_tools_through_the_entry_point_group(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # An installed distribution as importlib.metadata finds one: a .dist-info folder on sys.path.
+    dist = tmp_path / "acme_shop-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-shop\nVersion: 1.0\n", encoding="utf-8")
+    (dist / "entry_points.txt").write_text("[agent_recovery.tools]\nshop = acme_tools\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "lookup_order" not in REGISTRY
+    assert load_tool_modules(()) == ("acme_tools",)
+    entry = lookup("lookup_order")
+    assert entry is not None and entry.read_only and entry.module == "acme_tools"
+
+
+def _start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, modules: str, agents_toml: str) -> str:
+    path = tmp_path / "agents.toml"
+    path.write_text(agents_toml, encoding="utf-8")
+    monkeypatch.setenv("TOOL_MODULES", modules)
+    monkeypatch.setenv("AGENTS_FILE", str(path))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    with pytest.raises(AgentConfigError) as info:
+        load_at_start()
+    return str(info.value)
+
+
+def test_an_agent_listing_an_unknown_tool_stops_the_start_naming_agent_tool_and_modules(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    message = _start(
+        monkeypatch, tmp_path, "acme_tools", '[agents.shop]\nsystem_prompt = "p"\ntools = ["lookup_ordr"]\n'
+    )
+    assert "agent 'shop' lists tool 'lookup_ordr'" in message and "acme_tools" in message
+
+
+def test_a_duplicate_tool_name_stops_the_start_naming_the_tool_both_modules_and_the_agent(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    message = _start(
+        monkeypatch,
+        tmp_path,
+        "acme_tools, acme_dup_tools",
+        '[agents.shop]\nsystem_prompt = "p"\ntools = ["lookup_order"]\n',
+    )
+    assert "'lookup_order' is defined twice: in module acme_tools and in module acme_dup_tools" in message
+    assert "agent shop" in message
+
+
+def test_a_tool_whose_schema_cannot_be_built_stops_the_start(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    message = _start(
+        monkeypatch, tmp_path, "acme_bad_schema", '[agents.shop]\nsystem_prompt = "p"\ntools = ["hold_lock"]\n'
+    )
+    assert "tool 'hold_lock' in module acme_bad_schema: its JSON schema cannot be built" in message
+    assert "agent shop" in message
+
+
+def test_a_tool_module_that_cannot_be_imported_stops_the_start(
+    usertools: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    message = _start(monkeypatch, tmp_path, "acme_missing", '[agents.shop]\nsystem_prompt = "p"\n')
+    assert "TOOL_MODULES: module 'acme_missing' cannot be imported: ModuleNotFoundError" in message
+
+
+def test_agents_with_their_tools_known_start(usertools: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOOL_MODULES", "acme_tools")
+    monkeypatch.setenv("AGENTS_FILE", str(USERTOOLS.parent / "agents_usertools.toml"))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    agents = load_at_start()
+    shop = agents["main"]
+    assert shop.tool_names(tool_names(), subagent=False) == ("echo", "lookup_order", "refund_order", "check_inventory")
+    assert (shop.model_options.model, shop.model_options.temperature, shop.model_options.max_tokens) == (
+        "acme-large",
+        0.2,
+        256,
+    )
