@@ -117,6 +117,22 @@ def take_scan_right(s: Session, holder: str, seconds: float) -> bool:
     return False
 
 
+def renew_scan_right(s: Session, holder: str, seconds: float) -> bool:
+    """Extend the right as its holder. False, and nothing written, when the right passed to
+    another scanner or lapsed and was taken meanwhile (the holder's pass must stop: it was
+    frozen or cut off longer than the right lasts)."""
+    from models.base import utcnow
+
+    R = RecoveryScan
+    mine = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
+    return bool(
+        cas(
+            s,
+            update(R).where(R.id == mine, R.holder == holder).values(held_until=utcnow() + timedelta(seconds=seconds)),
+        )
+    )
+
+
 def _insert_scan_row(s: Session) -> None:
     """The right's row (migration 0007 writes it; a truncated table gets it back here)."""
     from sqlalchemy.dialects import postgresql, sqlite

@@ -55,7 +55,7 @@ from models import (
 )
 from models.base import utcnow
 from models.session import reserve_session, stop_session
-from models.worker import lease_free, record_scan, release_scan_right, take_scan_right
+from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
 from recovery.delivery import suppress_parent
 from recovery.errors import RecoveryError
 from settings import get_settings
@@ -128,9 +128,11 @@ class ScanRight:
             return take_scan_right(s, self.holder, self.seconds)
 
     def renew(self) -> None:
-        """Raises ScanRightLost when another scanner holds the right now."""
-        if not self.take():
-            raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
+        """Raises ScanRightLost when the right passed to another scanner (even if it is free
+        again now: this pass was frozen longer than its right lasted, and stops)."""
+        with transaction() as s:
+            if not renew_scan_right(s, self.holder, self.seconds):
+                raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
 
     def release(self) -> None:
         with transaction() as s:

@@ -142,12 +142,33 @@ class Stack:
         apply_env(self.env)
         self.workers: list = []
 
-    def worker(self, name: str = "w1", concurrency: int = 2, beat: bool = False, **env: str):  # type: ignore[no-untyped-def]
+    def worker(  # type: ignore[no-untyped-def]
+        self,
+        name: str = "w1",
+        concurrency: int = 2,
+        beat: bool = False,
+        *,
+        queues: str | None = None,
+        argv: list[str] | None = None,
+        **env: str,
+    ):
+        """A real ``celery -A tasks worker`` subprocess: bare (every queue) unless ``queues``
+        narrows it with -Q; ``argv`` is a whole command line after ``celery`` (a Procfile line)."""
         from demo.stack import Worker
 
-        w = Worker({**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat)
+        w = Worker(
+            {**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat, queues=queues, argv=argv
+        )
         self.workers.append(w)
         return w.start()
+
+    def beat(self):  # type: ignore[no-untyped-def]
+        """``celery -A tasks beat`` (scans every SCAN_INTERVAL_SECONDS)."""
+        from demo.stack import Beat
+
+        b = Beat(self.env, self.log_dir)
+        self.workers.append(b)
+        return b.start()
 
     def submit(self, text: str, agent: str = "main") -> int:
         import tasks

@@ -1,0 +1,152 @@
+"""Issue 15 through real workers started exactly as Celery's docs, our README and the Procfile
+start them: a bare ``celery -A tasks worker`` serves every queue; with the Procfile's topology
+(a worker for ``celery``, a dedicated 2-slot worker for ``recovery``) recovered hour-long
+children never hold up another parent's delivery; a scanner frozen (SIGSTOP) while it holds the
+right to scan stops no recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from demo.stack import procfile_commands
+from models import Phase, Role, SessionType
+from models.base import utcnow
+from tests.helpers import add_message, executions_of, make_execution, make_session, wait_until
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
+
+MAIN = "main agent"
+LONG_SECONDS = 30
+
+
+def script() -> list[dict[str, Any]]:
+    """ "slow" parents delegate two children that wait LONG_SECONDS; "fast" ones two that wait 1 s."""
+    return [
+        *[
+            {
+                "when": {"system_contains": MAIN, "turn": 0, "user_contains": kind},
+                "reply": {
+                    "tool_calls": [
+                        {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": f"{kind} review"}},
+                        {"name": "delegate", "arguments": {"agent_type": "researcher", "task": f"{kind} research"}},
+                    ]
+                },
+            }
+            for kind in ("slow", "fast", "plain")
+        ],
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final: {tool_results}"}},
+        {
+            "when": {"system_contains": "subagent", "last_role": "user", "user_contains": "slow"},
+            "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": LONG_SECONDS}}]},
+        },
+        {
+            "when": {"system_contains": "subagent", "last_role": "user", "user_contains": "fast"},
+            "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 1}}]},
+        },
+        {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+    ]
+
+
+def test_a_bare_celery_worker_delivers_a_delegating_round(stack_factory: Any) -> None:
+    """`celery -A tasks worker`, nothing else: the chord callback (recovery queue) is served."""
+    stack = stack_factory(script())
+    stack.worker("bare", argv=["-A", "tasks", "worker"])
+    sid = stack.submit("plain")
+    snap = stack.wait_phase(sid, timeout=60)
+    assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+    assert stack.invariants() == []
+
+
+def test_with_the_procfile_topology_recovered_long_children_never_delay_a_new_parents_delivery(
+    stack_factory: Any,
+) -> None:
+    lines = procfile_commands()
+    assert "-Q" in lines["recovery"] and "recovery" in lines["recovery"]
+    stack = stack_factory(script())
+    worker = stack.worker("worker", argv=lines["worker"])
+    stack.worker("recovery", argv=lines["recovery"])
+    slow = stack.submit("slow")
+
+    def running(sid: int, min_epoch: int) -> bool:
+        execs = executions_of(sid)
+        return len(execs) == 2 and all(e.lease_owner and e.epoch >= min_epoch for e in execs)
+
+    wait_until(lambda: running(slow, 1), timeout=30, what="both long children running")
+    first = {e.id: e.epoch for e in executions_of(slow)}
+    worker.kill()
+    stack.worker("worker", argv=lines["worker"])  # the supervisor restarts it under its name
+    wait_until(
+        lambda: all(e.epoch >= first[e.id] + 2 and e.lease_owner for e in executions_of(slow)),
+        timeout=20,
+        what="both long children recovered and running again",
+    )
+    fast = stack.submit("fast")
+    started = time.monotonic()
+    stack.wait_phase(fast, timeout=25)
+    took = time.monotonic() - started
+    still = executions_of(slow)
+    assert {e.status for e in still} == {"RECOVERING"}, "the long children are still running"
+    assert took < 20, f"the new parent waited {took:.1f}s behind the recovered children"
+    stack.wait_phase(slow, timeout=LONG_SECONDS + 30)
+    assert stack.invariants() == []
+
+
+def _dead_child() -> tuple[int, int]:
+    """A parent whose one child's worker died (lease lapsed) with nothing else to recover it."""
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "plain")
+    child = make_session(
+        session_type=SessionType.SUBAGENT, phase=Phase.RUNNING, parent_session_id=parent, agent_type="reviewer"
+    )
+    start = add_message(child, Role.USER, "plain review", source_session_id=parent)
+    eid = make_execution(
+        parent,
+        child,
+        tool_call_id="call_dead",
+        execution_start_message_id=start,
+        lease_owner="gone@host",
+        lease_expires_at=utcnow() - timedelta(seconds=5),
+    )
+    return parent, eid
+
+
+def test_a_scanner_frozen_while_it_holds_the_right_to_scan_stops_no_recovery(stack_factory: Any) -> None:
+    stack = stack_factory(script())
+    # A single-slot scanner that freezes (SIGSTOP) the first time it holds the right to scan.
+    frozen = stack.worker(
+        "frozen",
+        concurrency=1,
+        queues="recovery",
+        CRASH_POINT="scan.holding_right",
+        CRASH_POINT_MODE="stop",
+    )
+    wait_until(lambda: "crash_point=scan.holding_right" in frozen.log(), timeout=30, what="the scanner froze")
+    froze = time.monotonic()
+    stack.worker("other", beat=True)
+    parent, _ = _dead_child()
+    wait_until(
+        lambda: executions_of(parent)[0].delivery_status == "DELIVERED",
+        timeout=30,
+        interval=0.2,
+        what="the dead child recovered and delivered by another worker's scans",
+    )
+    took = time.monotonic() - froze
+    # The right lasts max(SCAN_INTERVAL_SECONDS, LEASE_SECONDS) = 3 s in the stack; the beat
+    # scans every 2 s; the child's own run and delivery take a few seconds more.
+    assert took < 25, f"recovery waited {took:.1f}s behind the frozen scanner"
+    stack.wait_phase(parent, timeout=30)
+    assert stack.invariants() == []
+    os.killpg(frozen.proc.pid, signal.SIGCONT)  # thawed: its pass finds the right gone and stops
+    wait_until(
+        lambda: "stopped=scan_right_lost" in frozen.log(),
+        timeout=20,
+        what="the thawed scanner noticed it lost the right",
+    )
+    assert stack.invariants() == []
