@@ -54,9 +54,10 @@ def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, s
         what="one child on each single-slot worker",
     )
     owners = _owners(sid)
-    dead_eid, dead_owner = next((eid, o) for eid, o in owners.items() if o and o.startswith("wa@"))
+    dead_eid = next(eid for eid, o in owners.items() if o and o.startswith("wa@"))
     live_eid = next(eid for eid in owners if eid != dead_eid)
     first_epoch = next(e.epoch for e in executions_of(sid) if e.id == dead_eid)
+    live_epoch = next(e.epoch for e in executions_of(sid) if e.id == live_eid)
     workers["wa"].kill()
     killed = time.monotonic()
     stack.worker("wa" if same_name else "wc", concurrency=1)
@@ -78,7 +79,10 @@ def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, s
     assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert sum(1 for j in stack.model.journal() if j["rule"] == 0) == 1
     assert stack.invariants() == []
-    assert dead_owner.startswith("wa@")
+    final = {e.id: e for e in execs}
+    # Only the dead child was taken over; its sibling ran to its end under its first owner.
+    assert final[live_eid].epoch == live_epoch, "the live sibling was never taken over"
+    assert final[dead_eid].epoch >= first_epoch + 2, "the dead child was taken over"
 
 
 def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_restarts(stack_factory) -> None:  # type: ignore[no-untyped-def]

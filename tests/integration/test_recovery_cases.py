@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -193,6 +194,39 @@ def test_r3_two_parallel_children_are_recovered_and_the_parent_waits_for_both(mo
     assert run_agent(sid, new_epoch, deps) == "waiting_user"
     assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert invariants() == []
+
+
+@pytest.mark.parametrize("attempt", range(4))
+def test_r3_two_recovered_siblings_finishing_at_the_same_moment_deliver_the_round_exactly_once(
+    model_factory: Any, attempt: int
+) -> None:
+    """Both children of a recovered round end at once (threads released by a barrier): their
+    finishing transactions serialize on the parent row, exactly one of them sees the round
+    complete and delivers it, and the parent is resumed once."""
+    model = model_factory(TWO)
+    sid, _ = parent_yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, children),) = sched.recoveries
+    barrier = threading.Barrier(len(children))
+    outcomes: list[str] = []
+
+    def finish(eid: int, epoch: int) -> None:
+        barrier.wait(timeout=10)
+        outcomes.append(recover_child(eid, epoch, deps))
+
+    threads = [threading.Thread(target=finish, args=pair) for pair in children]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sorted(outcomes) == ["completed", "completed"]
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    assert len(sched.resumed) == 1, f"resumed {len(sched.resumed)} times"
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
+    assert invariants(settled=False) == []
 
 
 def test_r4_an_incomplete_child_tool_round_is_dropped_and_not_rerun(model_factory) -> None:  # type: ignore[no-untyped-def]
@@ -773,24 +807,46 @@ def test_r7_a_local_child_shows_running_and_calls_no_model_until_the_client_conn
 
 
 def test_r19_legacy_rows_are_neither_delivered_nor_resumed_by_scans(model_factory) -> None:  # type: ignore[no-untyped-def]
+    """The LEGACY executions' children are RUNNING with lapsed leases, as a crash before the
+    upgrade left them: a scan that took legacy rows for work would resume them (or deliver
+    them); it must leave them, their children and their parent alone."""
     model = model_factory(one_child_script())
-    parent = make_session(phase=Phase.WAITING_USER)
+    parent = make_session(phase=Phase.RUNNING, lease_owner="live@host", lease_expires_at=utcnow() + timedelta(hours=1))
     add_message(parent, Role.USER, "old request")
-    done = make_execution(parent, status=ExecutionStatus.COMPLETED, invocation=None, tool_call_id=None)
-    odd = make_execution(parent, status=ExecutionStatus.RUNNING, invocation=None, tool_call_id=None)
+    lapsed = {"lease_owner": "gone@host", "lease_expires_at": utcnow() - timedelta(minutes=5)}
+    children = [
+        make_session(
+            session_type=SessionType.SUBAGENT,
+            phase=Phase.RUNNING,
+            parent_session_id=parent,
+            agent_type="reviewer",
+            **lapsed,
+        )
+        for _ in range(2)
+    ]
+    for child in children:
+        add_message(child, Role.USER, "old task")
+    done = make_execution(
+        parent, children[0], status=ExecutionStatus.COMPLETED, invocation=None, tool_call_id=None, **lapsed
+    )
+    odd = make_execution(
+        parent, children[1], status=ExecutionStatus.RUNNING, invocation=None, tool_call_id=None, **lapsed
+    )
     with transaction() as s:
         s.execute(
             update(SubagentExecution).where(SubagentExecution.id.in_((done, odd))).values(delivery_status="LEGACY")
         )
-    expire_leases()
-    sched = RecordingScheduler()
-    report = scan(sched, callback_grace_seconds=0)
-    assert not sched.pending() and report.parents == [] and report.recovering == []
+    for _ in range(2):
+        sched = RecordingScheduler()
+        report = scan(sched, callback_grace_seconds=0)
+        assert not sched.pending() and report.parents == [] and report.recovering == []
+        assert report.resumed_sessions == [] and report.delivering == []
     assert [m.role for m in messages_of(parent)] == ["USER"]
-    assert {(e.status, e.delivery_status) for e in executions_of(parent)} == {
-        ("COMPLETED", "LEGACY"),
-        ("RUNNING", "LEGACY"),
+    assert {(e.status, e.delivery_status, e.epoch) for e in executions_of(parent)} == {
+        ("COMPLETED", "LEGACY", 0),
+        ("RUNNING", "LEGACY", 0),
     }
+    assert {phase_of(c) for c in children} == {Phase.RUNNING}
     assert len(model.journal()) == 0
 
 
@@ -880,11 +936,17 @@ def test_a_broken_legacy_pair_repair_keeps_another_executions_delivered_tool_and
         s.execute(
             update(AgentSession).where(AgentSession.id == parent).values(compaction_boundary_message_id=assistant)
         )
+    damage = [p for p in invariants(settled=False) if p.startswith("I2")]
+    assert damage, "the setup is a history broken before the upgrade"
     drive(model.base_url)
     live = [m.id for m in messages_of(parent)]
     assert assistant in live and b_tool in live  # neither the boundary nor b's delivered result goes
     (ea,) = [e for e in executions_of(parent) if e.id == a]
     assert ea.delivery_status == "DELIVERED"
+    # The damage straddles the compaction boundary and b's delivered result, which no repair may
+    # delete: it stays as it was (the normalizer drops b's orphaned TOOL from the model's view),
+    # and recovery adds no violation of its own (call_a's new pair is legal, delivered once).
+    assert invariants() == damage
 
 
 def test_a_legacy_followup_finished_without_a_model_call_has_its_followup_fields(model_factory) -> None:  # type: ignore[no-untyped-def]

@@ -197,6 +197,43 @@ def test_two_threads_racing_the_same_delivery_exactly_one_wins() -> None:
     assert sorted(results) == [False, True]
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(model_factory, attempt: int) -> None:  # type: ignore[no-untyped-def]
+    """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
+    from recovery.delivery import deliver_round
+    from tests.helpers import children_done_callback_lost, invariants, messages_of
+
+    script = [
+        {
+            "when": {"system_contains": "main agent", "turn": 0},
+            "reply": {
+                "tool_calls": [
+                    {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review A"}},
+                    {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research B"}},
+                ]
+            },
+        },
+        {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+    ]
+    model = model_factory(script)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    barrier = threading.Barrier(2)
+    kinds: list[str] = []
+
+    def race() -> None:
+        barrier.wait(timeout=5)
+        kinds.append(str(deliver_round(sid, epoch).kind))
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert sorted(kinds) == ["resume", "stale"]
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
+    assert invariants(settled=False) == []
+
+
 def test_session_take_bumps_epoch_and_a_stale_owner_cannot_release() -> None:
     sid = make_session(phase=Phase.RUNNING)
     with transaction() as s:
