@@ -278,3 +278,21 @@ def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(mo
     entries, _ = journal_rows()
     assert [j.status for j in entries] == [JournalStatus.ABANDONED]
     assert [j["rule"] for j in model.journal()] == [1]  # asked again, from the history as it is
+
+
+def test_the_invariants_name_a_second_start_of_a_non_idempotent_call_and_a_reply_asked_for_again(
+    model_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    from models import journal as store
+    from recovery.invariants import check_journal
+
+    sid = create_session("main", "go")
+    reply = {"content": None, "tool_calls": [], "refused": {}, "prompt_tokens": 0, "completion_tokens": 0}
+    with transaction() as s:
+        first = store.write_reply(s, session_id=sid, epoch=1, **reply)
+        store.mark_started(s, first, "call-1", tool_name="charge", repeatable=False)
+        assert check_journal(s) == []
+        store.mark_started(s, first, "call-1", tool_name="charge", repeatable=False)
+        store.write_reply(s, session_id=sid, epoch=1, **reply)  # the same history asked again
+        problems = check_journal(s)
+    assert [p[:2] for p in problems] == ["J1", "J2"]
