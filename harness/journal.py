@@ -3,7 +3,8 @@
 One round, in the order its commits happen:
 
 1. the model answers with tool calls -> ``journal_reply`` commits the reply (fenced by the
-   loop's epoch) before the first tool runs;                       crash point journal.after_reply
+   loop's epoch; a relaxed commit, see ``models.journal.relaxed_commit``) before the first
+   tool runs;                       crash point journal.after_reply
 2. a tool that is not safe to repeat has its start committed (``STARTED``, starts + 1) before
    it runs;                                                   crash point journal.after_tool_start
 3. each tool's result is committed as it completes, except the last one of a repeatable tool,
@@ -156,6 +157,7 @@ def journal_reply(fence: Fence, session_id: int, reply: ModelReply, prepare: Pre
     (the parent's tool_call id check) runs in the same transaction and may rewrite the reply
     and refuse calls; what it decided is journaled with the reply."""
     with transaction() as s:
+        store.relaxed_commit(s)
         fence.check(s)
         refused: dict[str, str] = {}
         if prepare is not None:
@@ -212,6 +214,7 @@ def run_tools(
         if n == len(todo) - 1 and safe:
             continue  # the round's transaction carries it; a crash before it runs the tool again
         with transaction() as s:
+            store.relaxed_commit(s)
             fence.check(s)
             store.mark_finished(s, rnd.journal_id, call.id, result, tool_name=call.name, repeatable=safe)
         crash_point("journal.after_tool_result")

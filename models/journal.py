@@ -111,6 +111,20 @@ class RoundJournalCall(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
+def relaxed_commit(s: Session) -> None:
+    """Let this transaction's commit return before its WAL is flushed (PostgreSQL's
+    ``synchronous_commit = off``, for this transaction only).
+
+    NOTE: the journal's crash model is a worker that dies; the database keeps such a commit
+    (it is in PostgreSQL's WAL buffers, flushed within ``wal_writer_delay``). Only a crash of
+    PostgreSQL itself can lose it, and losing a reply or a result is safe: the model is asked
+    again, or the call counts as interrupted. A tool's START is never relaxed (it guards the
+    at-most-once rule), and WAL is sequential: a later synchronous commit flushes the earlier
+    relaxed ones with it, so a start or a round never survives without what came before."""
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("SET LOCAL synchronous_commit TO OFF"))
+
+
 def last_live_message_id(s: Session, session_id: int) -> int | None:
     return s.execute(
         select(func.max(Message.id)).where(Message.session_id == session_id, Message.deleted.is_(False))

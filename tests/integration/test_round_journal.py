@@ -296,3 +296,18 @@ def test_the_invariants_name_a_second_start_of_a_non_idempotent_call_and_a_reply
         store.write_reply(s, session_id=sid, epoch=1, **reply)  # the same history asked again
         problems = check_journal(s)
     assert [p[:2] for p in problems] == ["J1", "J2"]
+
+
+def test_an_inline_tool_of_a_mixed_round_interrupted_by_a_crash_is_delivered_as_interrupted_not_run_again(
+    model_factory, recorder: Recorder
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="a"), call("charge", amount=7)))
+    recorder.crash_first.add("charge")
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    drive(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["charge"]
+    assert asked(model, 0) == 1
+    charge = [m.content or "" for m in messages_of(sid) if m.role == "TOOL"][1]
+    assert "interrupted by a restart" in charge and '{"amount": 7}' in charge
+    assert invariants() == []
