@@ -34,38 +34,22 @@ from crashpoints import crash_point
 from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
-from harness.tools import ToolContext, run_inline
+from harness.tools import ToolContext, lookup, run_inline
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
 
 log = logging.getLogger("harness.journal")
-
-#: Built-ins that were safe to repeat before tools could declare it (issue 17 item 1):
-#: ``echo`` is read-only, ``wait`` is idempotent.
-_BUILTIN_REPEATABLE = frozenset({"echo", "wait"})
 
 #: Longest argument text quoted back to the model in an interrupted call's result.
 MAX_QUOTED_ARGUMENT_CHARS = 2000
 
 
 def repeatable(name: str) -> bool:
-    """True when the tool is declared read-only or idempotent: safe to run again after a crash
-    interrupted it. The ONE place that asks."""
-    tool = _lookup(name)
-    if tool is None:
-        return False
-    if hasattr(tool, "read_only") or hasattr(tool, "idempotent"):
-        return bool(getattr(tool, "read_only", False) or getattr(tool, "idempotent", False))
-    return name in _BUILTIN_REPEATABLE
-
-
-def _lookup(name: str) -> object | None:
-    from harness import tools
-
-    lookup = getattr(tools, "lookup", None)
-    if lookup is not None:
-        return lookup(name)  # type: ignore[no-any-return]
-    return tools.REGISTRY.get(name)
+    """True when the tool is declared read-only or idempotent (``@tool(read_only=True)``,
+    ``@tool(idempotent=True)``, or an MCP server's ``readOnlyHint`` / ``idempotentHint``): safe
+    to run again after a crash interrupted it. The ONE place that asks."""
+    found = lookup(name)
+    return found is not None and (found.read_only or found.idempotent)
 
 
 def interrupted_result(call: ToolCall) -> str:

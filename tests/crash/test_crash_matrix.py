@@ -158,6 +158,7 @@ SHAPED_POINTS = [
     ("child.after_round", "one_child"),
     ("journal.after_reply", "mixed_inline"),  # the parent's delegating reply: children created once
     ("journal.after_reply", "child_reply"),  # a child's reply: its round continues, no model call
+    ("journal.after_tool_start", "one_child"),  # the child's ``wait`` (not idempotent) started
     ("journal.after_tool_result", "child_two_tools"),  # the child's first result journaled
     ("journal.after_tool_result", "parent_inline_first"),  # a parent inline round's first result
 ]

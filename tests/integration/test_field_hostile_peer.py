@@ -189,4 +189,3 @@ def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     assert replay.status == RecoveryStatus.FAILED
     assert replay.error_code == "not_succeeded"
     assert replay.replayed
-

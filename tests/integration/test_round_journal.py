@@ -15,11 +15,9 @@ import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 
-import harness.child
 import harness.journal
-import harness.parent
-from harness import tools
 from harness.parent import run_agent
+from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import CallStatus, JournalStatus, RoundJournal, RoundJournalCall, transaction
 from recovery.child import start_child
@@ -35,29 +33,20 @@ class Crash(sa_exc.OperationalError):
         super().__init__(f"simulated crash at {where}", None, Exception("crash"))
 
 
-@dataclass(frozen=True)
-class FlaggedTool(tools.Tool):
-    read_only: bool = False
-    idempotent: bool = False
-
-
 @dataclass
 class Recorder:
-    """Counts each tool start (session, call id) and crashes the first start when asked."""
+    """Counts each tool start (name, session, idempotency key) and crashes the first start of
+    the tools named in ``crash_first``."""
 
     starts: list[tuple[str, int, str]]
     crash_first: set[str]
 
-    def tool(self, name: str, *, idempotent: bool = False) -> FlaggedTool:
-        def run(ctx: tools.ToolContext, args: dict[str, Any]) -> str:
-            self.starts.append((name, ctx.session_id, ctx.tool_call_id))
-            if name in self.crash_first:
-                self.crash_first.discard(name)
-                raise Crash(f"tool {name}")
-            return f"{name} did {json.dumps(args, sort_keys=True)}"
-
-        schema = {"type": "object", "properties": {"amount": {"type": "integer"}}}
-        return FlaggedTool(name, f"The {name} tool.", schema, run, idempotent=idempotent)
+    def started(self, name: str, ctx: ToolContext, amount: int) -> str:
+        self.starts.append((name, ctx.session_id, ctx.idempotency_key))
+        if name in self.crash_first:
+            self.crash_first.discard(name)
+            raise Crash(f"tool {name}")
+        return f"{name} did {json.dumps({'amount': amount})}"
 
 
 AGENTS = """
@@ -72,21 +61,34 @@ system_prompt = "You are the researcher subagent."
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Recorder]:
+    """Two user tools: ``charge`` (neither read-only nor idempotent) and ``refresh``
+    (idempotent), offered to every agent."""
+    from harness.agents import _load
     from settings import get_settings
 
     agents = tmp_path / "agents.toml"
     agents.write_text(AGENTS, encoding="utf-8")
     monkeypatch.setenv("AGENTS_FILE", str(agents))
     get_settings.cache_clear()
+    _load.cache_clear()
     rec = Recorder([], set())
-    names = ("charge", "refresh")
-    monkeypatch.setitem(tools.REGISTRY, "charge", rec.tool("charge"))  # neither read-only nor idempotent
-    monkeypatch.setitem(tools.REGISTRY, "refresh", rec.tool("refresh", idempotent=True))
-    monkeypatch.setattr(harness.child, "TOOL_NAMES", tools.TOOL_NAMES + names)
-    monkeypatch.setattr(harness.parent, "TOOL_NAMES", tools.TOOL_NAMES + names)
+
+    @tool
+    def charge(ctx: ToolContext, amount: int) -> str:
+        """Charge the customer (a side effect that must not happen twice)."""
+        return rec.started("charge", ctx, amount)
+
+    @tool(idempotent=True)
+    def refresh(ctx: ToolContext, amount: int) -> str:
+        """Refresh a cache (safe to repeat)."""
+        return rec.started("refresh", ctx, amount)
+
     yield rec
+    unregister("charge")
+    unregister("refresh")
     monkeypatch.undo()
     get_settings.cache_clear()
+    _load.cache_clear()
 
 
 def crash_at(monkeypatch: pytest.MonkeyPatch, point: str, *, on_hit: int = 1) -> None:
@@ -196,7 +198,7 @@ def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(model_facto
     sid = crashed_child(model.base_url)
     drive(model.base_url)
     assert [s[0] for s in recorder.starts] == ["refresh", "refresh"]
-    assert recorder.starts[0] == recorder.starts[1]  # same session and tool call id: same idempotency key
+    assert recorder.starts[0] == recorder.starts[1]  # the same session and idempotency key
     assert asked(model, 2) == 1
     child = executions_of(sid)[0].child_session_id
     tool_row = next(m for m in messages_of(child) if m.role == "TOOL")
