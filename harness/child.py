@@ -22,6 +22,7 @@ from harness.errors import Cancelled, DeadlineExceeded
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Fence, Heartbeat
 from harness.history import append_message
+from harness.journal import RoundInFlight, journal_reply, resume
 from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
@@ -326,7 +327,11 @@ def _child_rounds(
 ) -> ModelReply:
     """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
     A LOCAL child waits for its desktop client before every round: a client that disconnects
-    mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4)."""
+    mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4).
+
+    A recovered execution (epoch >= 2: the normal path takes epoch 1) first continues the
+    round its crashed run journaled, without asking the model again (harness.journal)."""
+    in_flight: RoundInFlight | None = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
     for _ in range(agent.max_rounds):
         if fence.cancelled():
             if fence.lost:
@@ -338,9 +343,13 @@ def _child_rounds(
             wait_for_client(info.user_id, deadline, fence.cancelled)
             if fence.cancelled():
                 continue
-        reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline, agent.model_options)
-        if not reply.tool_calls:
-            return reply
-        inline_round(fence, info.child_session_id, reply, allowed, deadline, "child")
+        if in_flight is not None:
+            rnd, in_flight = in_flight, None
+        else:
+            reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline, agent.model_options)
+            if not reply.tool_calls:
+                return reply
+            rnd = journal_reply(fence, info.child_session_id, reply)
+        inline_round(fence, info.child_session_id, rnd, allowed, deadline, "child")
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")

@@ -2,7 +2,8 @@
 scheduler they ask, their dependencies, the model call, one inline round, and the line
 between a result and an infrastructure fault.
 
-- A round without delegates commits one ASSISTANT + every TOOL in one transaction.
+- A round without delegates commits one ASSISTANT + every TOOL in one transaction; its reply
+  and its tools' starts and results are journaled before (harness.journal).
 - Every write carries the epoch the loop was handed (harness.fence); cancellation is a phase
   change any process can request, honoured between rounds, inside ``wait`` and by the fence.
 - An infrastructure error (database, broker, Redis) is never a result: the loop stops without
@@ -27,9 +28,9 @@ from harness.agents import AgentDef
 from harness.errors import DeadlineExceeded, ModelUnavailable
 from harness.fence import Fence
 from harness.history import model_view
+from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
-from harness.rounds import ToolResult, write_round
-from harness.tools import ToolContext, lookup, run_inline
+from harness.tools import lookup
 from models import transaction
 from models.base import utcnow
 from models.worker import identity
@@ -128,21 +129,11 @@ def ask(
 def inline_round(
     fence: Fence,
     session_id: int,
-    reply: ModelReply,
+    rnd: RoundInFlight,
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,
-    refused: dict[str, str] | None = None,
 ) -> None:
-    """Run every tool of a round, then commit assistant + every TOOL in one transaction.
-    ``refused`` maps call ids to a TOOL error written instead of running the tool."""
-    results = []
-    for call in reply.tool_calls:
-        if refused and call.id in refused:
-            results.append(ToolResult(call.id, refused[call.id]))
-            continue
-        ctx = ToolContext(session_id, call.id, deadline, fence.cancelled, kind)
-        results.append(ToolResult(call.id, run_inline(call.name, call.arguments, ctx, allowed)))
-    with transaction() as s:
-        fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
-        write_round(s, session_id, reply.content, [c.to_openai() for c in reply.tool_calls], results)
+    """Run (or take from the journal) every tool of a journaled round, then commit assistant +
+    every TOOL in one transaction that also closes the journal entry (harness.journal)."""
+    commit_round(fence, session_id, rnd, run_tools(fence, session_id, rnd, allowed, deadline, kind))

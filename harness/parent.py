@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import select
@@ -29,9 +30,9 @@ from harness.errors import Cancelled
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import append_message
+from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
 from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
 from harness.model import ModelReply, ToolCall
-from harness.rounds import ToolResult, write_round
 from harness.tools import ToolContext, run_inline, tool_names
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
 from models.session import release_session, take_session
@@ -56,8 +57,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
                 free_when_unowned=True,
             )
             agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
-            # The first round's view is read in the take's transaction (one trip fewer).
-            first_view = model_messages(session_id, get_agent(agent_type), s) if new_epoch is not None else None
+            # The first round's view (or the round a crashed run journaled) is read in the
+            # take's transaction (one trip fewer); the take is the epoch's fence there.
+            in_flight = resume_in(s, session_id, new_epoch) if new_epoch is not None else None
+            first_view = (
+                model_messages(session_id, get_agent(agent_type), s)
+                if new_epoch is not None and in_flight is None
+                else None
+            )
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise
@@ -73,7 +80,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
     allowed = agent.tool_names(tool_names(), subagent=False)
     try:
         with Heartbeat(fence):
-            return _parent_rounds(session_id, fence, agent, allowed, deps, first_view)
+            return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
     except LeaseLost:
         log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
         return "lost"
@@ -104,27 +111,33 @@ def _parent_rounds(
     allowed: tuple[str, ...],
     deps: LoopDeps,
     view: list[dict[str, Any]] | None = None,
+    in_flight: RoundInFlight | None = None,
 ) -> str:
     for _ in range(agent.max_rounds):
         if fence.cancelled():
             if fence.lost:
                 raise LeaseLost()
             raise Cancelled()
-        reply = ask(deps, view or model_messages(session_id, agent), allowed, None, agent.model_options)
-        view = None
-        if not reply.tool_calls:
-            with transaction() as s:
-                fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
-                append_message(s, session_id, Role.ASSISTANT, reply.content or "")
-                release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
-            publish_status(session_id, Phase.WAITING_USER)
-            return "waiting_user"
-        reply, refused = unique_call_ids(session_id, reply)
-        if any(c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused for c in reply.tool_calls):
-            if _delegating_round(session_id, fence, reply, allowed, deps, refused):
+        if in_flight is not None:
+            rnd, in_flight = in_flight, None  # continued from the journal: no model call
+        else:
+            reply = ask(deps, view or model_messages(session_id, agent), allowed, None, agent.model_options)
+            view = None
+            if not reply.tool_calls:
+                with transaction() as s:
+                    fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                    append_message(s, session_id, Role.ASSISTANT, reply.content or "")
+                    release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
+                publish_status(session_id, Phase.WAITING_USER)
+                return "waiting_user"
+            rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
+        if any(
+            c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in rnd.refused for c in rnd.reply.tool_calls
+        ):
+            if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return "yielded"
             continue
-        inline_round(fence, session_id, reply, allowed, None, "parent", refused)
+        inline_round(fence, session_id, rnd, allowed, None, "parent")
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
@@ -160,9 +173,12 @@ def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
 def unique_call_ids(session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
     """Give every repeated tool_call id a fresh one and refuse that call (its TOOL error).
     The history stays legal (one TOOL per id) and the unique index never fires."""
-    ids = [c.id for c in reply.tool_calls]
     with transaction() as s:
-        used = _used_ids(s, session_id, ids)
+        return _unique_call_ids_in(s, session_id, reply)
+
+
+def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
+    used = _used_ids(s, session_id, [c.id for c in reply.tool_calls])
     seen: set[str] = set()
     calls: list[ToolCall] = []
     refused: dict[str, str] = {}
@@ -188,13 +204,15 @@ class _NothingCreated(Exception):
 def _delegating_round(
     session_id: int,
     fence: SessionFence,
-    reply: ModelReply,
+    rnd: RoundInFlight,
     allowed: tuple[str, ...],
     deps: LoopDeps,
-    refused: dict[str, str],
 ) -> bool:
     """Returns True when the loop yielded to its children, False when no child was created
-    (every delegation was refused: the round was committed whole with the errors)."""
+    (every delegation was refused: the round was committed whole with the errors). The
+    transaction that creates the children closes the round's journal entry: a journaled
+    delegating reply creates its children once."""
+    reply, refused = rnd.reply, rnd.refused
     calls = [c.to_openai() for c in reply.tool_calls]
     delegations = [
         c for c in reply.tool_calls if c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused
@@ -231,6 +249,7 @@ def _delegating_round(
                     created.append(out)
             if not created:
                 raise _NothingCreated(errors)
+            close_in(s, rnd)
             round_row.inline_results = errors
             round_id = round_row.id
             inline = [
@@ -245,16 +264,9 @@ def _delegating_round(
                 release_session(s, session_id, epoch=fence.epoch)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
-        results = []
-        for call in reply.tool_calls:
-            if call.id in nothing.errors:
-                results.append(ToolResult(call.id, nothing.errors[call.id]))
-            else:
-                ctx = ToolContext(session_id, call.id, None, fence.cancelled, "parent")
-                results.append(ToolResult(call.id, run_inline(call.name, call.arguments, ctx, allowed)))
-        with transaction() as s:
-            fence.check(s)
-            write_round(s, session_id, reply.content, calls, results)
+        inline_round(
+            fence, session_id, replace(rnd, refused={**rnd.refused, **nothing.errors}), allowed, None, "parent"
+        )
         return False
     crash_point("delegate.after_create")
     log.info(

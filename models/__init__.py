@@ -19,6 +19,7 @@ from models.enums import (
 )
 from models.errors import IllegalTransition, LeaseLost, ModelError
 from models.execution import SubagentExecution
+from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
 from models.round import PendingRound
 from models.session import AgentSession
@@ -31,11 +32,13 @@ __all__ = [
     "TERMINAL_EXECUTION",
     "AgentSession",
     "Base",
+    "CallStatus",
     "DeliveryStatus",
     "ExecutionMode",
     "ExecutionStatus",
     "IllegalTransition",
     "InvocationType",
+    "JournalStatus",
     "LeaseLost",
     "Message",
     "ModelError",
@@ -43,6 +46,8 @@ __all__ = [
     "Phase",
     "RecoveryScan",
     "Role",
+    "RoundJournal",
+    "RoundJournalCall",
     "SessionType",
     "SubagentExecution",
     "WorkerBoot",

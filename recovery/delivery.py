@@ -29,6 +29,8 @@ from harness.delegate import delegate_arguments, tool_name
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, delete_rows, pair_state, validated_boundary
+from harness.journal import interrupted_result
+from harness.model import ToolCall
 from harness.results import failure_result
 from harness.rounds import ToolResult, write_round
 from models import (
@@ -181,7 +183,13 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
             member_call = str(member.parent_tool_call_id)
             results.append(ToolResult(member_call, result_content(member), member.child_session_id))
         else:
-            results.append(ToolResult(call_id, rnd.inline_results.get(call_id, INTERRUPTED)))
+            # An inline call without a recorded result was interrupted (the parent died while
+            # running it, or before it started): never run again here (issue 17 item 2).
+            result = rnd.inline_results.get(call_id)
+            if result is None:
+                fn = call.get("function") or {}
+                result = interrupted_result(ToolCall(call_id, str(fn.get("name")), str(fn.get("arguments") or "")))
+            results.append(ToolResult(call_id, result))
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
     delivered = []

@@ -1,4 +1,6 @@
-"""Checks of DESIGN invariants I1–I5 over the WHOLE database (tests, soak, demo).
+"""Checks of DESIGN invariants I1–I5 over the WHOLE database (tests, soak, demo), and the
+round journal's two rules (issue 17 item 2): J1 a tool call that is neither read-only nor
+idempotent is started at most once; J2 a journaled reply is never asked for again.
 
 Each check returns human-readable violations; an empty list means it holds.
 """
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from datetime import timedelta
+from itertools import pairwise
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -19,9 +22,12 @@ from models import (
     DeliveryStatus,
     ExecutionStatus,
     InvocationType,
+    JournalStatus,
     Message,
     PendingRound,
     Role,
+    RoundJournal,
+    RoundJournalCall,
     SessionType,
     SubagentExecution,
 )
@@ -146,6 +152,31 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
             problems.append(
                 f"I5 execution {e.id}: failed {e.completed_at - e.started_at} after its start, not as a timeout"
             )
+    problems += check_journal(s)
+    return problems
+
+
+def check_journal(s: Session) -> list[str]:
+    """J1 and J2 over the round journal. J2: a loop that asked the model again although the
+    session's open entry held a reply would have abandoned that entry and written a new one
+    asked from the SAME history; an entry is only abandoned when the history moved on."""
+    problems: list[str] = []
+    C = RoundJournalCall
+    for row in s.execute(select(C).where(C.repeatable.is_(False), C.starts > 1)):
+        call = row[0]
+        problems.append(
+            f"J1 journal {call.journal_id}: {call.tool_name} call {call.tool_call_id} started {call.starts} times"
+        )
+    entries = list(s.execute(select(RoundJournal).order_by(RoundJournal.id)).scalars())
+    by_session: dict[int, list[RoundJournal]] = defaultdict(list)
+    for entry in entries:
+        by_session[entry.session_id].append(entry)
+    for sid, rows in by_session.items():
+        for earlier, later in pairwise(rows):
+            if earlier.status == JournalStatus.ABANDONED and earlier.after_message_id == later.after_message_id:
+                problems.append(
+                    f"J2 session {sid}: journaled reply {earlier.id} was asked for again (entry {later.id})"
+                )
     return problems
 
 

@@ -34,6 +34,9 @@ CHILD_RULES: list[dict[str, Any]] = [
 ]
 
 
+ECHO: dict[str, Any] = {"name": "echo", "arguments": {"text": "inline"}}
+
+
 def delegate(agent: str, task: str) -> dict[str, Any]:
     return {"name": "delegate", "arguments": {"agent_type": agent, "task": task}}
 
@@ -47,6 +50,9 @@ class Shape:
     parent_rounds: int  #: assistant tool-call rounds in the parent's final history
     occurrence: int = 1  #: which occurrence of the point to crash at (followup: the second round)
     local: bool = False
+    #: Rules (script indexes) with a tool-call reply that the model must answer exactly once:
+    #: a journaled reply is never asked for again (issue 17 item 2).
+    asked_once: tuple[int, ...] = ()
 
 
 def _parent(*rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,6 +80,7 @@ SHAPES = {
         2,
         2,
         1,
+        asked_once=(0,),
     ),
     "followup": Shape(
         "followup",
@@ -87,6 +94,34 @@ SHAPES = {
         occurrence=2,
     ),
     "local_child": Shape("local_child", _parent([delegate("desktop", "check the local files")]), 1, 1, 1, local=True),
+    # The round journal's points (issue 17 item 2). The parent's reply is journaled first: the
+    # child's reply is the second occurrence in one pool process (concurrency 1).
+    "child_reply": Shape(
+        "child_reply", _parent([delegate("reviewer", "review A")]), 1, 1, 1, occurrence=2, asked_once=(0, 2)
+    ),
+    "child_two_tools": Shape(
+        "child_two_tools",
+        [
+            *_parent([delegate("reviewer", "review A")])[:2],
+            {
+                "when": {"system_contains": "subagent", "last_role": "user"},
+                "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 1}}, ECHO]},
+            },
+            CHILD_RULES[1],
+        ],
+        1,
+        1,
+        1,
+        asked_once=(0, 2),
+    ),
+    "parent_inline_first": Shape(
+        "parent_inline_first",
+        _parent([{"name": "wait", "arguments": {"seconds": 1}}, ECHO], [delegate("reviewer", "review A")]),
+        1,
+        1,
+        2,
+        asked_once=(0, 1),
+    ),
 }
 
 POINTS = [
@@ -121,6 +156,11 @@ SHAPED_POINTS = [
     ("parent.before_yield", "mixed_inline"),
     ("child.after_take", "two_children"),
     ("child.after_round", "one_child"),
+    ("journal.after_reply", "mixed_inline"),  # the parent's delegating reply: children created once
+    ("journal.after_reply", "child_reply"),  # a child's reply: its round continues, no model call
+    ("journal.after_tool_start", "one_child"),  # the child's ``wait`` (not idempotent) started
+    ("journal.after_tool_result", "child_two_tools"),  # the child's first result journaled
+    ("journal.after_tool_result", "parent_inline_first"),  # a parent inline round's first result
 ]
 
 
@@ -165,6 +205,9 @@ def crash_trial(stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str,
     rounds = [m for m in messages_of(sid) if m.role == "ASSISTANT" and m.tool_calls]
     assert len(rounds) == shape.parent_rounds
     assert snap["messages"][-1]["content"] == "final answer"
+    asked = stack.model.journal()
+    for rule in shape.asked_once:
+        assert sum(1 for j in asked if j["rule"] == rule) == 1, f"rule {rule} asked again"
     assert stack.invariants() == []
 
 

@@ -1,0 +1,225 @@
+"""The round journal as the loops use it (issue 17 item 2, DESIGN §6 "Inside a round").
+
+One round, in the order its commits happen:
+
+1. the model answers with tool calls -> ``journal_reply`` commits the reply (fenced by the
+   loop's epoch; a relaxed commit, see ``models.journal.relaxed_commit``) before the first
+   tool runs;                       crash point journal.after_reply
+2. a tool that is not safe to repeat has its start committed (``STARTED``, starts + 1) before
+   it runs;                                                   crash point journal.after_tool_start
+3. each tool's result is committed as it completes, except the last one of a repeatable tool,
+   which the round's own transaction carries;                crash point journal.after_tool_result
+4. ``commit_round`` lands assistant + every TOOL in ONE transaction and closes the entry (a
+   delegating round closes it in the transaction that creates its children).
+
+A loop that starts (a recovered one, or the next run after a crash) calls ``resume`` before
+asking the model: an open entry asked from the same history is continued without a model call;
+results journaled are used as they are; an interrupted tool that is read-only or idempotent
+runs again (same ``idempotency_key``: the key is per session and call id); an interrupted tool
+that is neither is NOT run again: its TOOL result says so, with its arguments, and the model
+decides; a tool that never started runs normally. An entry asked from an older history is
+abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.fence import Fence
+from harness.model import ModelReply, ToolCall
+from harness.rounds import ToolResult, write_round
+from harness.tools import ToolContext, lookup, run_inline
+from models import CallStatus, LeaseLost, transaction
+from models import journal as store
+
+log = logging.getLogger("harness.journal")
+
+#: Longest argument text quoted back to the model in an interrupted call's result.
+MAX_QUOTED_ARGUMENT_CHARS = 2000
+
+
+def repeatable(name: str) -> bool:
+    """True when the tool is declared read-only or idempotent (``@tool(read_only=True)``,
+    ``@tool(idempotent=True)``, or an MCP server's ``readOnlyHint`` / ``idempotentHint``): safe
+    to run again after a crash interrupted it. The ONE place that asks."""
+    found = lookup(name)
+    return found is not None and (found.read_only or found.idempotent)
+
+
+def interrupted_result(call: ToolCall) -> str:
+    """The TOOL result of a call that a restart interrupted and that is not safe to repeat."""
+    arguments = (
+        call.arguments
+        if len(call.arguments) <= MAX_QUOTED_ARGUMENT_CHARS
+        else call.arguments[:MAX_QUOTED_ARGUMENT_CHARS] + "…"
+    )
+    return (
+        f"error: the call to {call.name!r} was interrupted by a restart and may or may not have taken "
+        f"effect; it was not run again. Its arguments were: {arguments}"
+    )
+
+
+@dataclass(frozen=True)
+class RoundInFlight:
+    """A journaled round: the reply and what its tools left in the journal."""
+
+    journal_id: int
+    reply: ModelReply
+    #: tool_call_id -> TOOL error written instead of running the call.
+    refused: dict[str, str] = field(default_factory=dict)
+    #: tool_call_id -> journaled result.
+    results: dict[str, str] = field(default_factory=dict)
+    #: Calls started without a journaled result.
+    started: frozenset[str] = frozenset()
+    #: True when a recovered loop continues the round (the model was not asked again).
+    replayed: bool = False
+
+
+def resume(fence: Fence, session_id: int) -> RoundInFlight | None:
+    """The open round of the session, handed to this loop's epoch; None when there is none
+    (one read, nothing written) or when it was asked from an older history (abandoned)."""
+    with transaction() as s:
+        if store.open_entry(s, session_id) is None:
+            return None
+        fence.check(s)
+        rnd = resume_in(s, session_id, fence.epoch)
+    return rnd
+
+
+def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
+    """``resume`` in the caller's transaction, which holds ``epoch`` (it took the session or
+    checked its fence)."""
+    entry = store.open_entry(s, session_id)
+    if entry is None:
+        return None
+    if entry.after_message_id != store.last_live_message_id(s, session_id):
+        store.abandon(s, entry.id)
+        log.info("event=round_journal_abandoned session=%s journal=%s", session_id, entry.id)
+        return None
+    if not store.adopt(s, entry.id, epoch=epoch):
+        # NOTE: the caller holds the epoch in this transaction, so a newer loop cannot hold it.
+        raise LeaseLost(f"round journal {entry.id} is held by a newer epoch")
+    calls = store.calls_of(s, entry.id)
+    reply = ModelReply(
+        entry.content,
+        tuple(
+            ToolCall(str(c["id"]), str(c["function"]["name"]), str(c["function"].get("arguments") or ""))
+            for c in entry.tool_calls
+        ),
+        entry.prompt_tokens,
+        entry.completion_tokens,
+    )
+    rnd = RoundInFlight(
+        entry.id,
+        reply,
+        dict(entry.refused),
+        {c.tool_call_id: c.result or "" for c in calls if c.status == CallStatus.FINISHED},
+        frozenset(c.tool_call_id for c in calls if c.status == CallStatus.STARTED),
+        replayed=True,
+    )
+    log.info(
+        "event=round_journal_resumed session=%s journal=%s results=%d interrupted=%d",
+        session_id,
+        rnd.journal_id,
+        len(rnd.results),
+        len(rnd.started),
+    )
+    return rnd
+
+
+Prepare = Callable[[Session, ModelReply], tuple[ModelReply, dict[str, str]]]
+
+
+def journal_reply(fence: Fence, session_id: int, reply: ModelReply, prepare: Prepare | None = None) -> RoundInFlight:
+    """Commit the reply as the session's open round before any of its tools runs. ``prepare``
+    (the parent's tool_call id check) runs in the same transaction and may rewrite the reply
+    and refuse calls; what it decided is journaled with the reply."""
+    with transaction() as s:
+        store.relaxed_commit(s)
+        fence.check(s)
+        refused: dict[str, str] = {}
+        if prepare is not None:
+            reply, refused = prepare(s, reply)
+        journal_id = store.write_reply(
+            s,
+            session_id=session_id,
+            epoch=fence.epoch,
+            content=reply.content,
+            tool_calls=[c.to_openai() for c in reply.tool_calls],
+            refused=refused,
+            prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens,
+        )
+    crash_point("journal.after_reply")
+    return RoundInFlight(journal_id, reply, refused)
+
+
+def run_tools(
+    fence: Fence,
+    session_id: int,
+    rnd: RoundInFlight,
+    allowed: tuple[str, ...],
+    deadline: datetime | None,
+    kind: str,
+    *,
+    skip: frozenset[str] = frozenset(),
+) -> dict[str, str]:
+    """Run (or take from the journal) every call of the round except ``skip``; returns
+    tool_call_id -> TOOL content. Each result but the last repeatable one is journaled as it
+    completes; the caller's round transaction carries the rest."""
+    out: dict[str, str] = {}
+    todo = [c for c in rnd.reply.tool_calls if c.id not in skip]
+    for n, call in enumerate(todo):
+        if call.id in rnd.refused:
+            out[call.id] = rnd.refused[call.id]
+            continue
+        if call.id in rnd.results:
+            out[call.id] = rnd.results[call.id]
+            continue
+        safe = repeatable(call.name)
+        if call.id in rnd.started and not safe:
+            log.info("event=tool_interrupted_not_rerun session=%s tool=%s", session_id, call.name)
+            out[call.id] = interrupted_result(call)
+            continue
+        if not safe:
+            with transaction() as s:
+                fence.check(s)
+                store.mark_started(s, rnd.journal_id, call.id, tool_name=call.name, repeatable=False)
+            crash_point("journal.after_tool_start")
+        ctx = ToolContext(session_id, call.id, deadline, fence.cancelled, kind)
+        result = run_inline(call.name, call.arguments, ctx, allowed)
+        out[call.id] = result
+        if n == len(todo) - 1 and safe:
+            continue  # the round's transaction carries it; a crash before it runs the tool again
+        with transaction() as s:
+            store.relaxed_commit(s)
+            fence.check(s)
+            store.mark_finished(s, rnd.journal_id, call.id, result, tool_name=call.name, repeatable=safe)
+        crash_point("journal.after_tool_result")
+    return out
+
+
+def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dict[str, str]) -> None:
+    """Land assistant + every TOOL in ONE transaction, and close the journal entry in it."""
+    reply = rnd.reply
+    with transaction() as s:
+        fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+        write_round(
+            s,
+            session_id,
+            reply.content,
+            [c.to_openai() for c in reply.tool_calls],
+            [ToolResult(c.id, results[c.id]) for c in reply.tool_calls],
+        )
+        store.close(s, rnd.journal_id)
+
+
+def close_in(s: Session, rnd: RoundInFlight) -> None:
+    """Close the entry in the caller's transaction (a delegating round's creation)."""
+    store.close(s, rnd.journal_id)

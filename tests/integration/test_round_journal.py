@@ -1,0 +1,315 @@
+"""The round journal (issue 17 item 2), driven in-process on real PostgreSQL and the scripted
+model over HTTP: a crash inside a round (an infrastructure error at a journal crash point or
+inside a tool: the run ends without writing, as a killed worker's) is recovered by the scan,
+and the round continues from the journal. Real worker processes SIGKILLed at the same points
+are in tests/crash/test_crash_matrix.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import select
+
+import harness.journal
+from harness.parent import run_agent
+from harness.tools import ToolContext, tool, unregister
+from harness.views import create_session
+from models import CallStatus, JournalStatus, RoundJournal, RoundJournalCall, transaction
+from recovery.child import start_child
+from tests.helpers import RecordingScheduler, drive, executions_of, invariants, loop_deps, messages_of
+
+MAIN = "main agent"
+
+
+class Crash(sa_exc.OperationalError):
+    """What a killed worker looks like in-process: an infrastructure error, nothing written."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"simulated crash at {where}", None, Exception("crash"))
+
+
+@dataclass
+class Recorder:
+    """Counts each tool start (name, session, idempotency key) and crashes the first start of
+    the tools named in ``crash_first``."""
+
+    starts: list[tuple[str, int, str]]
+    crash_first: set[str]
+
+    def started(self, name: str, ctx: ToolContext, amount: int) -> str:
+        self.starts.append((name, ctx.session_id, ctx.idempotency_key))
+        if name in self.crash_first:
+            self.crash_first.discard(name)
+            raise Crash(f"tool {name}")
+        return f"{name} did {json.dumps({'amount': amount})}"
+
+
+AGENTS = """
+[agents.main]
+system_prompt = "You are the main agent."
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent."
+[agents.researcher]
+system_prompt = "You are the researcher subagent."
+"""
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Recorder]:
+    """Two user tools: ``charge`` (neither read-only nor idempotent) and ``refresh``
+    (idempotent), offered to every agent."""
+    from harness.agents import _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(AGENTS, encoding="utf-8")
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    rec = Recorder([], set())
+
+    @tool
+    def charge(ctx: ToolContext, amount: int) -> str:
+        """Charge the customer (a side effect that must not happen twice)."""
+        return rec.started("charge", ctx, amount)
+
+    @tool(idempotent=True)
+    def refresh(ctx: ToolContext, amount: int) -> str:
+        """Refresh a cache (safe to repeat)."""
+        return rec.started("refresh", ctx, amount)
+
+    yield rec
+    unregister("charge")
+    unregister("refresh")
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+def crash_at(monkeypatch: pytest.MonkeyPatch, point: str, *, on_hit: int = 1) -> None:
+    """The on_hit-th time ``point`` is reached, the run ends as a killed worker's would."""
+    real = harness.journal.crash_point
+    hits = {"n": 0}
+
+    def fake(name: str) -> None:
+        if name == point:
+            hits["n"] += 1
+            if hits["n"] == on_hit:
+                raise Crash(point)
+        real(name)
+
+    monkeypatch.setattr(harness.journal, "crash_point", fake)
+
+
+def call(name: str, **args: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": args}
+
+
+def child_script(*calls: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "when": {"system_contains": MAIN, "turn": 0},
+            "reply": {"tool_calls": [call("delegate", agent_type="reviewer", task="t")]},
+        },
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final"}},
+        {"when": {"system_contains": "subagent", "turn": 0}, "reply": {"tool_calls": list(calls)}},
+        {"when": {"system_contains": "subagent", "turn": 1}, "reply": {"content": "child saw: {tool_results}"}},
+    ]
+
+
+def parent_script(*calls: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"when": {"system_contains": MAIN, "turn": 0}, "reply": {"tool_calls": list(calls)}},
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "parent saw: {tool_results}"}},
+        {"when": {"system_contains": "subagent"}, "reply": {"content": "child result"}},
+    ]
+
+
+def asked(model: Any, rule: int) -> int:
+    return sum(1 for j in model.journal() if j["rule"] == rule)
+
+
+def crashed_child(model_url: str) -> int:
+    """Start a parent that delegates, and run its child once (it crashes); returns the parent."""
+    deps = loop_deps(model_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, _, children = deps.scheduler.children.pop()
+    ((eid, e),) = children
+    assert start_child(eid, e, deps) == "infra_error"
+    return sid
+
+
+def journal_rows() -> tuple[list[RoundJournal], list[RoundJournalCall]]:
+    with transaction() as s:
+        entries = list(s.execute(select(RoundJournal).order_by(RoundJournal.id)).scalars())
+        calls = list(s.execute(select(RoundJournalCall).order_by(RoundJournalCall.id)).scalars())
+    return entries, calls
+
+
+def test_a_child_that_crashed_after_its_reply_was_journaled_finishes_the_round_without_asking_the_model_again(
+    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(child_script(call("refresh", amount=1)))
+    crash_at(monkeypatch, "journal.after_reply", on_hit=2)  # the parent's reply is the first
+    sid = crashed_child(model.base_url)
+    assert recorder.starts == []  # no tool ran before the crash
+    drive(model.base_url)
+    assert asked(model, 2) == 1  # the child's tool-call reply: asked once, continued from the journal
+    assert [s[0] for s in recorder.starts] == ["refresh"]
+    (e,) = executions_of(sid)
+    assert (e.status, e.delivery_status) == ("COMPLETED", "DELIVERED")
+    entries, _ = journal_rows()
+    assert [j.status for j in entries] == [JournalStatus.CLOSED] * 2
+    assert [j.replays for j in entries] == [0, 1]
+    assert messages_of(sid)[-1].content == "final"
+    assert invariants() == []
+
+
+def test_an_interrupted_tool_that_is_neither_read_only_nor_idempotent_is_not_run_again_and_the_model_is_told(
+    model_factory, recorder: Recorder
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(child_script(call("charge", amount=5)))
+    recorder.crash_first.add("charge")
+    sid = crashed_child(model.base_url)
+    drive(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["charge"]  # started once, never again
+    assert asked(model, 2) == 1
+    child = executions_of(sid)[0].child_session_id
+    tool_row = next(m for m in messages_of(child) if m.role == "TOOL")
+    assert "interrupted by a restart" in (tool_row.content or "")
+    assert "may or may not have taken effect" in (tool_row.content or "")
+    assert '{"amount": 5}' in (tool_row.content or "")  # its arguments, so the model can decide
+    _, calls = journal_rows()
+    assert [(c.tool_name, c.status, c.starts, c.repeatable) for c in calls] == [
+        ("charge", CallStatus.STARTED, 1, False)
+    ]
+    assert invariants() == []
+
+
+def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(model_factory, recorder: Recorder) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(child_script(call("refresh", amount=2)))
+    recorder.crash_first.add("refresh")
+    sid = crashed_child(model.base_url)
+    drive(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["refresh", "refresh"]
+    assert recorder.starts[0] == recorder.starts[1]  # the same session and idempotency key
+    assert asked(model, 2) == 1
+    child = executions_of(sid)[0].child_session_id
+    tool_row = next(m for m in messages_of(child) if m.role == "TOOL")
+    assert tool_row.content == 'refresh did {"amount": 2}'
+    assert invariants() == []
+
+
+def test_a_tool_whose_result_was_journaled_is_not_run_again_and_one_that_never_started_runs(
+    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(child_script(call("charge", amount=1), call("refresh", amount=2)))
+    crash_at(monkeypatch, "journal.after_tool_result")
+    sid = crashed_child(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["charge"]
+    drive(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["charge", "refresh"]
+    assert asked(model, 2) == 1
+    child = executions_of(sid)[0].child_session_id
+    assert [m.content for m in messages_of(child) if m.role == "TOOL"] == [
+        'charge did {"amount": 1}',
+        'refresh did {"amount": 2}',
+    ]
+    assert invariants() == []
+
+
+def test_a_parent_inline_round_journaled_before_a_crash_continues_without_a_second_model_call(
+    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(parent_script(call("charge", amount=3), call("echo", text="hi")))
+    crash_at(monkeypatch, "journal.after_tool_start")
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    drive(model.base_url)
+    assert asked(model, 0) == 1
+    assert recorder.starts == []  # the crash came after its start was journaled, before it ran
+    tools_rows = [m.content or "" for m in messages_of(sid) if m.role == "TOOL"]
+    assert "interrupted by a restart" in tools_rows[0] and tools_rows[1] == "hi"
+    assert messages_of(sid)[-1].content.startswith("parent saw:")
+    assert invariants() == []
+
+
+def test_a_journaled_delegating_reply_creates_its_children_once_after_a_crash(
+    model_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(
+        parent_script(
+            call("delegate", agent_type="reviewer", task="a"),
+            call("echo", text="inline"),
+            call("delegate", agent_type="researcher", task="b"),
+        )
+    )
+    crash_at(monkeypatch, "journal.after_reply")
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    assert executions_of(sid) == []
+    drive(model.base_url)
+    assert asked(model, 0) == 1
+    execs = executions_of(sid)
+    assert len(execs) == 2 and {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
+    entries, _ = journal_rows()
+    assert entries[0].status == JournalStatus.CLOSED and entries[0].replays == 1
+    assert invariants() == []
+
+
+def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(model_factory) -> None:  # type: ignore[no-untyped-def]
+    from harness.history import append_message
+    from models import Role
+    from models import journal as store
+
+    model = model_factory(parent_script(call("echo", text="x")))
+    sid = create_session("main", "go")
+    with transaction() as s:
+        store.write_reply(
+            s, session_id=sid, epoch=0, content=None, tool_calls=[], refused={}, prompt_tokens=0, completion_tokens=0
+        )
+        append_message(s, sid, Role.ASSISTANT, "an answer the entry never saw")
+        append_message(s, sid, Role.USER, "a new instruction")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "waiting_user"
+    entries, _ = journal_rows()
+    assert [j.status for j in entries] == [JournalStatus.ABANDONED]
+    assert [j["rule"] for j in model.journal()] == [1]  # asked again, from the history as it is
+
+
+def test_the_invariants_name_a_second_start_of_a_non_idempotent_call_and_a_reply_asked_for_again(
+    model_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    from models import journal as store
+    from recovery.invariants import check_journal
+
+    sid = create_session("main", "go")
+    reply = {"content": None, "tool_calls": [], "refused": {}, "prompt_tokens": 0, "completion_tokens": 0}
+    with transaction() as s:
+        first = store.write_reply(s, session_id=sid, epoch=1, **reply)
+        store.mark_started(s, first, "call-1", tool_name="charge", repeatable=False)
+        assert check_journal(s) == []
+        store.mark_started(s, first, "call-1", tool_name="charge", repeatable=False)
+        store.write_reply(s, session_id=sid, epoch=1, **reply)  # the same history asked again
+        problems = check_journal(s)
+    assert [p[:2] for p in problems] == ["J1", "J2"]
+
+
+def test_an_inline_tool_of_a_mixed_round_interrupted_by_a_crash_is_delivered_as_interrupted_not_run_again(
+    model_factory, recorder: Recorder
+) -> None:  # type: ignore[no-untyped-def]
+    model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="a"), call("charge", amount=7)))
+    recorder.crash_first.add("charge")
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    drive(model.base_url)
+    assert [s[0] for s in recorder.starts] == ["charge"]
+    assert asked(model, 0) == 1
+    charge = [m.content or "" for m in messages_of(sid) if m.role == "TOOL"][1]
+    assert "interrupted by a restart" in charge and '{"amount": 7}' in charge
+    assert invariants() == []
