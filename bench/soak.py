@@ -7,7 +7,14 @@ Fault kinds (issue 9): ``kill_one`` SIGKILLs one of several workers (not all) an
 under its own name half the time (boot generation) or as a new worker; ``kill_in_recovery``
 kills a worker, then kills the worker that is recovering its work; ``redis_restart`` kills the
 private redis-server and starts it EMPTY; ``pg_cuts`` resets every PostgreSQL connection of the
-workers (through a fault proxy) every 300 ms for 3 s. The workers use a private redis-server and
+workers (through a fault proxy) every 300 ms for 3 s. Issue 15 adds: ``freeze_scanner`` SIGSTOPs
+one worker (its pool included, so a scan it runs keeps its right to scan, and its children
+keep their leases) for three scan intervals, then lets it go on (SIGCONT): its leases lapse
+meanwhile and another worker takes its work, so the thawed process must find itself fenced;
+``bare_worker`` replaces one worker by one started bare (``celery -A tasks worker -n NAME@%h``,
+no -Q, no pool options: it must serve every queue); ``legacy_backlog`` adds, beside the trial's
+parents, a backlog of pre-upgrade RUNNING executions two days old, more than one scan batch,
+that must all be delivered as timed out, once. The workers use a private redis-server and
 reach PostgreSQL through the proxy; the soak itself talks to both directly.
 
 Prints one line per failed trial with its seed (re-run it alone with --trials 1 --seed S),
@@ -33,7 +40,17 @@ os.environ.setdefault("STACK_REDIS_DBS", "7,8,9")  # stay clear of the test suit
 
 PG_ADMIN = os.environ.get("SOAK_PG_ADMIN_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
 SHAPES = ("one", "two", "mixed", "three")
-FAULTS = ("kill_one", "kill_in_recovery", "redis_restart", "pg_cuts")
+FAULTS = (
+    "kill_one",
+    "kill_in_recovery",
+    "redis_restart",
+    "pg_cuts",
+    "freeze_scanner",
+    "bare_worker",
+    "legacy_backlog",
+)
+#: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH).
+LEGACY_PARENTS, LEGACY_PER_PARENT = 220, 5
 
 
 def script() -> list[dict[str, Any]]:
@@ -46,7 +63,10 @@ def script() -> list[dict[str, Any]]:
         "mixed": [d("reviewer", "r1"), {"name": "echo", "arguments": {"text": "inline"}}, d("researcher", "s1")],
         "three": [d("reviewer", "r1"), d("reviewer", "r2"), d("researcher", "s1")],
     }
-    rules: list[dict[str, Any]] = []
+    rules: list[dict[str, Any]] = [
+        # A pre-upgrade parent resumed after its (timed out) children were delivered.
+        {"when": {"system_contains": "main agent", "user_contains": "[legacy]"}, "reply": {"content": "final answer"}}
+    ]
     for shape, tool_calls in calls.items():
         rules.append(
             {
@@ -95,13 +115,14 @@ class Soak:
         self.counter = 0
         self.mix: dict[str, int] = dict.fromkeys(FAULTS, 0)
 
-    def worker(self, beat: bool = False, name: str | None = None) -> Any:
+    def worker(self, beat: bool = False, name: str | None = None, bare: bool = False) -> Any:
         from demo.stack import Worker
 
         if name is None:
             self.counter += 1
             name = f"s{self.counter}"
-        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat).start()
+        argv = ["-A", "tasks", "worker", "-n", f"{name}@%h"] if bare else None
+        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat, argv=argv).start()
         self.workers.append(w)
         return w
 
@@ -154,10 +175,12 @@ class Soak:
             parents.append(sid)
         time.sleep(rng.uniform(0.1, 2.5))
         getattr(self, fault)(rng)
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             with transaction() as s:
                 problems = check_all(s, settled=True)
+                if not problems and fault == "legacy_backlog":
+                    problems = _legacy_problems(s)
             if not problems:
                 return []
             time.sleep(0.25)
@@ -199,6 +222,74 @@ class Soak:
         self.redis.restart(down_seconds=rng.uniform(0.2, 3.0))  # started again EMPTY
         self.ensure_workers(rng)
 
+    def freeze_scanner(self, rng: random.Random) -> None:
+        import signal
+
+        from settings import get_settings
+
+        victim = rng.choice(self.workers)
+        assert victim.proc is not None
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        time.sleep(3 * get_settings().SCAN_INTERVAL_SECONDS)
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+
+    def bare_worker(self, rng: random.Random) -> None:
+        victim = rng.choice([w for w in self.workers if not w.beat] or self.workers)
+        victim.kill()
+        self.workers = [w for w in self.workers if w is not victim]
+        self.worker(beat=victim.beat, bare=True)
+
+    def legacy_backlog(self, rng: random.Random) -> None:
+        """Rows as migration 0002 leaves pre-upgrade RUNNING work: PENDING, no invocation type,
+        no tool call id, no lease, started two days ago (past deadline + grace)."""
+        from datetime import timedelta
+
+        from sqlalchemy import insert
+
+        from models import AgentSession, Message, SubagentExecution, transaction
+        from models.base import utcnow
+
+        old = utcnow() - timedelta(days=2)
+        with transaction() as s:
+            for _ in range(LEGACY_PARENTS):
+                parent = AgentSession(
+                    user_id="u1",
+                    session_type="NORMAL",
+                    agent_type="main",
+                    phase="RUNNING",
+                    started_at=old,
+                    updated_at=old,
+                )
+                s.add(parent)
+                s.flush()
+                s.execute(
+                    insert(Message).values(session_id=parent.id, role="USER", content="work [legacy]", created_at=old)
+                )
+                for i in range(LEGACY_PER_PARENT):
+                    child = AgentSession(
+                        user_id="u1",
+                        session_type="SUBAGENT",
+                        parent_session_id=parent.id,
+                        agent_type="reviewer",
+                        phase="RUNNING",
+                        started_at=old,
+                        updated_at=old,
+                    )
+                    s.add(child)
+                    s.flush()
+                    s.execute(insert(Message).values(session_id=child.id, role="USER", content=f"r{i}", created_at=old))
+                    s.execute(
+                        insert(SubagentExecution).values(
+                            parent_session_id=parent.id,
+                            child_session_id=child.id,
+                            agent_type="reviewer",
+                            task_description=f"r{i}",
+                            status="RUNNING",
+                            delivery_status="PENDING",
+                            started_at=old,
+                        )
+                    )
+
     def pg_cuts(self, rng: random.Random) -> None:
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
@@ -218,6 +309,25 @@ class Soak:
         dispose_engines()
         with self.admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+
+
+def _legacy_problems(s: Any) -> list[str]:
+    """Every execution of the legacy backlog ended FAILED as timed out (and, by I1, once)."""
+    from datetime import timedelta
+
+    from sqlalchemy import func, select
+
+    from models import SubagentExecution as E
+    from models.base import utcnow
+
+    old = E.started_at < utcnow() - timedelta(days=1)
+    total = s.execute(select(func.count()).where(old)).scalar_one()
+    timed_out = s.execute(
+        select(func.count()).where(old, E.status == "FAILED", E.error.contains("timed out"))
+    ).scalar_one()
+    if total != LEGACY_PARENTS * LEGACY_PER_PARENT or timed_out != total:
+        return [f"legacy backlog: {timed_out} of {total} executions ended as timed out"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
