@@ -161,7 +161,7 @@ class Settings(BaseSettings):
     #: Stable name of this worker across restarts (default: Celery's node name, `-n`). A
     #: worker that boots again under its name takes back its previous process's work at once.
     WORKER_ID: str = ""
-    #: Queue of scans, recoveries and deliveries (served by every worker with `-Q celery,recovery`).
+    #: Queue of scans, fan-out batches, deliveries and redeliveries (short work; a worker without -Q serves it).
     RECOVERY_QUEUE: str = "recovery"
     #: Tests only: shift this process's clock, as a badly set machine would (models.clock).
     CLOCK_SKEW_SECONDS: float = 0.0

@@ -64,6 +64,30 @@ def test_a_bare_celery_worker_delivers_a_delegating_round(stack_factory: Any) ->
     assert stack.invariants() == []
 
 
+def _readme_command(prefix: str) -> list[str]:
+    """A worker command of README's supervision examples, as an operator copies it."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith(prefix))
+    argv = shlex.split(line.split("bin/celery", 1)[1])
+    # systemd and supervisord expand these before Celery sees the line
+    return [a.replace("%%h", "%h").replace("%i", "1").replace("%(process_num)d", "1") for a in argv]
+
+
+@pytest.mark.parametrize("example", ["ExecStart=", "command=/srv"], ids=["systemd", "supervisord"])
+def test_the_readme_supervision_commands_start_workers_that_deliver_a_round(stack_factory: Any, example: str) -> None:
+    argv = _readme_command(example)
+    assert argv[:3] == ["-A", "tasks", "worker"] and "-Q" not in argv
+    stack = stack_factory(script())
+    stack.worker("readme", argv=argv)
+    sid = stack.submit("plain")
+    stack.wait_phase(sid, timeout=60)
+    assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+    assert stack.invariants() == []
+
+
 def test_with_the_procfile_topology_recovered_long_children_never_delay_a_new_parents_delivery(
     stack_factory: Any,
 ) -> None:
