@@ -99,6 +99,8 @@ class SubagentExecution(Base):
     #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
     lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: Times the scan re-sent this unclaimed reservation (each doubles the reservation; issue 15).
+    resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: The parent round this execution belongs to; NULL on pre-upgrade rows.
     pending_round_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("pending_round.id"), nullable=True)
 

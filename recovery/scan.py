@@ -285,6 +285,11 @@ def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, a
         ids = [int(i) for i, p in candidates if int(p) in locked]
         free = select(E.id).where(E.id.in_(ids)).with_for_update(skip_locked=True)
         unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
+        now = utcnow()
+        # NOTE: a re-sent reservation lasts twice as long as the last one (2, 4, ... 64 leases):
+        # its message may just wait in a queue longer than the workers drain in two leases, and
+        # re-sending the whole backlog every two leases would multiply that queue.
+        windows = [(E.resends == k, now + timedelta(seconds=reserve_seconds * 2 ** (k + 1))) for k in range(5)]
         rows = list(
             s.execute(
                 update(E)
@@ -292,9 +297,14 @@ def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, a
                 .values(
                     status=ExecutionStatus.RECOVERING,
                     epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
+                    resends=case((unclaimed, E.resends + 1), else_=0),
                     lease_owner=None,
                     lease_generation=None,
-                    lease_expires_at=utcnow() + timedelta(seconds=reserve_seconds),
+                    lease_expires_at=case(
+                        (~unclaimed, now + timedelta(seconds=reserve_seconds)),
+                        *windows,
+                        else_=now + timedelta(seconds=reserve_seconds * 2**6),
+                    ),
                 )
                 .returning(E.id, E.epoch, E.parent_session_id)
                 .execution_options(synchronize_session=False)

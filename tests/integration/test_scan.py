@@ -397,3 +397,30 @@ def test_a_plain_session_with_an_invalid_boundary_ends_failed_and_is_not_resumed
     with transaction() as s:
         phase = s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one()
     assert phase == Phase.FAILED
+
+
+def test_an_unclaimed_reservation_is_re_sent_with_a_doubling_reservation_so_a_long_queue_is_not_flooded(
+    db: str,
+) -> None:
+    from settings import get_settings
+
+    eid = make_execution(make_session(), lease_expires_at=utcnow() - timedelta(seconds=5))
+    lease = get_settings().LEASE_SECONDS
+    windows = []
+    for _ in range(4):
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert _sent(sched) == [eid]
+        (row,) = [e for e in executions_of(executions_of_parent(eid)) if e.id == eid]
+        windows.append(round((row.lease_expires_at - utcnow()).total_seconds() / lease))
+        assert row.epoch == 1, "every re-send keeps the epoch of the first reservation"
+        again = RecordingScheduler()
+        scan(again, callback_grace_seconds=0)
+        assert _sent(again) == [], "nothing is re-sent while the reservation lasts"
+        expire_leases()  # nobody picked it up within the reservation
+    assert windows == [2, 4, 8, 16]
+
+
+def executions_of_parent(eid: int) -> int:
+    with transaction() as s:
+        return int(s.execute(select(E.parent_session_id).where(E.id == eid)).scalar_one())
