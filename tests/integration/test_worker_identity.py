@@ -164,3 +164,29 @@ def test_the_metrics_count_a_name_two_live_processes_share(worker_name: str) -> 
         record_boot(s, worker_name)
     check_name(worker_name, older)
     assert conflicts() == before + 1
+
+
+def test_the_scan_takes_back_a_lease_of_a_replaced_process_that_still_lives_exactly_once(worker_name: str) -> None:
+    from recovery.scan import scan
+    from tests.helpers import RecordingScheduler
+
+    older = boot(worker_name)
+    parent = make_session()
+    eid = make_execution(parent)
+    assert _take(eid, 0, worker_name) == 1
+    assert eid not in scan(RecordingScheduler()).recovering  # a live lease of the current generation
+
+    with transaction() as s:
+        newer = record_boot(s, worker_name)
+    first = scan(RecordingScheduler())
+    assert eid in first.recovering
+    reserved = _row(eid)
+    assert reserved.epoch == 2 and reserved.lease_owner is None
+
+    assert _take(eid, 2, worker_name, ExecutionStatus.RECOVERING) is None  # the older one: refused
+    set_identity(worker_name, newer)
+    assert _take(eid, 2, worker_name, ExecutionStatus.RECOVERING) == 3  # the newer one
+    for _ in range(3):
+        assert eid not in scan(RecordingScheduler()).recovering
+    assert _row(eid).epoch == 3 and _row(eid).lease_generation == newer
+    assert older < newer
