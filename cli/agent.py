@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
     show.set_defaults(handler=_show)
     lst = ssub.add_parser("list", help="latest sessions")
     lst.add_argument("--json", action="store_true")
-    lst.add_argument("--limit", type=int, default=50)
+    lst.add_argument("--limit", type=_positive_int, default=50)
     lst.set_defaults(handler=_list)
 
     c = sub.add_parser("cancel", help="cancel a session (its pending child results are suppressed)")
@@ -42,6 +42,13 @@ def register(sub: Any) -> None:
 
 #: Exit status of a submit whose session is saved but whose message could not be sent.
 EXIT_NOT_ENQUEUED = 3
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _submit(args: argparse.Namespace) -> int:

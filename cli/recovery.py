@@ -75,10 +75,20 @@ def _redeliver(args: argparse.Namespace) -> int:
 
 
 def _scan(args: argparse.Namespace) -> int:
+    from cli.agent import fail
     from recovery.scan import scan
     from tasks import app
     from tasks.scheduler import CeleryScheduler
 
+    # A pass reserves work and sends it: with no broker it would only reserve (the reservations
+    # lapse and a later scan sends them), so say so before touching anything.
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        return fail(
+            f"scan: the broker is unreachable ({type(exc).__name__}; CELERY_BROKER_URL); nothing was scanned", 2
+        )
     report = scan(CeleryScheduler(app))
     print(
         json.dumps(

@@ -1,7 +1,7 @@
 """Issue 15 item 8 with real worker processes: two live processes under one worker name.
 
-Workers are started as an operator starts them (`celery -A tasks worker ... -n NAME@%h`, the
-Procfile's command), the second one while the first still runs a child: by a second `-n` with
+Workers are started as an operator starts them (the bare `celery -A tasks worker -n NAME@%h`, or
+the Procfile's command), the second one while the first still runs a child: by a second `-n` with
 the same name on one host, or by a `WORKER_ID` shared through an environment file. The older
 process says so at ERROR within a lease, status and the metrics show it, it takes no new work,
 its children's leases are taken back once, and every result is delivered exactly once.
@@ -44,12 +44,14 @@ def script() -> list[dict]:  # type: ignore[type-arg]
     ]
 
 
-def operator_worker(env: dict[str, str], log_path: Path, node: str):  # type: ignore[no-untyped-def]
-    """The Procfile's worker command, as an operator runs it."""
+def operator_worker(env: dict[str, str], log_path: Path, node: str, bare: bool):  # type: ignore[no-untyped-def]
+    """A worker as an operator starts it: the bare command (`celery -A tasks worker -n NODE`),
+    or the Procfile's line."""
     from demo.stack import Service
 
-    cmd = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-P", "prefork", "-c", "2"]
-    cmd += ["-Q", "celery,recovery", "-n", node, "--without-gossip", "--without-mingle", "-l", "INFO"]
+    cmd = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", node, "-l", "INFO"]
+    if not bare:
+        cmd += ["-P", "prefork", "-c", "2", "-Q", "celery,recovery", "--without-gossip", "--without-mingle"]
     return Service(cmd, env, log_path, "event=worker_ready")
 
 
@@ -72,7 +74,8 @@ def test_an_older_worker_sharing_its_name_with_a_newer_one_says_so_stops_taking_
         envs = [stack.env, stack.env]
         nodes = [f"{name}@%h", f"{name}@%h"]
         owner = None  # NAME@<this host>
-    older = operator_worker(envs[0], tmp_path / "older.log", nodes[0]).start()
+    bare = shared == "node_name"  # two bare `celery -A tasks worker -n NAME@%h`; else the Procfile's line
+    older = operator_worker(envs[0], tmp_path / "older.log", nodes[0], bare).start()
     stack.workers.append(older)
     stack.workers.append(Beat(stack.env, tmp_path).start())
 
@@ -87,7 +90,7 @@ def test_an_older_worker_sharing_its_name_with_a_newer_one_says_so_stops_taking_
     assert owner is not None and owner.startswith(name)
     assert {e.lease_owner for e in first.values()} == {owner}
 
-    newer = operator_worker(envs[1], tmp_path / "newer.log", nodes[1]).start()
+    newer = operator_worker(envs[1], tmp_path / "newer.log", nodes[1], bare).start()
     stack.workers.append(newer)
     booted = time.monotonic()
 

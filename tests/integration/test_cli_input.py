@@ -107,3 +107,20 @@ def test_a_submit_the_broker_did_not_take_prints_its_session_and_the_scan_starts
     snap = stack.wait_phase(sid, timeout=60)
     assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT"]
     assert stack.invariants() == []
+
+
+def test_a_scan_with_the_broker_down_says_so_and_reserves_nothing(db_env: dict[str, str]) -> None:
+    from tests.services import free_port
+
+    parent = make_session()
+    eid = make_execution(parent)  # no lease: the scan would reserve it at once
+    down = {**db_env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{free_port()}/4"}
+    assert_one_line_error(cli("scan", env=down), "broker is unreachable", "nothing was scanned")
+    from tests.helpers import executions_of
+
+    assert [e.epoch for e in executions_of(parent) if e.id == eid] == [0]
+
+
+def test_a_session_list_limit_below_one_is_refused(db_env: dict[str, str]) -> None:
+    done = cli("session", "list", "--limit", "-1", env=db_env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "must be at least 1" in done.stderr

@@ -4,6 +4,7 @@ or renew nothing any more, and the conflict is recorded for status and the metri
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -96,9 +97,10 @@ def test_a_newer_boot_takes_back_the_lease_of_an_older_process_that_still_lives_
     assert _row(eid).epoch == 2 and _row(eid).lease_generation == newer
 
 
-def test_the_older_process_records_the_conflict_and_status_shows_it_live(worker_name: str) -> None:
+def test_the_older_process_records_the_conflict_and_status_shows_it_live(worker_name: str, db: str) -> None:
     from recovery.ops import status_report
 
+    db_url = db
     older = boot(worker_name)
     assert check_name(worker_name, older) is None  # alone under its name: nothing to say
     assert all(c["worker"] != worker_name for c in status_report()["worker_name_conflicts"])
@@ -108,6 +110,15 @@ def test_the_older_process_records_the_conflict_and_status_shows_it_live(worker_
     assert check_name(worker_name, newer) is None  # the newer process is not in conflict
     (row,) = [c for c in status_report()["worker_name_conflicts"] if c["worker"] == worker_name]
     assert row["older_generation"] == older and row["generation"] == newer and row["live"] is True
+
+    from tests.integration.test_cli_input import cli
+
+    shown = cli("status", env={"DATABASE_URL": db_url})
+    assert shown.returncode == 0, shown.stderr
+    assert f"worker name conflict {worker_name}: generation {older} ran beside generation {newer}" in shown.stdout
+    assert "two live processes share this name" in shown.stdout
+    listed = cli("status", "--json", env={"DATABASE_URL": db_url})
+    assert any(c["worker"] == worker_name for c in json.loads(listed.stdout)["worker_name_conflicts"])
 
 
 def test_a_boot_clears_the_conflict_and_a_still_living_older_process_records_it_again(worker_name: str) -> None:
@@ -153,3 +164,29 @@ def test_the_metrics_count_a_name_two_live_processes_share(worker_name: str) -> 
         record_boot(s, worker_name)
     check_name(worker_name, older)
     assert conflicts() == before + 1
+
+
+def test_the_scan_takes_back_a_lease_of_a_replaced_process_that_still_lives_exactly_once(worker_name: str) -> None:
+    from recovery.scan import scan
+    from tests.helpers import RecordingScheduler
+
+    older = boot(worker_name)
+    parent = make_session()
+    eid = make_execution(parent)
+    assert _take(eid, 0, worker_name) == 1
+    assert eid not in scan(RecordingScheduler()).recovering  # a live lease of the current generation
+
+    with transaction() as s:
+        newer = record_boot(s, worker_name)
+    first = scan(RecordingScheduler())
+    assert eid in first.recovering
+    reserved = _row(eid)
+    assert reserved.epoch == 2 and reserved.lease_owner is None
+
+    assert _take(eid, 2, worker_name, ExecutionStatus.RECOVERING) is None  # the older one: refused
+    set_identity(worker_name, newer)
+    assert _take(eid, 2, worker_name, ExecutionStatus.RECOVERING) == 3  # the newer one
+    for _ in range(3):
+        assert eid not in scan(RecordingScheduler()).recovering
+    assert _row(eid).epoch == 3 and _row(eid).lease_generation == newer
+    assert older < newer
