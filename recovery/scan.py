@@ -228,9 +228,14 @@ def _not_stopped(model: Any) -> Any:
 def _dead(pass_started: datetime) -> Any:
     """SQL: an execution is dead at ``pass_started``: its lease is free (lapsed, never taken, or
     held by a replaced boot generation), or it is past its absolute deadline + cancel grace and
-    still held by an OWNER (a stuck worker must not hold it). A reservation the scan wrote (no
-    owner) is never taken again before it lapses, overdue or not: its message may just wait in
-    a queue, and re-sending it every pass would flood the queue with duplicates.
+    still held by the OWNER of its normal run (RUNNING: a stuck worker must not hold it). A
+    reservation the scan wrote (no owner) is never taken again before it lapses, overdue or
+    not: its message may just wait in a queue, and re-sending it every pass would flood the
+    queue with duplicates. Nor is a RECOVERING owner's live lease: a recovery checks the
+    deadline before anything else and ends an overdue execution at once (taking it from that
+    owner would only start the recovery over, pass after pass, under load); a recovered child
+    that runs on is bounded by the same deadline inside its loop, and a dead recoverer's lease
+    lapses.
 
     NOTE: "dead" is judged at ``pass_started``: a reservation this pass wrote lapses only after
     it, so a pass longer than its reservations never takes its own rows again."""
@@ -241,7 +246,10 @@ def _dead(pass_started: datetime) -> Any:
     return and_(
         E.delivery_status == DeliveryStatus.PENDING,
         E.status.in_(ACTIVE_EXECUTION),
-        or_(lease_free(E, pass_started), and_(E.started_at < overdue, E.lease_owner.is_not(None))),
+        or_(
+            lease_free(E, pass_started),
+            and_(E.started_at < overdue, E.status == ExecutionStatus.RUNNING, E.lease_owner.is_not(None)),
+        ),
     )
 
 

@@ -424,3 +424,30 @@ def test_an_unclaimed_reservation_is_re_sent_with_a_doubling_reservation_so_a_lo
 def executions_of_parent(eid: int) -> int:
     with transaction() as s:
         return int(s.execute(select(E.parent_session_id).where(E.id == eid)).scalar_one())
+
+
+def test_an_overdue_execution_being_ended_by_its_recovery_is_not_taken_from_it_by_the_next_pass(db: str) -> None:
+    """Upgrade day under load: a recovery took an overdue row and is ending it as timed out; the
+    next pass (every S) must not take it away and start the recovery over."""
+    from models.execution import take_execution
+
+    parent = make_session()
+    eid = make_execution(parent, started_ago_seconds=2 * 86400)  # legacy: no lease at all
+    first = RecordingScheduler()
+    scan(first, callback_grace_seconds=0)
+    ((_, _, [(_, epoch)]),) = first.recoveries
+    with transaction() as s:
+        taken = take_execution(
+            s,
+            eid,
+            expected_epoch=epoch,
+            to_status=ExecutionStatus.RECOVERING,
+            owner="recoverer@host",
+            lease_seconds=30,
+            require_expired=True,
+            free_when_unowned=True,
+        )
+    assert taken == epoch + 1
+    second = RecordingScheduler()
+    scan(second, callback_grace_seconds=0)
+    assert _sent(second) == []
