@@ -167,14 +167,12 @@ def run_tools(
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,
-    *,
-    skip: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
-    """Run (or take from the journal) every call of the round except ``skip``; returns
-    tool_call_id -> TOOL content. Each result but the last repeatable one is journaled as it
-    completes; the caller's round transaction carries the rest."""
+    """Run (or take from the journal) every call of the round; returns tool_call_id -> TOOL
+    content. Each result but the last one of a repeatable tool is journaled as it completes;
+    the caller's round transaction carries that one."""
     out: dict[str, str] = {}
-    todo = [c for c in rnd.reply.tool_calls if c.id not in skip]
+    todo = rnd.reply.tool_calls
     for n, call in enumerate(todo):
         if call.id in rnd.refused:
             out[call.id] = rnd.refused[call.id]

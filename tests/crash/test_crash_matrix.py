@@ -94,8 +94,12 @@ SHAPES = {
         occurrence=2,
     ),
     "local_child": Shape("local_child", _parent([delegate("desktop", "check the local files")]), 1, 1, 1, local=True),
-    # The round journal's points (issue 17 item 2). The parent's reply is journaled first: the
-    # child's reply is the second occurrence in one pool process (concurrency 1).
+}
+
+#: Shapes only the round journal's points use (issue 17 item 2), beside the matrix's own. The
+#: parent's reply is journaled first: the child's reply is the second occurrence in one pool
+#: process (concurrency 1).
+JOURNAL_SHAPES = {
     "child_reply": Shape(
         "child_reply", _parent([delegate("reviewer", "review A")]), 1, 1, 1, occurrence=2, asked_once=(0, 2)
     ),
@@ -172,7 +176,7 @@ def test_crash_at_a_shape_specific_point_then_recovery_delivers_exactly_once(
 
 
 def crash_trial(stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str) -> None:  # type: ignore[no-untyped-def]
-    shape = SHAPES[shape_name]
+    shape = {**SHAPES, **JOURNAL_SHAPES}[shape_name]
     stack = stack_factory(shape.script)
     extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
     if shape.local:
