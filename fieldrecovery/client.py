@@ -1,4 +1,4 @@
-"""SuperAgent Open API client for the parsing agent (requests; SSE reading in sse.py).
+"""SuperAgent Open API client for the parsing agent (requests; SSE framing and parsing in sse.py).
 
 One call (``recover``) under one Deadline:
 
