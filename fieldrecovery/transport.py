@@ -106,7 +106,11 @@ def connect_within(
         left = deadline.remaining()
         if left <= 0:
             raise TimeoutError("the deadline passed while connecting")
-        sock = socket.socket(family, type_, proto)
+        try:
+            sock = socket.socket(family, type_, proto)
+        except OSError as exc:  # an address family this host cannot use (IPv6 disabled)
+            last = exc
+            continue
         try:
             for option in socket_options or ():
                 sock.setsockopt(*option)

@@ -205,6 +205,19 @@ def test_the_resolver_names_the_address_the_client_connects_to(stub: SuperAgentS
     assert answer.content and seen[0] == ("localhost", port)
 
 
+def test_a_refused_first_address_falls_through_to_the_next_one(stub: SuperAgentStub) -> None:
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused = closed.getsockname()[:2]
+    closed.close()  # nothing listens there any more: the connect is refused at once
+
+    def resolver(host: str, port: int) -> list[tuple[Any, ...]]:
+        return _addresses([refused, ("127.0.0.1", stub.port)])
+
+    client = open_api_client(f"http://localhost:{stub.port}", KEY, resolver=resolver)
+    answer, _ = call_provider(client, SampleCall())
+    assert answer.content
+
+
 # --- item 8: one descriptor per live connection, not per connection ever made ----------------
 
 
