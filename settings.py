@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -63,10 +64,28 @@ class OpenApiSettings(BaseModel):
     connect_timeout: Duration = 15.0
     sse_recovery_max_attempts: int = Field(default=5, ge=0, le=50)
     include_trace: bool = False
+    #: An ``http://[user:pass@]host:port`` HTTP CONNECT proxy for an https:// platform; empty: no
+    #: proxy. Proxy variables of the environment (HTTPS_PROXY ...) are never used. Secret: it may
+    #: carry the proxy's credentials.
+    proxy: SecretStr = SecretStr("")
+    #: A PEM file of the CA certificates that verify the platform; empty: certifi's bundle.
+    #: REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE of the environment are never used.
+    ca_bundle: str = ""
 
     @model_validator(mode="after")
     def _check(self) -> OpenApiSettings:
         from urllib.parse import urlsplit
+
+        if self.proxy.get_secret_value():
+            proxy = urlsplit(self.proxy.get_secret_value())
+            if proxy.scheme != "http" or not proxy.hostname or proxy.path not in ("", "/"):
+                raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__PROXY must be an http://host:port CONNECT proxy")
+            if not self.base_url.startswith("https://"):
+                raise ValueError(
+                    "BOOKING_FIELD_RECOVERY__OPEN_API__PROXY needs an https:// BASE_URL (the key would reach the proxy)"
+                )
+        if self.ca_bundle and not Path(self.ca_bundle).is_file():
+            raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__CA_BUNDLE must name a readable PEM file")
 
         if self.connect_timeout <= 0:
             raise ValueError("BOOKING_FIELD_RECOVERY__OPEN_API__CONNECT_TIMEOUT must be > 0")

@@ -19,6 +19,11 @@ the real pipeline (``FieldRecoveryOrchestrator.process``) on a throwaway Postgre
    the deadline starts count against us too), p50/p99. Every call must fail closed with
    ``deadline_exceeded``.
 
+4. SSE: one event as large as the client's default byte budget (8 x max_response_chars +
+   64 KiB), made of short ``data:`` lines (the worst case of a quadratic framer: issue 18 item 5),
+   framed and parsed by ``fieldrecovery.sse.EventParser`` from 8 KiB reads; median of 5.
+   ``--sse-only`` prints this figure alone (no database, no stand-in).
+
 Figures 1 and 2 are medians over ``--runs`` runs of each run's p50 (p99: over every call).
 """
 
@@ -226,6 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=50, help="fresh calls per run, stalled calls per stall (50)")
     parser.add_argument("--deadline-seconds", type=float, default=0.5, help="max_wait of the stalled calls (0.5)")
     parser.add_argument("--stalls", default=",".join(STALLS), help=f"comma-separated, of {', '.join(STALLS)}")
+    parser.add_argument("--sse-only", action="store_true", help="print the SSE budget-sized event figure alone")
     args = parser.parse_args(argv)
     args.stalls = [s.strip() for s in args.stalls.split(",") if s.strip()]
     if set(args.stalls) - set(STALLS):
@@ -235,8 +241,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def sse_budget_event(repeats: int = 5) -> tuple[int, int, float]:
+    """(bytes, lines, median seconds) to frame and parse one budget-sized event of short lines."""
+    from fieldrecovery.client import OpenApiClient
+    from fieldrecovery.deadline import Deadline
+    from fieldrecovery.sse import READ_CHUNK_BYTES, EventParser
+    from settings import FieldRecoverySettings
+
+    settings = FieldRecoverySettings()
+    budget = OpenApiClient(settings.open_api, max_response_chars=settings.max_response_chars)._byte_budget
+    line = b"data: x\n"
+    lines = (budget - 64) // len(line)
+    body = b"event: message.delta\n" + line * lines + b"\n"
+    chunks = [body[i : i + READ_CHUNK_BYTES] for i in range(0, len(body), READ_CHUNK_BYTES)]
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        events = list(EventParser(Deadline(60)).events(chunks))
+        times.append(time.perf_counter() - started)
+        if len(events) != 1:
+            raise RuntimeError(f"the budget-sized event was framed as {len(events)} events")
+    return len(body), lines, statistics.median(times)
+
+
+def _print_sse_figure() -> None:
+    size, lines, seconds = sse_budget_event()
+    print(
+        f"SSE: one budget-sized event ({size} bytes, {lines} short data lines) framed and parsed in {_ms(seconds)} "
+        f"({seconds / size * 1e9:.0f} ns/byte; median of 5)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sse_only:
+        _print_sse_figure()
+        return 0
     from bench._common import bench_database, percentile, progress
     from bench._figures import median, system_load
 
@@ -297,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             f"p99 {_ms(percentile(late[stall], 99))}  (over {len(late[stall])} calls, max_wait "
             f"{args.deadline_seconds:g} s; {system_load()})"
         )
+    _print_sse_figure()
     if problems:
         print(f"fail-closed checks: VIOLATED ({len(problems)})")
         for problem in problems[:20]:

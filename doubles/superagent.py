@@ -48,6 +48,7 @@ import gzip
 import json
 import logging
 import secrets
+import ssl
 import threading
 import time
 import zlib
@@ -600,17 +601,29 @@ class SuperAgentStub:
         host: str = "127.0.0.1",
         port: int = 0,
         config: StubConfig | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``ssl_context`` (a server context with its certificate loaded) serves HTTPS instead."""
         self._state = _State(api_key, config or StubConfig())
         handler = type("_BoundHandler", (_Handler,), {"state": self._state})
         self._server = _Server((host, port), handler)
         self._server.daemon_threads = True
+        self._tls = ssl_context is not None
+        if ssl_context is not None:
+            # NOTE: the handshake runs in the handler's thread (first read), not in accept().
+            self._server.socket = ssl_context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
 
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self._tls else 'http'}://{host!s}:{port}"
 
     def start(self) -> SuperAgentStub:
         self._thread = threading.Thread(

@@ -1,4 +1,4 @@
-"""SuperAgent Open API client for the parsing agent (requests; SSE reading in sse.py).
+"""SuperAgent Open API client for the parsing agent (requests; SSE framing and parsing in sse.py).
 
 One call (``recover``) under one Deadline:
 
@@ -59,7 +59,7 @@ from fieldrecovery.errors import (
 from fieldrecovery.logs import get_logger, log_event
 from fieldrecovery.schemas import INT32_MAX, storable_text
 from fieldrecovery.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
-from fieldrecovery.transport import CSRF_COOKIE, read_capped, watched_session
+from fieldrecovery.transport import CSRF_COOKIE, Resolver, read_capped, watched_session
 from settings import FieldRecoverySettings, OpenApiSettings
 
 log = get_logger("client")
@@ -153,8 +153,12 @@ def client_for(settings: FieldRecoverySettings) -> OpenApiClient:
 
 
 class OpenApiClient:
-    def __init__(self, settings: OpenApiSettings, *, max_response_chars: int) -> None:
+    def __init__(self, settings: OpenApiSettings, *, max_response_chars: int, resolver: Resolver | None = None) -> None:
+        """``resolver`` replaces ``socket.getaddrinfo`` for the platform's (or the proxy's) name."""
         self._base = settings.base_url.rstrip("/")
+        self._proxy = settings.proxy.get_secret_value()
+        self._ca_bundle = settings.ca_bundle
+        self._resolver = resolver
         self._key = settings.api_key.get_secret_value()
         self._connect_timeout = settings.connect_timeout
         self._max_attempts = settings.sse_recovery_max_attempts
@@ -186,7 +190,7 @@ class OpenApiClient:
         answer. On every failure after the message was sent the run is cancelled (module doc).
         """
         try:
-            with Watchdog(deadline, stop) as watchdog, watched_session(watchdog) as http:
+            with Watchdog(deadline, stop) as watchdog, self._session(watchdog) as http:
                 try:
                     return self._call(http, watchdog, deadline, progress, content, idempotency_key, subject_id)
                 except FieldRecoveryError as exc:
@@ -240,7 +244,7 @@ class OpenApiClient:
         deadline = Deadline(CANCEL_TIMEOUT_SECONDS)
         status: int | str
         try:
-            with Watchdog(deadline) as watchdog, watched_session(watchdog) as http:
+            with Watchdog(deadline) as watchdog, self._session(watchdog) as http:
                 response = http.post(
                     self._base + path,
                     headers=self._headers(token, "application/json"),
@@ -403,6 +407,9 @@ class OpenApiClient:
         log_event(log, "sse_broken", run_id=progress.run_id, code=code, last_event_id=state.last_event_id)
 
     # --- HTTP plumbing ---------------------------------------------------------------------
+
+    def _session(self, watchdog: Watchdog) -> requests.Session:
+        return watched_session(watchdog, proxy=self._proxy, ca_bundle=self._ca_bundle, resolver=self._resolver)
 
     def _headers(self, token: str, accept: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._key}", "X-CSRF-Token": token, "Accept": accept}

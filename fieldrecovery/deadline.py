@@ -84,7 +84,7 @@ class Watchdog:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._response: Any = None
-        self._sockets: list[socket.socket] = []
+        self._sockets: list[tuple[socket.socket, Any]] = []
         self._thread = threading.Thread(target=self._run, name="field-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
@@ -96,7 +96,7 @@ class Watchdog:
         self._thread.join(timeout=1)
         with self._lock:
             sockets, self._sockets = self._sockets, []
-        for sock in sockets:
+        for sock, _ in sockets:
             sock.close()
 
     @property
@@ -104,16 +104,32 @@ class Watchdog:
         """True when the watchdog fired because of ``stop`` (not the deadline)."""
         return self.fired.is_set() and self.reason == StopReason.STOPPED
 
-    def watch_socket(self, sock: socket.socket) -> None:
-        """Watch a freshly connected socket (a dup of it: a TLS wrap detaches the original)."""
+    def watch_socket(self, sock: socket.socket, owner: Any = None) -> None:
+        """Watch a freshly connected socket (a dup of it: a TLS wrap detaches the original).
+
+        ``owner`` is the connection object whose ``sock`` attribute holds the socket once it is
+        set up (urllib3's connection). The dups of connections closed since (``owner.sock`` is
+        None) are closed here, so a long call holds one descriptor per LIVE connection, not one
+        per connection it ever made.
+        """
         try:
             dup = sock.dup()
         except OSError:
             return
         with self._lock:
-            self._sockets.append(dup)
+            closed = [d for d, o in self._sockets if o is not None and getattr(o, "sock", None) is None]
+            self._sockets = [(d, o) for d, o in self._sockets if o is None or getattr(o, "sock", None) is not None]
+            self._sockets.append((dup, owner))
+        for old in closed:
+            old.close()
         if self.fired.is_set():
             _shutdown(dup)
+
+    @property
+    def watched_sockets(self) -> int:
+        """Descriptors held for the call's connections (for tests and diagnostics)."""
+        with self._lock:
+            return len(self._sockets)
 
     def watch(self, response: Any) -> None:
         with self._lock:
@@ -138,7 +154,7 @@ class Watchdog:
         self.fired.set()
         with self._lock:
             response = self._response
-            sockets = list(self._sockets)
+            sockets = [sock for sock, _ in self._sockets]
         for sock in sockets:
             _shutdown(sock)
         if response is not None:

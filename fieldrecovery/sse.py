@@ -6,10 +6,16 @@
 acknowledged (``state.last_event_id``) only after the consumer handled it, so a replay resumes
 right after the last event that really counted.
 
-Framing is ours, in front of sseclient-py: its reader yields the unterminated rest of a body as
-if it were a whole event (CELERY-NOTES). Here only blocks that end in a blank line reach the
-parser; an unterminated rest raises StreamBroken("sse_unterminated") and its id is never
-acknowledged. The body is read with ``decode_content=True``: a proxy that compresses an event
+Framing and parsing are ours (the WHATWG rules sseclient-py follows), in one linear pass:
+sseclient-py's reader yields the unterminated rest of a body as if it were a whole event
+(CELERY-NOTES), and both its reader and its parser concatenate ``data += line``, quadratic in
+the lines of one event (a budget-sized event of short lines took 36 s of pure CPU, which no
+watchdog can interrupt). Here the lines of an event are collected in a list, the byte buffer is
+scanned once, and the deadline is checked per chunk, per event and every ``CHECK_EVERY_LINES``
+lines. Only blocks that end in a blank line are events; an unterminated rest raises
+StreamBroken("sse_unterminated") and its id is never acknowledged. An event without data is
+not dispatched (the specification), except ``end``: a bare ``event: end`` ends the stream as
+``end`` with ``data: {}`` does. The body is read with ``decode_content=True``: a proxy that compresses an event
 stream anyway is decoded, and the budget counts decoded bytes (a compression bomb is refused
 like an overlong stream).
 """
@@ -23,12 +29,13 @@ from typing import Any
 
 import requests
 import urllib3.exceptions
-from sseclient import SSEClient
 
 from fieldrecovery.deadline import Deadline, response_socket
 from fieldrecovery.errors import ProviderOutputInvalid
 
 READ_CHUNK_BYTES = 8192
+#: Lines of one event parsed between two deadline checks.
+CHECK_EVERY_LINES = 4096
 #: The only event types the client reads; every other type is skipped, whatever its data.
 CONSUMED_EVENTS = frozenset({"run.started", "message.final", "error", "end"})
 
@@ -66,16 +73,16 @@ def read_events(
     response: requests.Response, state: StreamState, deadline: Deadline, *, byte_budget: int
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield the consumed events of ``response`` until its body ends (see the module doc)."""
-    framer = _EventFramer()
-    for event in SSEClient(framer.blocks(_chunks(response, state, deadline, byte_budget))).events():
-        if event.event in CONSUMED_EVENTS:
-            payload = json_object(event.data)
+    parser = EventParser(deadline)
+    for event in parser.events(_chunks(response, state, deadline, byte_budget)):
+        if event.name in CONSUMED_EVENTS:
+            payload = {} if event.name == "end" and not event.data else json_object(event.data)
             if payload is None:
                 raise StreamBroken("sse_malformed")
-            yield event.event, payload
+            yield event.name, payload
         if event.id:
             state.last_event_id = event.id
-    if framer.unterminated:
+    if parser.unterminated:
         raise StreamBroken("sse_unterminated")
 
 
@@ -96,22 +103,86 @@ def _chunks(response: requests.Response, state: StreamState, deadline: Deadline,
         yield data
 
 
-class _EventFramer:
-    """Cuts a byte stream into complete SSE event blocks (each ending in a blank line).
+@dataclass(frozen=True)
+class SseEvent:
+    name: str
+    data: str
+    id: str
 
-    The same line logic as sseclient-py's reader, which would also yield the unterminated rest
-    at the end of the body as if it were an event; here that rest is held back and flagged.
+
+class EventParser:
+    """Cuts a byte stream into SSE events, linear in its size (see the module doc).
+
+    ``unterminated`` is true after ``events`` when the body ended inside an event (anything but
+    blank lines after the last blank line); that rest is never parsed or dispatched.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
         self.unterminated = False
 
-    def blocks(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
-        data = b""
+    def events(self, chunks: Iterable[bytes]) -> Iterator[SseEvent]:
+        buf = bytearray()  # the bytes after the last complete line: never holds a line end but a final CR
+        lines: list[bytes] = []
+        count = 0
         for chunk in chunks:
-            for line in chunk.splitlines(True):
-                data += line
-                if data.endswith((b"\r\r", b"\n\n", b"\r\n\r\n")):
-                    yield data
-                    data = b""
-        self.unterminated = bool(data.strip())
+            start = max(len(buf) - 1, 0)
+            buf += chunk
+            # NOTE: a CR at the very end may be the first half of a CRLF split between chunks.
+            end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
+            cut = max(buf.rfind(b"\n", start, end), buf.rfind(b"\r", start, end))
+            if cut < 0:
+                continue
+            complete = bytes(buf[: cut + 1])
+            del buf[: cut + 1]
+            for line in complete.splitlines():  # bytes.splitlines: CRLF, LF and CR only
+                count += 1
+                if count % CHECK_EVERY_LINES == 0:
+                    self.deadline.check()
+                if line:
+                    lines.append(line)
+                elif lines:
+                    event = self._event(lines)
+                    lines = []
+                    if event is not None:
+                        yield event
+        if buf.endswith(b"\r"):  # the body's final CR ends a line (a blank line if it is alone)
+            if len(buf) > 1:
+                lines.append(bytes(buf[:-1]))
+            elif lines:
+                event = self._event(lines)
+                lines = []
+                if event is not None:
+                    yield event
+            buf = bytearray()
+        self.unterminated = any(line.strip() for line in lines) or bool(buf.strip())
+
+    def _event(self, lines: list[bytes]) -> SseEvent | None:
+        """One event from its lines; None when it carries no data (and is not ``end``)."""
+        self.deadline.check()
+        name = ""
+        event_id = ""
+        data: list[str] = []
+        try:
+            block = b"\n".join(lines).decode("utf-8")  # no line holds a CR or LF any more
+        except UnicodeDecodeError:
+            raise StreamBroken("sse_malformed") from None
+        for count, line in enumerate(block.split("\n"), start=1):
+            if count % CHECK_EVERY_LINES == 0:
+                self.deadline.check()
+            if line.startswith(":") or not line.strip():
+                continue
+            field, _, value = line.partition(":")
+            if value.startswith(" "):
+                value = value[1:]
+            if field == "data":
+                data.append(value)
+            elif field == "event":
+                name = value
+            elif field == "id":
+                event_id = value
+        text = "\n".join(data)
+        name = name or "message"
+        if not text and name != "end":
+            return None
+        return SseEvent(name, text, event_id)

@@ -58,12 +58,16 @@ class SampleCall:
         self.subject = sha256_hex(self.facts.source.message_id)
 
 
-def open_api_client(base_url: str, key: str, max_response_chars: int = 200_000, **open_api: object) -> Any:
+def open_api_client(
+    base_url: str, key: str, max_response_chars: int = 200_000, resolver: Any = None, **open_api: object
+) -> Any:
     from fieldrecovery.client import OpenApiClient
     from settings import OpenApiSettings
 
     settings = OpenApiSettings.model_validate({"base_url": base_url, "api_key": key, **open_api})
-    return OpenApiClient(settings, max_response_chars=max_response_chars)
+    if resolver is None:
+        return OpenApiClient(settings, max_response_chars=max_response_chars)
+    return OpenApiClient(settings, max_response_chars=max_response_chars, resolver=resolver)
 
 
 def call_provider(

@@ -116,6 +116,7 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
             "our overhead per call beyond the stand-in's own time:",
             "return after the deadline, slow:",
             "return after the deadline, slow_drip:",
+            "SSE: one budget-sized event",
             "fail-closed checks: ok",
         ],
         None,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from fieldrecovery.errors import AttemptInvalid
+from fieldrecovery.errors import FieldRecoveryError
 from fieldrecovery.orchestrator import FieldRecoveryOrchestrator
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml
@@ -89,6 +89,7 @@ def test_an_attempt_outside_1_to_int32_is_a_usage_error_with_exit_2(field_db: st
 
 def test_the_pipeline_refuses_attempt_0_before_writing_anything(field_db: str) -> None:
     settings = FieldRecoverySettings.model_validate({"enabled": False})
-    with pytest.raises(AttemptInvalid):
+    with pytest.raises(FieldRecoveryError) as info:
         FieldRecoveryOrchestrator(settings, url=field_db).process(sample_eml("ambiguous"), attempt=0)
+    assert info.value.code == "attempt_invalid"
     assert _count(field_db, "field_recovery_artifact") == 0

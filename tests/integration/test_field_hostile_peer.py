@@ -1,5 +1,5 @@
 """A hostile platform (issue 18 items 3, 4, 7, 8): odd values, compression bombs, a lease that
-cannot be renewed, a purge racing a replay. Real PostgreSQL, the stand-in over
+cannot be renewed, a purge racing a replay, a bare ``end``. Real PostgreSQL, the stand-in over
 loopback HTTP; every outcome is a clean FAILED or SUCCEEDED result, never a key left IN_PROGRESS.
 """
 
@@ -189,3 +189,10 @@ def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     assert replay.status == RecoveryStatus.FAILED
     assert replay.error_code == "not_succeeded"
     assert replay.replayed
+
+
+def test_a_bare_end_event_without_data_ends_the_stream(field_db: str, stub: SuperAgentStub) -> None:
+    stub.configure(behaviour=Behaviour.BARE_END)
+    run = _process(field_db, _settings(stub))
+    assert run.status == RecoveryStatus.SUCCEEDED, run.error_code
+    assert stub.stats()["events_replays"] == 0

@@ -1,0 +1,81 @@
+"""SSE framing and parsing are linear and bounded by the deadline (issue 18 items 5 and 8)."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import requests
+import urllib3
+
+from fieldrecovery.deadline import Deadline
+from fieldrecovery.errors import DeadlineExceeded
+from fieldrecovery.sse import StreamBroken, StreamState, read_events
+
+#: The client's default byte budget: 8 * max_response_chars + 65536.
+BUDGET = 8 * 200_000 + 65_536
+
+
+def _response(body: bytes) -> requests.Response:
+    response = requests.Response()
+    response.raw = urllib3.HTTPResponse(body=io.BytesIO(body), preload_content=False)
+    response.status_code = 200
+    return response
+
+
+def _budget_sized_event(line: bytes = b"data: x\n") -> bytes:
+    lines = (BUDGET - 200) // len(line)
+    return b"id: 1\nevent: message.delta\n" + line * lines + b"\n" + b"id: 2\nevent: end\ndata: {}\n\n"
+
+
+def _read(body: bytes, seconds: float = 30.0) -> tuple[list[tuple[str, dict[str, object]]], StreamState]:
+    state = StreamState()
+    events = list(read_events(_response(body), state, Deadline(seconds), byte_budget=BUDGET))
+    return events, state
+
+
+def test_a_budget_sized_event_of_short_lines_is_framed_and_parsed_in_linear_time() -> None:
+    body = _budget_sized_event()
+    started = time.monotonic()
+    events, state = _read(body)
+    elapsed = time.monotonic() - started
+    assert events == [("end", {})]
+    assert state.last_event_id == "2"
+    assert elapsed < 3, f"{elapsed:.1f}s for one {len(body)} byte event"  # quadratic code: 36 s
+
+
+def test_parsing_a_huge_event_stops_at_the_deadline() -> None:
+    # An event of empty data lines (the cheapest lines to send) under a deadline already spent.
+    deadline = Deadline(0.0)
+    with pytest.raises(DeadlineExceeded):
+        list(read_events(_response(_budget_sized_event(b"data:\n")), StreamState(), deadline, byte_budget=BUDGET))
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_every_line_ending_frames_the_same_events(eol: bytes) -> None:
+    lines = [b"id: 1", b"event: run.started", b'data: {"run_id":', b'data: "r1"}', b"", b": a comment", b""]
+    lines += [b"id: 2", b"event: end", b"", b""]
+    body = eol.join(lines)
+    events, state = _read(body)
+    assert events == [("run.started", {"run_id": "r1"}), ("end", {})]
+    assert state.last_event_id == "2"
+
+
+def test_a_crlf_split_between_two_reads_is_one_line_end() -> None:
+    from fieldrecovery.sse import EventParser
+
+    parts = [b'event: run.started\r\ndata: {"run_id":"r1"}\r', b"\n\r", b"\nevent: end\r\n\r\n"]
+    names = [e.name for e in EventParser(Deadline(5)).events(parts)]
+    assert names == ["run.started", "end"]
+
+
+def test_a_bare_end_without_data_is_dispatched_as_end() -> None:
+    events, _ = _read(b'event: run.started\ndata: {"run_id":"r1"}\n\nid: 9\nevent: end\n\n')
+    assert events[-1] == ("end", {})
+
+
+def test_an_event_cut_before_its_blank_line_is_unterminated_and_not_acknowledged() -> None:
+    with pytest.raises(StreamBroken) as info:
+        _read(b'id: 1\nevent: run.started\ndata: {"run_id":"r1"}\n\nid: 2\ndata: {"content":"x"}\n')
+    assert info.value.code == "sse_unterminated"
