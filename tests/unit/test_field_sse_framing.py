@@ -42,7 +42,10 @@ def test_a_budget_sized_event_of_short_lines_is_framed_and_parsed_in_linear_time
     elapsed = time.monotonic() - started
     assert events == [("end", {})]
     assert state.last_event_id == "2"
-    assert elapsed < 3, f"{elapsed:.1f}s for one {len(body)} byte event"  # quadratic code: 36 s
+    # Not a speed figure (bench/field.py --sse-only prints that: ~0.4 s on a quiet machine): a
+    # bound far above linear even on a loaded 2-core machine, far below the quadratic framing
+    # it replaced (36 s), so the test fails only if the framing turns quadratic again.
+    assert elapsed < 15, f"{elapsed:.1f}s for one {len(body)} byte event"
 
 
 def test_parsing_a_huge_event_stops_at_the_deadline() -> None:
