@@ -10,8 +10,10 @@ so the effective view (guest names, confirmation numbers) must never be one.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from fieldrecovery.errors import AttemptInvalid, EmlInvalid
 from fieldrecovery.orchestrator import recover_eml
 from fieldrecovery.retention import purge_expired
 from fieldrecovery.schemas import SourceKind
@@ -23,6 +25,8 @@ from tasks import app
 SOFT_LIMIT_MARGIN_SECONDS = 15
 HARD_LIMIT_MARGIN_SECONDS = 30
 
+log = logging.getLogger(__name__)
+
 _MAX_WAIT = get_settings().booking_field_recovery.max_wait
 
 
@@ -32,8 +36,19 @@ _MAX_WAIT = get_settings().booking_field_recovery.max_wait
     time_limit=_MAX_WAIT + HARD_LIMIT_MARGIN_SECONDS,
 )
 def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> dict[str, Any]:
-    """Recover one EML given as text; returns {status, needs_review, error_code, idempotency_key}."""
-    return recover_eml(eml.encode("utf-8"), source=SourceKind(source), attempt=int(attempt)).summary()
+    """Recover one EML given as text; returns {status, needs_review, error_code, idempotency_key}.
+
+    Bad input (an EML the parser refuses, an attempt or source out of range) is a FAILED
+    summary with its code, like the CLI's exit 1/2, never a task failure with a traceback."""
+    try:
+        kind = SourceKind(source)
+        return recover_eml(eml.encode("utf-8", "surrogateescape"), source=kind, attempt=int(attempt)).summary()
+    except (EmlInvalid, AttemptInvalid) as exc:
+        code = exc.code
+    except (ValueError, TypeError):
+        code = "input_invalid"  # an unknown source kind, an attempt that is not a number
+    log.warning("event=field_input_invalid code=%s", code)
+    return {"status": "failed", "needs_review": False, "error_code": code, "idempotency_key": None}
 
 
 @app.task(name="field.purge_expired", time_limit=600)

@@ -93,3 +93,20 @@ def test_the_pipeline_refuses_attempt_0_before_writing_anything(field_db: str) -
         FieldRecoveryOrchestrator(settings, url=field_db).process(sample_eml("ambiguous"), attempt=0)
     assert info.value.code == "attempt_invalid"
     assert _count(field_db, "field_recovery_artifact") == 0
+
+
+@pytest.mark.parametrize(
+    ("eml", "source", "attempt", "code"),
+    [
+        ("not an email at all", "MANUAL_EML", 1, "eml_invalid"),
+        ("Message-ID: <a@b>\n\nhello", "MANUAL_EML", 0, "attempt_invalid"),
+        ("Message-ID: <a@b>\n\nhello", "NO_SUCH_SOURCE", 1, "input_invalid"),
+    ],
+)
+def test_the_celery_task_answers_bad_input_with_a_failed_summary_not_a_traceback(
+    db: str, eml: str, source: str, attempt: int, code: str
+) -> None:
+    from tasks.field import recover_eml_task
+
+    summary = recover_eml_task(eml, source, attempt)  # run in this process, as a worker would
+    assert summary == {"status": "failed", "needs_review": False, "error_code": code, "idempotency_key": None}
