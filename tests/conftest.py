@@ -9,8 +9,20 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+    from pathlib import Path
+    from typing import Any
+
+    from sqlalchemy.engine import Engine
+
+    from demo.stack import Beat, Service, Worker
+    from doubles.scripted_model import Script, ScriptedModelServer
+    from tests.types import ModelFactory, StackFactory
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -24,13 +36,13 @@ def _missing(what: str, exc: BaseException) -> None:
     pytest.skip(message)
 
 
-def _admin_engine():  # type: ignore[no-untyped-def]
+def _admin_engine() -> Engine:
     from sqlalchemy import create_engine
 
     return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
 
 
-def _create_database(prefix: str):  # type: ignore[no-untyped-def]
+def _create_database(prefix: str) -> tuple[Engine, str, str]:
     """CREATE DATABASE <prefix>_<pid>_<rand>; returns (admin engine, name, url)."""
     from sqlalchemy import text
 
@@ -130,7 +142,7 @@ def fresh_db_url() -> Iterator[str]:
 class Stack:
     """One test's services; workers are real `celery -A tasks worker` subprocesses."""
 
-    def __init__(self, pg_url: str, log_dir, script) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, pg_url: str, log_dir: Path, script: Script) -> None:
         from demo.stack import apply_env, flush_broker, service_env
         from doubles.scripted_model import ScriptedModelServer
 
@@ -140,9 +152,9 @@ class Stack:
         self.log_dir = log_dir
         self.env = service_env(pg_url, self.model.base_url)
         apply_env(self.env)
-        self.workers: list = []
+        self.workers: list[Service] = []
 
-    def worker(  # type: ignore[no-untyped-def]
+    def worker(
         self,
         name: str = "w1",
         concurrency: int = 2,
@@ -151,7 +163,7 @@ class Stack:
         queues: str | None = None,
         argv: list[str] | None = None,
         **env: str,
-    ):
+    ) -> Worker:
         """A real ``celery -A tasks worker`` subprocess: bare (every queue) unless ``queues``
         narrows it with -Q; ``argv`` is a whole command line after ``celery`` (a Procfile line)."""
         from demo.stack import Worker
@@ -162,7 +174,7 @@ class Stack:
         self.workers.append(w)
         return w.start()
 
-    def beat(self):  # type: ignore[no-untyped-def]
+    def beat(self) -> Beat:
         """``celery -A tasks beat`` (scans every SCAN_INTERVAL_SECONDS)."""
         from demo.stack import Beat
 
@@ -178,7 +190,7 @@ class Stack:
         tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
         return sid
 
-    def snapshot(self, sid: int) -> dict:
+    def snapshot(self, sid: int) -> dict[str, Any]:
         from harness.views import snapshot
         from models import transaction
 
@@ -187,10 +199,12 @@ class Stack:
         assert snap is not None
         return snap
 
-    def wait_phase(self, sid: int, phases=("WAITING_USER",), timeout: float = 60.0) -> dict:  # type: ignore[no-untyped-def]
+    def wait_phase(
+        self, sid: int, phases: Collection[str] = ("WAITING_USER",), timeout: float = 60.0
+    ) -> dict[str, Any]:
         from tests.helpers import wait_until
 
-        def done() -> dict | None:
+        def done() -> dict[str, Any] | None:
             snap = self.snapshot(sid)
             return snap if snap["phase"] in phases else None
 
@@ -215,10 +229,10 @@ class Stack:
 
 
 @pytest.fixture
-def stack_factory(db: str, redis_url: str, tmp_path):  # type: ignore[no-untyped-def]
+def stack_factory(db: str, redis_url: str, tmp_path: Path) -> Iterator[StackFactory]:
     stacks: list[Stack] = []
 
-    def make(script) -> Stack:  # type: ignore[no-untyped-def]
+    def make(script: Script) -> Stack:
         st = Stack(db, tmp_path, script)
         stacks.append(st)
         return st
@@ -229,13 +243,13 @@ def stack_factory(db: str, redis_url: str, tmp_path):  # type: ignore[no-untyped
 
 
 @pytest.fixture
-def model_factory(db: str):  # type: ignore[no-untyped-def]
+def model_factory(db: str) -> Iterator[ModelFactory]:
     """Start scripted model servers (real HTTP on loopback) for in-process loop tests."""
     from doubles.scripted_model import ScriptedModelServer
 
     servers: list[ScriptedModelServer] = []
 
-    def make(script) -> ScriptedModelServer:  # type: ignore[no-untyped-def]
+    def make(script: Script) -> ScriptedModelServer:
         server = ScriptedModelServer(script)
         server.start()
         servers.append(server)

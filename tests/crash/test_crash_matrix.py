@@ -18,6 +18,7 @@ from sqlalchemy import select
 
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, messages_of, wait_until
+from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(150)]
 
@@ -149,8 +150,8 @@ def _arm(shape: Shape, point: str) -> tuple[dict[str, str], int]:
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_crash_at_point_then_recovery_delivers_exactly_once(
-    stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
-) -> None:  # type: ignore[no-untyped-def]
+    stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
+) -> None:
     crash_trial(stack_factory, monkeypatch, shape_name, point)
 
 
@@ -170,12 +171,12 @@ SHAPED_POINTS = [
 
 @pytest.mark.parametrize(("point", "shape_name"), SHAPED_POINTS)
 def test_crash_at_a_shape_specific_point_then_recovery_delivers_exactly_once(
-    stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
-) -> None:  # type: ignore[no-untyped-def]
+    stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
+) -> None:
     crash_trial(stack_factory, monkeypatch, shape_name, point)
 
 
-def crash_trial(stack_factory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str) -> None:  # type: ignore[no-untyped-def]
+def crash_trial(stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str) -> None:
     shape = {**SHAPES, **JOURNAL_SHAPES}[shape_name]
     stack = stack_factory(shape.script)
     extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
@@ -221,7 +222,9 @@ RECOVERY_POINTS = ["scan.after_take_parent", "recover.after_take", "child.after_
 
 
 @pytest.mark.parametrize("point", RECOVERY_POINTS)
-def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(stack_factory, point: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(
+    stack_factory: StackFactory, point: str
+) -> None:
     """spec §14.7: two restarts. The first worker dies mid-tool; the worker that recovers dies
     at ``point`` inside the recovery; a third worker finishes it, exactly once."""
     shape = SHAPES["two_children"]

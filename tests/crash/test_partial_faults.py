@@ -8,10 +8,12 @@ its previous process's work at boot, without waiting for the lease (models.worke
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import executions_of, wait_until
+from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(150)]
 
@@ -44,7 +46,7 @@ def _owners(sid: int) -> dict[int, str | None]:
 
 
 @pytest.mark.parametrize("same_name", [True, False], ids=["restarted_same_name", "other_worker"])
-def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, same_name: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory: StackFactory, same_name: bool) -> None:
     stack = stack_factory(script())
     workers = {"wa": stack.worker("wa", concurrency=1), "wb": stack.worker("wb", concurrency=1, beat=True)}
     sid = stack.submit("go")
@@ -85,7 +87,9 @@ def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory, s
     assert final[dead_eid].epoch >= first_epoch + 2, "the dead child was taken over"
 
 
-def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_restarts(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_restarts(
+    stack_factory: StackFactory,
+) -> None:
     """The worker dies right after committing the round (the chord was never sent, as when the
     broker lost it); restarted under its name with production leases (30 s), its boot takes
     the children's creation reservations back at once: no lease wait."""
@@ -104,8 +108,8 @@ def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_res
     assert stack.invariants() == []
 
 
-def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_back_at_boot(  # type: ignore[no-untyped-def]
-    stack_factory, tmp_path
+def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_back_at_boot(
+    stack_factory: StackFactory, tmp_path: Path
 ) -> None:
     """README "Worker supervision": the runner restarts a worker that exits (here a shell loop,
     as `Restart=always` would); under its -n name the new process's boot takes the dead one's

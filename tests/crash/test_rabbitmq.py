@@ -22,6 +22,7 @@ from demo.stack import AMQP_URL, purge_amqp
 from models import AgentSession, SessionType, transaction
 from tests.conftest import _missing
 from tests.helpers import children_done_callback_lost, executions_of, expire_leases, messages_of, wait_until
+from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
@@ -68,7 +69,7 @@ def subagent_sessions() -> int:
         return len(s.execute(select(AgentSession.id).where(AgentSession.session_type == SessionType.SUBAGENT)).all())
 
 
-def test_delegation_runs_on_rabbitmq_with_redis_as_the_result_backend(amqp: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_delegation_runs_on_rabbitmq_with_redis_as_the_result_backend(amqp: str, stack_factory: StackFactory) -> None:
     stack = stack_factory(SCRIPT)
     assert stack.env["CELERY_BROKER_URL"] == amqp
     assert stack.env["CELERY_RESULT_BACKEND"].startswith("redis://")
@@ -82,7 +83,7 @@ def test_delegation_runs_on_rabbitmq_with_redis_as_the_result_backend(amqp: str,
     assert stack.invariants() == []
 
 
-def test_sigkilled_worker_on_rabbitmq_is_recovered_exactly_once(amqp: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sigkilled_worker_on_rabbitmq_is_recovered_exactly_once(amqp: str, stack_factory: StackFactory) -> None:
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     sid = stack.submit("go")
@@ -101,7 +102,7 @@ def test_sigkilled_worker_on_rabbitmq_is_recovered_exactly_once(amqp: str, stack
     assert "Connected to amqp://" in w2.log()
 
 
-def test_operator_redeliver_by_celery_call_on_rabbitmq_is_idempotent(amqp: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_operator_redeliver_by_celery_call_on_rabbitmq_is_idempotent(amqp: str, stack_factory: StackFactory) -> None:
     script = [*SCRIPT[:2], {"when": {"system_contains": "subagent"}, "reply": {"content": "ok"}}]
     stack = stack_factory(script)
     sid, _ = children_done_callback_lost(stack.model.base_url)  # the chord callback never ran

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from demo.stack import flush_broker
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, wait_until
+from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
@@ -72,7 +73,7 @@ def subagent_sessions() -> int:
         return len(s.execute(select(AgentSession.id).where(AgentSession.session_type == SessionType.SUBAGENT)).all())
 
 
-def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(broker: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(broker: str, stack_factory: StackFactory) -> None:
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     sid = stack.submit("go")
@@ -89,7 +90,7 @@ def test_sigkilled_worker_mid_flight_is_recovered_by_a_new_worker(broker: str, s
     assert stack.invariants() == []
 
 
-def test_two_workers_with_concurrent_scans_deliver_exactly_once(broker: str, stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_two_workers_with_concurrent_scans_deliver_exactly_once(broker: str, stack_factory: StackFactory) -> None:
     stack = stack_factory(SCRIPT)
     w1 = stack.worker("w1")
     parents = [stack.submit(f"go {i}") for i in range(3)]
@@ -109,7 +110,7 @@ def test_two_workers_with_concurrent_scans_deliver_exactly_once(broker: str, sta
     assert stack.invariants() == []
 
 
-def test_redis_flushed_while_children_run_loses_nothing(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_redis_flushed_while_children_run_loses_nothing(stack_factory: StackFactory) -> None:
     stack = stack_factory(SCRIPT)
     stack.worker("w1", beat=True)
     sid = stack.submit("go")

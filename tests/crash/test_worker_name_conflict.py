@@ -13,10 +13,15 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers import executions_of, wait_until
+from tests.types import StackFactory
+
+if TYPE_CHECKING:
+    from demo.stack import Service
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
@@ -44,7 +49,7 @@ def script() -> list[dict]:  # type: ignore[type-arg]
     ]
 
 
-def operator_worker(env: dict[str, str], log_path: Path, node: str, bare: bool):  # type: ignore[no-untyped-def]
+def operator_worker(env: dict[str, str], log_path: Path, node: str, bare: bool) -> Service:
     """A worker as an operator starts it: the bare command (`celery -A tasks worker -n NODE`),
     or the Procfile's line."""
     from demo.stack import Service
@@ -56,8 +61,8 @@ def operator_worker(env: dict[str, str], log_path: Path, node: str, bare: bool):
 
 
 @pytest.mark.parametrize("shared", ["node_name", "worker_id"])
-def test_an_older_worker_sharing_its_name_with_a_newer_one_says_so_stops_taking_work_and_loses_each_lease_once(  # type: ignore[no-untyped-def]
-    stack_factory, tmp_path, shared: str
+def test_an_older_worker_sharing_its_name_with_a_newer_one_says_so_stops_taking_work_and_loses_each_lease_once(
+    stack_factory: StackFactory, tmp_path: Path, shared: str
 ) -> None:
     import uuid
 

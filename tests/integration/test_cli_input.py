@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import make_execution, make_session
+from tests.types import StackFactory
 
 MAIN = "main agent"
 
@@ -92,7 +93,9 @@ def script() -> list[dict]:  # type: ignore[type-arg]
 
 
 @pytest.mark.timeout(120)
-def test_a_submit_the_broker_did_not_take_prints_its_session_and_the_scan_starts_it_later(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_submit_the_broker_did_not_take_prints_its_session_and_the_scan_starts_it_later(
+    stack_factory: StackFactory,
+) -> None:
     from tests.services import free_port
 
     stack = stack_factory(script())

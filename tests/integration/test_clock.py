@@ -3,7 +3,8 @@ item 9). A step of the worker's wall clock must not move it."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, tzinfo
 
 import pytest
 from sqlalchemy import text
@@ -17,12 +18,12 @@ class _SteppedDatetime(datetime):
     step = timedelta(0)
 
     @classmethod
-    def now(cls, tz=None):  # type: ignore[no-untyped-def,override]
+    def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
         return datetime.now(tz) + cls.step
 
 
 @pytest.fixture
-def stepped_wall_clock(db: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def stepped_wall_clock(db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_SteppedDatetime]]:
     _SteppedDatetime.step = timedelta(0)
     monkeypatch.setattr(clock, "datetime", _SteppedDatetime)
     clock.forget()
@@ -37,7 +38,9 @@ def _db_now() -> datetime:
     return value
 
 
-def test_a_wall_clock_step_forward_between_resyncs_does_not_move_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+def test_a_wall_clock_step_forward_between_resyncs_does_not_move_the_databases_time(
+    stepped_wall_clock: type[_SteppedDatetime],
+) -> None:
     before = clock.db_utcnow()  # synced now
     stepped_wall_clock.step = timedelta(seconds=45)  # NTP steps this worker's clock forward
     after = clock.db_utcnow()
@@ -45,14 +48,18 @@ def test_a_wall_clock_step_forward_between_resyncs_does_not_move_the_databases_t
     assert abs(after - _db_now()) < timedelta(seconds=2)
 
 
-def test_a_wall_clock_step_backward_between_resyncs_does_not_move_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+def test_a_wall_clock_step_backward_between_resyncs_does_not_move_the_databases_time(
+    stepped_wall_clock: type[_SteppedDatetime],
+) -> None:
     before = clock.db_utcnow()
     stepped_wall_clock.step = timedelta(seconds=-300)
     after = clock.db_utcnow()
     assert timedelta(0) <= after - before < timedelta(seconds=2)  # time never goes back
 
 
-def test_a_resync_after_a_wall_clock_step_still_gives_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+def test_a_resync_after_a_wall_clock_step_still_gives_the_databases_time(
+    stepped_wall_clock: type[_SteppedDatetime],
+) -> None:
     clock.db_utcnow()
     stepped_wall_clock.step = timedelta(seconds=120)
     clock.forget()  # the next call re-measures, with the wall clock still stepped
@@ -60,7 +67,9 @@ def test_a_resync_after_a_wall_clock_step_still_gives_the_databases_time(stepped
     assert abs(clock.local_utcnow() - datetime.now(UTC)) > timedelta(seconds=100)  # the step is real
 
 
-def test_the_test_skew_moves_the_local_clock_but_not_the_databases_time(stepped_wall_clock) -> None:  # type: ignore[no-untyped-def]
+def test_the_test_skew_moves_the_local_clock_but_not_the_databases_time(
+    stepped_wall_clock: type[_SteppedDatetime],
+) -> None:
     try:
         clock.set_local_skew(-600)
         assert abs(clock.db_utcnow() - _db_now()) < timedelta(seconds=2)

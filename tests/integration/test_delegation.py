@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from models import Message, Role, SubagentExecution, transaction
+from tests.types import StackFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +51,7 @@ def _child_messages(child: int) -> list[Message]:
         return list(s.execute(select(Message).where(Message.session_id == child).order_by(Message.id)).scalars())
 
 
-def test_parent_delegates_to_two_children_in_parallel_and_resumes_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_parent_delegates_to_two_children_in_parallel_and_resumes_once(stack_factory: StackFactory) -> None:
     stack = stack_factory(PARALLEL_SCRIPT)
     stack.worker(concurrency=2)
     sid = stack.submit("please review and research")
@@ -92,7 +93,7 @@ def test_parent_delegates_to_two_children_in_parallel_and_resumes_once(stack_fac
     assert stack.invariants() == []
 
 
-def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory: StackFactory) -> None:
     import os
     import subprocess
     import sys
@@ -134,7 +135,7 @@ def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory
     assert {(r["status"], r["delivery_status"]) for r in report["executions"]} == {("COMPLETED", "DELIVERED")}
 
 
-def test_operator_redeliver_by_celery_call_is_idempotent(stack_factory) -> None:  # type: ignore[no-untyped-def]
+def test_operator_redeliver_by_celery_call_is_idempotent(stack_factory: StackFactory) -> None:
     """`celery -A tasks call recovery.redeliver --args='[ID]'`, exactly as the ops docs spell it,
     on a parent whose chord callback was lost; the second call changes nothing."""
     import os

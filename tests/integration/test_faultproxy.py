@@ -48,7 +48,7 @@ def _count(url: str) -> int:
 # --- PostgreSQL ---------------------------------------------------------------------------------
 
 
-def test_a_cut_on_commit_fails_the_commit_and_the_transaction_is_rolled_back(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_cut_on_commit_fails_the_commit_and_the_transaction_is_rolled_back(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     conn = psycopg2.connect(url)
     with conn.cursor() as cur:
@@ -62,7 +62,9 @@ def test_a_cut_on_commit_fails_the_commit_and_the_transaction_is_rolled_back(pg_
     assert (stats.cuts, stats.pattern_hits) == (1, 1)
 
 
-def test_a_commit_delivered_before_the_cut_lands_although_the_client_gets_an_error(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_commit_delivered_before_the_cut_lands_although_the_client_gets_an_error(
+    pg_proxy: tuple[FaultProxy, str],
+) -> None:
     proxy, url = pg_proxy
     conn = psycopg2.connect(url)
     with conn.cursor() as cur:
@@ -74,7 +76,9 @@ def test_a_commit_delivered_before_the_cut_lands_although_the_client_gets_an_err
     wait_until(lambda: _count(url) == 1, timeout=5, what="the delivered COMMIT to land")
 
 
-def test_a_cut_on_an_insert_fails_that_statement_in_the_middle_of_a_transaction(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_cut_on_an_insert_fails_that_statement_in_the_middle_of_a_transaction(
+    pg_proxy: tuple[FaultProxy, str],
+) -> None:
     proxy, url = pg_proxy
     proxy.cut_on(f"INSERT INTO {TABLE}".encode())
     conn = psycopg2.connect(url)
@@ -87,7 +91,7 @@ def test_a_cut_on_an_insert_fails_that_statement_in_the_middle_of_a_transaction(
     assert proxy.stats().pattern_hits == 1
 
 
-def test_the_pattern_cut_fires_as_many_times_as_asked_then_disarms(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_the_pattern_cut_fires_as_many_times_as_asked_then_disarms(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     proxy.cut_on(f"INSERT INTO {TABLE}".encode(), times=2)
     for attempt in range(3):
@@ -106,7 +110,7 @@ def test_the_pattern_cut_fires_as_many_times_as_asked_then_disarms(pg_proxy) -> 
     assert proxy.stats().cuts == 2
 
 
-def test_cut_all_resets_every_open_connection_and_new_ones_work(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_cut_all_resets_every_open_connection_and_new_ones_work(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     conns = [psycopg2.connect(url) for _ in range(2)]
     wait_until(lambda: proxy.stats().active == 2, timeout=5, what="two connections through the proxy")
@@ -120,7 +124,7 @@ def test_cut_all_resets_every_open_connection_and_new_ones_work(pg_proxy) -> Non
     assert (stats.connections, stats.cuts) == (3, 2)
 
 
-def test_refused_connections_fail_to_connect_until_the_window_ends(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_refused_connections_fail_to_connect_until_the_window_ends(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     proxy.refuse_for(1.0)
     with pytest.raises(psycopg2.OperationalError, match="refused"):
@@ -128,7 +132,7 @@ def test_refused_connections_fail_to_connect_until_the_window_ends(pg_proxy) -> 
     wait_until(lambda: _probe_pg(url), timeout=10, interval=0.1, what="connections accepted again")
 
 
-def test_refusing_can_also_cut_the_open_connections(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_refusing_can_also_cut_the_open_connections(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     conn = psycopg2.connect(url)
     proxy.refuse_for(30.0, cut_open=True)
@@ -139,7 +143,7 @@ def test_refusing_can_also_cut_the_open_connections(pg_proxy) -> None:  # type: 
     assert _count(url) == 0
 
 
-def test_each_connection_is_cut_the_given_ms_after_it_opens(pg_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_each_connection_is_cut_the_given_ms_after_it_opens(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     proxy.cut_after(300)
     conn = psycopg2.connect(url)
@@ -174,7 +178,9 @@ def redis_proxy(private_redis: RedisServer) -> Iterator[tuple[FaultProxy, redis.
         client.close()
 
 
-def test_a_redis_command_cut_in_flight_fails_and_the_next_one_reconnects(redis_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_redis_command_cut_in_flight_fails_and_the_next_one_reconnects(
+    redis_proxy: tuple[FaultProxy, redis.Redis],
+) -> None:
     proxy, client = redis_proxy
     assert client.set("k", "1")
     proxy.cut_on(b"GET")
@@ -184,7 +190,9 @@ def test_a_redis_command_cut_in_flight_fails_and_the_next_one_reconnects(redis_p
     assert (proxy.stats().connections, proxy.stats().cuts) == (2, 1)
 
 
-def test_an_idle_redis_connection_cut_by_cut_all_is_replaced_at_checkout(redis_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_an_idle_redis_connection_cut_by_cut_all_is_replaced_at_checkout(
+    redis_proxy: tuple[FaultProxy, redis.Redis],
+) -> None:
     proxy, client = redis_proxy
     assert client.set("k", "1")
     assert proxy.cut_all() == 1
@@ -194,7 +202,7 @@ def test_an_idle_redis_connection_cut_by_cut_all_is_replaced_at_checkout(redis_p
     assert proxy.stats().connections == 2
 
 
-def test_a_cut_on_exec_applies_nothing_of_the_redis_transaction(redis_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_cut_on_exec_applies_nothing_of_the_redis_transaction(redis_proxy: tuple[FaultProxy, redis.Redis]) -> None:
     proxy, client = redis_proxy
     proxy.cut_on(b"EXEC")
     with pytest.raises(redis.ConnectionError):
@@ -202,7 +210,7 @@ def test_a_cut_on_exec_applies_nothing_of_the_redis_transaction(redis_proxy) -> 
     assert client.mget("a", "b") == [None, None]
 
 
-def test_redis_refused_for_a_while_then_served(redis_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_redis_refused_for_a_while_then_served(redis_proxy: tuple[FaultProxy, redis.Redis]) -> None:
     proxy, client = redis_proxy
     proxy.refuse_for(1.0)
     with pytest.raises(redis.ConnectionError):
@@ -210,7 +218,7 @@ def test_redis_refused_for_a_while_then_served(redis_proxy) -> None:  # type: ig
     wait_until(lambda: _probe_redis(client), timeout=10, interval=0.1, what="Redis through the proxy again")
 
 
-def test_reset_mode_accepts_then_resets_and_counts_the_refusals(redis_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_reset_mode_accepts_then_resets_and_counts_the_refusals(redis_proxy: tuple[FaultProxy, redis.Redis]) -> None:
     proxy, client = redis_proxy
     proxy.refuse_for(30.0, mode="reset")
     with pytest.raises(redis.ConnectionError):

@@ -43,6 +43,7 @@ from tests.helpers import (
     loop_deps,
     messages_of,
 )
+from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
 
@@ -90,7 +91,9 @@ def _yielded(model_url: str) -> tuple[int, int, list[tuple[int, int]], Any]:
     return sid, epoch, children, deps
 
 
-def test_a_database_error_while_finishing_a_child_writes_no_result_and_recovery_completes_it(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_database_error_while_finishing_a_child_writes_no_result_and_recovery_completes_it(
+    model_factory: ModelFactory,
+) -> None:
     model = model_factory(TWO)
     sid, _, children, deps = _yielded(model.base_url)
     with statement_fault("UPDATE subagent_execution SET status") as hits:
@@ -104,7 +107,9 @@ def test_a_database_error_while_finishing_a_child_writes_no_result_and_recovery_
     assert invariants() == []
 
 
-def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_failed(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_failed(
+    model_factory: ModelFactory,
+) -> None:
     model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "answer"}}])
     deps = loop_deps(model.base_url, RecordingScheduler())
     sid = create_session("main", "go")
@@ -117,7 +122,7 @@ def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_
     assert invariants() == []
 
 
-def test_a_database_error_during_recovery_writes_no_failure(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_database_error_during_recovery_writes_no_failure(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
     sid, _, _children, deps = _yielded(model.base_url)
     expire_leases()
@@ -143,7 +148,9 @@ class _BrokerDown:
         return getattr(self.inner, name)
 
 
-def test_a_broker_error_at_hand_off_does_not_fail_the_parent_and_the_scan_starts_the_children(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_broker_error_at_hand_off_does_not_fail_the_parent_and_the_scan_starts_the_children(
+    model_factory: ModelFactory,
+) -> None:
     model = model_factory(TWO)
     deps = loop_deps(model.base_url, _BrokerDown(RecordingScheduler()))  # type: ignore[arg-type]
     sid = create_session("main", "go")
@@ -157,7 +164,7 @@ def test_a_broker_error_at_hand_off_does_not_fail_the_parent_and_the_scan_starts
     assert invariants() == []
 
 
-def test_redeliver_of_a_settled_parent_changes_nothing(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
     sid, epoch, children, deps = _yielded(model.base_url)
     for child in children:
@@ -176,7 +183,7 @@ def test_redeliver_of_a_settled_parent_changes_nothing(model_factory) -> None:  
     assert not sched.pending() and len(model.journal()) == calls
 
 
-def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory: ModelFactory) -> None:
     """The cancel lands while the model is answering: the round is not committed, no child."""
     model = model_factory(
         [{"when": {"system_contains": MAIN}, "delay_seconds": 1.5, "reply": TWO[0]["reply"]}, *TWO[1:]]
@@ -195,7 +202,7 @@ def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory) -> Non
     assert executions_of(sid) == [] and [m.role for m in messages_of(sid)] == ["USER"]
 
 
-def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: ModelFactory) -> None:
     call = {"id": "call_1", "name": "echo", "arguments": {"text": "x"}}
     model = model_factory(
         [
@@ -213,7 +220,7 @@ def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory) ->
     assert invariants() == []
 
 
-def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
     sid, epoch, children, deps = _yielded(model.base_url)
     for child in children:
@@ -227,7 +234,7 @@ def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(
     assert deliver_round(sid, epoch).kind in ("stale", "suppressed")
 
 
-def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory: ModelFactory) -> None:
     from recovery.scan import _take_plain
 
     model = model_factory(TWO)
@@ -239,7 +246,7 @@ def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory) 
     assert _take_plain(sid, epoch) is None
 
 
-def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
     _sid, _, _children, deps = _yielded(model.base_url)
     expire_leases()
@@ -254,7 +261,7 @@ def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model
         assert s.execute(select(AgentSession.phase).where(AgentSession.id == child)).scalar_one() == Phase.COMPLETED
 
 
-def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(model_factory: ModelFactory) -> None:
     from models import clock
 
     model = model_factory(TWO)
@@ -278,7 +285,7 @@ def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(mod
         clock.set_local_skew(0)
 
 
-def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(model_factory: ModelFactory) -> None:
     model = model_factory(
         [
             {"when": {"system_contains": MAIN, "turn": 0}, "reply": TWO[0]["reply"]},
@@ -345,8 +352,8 @@ def test_status_shows_each_queues_oldest_wait_and_leases_nobody_picks_up(monkeyp
 
 
 def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_rows_again(
-    model_factory, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import itertools
 
     import recovery.scan as scan_module
@@ -366,7 +373,7 @@ def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_rows_again
     assert sorted(sent) == sorted(set(sent)) and len(sent) == 6
 
 
-def test_a_reservation_nobody_picked_up_is_sent_again_with_the_same_epoch(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_reservation_nobody_picked_up_is_sent_again_with_the_same_epoch(model_factory: ModelFactory) -> None:
     """A queue slower than two leases: the late message must stay valid, not be fenced over and over."""
     model = model_factory(TWO)
     sid, _, _, deps = _yielded(model.base_url)

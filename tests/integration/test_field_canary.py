@@ -21,6 +21,7 @@ from fieldrecovery.deadline import Deadline
 from fieldrecovery.errors import FieldRecoveryError
 from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, RecoveryStatus
 from fieldrecovery.request_builder import render_message
+from fieldrecovery.schemas import RecoveryRequestSet
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml
 
@@ -114,8 +115,10 @@ def test_canary_key_is_in_no_log_record_no_exception_text_and_no_column(
         assert evidence_line not in m and '"candidate_ref"' not in m
 
 
-def _request():  # type: ignore[no-untyped-def]
+def _request() -> RecoveryRequestSet:
     from fieldrecovery.eml import parse_eml
     from fieldrecovery.request_builder import build_request
 
-    return build_request(parse_eml(sample_eml("ambiguous")), profile_version="p")
+    request = build_request(parse_eml(sample_eml("ambiguous")), profile_version="p")
+    assert request is not None
+    return request

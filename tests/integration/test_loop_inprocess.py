@@ -4,6 +4,7 @@ scripted model over HTTP): followups, busy children, refused recursion, fencing,
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -24,6 +25,7 @@ from tests.helpers import (
     loop_deps,
     messages_of,
 )
+from tests.types import ModelFactory
 
 MAIN = "main agent"
 
@@ -46,7 +48,7 @@ def _drive(model_url: str, sid: int, sched: RecordingScheduler) -> None:
     raise AssertionError("the parent did not finish")
 
 
-def test_followup_reuses_the_child_session_and_a_busy_child_refuses(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_followup_reuses_the_child_session_and_a_busy_child_refuses(model_factory: ModelFactory) -> None:
     script = [
         # Round 1: delegate to a new child (id 2) AND, in the same round, a followup to it while it is busy.
         {
@@ -93,13 +95,13 @@ def test_followup_reuses_the_child_session_and_a_busy_child_refuses(model_factor
     assert invariants() == []
 
 
-def test_a_child_is_never_offered_delegation_tools(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_child_is_never_offered_delegation_tools(model_factory: ModelFactory) -> None:
     from doubles.scripted_model import ScriptedModelServer
 
     seen_tools: list[list[str]] = []
 
     class Capturing(ScriptedModelServer):
-        def answer(self, body, authorization):  # type: ignore[no-untyped-def]
+        def answer(self, body: Any, authorization: str | None) -> tuple[int, dict[str, Any]]:
             system = body["messages"][0]["content"]
             if MAIN not in system:
                 seen_tools.append([t["function"]["name"] for t in body.get("tools") or []])
@@ -134,7 +136,7 @@ def test_a_child_is_never_offered_delegation_tools(model_factory) -> None:  # ty
     assert invariants() == []
 
 
-def test_r17_after_a_failed_child_the_parent_may_delegate_again(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_r17_after_a_failed_child_the_parent_may_delegate_again(model_factory: ModelFactory) -> None:
     script = [
         {
             "when": {"system_contains": MAIN, "turn": 0},
@@ -183,7 +185,9 @@ TWO_CHILDREN = [
 
 
 @pytest.mark.parametrize("point", ["round.after_assistant", "round.after_some_tools", "round.after_all_tools"])
-def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(model_factory, point: str) -> None:  # type: ignore[no-untyped-def]
+def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(
+    model_factory: ModelFactory, point: str
+) -> None:
     model = model_factory(TWO_CHILDREN)
     sid, epoch = children_done_callback_lost(model.base_url)
     before = [m.id for m in messages_of(sid)]
@@ -203,7 +207,7 @@ def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(mod
     assert invariants(settled=False) == []
 
 
-def test_r25_a_fault_in_a_parent_inline_round_commits_nothing(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_r25_a_fault_in_a_parent_inline_round_commits_nothing(model_factory: ModelFactory) -> None:
     model = model_factory(
         [
             {
@@ -225,7 +229,9 @@ def test_r25_a_fault_in_a_parent_inline_round_commits_nothing(model_factory) -> 
     assert [m.role for m in messages_of(sid)] == ["USER"]
 
 
-def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_nothing(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_nothing(
+    model_factory: ModelFactory,
+) -> None:
     model = model_factory(TWO_CHILDREN)
     sid, epoch = children_done_callback_lost(model.base_url)
     first = deliver_round(sid, epoch)
@@ -243,7 +249,7 @@ def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_no
     assert invariants() == []
 
 
-def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factory: ModelFactory) -> None:
     model = model_factory(TWO_CHILDREN)
     deps = loop_deps(model.base_url, RecordingScheduler())
     sid = create_session("main", "go")
@@ -255,7 +261,7 @@ def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factor
     assert sum(1 for j in model.journal() if j["rule"] == 2) == 1
 
 
-def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory: ModelFactory) -> None:
     from recovery.cancel import cancel_session
 
     model = model_factory(TWO_CHILDREN)
@@ -271,7 +277,7 @@ def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory) -> No
 
 
 @pytest.mark.parametrize("point", ["delegate.after_child_session", "delegate.after_user_message"])
-def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory, point: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory: ModelFactory, point: str) -> None:
     from models import Message, SubagentExecution
 
     model = model_factory(TWO_CHILDREN)

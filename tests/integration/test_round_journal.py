@@ -22,6 +22,7 @@ from harness.views import create_session
 from models import CallStatus, JournalStatus, RoundJournal, RoundJournalCall, transaction
 from recovery.child import start_child
 from tests.helpers import RecordingScheduler, drive, executions_of, invariants, loop_deps, messages_of
+from tests.types import ModelFactory
 
 MAIN = "main agent"
 
@@ -153,8 +154,8 @@ def journal_rows() -> tuple[list[RoundJournal], list[RoundJournalCall]]:
 
 
 def test_a_child_that_crashed_after_its_reply_was_journaled_finishes_the_round_without_asking_the_model_again(
-    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = model_factory(child_script(call("refresh", amount=1)))
     crash_at(monkeypatch, "journal.after_reply", on_hit=2)  # the parent's reply is the first
     sid = crashed_child(model.base_url)
@@ -172,8 +173,8 @@ def test_a_child_that_crashed_after_its_reply_was_journaled_finishes_the_round_w
 
 
 def test_an_interrupted_tool_that_is_neither_read_only_nor_idempotent_is_not_run_again_and_the_model_is_told(
-    model_factory, recorder: Recorder
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, recorder: Recorder
+) -> None:
     model = model_factory(child_script(call("charge", amount=5)))
     recorder.crash_first.add("charge")
     sid = crashed_child(model.base_url)
@@ -192,7 +193,9 @@ def test_an_interrupted_tool_that_is_neither_read_only_nor_idempotent_is_not_run
     assert invariants() == []
 
 
-def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(model_factory, recorder: Recorder) -> None:  # type: ignore[no-untyped-def]
+def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(
+    model_factory: ModelFactory, recorder: Recorder
+) -> None:
     model = model_factory(child_script(call("refresh", amount=2)))
     recorder.crash_first.add("refresh")
     sid = crashed_child(model.base_url)
@@ -207,8 +210,8 @@ def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(model_facto
 
 
 def test_a_tool_whose_result_was_journaled_is_not_run_again_and_one_that_never_started_runs(
-    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = model_factory(child_script(call("charge", amount=1), call("refresh", amount=2)))
     crash_at(monkeypatch, "journal.after_tool_result")
     sid = crashed_child(model.base_url)
@@ -225,8 +228,8 @@ def test_a_tool_whose_result_was_journaled_is_not_run_again_and_one_that_never_s
 
 
 def test_a_parent_inline_round_journaled_before_a_crash_continues_without_a_second_model_call(
-    model_factory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = model_factory(parent_script(call("charge", amount=3), call("echo", text="hi")))
     crash_at(monkeypatch, "journal.after_tool_start")
     sid = create_session("main", "go")
@@ -241,8 +244,8 @@ def test_a_parent_inline_round_journaled_before_a_crash_continues_without_a_seco
 
 
 def test_a_journaled_delegating_reply_creates_its_children_once_after_a_crash(
-    model_factory, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = model_factory(
         parent_script(
             call("delegate", agent_type="reviewer", task="a"),
@@ -263,7 +266,7 @@ def test_a_journaled_delegating_reply_creates_its_children_once_after_a_crash(
     assert invariants() == []
 
 
-def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(model_factory) -> None:  # type: ignore[no-untyped-def]
+def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(model_factory: ModelFactory) -> None:
     from harness.history import append_message
     from models import Role
     from models import journal as store
@@ -283,8 +286,8 @@ def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(mo
 
 
 def test_the_invariants_name_a_second_start_of_a_non_idempotent_call_and_a_reply_asked_for_again(
-    model_factory,
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory,
+) -> None:
     from models import journal as store
     from recovery.invariants import check_journal
 
@@ -301,8 +304,8 @@ def test_the_invariants_name_a_second_start_of_a_non_idempotent_call_and_a_reply
 
 
 def test_an_inline_tool_of_a_mixed_round_interrupted_by_a_crash_is_delivered_as_interrupted_not_run_again(
-    model_factory, recorder: Recorder
-) -> None:  # type: ignore[no-untyped-def]
+    model_factory: ModelFactory, recorder: Recorder
+) -> None:
     model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="a"), call("charge", amount=7)))
     recorder.crash_first.add("charge")
     sid = create_session("main", "go")

@@ -24,6 +24,7 @@ from models.execution import (
 )
 from models.session import hand_over, release_session, request_cancel, set_phase, take_session
 from tests.helpers import make_execution, make_session
+from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db")
 
@@ -198,7 +199,9 @@ def test_two_threads_racing_the_same_delivery_exactly_one_wins() -> None:
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(model_factory, attempt: int) -> None:  # type: ignore[no-untyped-def]
+def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
+    model_factory: ModelFactory, attempt: int
+) -> None:
     """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
     from recovery.delivery import deliver_round
     from tests.helpers import children_done_callback_lost, invariants, messages_of

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from demo.stack import ROOT
+from tests.types import StackFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +49,7 @@ def user_env(**extra: str) -> dict[str, str]:
 
 
 def test_a_worker_runs_an_agent_with_tools_from_a_user_module_and_retries_an_overloaded_model(
-    stack_factory,  # type: ignore[no-untyped-def]
+    stack_factory: StackFactory,
 ) -> None:
     import hashlib
 
