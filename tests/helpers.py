@@ -7,9 +7,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy import select, update
+
+from harness.parent import run_agent
+from harness.views import create_session
 from models import (
     AgentSession,
     DeliveryStatus,
+    ExecutionMode,
     ExecutionStatus,
     InvocationType,
     Phase,
@@ -235,3 +240,91 @@ def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, 
     for eid, e in children:
         assert start_child(eid, e, deps) == "completed"
     return sid, epoch
+
+
+# --- Recovery cases (spec §10.1): scripts and probes shared by the test_recovery_* modules ---
+
+MAIN = "main agent"
+
+
+def one_child_script(child_reply: dict[str, Any] | None = None, task: str = "check X") -> list[dict[str, Any]]:
+    return [
+        {
+            "when": {"system_contains": MAIN, "turn": 0},
+            "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": task}}]},
+        },
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "parent done: {tool_results}"}},
+        {"when": {"system_contains": "reviewer subagent"}, "reply": child_reply or {"content": "reviewed"}},
+    ]
+
+
+def sessions_count(kind: SessionType) -> int:
+    with transaction() as s:
+        return len(s.execute(select(AgentSession.id).where(AgentSession.session_type == kind)).all())
+
+
+def phase_of(sid: int) -> Phase | None:
+    with transaction() as s:
+        return s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one()
+
+
+def rule_calls(model: Any, index: int) -> int:
+    return sum(1 for j in model.journal() if j["rule"] == index)
+
+
+def parent_yielded(model_url: str, text: str = "go") -> tuple[int, RecordingScheduler]:
+    """A parent that delegated and whose worker died right after (chord lost)."""
+    deps = loop_deps(model_url)
+    sid = create_session("main", text)
+    assert run_agent(sid, 0, deps) == "yielded"
+    return sid, deps.scheduler
+
+
+def assert_one_delivered_pair(parent: int, execution: SubagentExecution) -> None:
+    msgs = messages_of(parent)
+    tools = [m for m in msgs if m.role == Role.TOOL and m.tool_call_id == execution.parent_tool_call_id]
+    assert len(tools) == 1
+    calls = [m for m in msgs if m.role == Role.ASSISTANT and execution.parent_tool_call_id in (m.tool_calls or "")]
+    assert len(calls) == 1
+
+
+TWO = [
+    {
+        "when": {"system_contains": MAIN, "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "a"}},
+                {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "b"}},
+            ]
+        },
+    },
+    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "parent done"}},
+    {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+]
+
+
+def make_local(child_session_id: int) -> None:
+    with transaction() as s:
+        s.execute(
+            update(AgentSession).where(AgentSession.id == child_session_id).values(execution_mode=ExecutionMode.LOCAL)
+        )
+
+
+def legacy_parent_with_child(*, status: ExecutionStatus = ExecutionStatus.RUNNING) -> tuple[int, int, int]:
+    """Pre-upgrade shape: no invocation_type, no parent_tool_call_id, no start message id."""
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "old request")
+    child = make_session(
+        session_type=SessionType.SUBAGENT, phase=Phase.RUNNING, agent_type="reviewer", parent_session_id=parent
+    )
+    add_message(child, Role.USER, "legacy task")
+    eid = make_execution(
+        parent,
+        child,
+        status=status,
+        invocation=None,
+        tool_call_id=None,
+        task="legacy task",
+        result={"success": True, "result": "old answer"} if status != ExecutionStatus.RUNNING else None,
+    )
+    return parent, child, eid

@@ -1,0 +1,216 @@
+"""Spec §7.6 (parent result delivered in one transaction): R3, R9, R10, R23, R24 and the
+duplicate-message cases, driven in-process on real PostgreSQL + Redis with the scripted model.
+
+A "crash" is what a dead worker leaves in the database: the test stops driving there, lets every
+lease lapse and runs the real scan -> recover_child -> deliver_round -> agent loop code. Every
+test ends with invariants I1–I5 over the whole database.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from models import (
+    AgentSession,
+    ExecutionStatus,
+    Message,
+    Phase,
+    Role,
+    SubagentExecution,
+    transaction,
+)
+from recovery.child import recover_child
+from recovery.delivery import deliver_round
+from recovery.scan import scan
+from tests.helpers import (
+    MAIN,
+    TWO,
+    RecordingScheduler,
+    add_message,
+    children_done_callback_lost,
+    drive,
+    executions_of,
+    expire_leases,
+    invariants,
+    loop_deps,
+    make_execution,
+    make_session,
+    messages_of,
+    one_child_script,
+    parent_yielded,
+    rule_calls,
+)
+from tests.types import ModelFactory
+
+
+@pytest.fixture(autouse=True)
+def _db(db: str) -> None:
+    pass
+
+
+@pytest.mark.parametrize("attempt", range(4))
+def test_r3_two_recovered_siblings_finishing_at_the_same_moment_deliver_the_round_exactly_once(
+    model_factory: Any, attempt: int
+) -> None:
+    """Both children of a recovered round end at once (threads released by a barrier): their
+    finishing transactions serialize on the parent row, exactly one of them sees the round
+    complete and delivers it, and the parent is resumed once."""
+    model = model_factory(TWO)
+    sid, _ = parent_yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, children),) = sched.recoveries
+    barrier = threading.Barrier(len(children))
+    outcomes: list[str] = []
+
+    def finish(eid: int, epoch: int) -> None:
+        barrier.wait(timeout=10)
+        outcomes.append(recover_child(eid, epoch, deps))
+
+    threads = [threading.Thread(target=finish, args=pair) for pair in children]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sorted(outcomes) == ["completed", "completed"]
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    assert len(sched.resumed) == 1, f"resumed {len(sched.resumed)} times"
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
+    assert invariants(settled=False) == []
+
+
+def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_run(model_factory: ModelFactory) -> None:
+    from crashpoints import InjectedFault, armed_fault
+
+    model = model_factory(TWO)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    with armed_fault("deliver.mid_round"), pytest.raises(InjectedFault):
+        deliver_round(sid, epoch)
+    assert [m.role for m in messages_of(sid)] == ["USER"]
+    drive(model.base_url)
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert invariants() == []
+
+
+def test_r10_a_crash_after_delivery_commit_does_not_deliver_again(model_factory: ModelFactory) -> None:
+    from crashpoints import InjectedFault, armed_fault
+
+    model = model_factory(TWO)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    with armed_fault("deliver.before_resume"), pytest.raises(InjectedFault):
+        deliver_round(sid, epoch)  # committed; the process "died" before enqueueing the parent
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    delivered = [m.id for m in messages_of(sid)]
+    drive(model.base_url)
+    msgs = messages_of(sid)
+    assert [m.id for m in msgs][: len(delivered)] == delivered
+    assert [m.role for m in msgs] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert rule_calls(model, 0) == 1
+    assert invariants() == []
+
+
+def test_r23_results_are_delivered_in_ascending_execution_id_whatever_finished_first(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "q")
+    low = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_low")
+    high = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_high")
+    from models.execution import finish_execution
+
+    for eid in (high, low):  # the higher id finishes first
+        with transaction() as s:
+            finish_execution(s, eid, epoch=0, status=ExecutionStatus.COMPLETED, result={"success": True, "id": eid})
+        time.sleep(0.01)
+    drive(model.base_url)
+    tools = [m for m in messages_of(parent) if m.role == Role.TOOL]
+    assert [t.tool_call_id for t in tools] == ["call_low", "call_high"]
+    assert invariants() == []
+
+
+def test_the_same_recover_child_and_deliver_round_messages_several_times_deliver_once(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(TWO)
+    sid, _ = parent_yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    scan(sched, callback_grace_seconds=0)
+    ((_, epoch, children),) = sched.recoveries
+    for eid, e in children:
+        assert recover_child(eid, e, deps) == "completed"
+        assert recover_child(eid, e, deps) == "stale"
+        assert recover_child(eid, e, deps) == "stale"
+    # The last recovered child delivered the round itself and asked for the parent's run once.
+    assert [p for p, _ in sched.resumed] == [sid]
+    kinds = [deliver_round(sid, epoch).kind for _ in range(3)]  # the chord callback, late, three times
+    assert kinds == ["stale", "stale", "stale"]
+    assert sum(1 for m in messages_of(sid) if m.role == Role.TOOL) == 2
+    assert invariants(settled=False) == []
+
+
+def test_r23_inside_a_pending_round_results_follow_ascending_execution_id(model_factory: ModelFactory) -> None:
+    """The round lists call_b before call_a, but call_a's execution is older: its result comes first."""
+    from models import PendingRound
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "q")
+    calls = [
+        {"id": cid, "type": "function", "function": {"name": "delegate", "arguments": "{}"}}
+        for cid in ("call_b", "call_a")
+    ]
+    with transaction() as s:
+        rnd = PendingRound(session_id=parent, assistant_content="", tool_calls=calls, inline_results={})
+        s.add(rnd)
+        s.flush()
+        round_id = rnd.id
+    low = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_a")
+    high = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_b")
+    from models.execution import finish_execution
+
+    with transaction() as s:
+        s.execute(
+            update(SubagentExecution).where(SubagentExecution.id.in_((low, high))).values(pending_round_id=round_id)
+        )
+        for eid in (high, low):  # the higher id finishes first
+            finish_execution(s, eid, epoch=0, status=ExecutionStatus.COMPLETED, result={"success": True, "id": eid})
+    drive(model.base_url)
+    tools = [m for m in messages_of(parent) if m.role == Role.TOOL]
+    assert [t.tool_call_id for t in tools] == ["call_a", "call_b"]
+    assert invariants() == []
+
+
+def test_r24_parent_side_delivery_after_a_compaction_boundary_with_deleted_rows(model_factory: ModelFactory) -> None:
+    model = model_factory(one_child_script())
+    sid, _ = parent_yielded(model.base_url)
+    calls = [{"id": "old1", "type": "function", "function": {"name": "echo", "arguments": '{"text": "x"}'}}]
+    # The round committed before the crash sits before its pending round's delivery; build a
+    # compacted parent history with a deleted row and an orphan TOOL in its tail.
+    add_message(sid, Role.ASSISTANT, "", tool_calls=calls)
+    boundary = add_message(sid, Role.TOOL, "x", tool_call_id="old1")
+    deleted = add_message(sid, Role.ASSISTANT, "deleted words")
+    orphan = add_message(sid, Role.TOOL, "orphan", tool_call_id="ghost")
+    with transaction() as s:
+        s.execute(update(Message).where(Message.id == deleted).values(deleted=True))
+        s.execute(
+            update(AgentSession)
+            .where(AgentSession.id == sid)
+            .values(compaction_boundary_message_id=boundary, compaction_summary="summary")
+        )
+    drive(model.base_url)
+    live = [m.id for m in messages_of(sid)]
+    assert boundary in live and deleted not in live and orphan not in live
+    (e,) = executions_of(sid)
+    assert e.delivery_status == "DELIVERED" and e.parent_tool_message_id in live
+    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert invariants() == []
