@@ -288,7 +288,7 @@ def assert_one_delivered_pair(parent: int, execution: SubagentExecution) -> None
     assert len(calls) == 1
 
 
-TWO = [
+TWO: list[dict[str, Any]] = [
     {
         "when": {"system_contains": MAIN, "turn": 0},
         "reply": {
@@ -328,3 +328,8 @@ def legacy_parent_with_child(*, status: ExecutionStatus = ExecutionStatus.RUNNIN
         result={"success": True, "result": "old answer"} if status != ExecutionStatus.RUNNING else None,
     )
     return parent, child, eid
+
+
+def execution_row(eid: int) -> SubagentExecution:
+    with transaction() as s:
+        return s.execute(select(SubagentExecution).where(SubagentExecution.id == eid)).scalar_one()

@@ -1,9 +1,10 @@
-"""Spec §7.6 (parent result delivered in one transaction): R3, R9, R10, R23, R24 and the
-duplicate-message cases, driven in-process on real PostgreSQL + Redis with the scripted model.
+"""Delivery (spec §7.6): a parent's results are delivered in one transaction, exactly once.
 
-A "crash" is what a dead worker leaves in the database: the test stops driving there, lets every
-lease lapse and runs the real scan -> recover_child -> deliver_round -> agent loop code. Every
-test ends with invariants I1–I5 over the whole database.
+First the end-to-end cases (R3, R9, R10, R23, R24 and duplicate messages), driven in-process on
+real PostgreSQL + Redis with the scripted model: a "crash" is what a dead worker leaves in the
+database, every lease lapses and the real scan -> recover_child -> deliver_round -> agent loop
+code runs; each ends with invariants I1–I5 over the whole database. Then the delivery status
+rules of the execution row (mark_delivered, set_delivery_status) and the races on them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ from sqlalchemy import update
 
 from models import (
     AgentSession,
+    DeliveryStatus,
     ExecutionStatus,
+    IllegalTransition,
     Message,
     Phase,
     Role,
     SubagentExecution,
     transaction,
+)
+from models.execution import (
+    finish_execution,
+    mark_delivered,
+    set_delivery_status,
 )
 from recovery.child import recover_child
 from recovery.delivery import deliver_round
@@ -34,6 +42,7 @@ from tests.helpers import (
     add_message,
     children_done_callback_lost,
     drive,
+    execution_row,
     executions_of,
     expire_leases,
     invariants,
@@ -124,7 +133,6 @@ def test_r23_results_are_delivered_in_ascending_execution_id_whatever_finished_f
     add_message(parent, Role.USER, "q")
     low = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_low")
     high = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_high")
-    from models.execution import finish_execution
 
     for eid in (high, low):  # the higher id finishes first
         with transaction() as s:
@@ -176,7 +184,6 @@ def test_r23_inside_a_pending_round_results_follow_ascending_execution_id(model_
         round_id = rnd.id
     low = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_a")
     high = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="call_b")
-    from models.execution import finish_execution
 
     with transaction() as s:
         s.execute(
@@ -214,3 +221,99 @@ def test_r24_parent_side_delivery_after_a_compaction_boundary_with_deleted_rows(
     assert e.delivery_status == "DELIVERED" and e.parent_tool_message_id in live
     assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
     assert invariants() == []
+
+
+def test_schema_refuses_a_delivered_row_that_is_not_terminal() -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        make_execution(make_session(), status=ExecutionStatus.RUNNING, delivery=DeliveryStatus.DELIVERED)
+
+
+@pytest.mark.parametrize("to", [DeliveryStatus.PENDING, DeliveryStatus.LEGACY])
+def test_delivery_never_moves_back_to_pending_or_legacy(to: DeliveryStatus) -> None:
+    eid = make_execution(
+        make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.PENDING, tool_call_id="c"
+    )
+    with transaction() as s:
+        assert mark_delivered(s, eid, assistant_message_id=1, tool_message_id=2)
+    with pytest.raises(IllegalTransition), transaction() as s:
+        set_delivery_status(s, eid, to)
+    assert execution_row(eid).delivery_status == DeliveryStatus.DELIVERED
+
+
+def test_delivering_an_active_execution_raises_barrier() -> None:
+    eid = make_execution(make_session())
+    with pytest.raises(IllegalTransition), transaction() as s:
+        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_legacy_row_cannot_be_delivered() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.LEGACY)
+    with pytest.raises(IllegalTransition), transaction() as s:
+        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_second_delivery_of_same_execution_returns_false() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
+    with transaction() as s:
+        assert mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+    with transaction() as s:
+        assert not mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
+
+
+def test_two_threads_racing_the_same_delivery_exactly_one_wins() -> None:
+    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
+    barrier = threading.Barrier(2)
+    results: list[bool] = []
+
+    def race() -> None:
+        barrier.wait(timeout=5)
+        with transaction() as s:
+            results.append(mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None))
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [False, True]
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
+    model_factory: ModelFactory, attempt: int
+) -> None:
+    """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
+    from recovery.delivery import deliver_round
+    from tests.helpers import children_done_callback_lost, invariants, messages_of
+
+    script = [
+        {
+            "when": {"system_contains": "main agent", "turn": 0},
+            "reply": {
+                "tool_calls": [
+                    {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review A"}},
+                    {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research B"}},
+                ]
+            },
+        },
+        {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+    ]
+    model = model_factory(script)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    barrier = threading.Barrier(2)
+    kinds: list[str] = []
+
+    def race() -> None:
+        barrier.wait(timeout=5)
+        kinds.append(str(deliver_round(sid, epoch).kind))
+
+    threads = [threading.Thread(target=race) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert sorted(kinds) == ["resume", "stale"]
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
+    assert invariants(settled=False) == []

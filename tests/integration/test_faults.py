@@ -183,25 +183,6 @@ def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFacto
     assert not sched.pending() and len(model.journal()) == calls
 
 
-def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory: ModelFactory) -> None:
-    """The cancel lands while the model is answering: the round is not committed, no child."""
-    model = model_factory(
-        [{"when": {"system_contains": MAIN}, "delay_seconds": 1.5, "reply": TWO[0]["reply"]}, *TWO[1:]]
-    )
-    import threading
-
-    from recovery.cancel import cancel_session
-
-    deps = loop_deps(model.base_url, RecordingScheduler())
-    sid = create_session("main", "go")
-    timer = threading.Timer(0.5, cancel_session, args=(sid,))
-    timer.start()
-    outcome = run_agent(sid, 0, deps)
-    timer.join()
-    assert outcome == "cancelled"
-    assert executions_of(sid) == [] and [m.role for m in messages_of(sid)] == ["USER"]
-
-
 def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: ModelFactory) -> None:
     call = {"id": "call_1", "name": "echo", "arguments": {"text": "x"}}
     model = model_factory(

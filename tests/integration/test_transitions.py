@@ -18,13 +18,11 @@ from models import (
 from models.execution import (
     finish_execution,
     mark_delivered,
-    set_delivery_status,
     suppress_execution,
     take_execution,
 )
 from models.session import hand_over, release_session, request_cancel, set_phase, take_session
 from tests.helpers import make_execution, make_session
-from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db")
 
@@ -91,45 +89,6 @@ def test_takeover_of_a_non_pending_row_raises(delivery: DeliveryStatus) -> None:
         _take(eid)
 
 
-def test_schema_refuses_a_delivered_row_that_is_not_terminal() -> None:
-    from sqlalchemy.exc import IntegrityError
-
-    with pytest.raises(IntegrityError):
-        make_execution(make_session(), status=ExecutionStatus.RUNNING, delivery=DeliveryStatus.DELIVERED)
-
-
-@pytest.mark.parametrize("to", [DeliveryStatus.PENDING, DeliveryStatus.LEGACY])
-def test_delivery_never_moves_back_to_pending_or_legacy(to: DeliveryStatus) -> None:
-    eid = make_execution(
-        make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.PENDING, tool_call_id="c"
-    )
-    with transaction() as s:
-        assert mark_delivered(s, eid, assistant_message_id=1, tool_message_id=2)
-    with pytest.raises(IllegalTransition), transaction() as s:
-        set_delivery_status(s, eid, to)
-    assert _row(eid).delivery_status == DeliveryStatus.DELIVERED
-
-
-def test_delivering_an_active_execution_raises_barrier() -> None:
-    eid = make_execution(make_session())
-    with pytest.raises(IllegalTransition), transaction() as s:
-        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
-
-
-def test_legacy_row_cannot_be_delivered() -> None:
-    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED, delivery=DeliveryStatus.LEGACY)
-    with pytest.raises(IllegalTransition), transaction() as s:
-        mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
-
-
-def test_second_delivery_of_same_execution_returns_false() -> None:
-    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
-    with transaction() as s:
-        assert mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
-    with transaction() as s:
-        assert not mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None)
-
-
 def test_suppress_cancels_an_active_execution_and_fences_it() -> None:
     eid = make_execution(make_session())
     assert _take(eid) == 1
@@ -178,63 +137,6 @@ def test_two_threads_racing_the_same_takeover_exactly_one_wins() -> None:
         t.join(10)
     assert not errors
     assert sorted(results, key=lambda r: r is None) == [1, None]
-
-
-def test_two_threads_racing_the_same_delivery_exactly_one_wins() -> None:
-    eid = make_execution(make_session(), status=ExecutionStatus.COMPLETED)
-    barrier = threading.Barrier(2)
-    results: list[bool] = []
-
-    def race() -> None:
-        barrier.wait(timeout=5)
-        with transaction() as s:
-            results.append(mark_delivered(s, eid, assistant_message_id=None, tool_message_id=None))
-
-    threads = [threading.Thread(target=race) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert sorted(results) == [False, True]
-
-
-@pytest.mark.parametrize("attempt", range(3))
-def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
-    model_factory: ModelFactory, attempt: int
-) -> None:
-    """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
-    from recovery.delivery import deliver_round
-    from tests.helpers import children_done_callback_lost, invariants, messages_of
-
-    script = [
-        {
-            "when": {"system_contains": "main agent", "turn": 0},
-            "reply": {
-                "tool_calls": [
-                    {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review A"}},
-                    {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "research B"}},
-                ]
-            },
-        },
-        {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
-    ]
-    model = model_factory(script)
-    sid, epoch = children_done_callback_lost(model.base_url)
-    barrier = threading.Barrier(2)
-    kinds: list[str] = []
-
-    def race() -> None:
-        barrier.wait(timeout=5)
-        kinds.append(str(deliver_round(sid, epoch).kind))
-
-    threads = [threading.Thread(target=race) for _ in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(20)
-    assert sorted(kinds) == ["resume", "stale"]
-    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
-    assert invariants(settled=False) == []
 
 
 def test_session_take_bumps_epoch_and_a_stale_owner_cannot_release() -> None:

@@ -1,0 +1,132 @@
+"""Fencing (DESIGN I6, harness/fence.py): every write of a running loop carries its epoch.
+
+The fence is checked inside the write's own transaction: a stale epoch raises LeaseLost and a
+stopped session raises Cancelled, and either way the whole write rolls back. These tests write a
+message and check the fence in one transaction, then look at what committed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.orm import Session
+
+from harness.errors import Cancelled
+from harness.fence import ExecutionFence, SessionFence
+from harness.history import append_message
+from harness.parent import run_agent
+from harness.views import create_session
+from models import (
+    ExecutionStatus,
+    LeaseLost,
+    Phase,
+    Role,
+    transaction,
+)
+from models.execution import take_execution
+from models.session import hand_over, request_cancel, take_session
+from tests.helpers import (
+    MAIN,
+    TWO,
+    RecordingScheduler,
+    execution_row,
+    executions_of,
+    loop_deps,
+    make_execution,
+    make_session,
+    messages_of,
+)
+from tests.types import ModelFactory
+
+
+@pytest.fixture(autouse=True)
+def _db(db: str) -> None:
+    pass
+
+
+def _taken_session() -> int:
+    """A RUNNING session taken by "w1": epoch 1 with a live lease."""
+    sid = make_session(phase=Phase.RUNNING)
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w1", lease_seconds=30, to_phase=Phase.RUNNING) == 1
+    return sid
+
+
+def _write(s: Session, session_id: int) -> None:
+    append_message(s, session_id, Role.ASSISTANT, "a write the fence must guard")
+    s.flush()
+
+
+def test_a_stale_session_epochs_write_raises_lease_lost_and_rolls_back() -> None:
+    sid = _taken_session()
+    with transaction() as s:  # the holder of epoch 1 hands the session on: epoch 2
+        assert hand_over(s, sid, epoch=1, to_phase=Phase.RUNNING) == 2
+    fence = SessionFence(session_id=sid, epoch=1, lease_seconds=30)
+    with pytest.raises(LeaseLost), transaction() as s:
+        _write(s, sid)
+        fence.check(s)
+    assert messages_of(sid) == []
+    assert fence.lost and fence.cancelled()
+
+
+def test_a_cancel_makes_the_session_fence_raise_cancelled_inside_the_writes_transaction() -> None:
+    sid = _taken_session()
+    with transaction() as s:
+        assert request_cancel(s, sid)
+    fence = SessionFence(session_id=sid, epoch=1, lease_seconds=30)
+    with pytest.raises(Cancelled), transaction() as s:
+        _write(s, sid)
+        fence.check(s)
+    assert messages_of(sid) == []
+    assert not fence.lost and fence.cancelled()
+
+
+def test_the_session_fence_of_the_current_epoch_lets_the_write_commit() -> None:
+    sid = _taken_session()
+    fence = SessionFence(session_id=sid, epoch=1, lease_seconds=30)
+    with transaction() as s:
+        _write(s, sid)
+        fence.check(s)
+    assert [m.role for m in messages_of(sid)] == [Role.ASSISTANT]
+    assert not fence.lost
+
+
+def test_a_stale_execution_epochs_write_raises_lease_lost_and_rolls_back_its_tokens_too() -> None:
+    eid = make_execution(make_session())
+    child = execution_row(eid).child_session_id
+    with transaction() as s:
+        assert (
+            take_execution(s, eid, expected_epoch=0, to_status=ExecutionStatus.RECOVERING, owner="w1", lease_seconds=30)
+            == 1
+        )
+    with transaction() as s:  # a newer recovery takes it over: epoch 2
+        assert (
+            take_execution(s, eid, expected_epoch=1, to_status=ExecutionStatus.RECOVERING, owner="w2", lease_seconds=30)
+            == 2
+        )
+    fence = ExecutionFence(session_id=child, epoch=1, lease_seconds=30, execution_id=eid)
+    with pytest.raises(LeaseLost), transaction() as s:
+        _write(s, child)
+        fence.check(s, prompt_tokens=5, completion_tokens=7)
+    assert messages_of(child) == []
+    row = execution_row(eid)
+    assert (row.epoch, row.prompt_tokens, row.completion_tokens) == (2, 0, 0)
+    assert fence.lost and fence.renew() is False
+
+
+def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory: ModelFactory) -> None:
+    """The cancel lands while the model is answering: the round is not committed, no child."""
+    model = model_factory(
+        [{"when": {"system_contains": MAIN}, "delay_seconds": 1.5, "reply": TWO[0]["reply"]}, *TWO[1:]]
+    )
+    import threading
+
+    from recovery.cancel import cancel_session
+
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    timer = threading.Timer(0.5, cancel_session, args=(sid,))
+    timer.start()
+    outcome = run_agent(sid, 0, deps)
+    timer.join()
+    assert outcome == "cancelled"
+    assert executions_of(sid) == [] and [m.role for m in messages_of(sid)] == ["USER"]
