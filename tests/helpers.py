@@ -333,3 +333,30 @@ def legacy_parent_with_child(*, status: ExecutionStatus = ExecutionStatus.RUNNIN
 def execution_row(eid: int) -> SubagentExecution:
     with transaction() as s:
         return s.execute(select(SubagentExecution).where(SubagentExecution.id == eid)).scalar_one()
+
+
+#: Two delegates around an inline tool in one round.
+TWO_CHILDREN: list[dict[str, Any]] = [
+    {
+        "when": {"system_contains": MAIN, "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "a"}},
+                {"name": "echo", "arguments": {"text": "inline"}},
+                {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "b"}},
+            ]
+        },
+    },
+    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final"}},
+    {"when": {"system_contains": "subagent"}, "reply": {"content": "child result"}},
+]
+
+
+def yielded_with_children(model_url: str) -> tuple[int, int, list[tuple[int, int]], Any]:
+    """A parent that delegated two children and yielded: (session, epoch, children, loop deps)."""
+    sched = RecordingScheduler()
+    deps = loop_deps(model_url, sched)
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, epoch, children = sched.children.pop()
+    return sid, epoch, children, deps

@@ -14,14 +14,17 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
+from crashpoints import InjectedFault, armed_fault
+from harness.parent import run_agent
 from models import (
     AgentSession,
     DeliveryStatus,
     ExecutionStatus,
     IllegalTransition,
     Message,
+    PendingRound,
     Phase,
     Role,
     SubagentExecution,
@@ -32,12 +35,14 @@ from models.execution import (
     mark_delivered,
     set_delivery_status,
 )
-from recovery.child import recover_child
+from recovery.child import recover_child, start_child
 from recovery.delivery import deliver_round
+from recovery.ops import redeliver_parent
 from recovery.scan import scan
 from tests.helpers import (
     MAIN,
     TWO,
+    TWO_CHILDREN,
     RecordingScheduler,
     add_message,
     children_done_callback_lost,
@@ -53,6 +58,7 @@ from tests.helpers import (
     one_child_script,
     parent_yielded,
     rule_calls,
+    yielded_with_children,
 )
 from tests.types import ModelFactory
 
@@ -96,7 +102,6 @@ def test_r3_two_recovered_siblings_finishing_at_the_same_moment_deliver_the_roun
 
 
 def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_run(model_factory: ModelFactory) -> None:
-    from crashpoints import InjectedFault, armed_fault
 
     model = model_factory(TWO)
     sid, epoch = children_done_callback_lost(model.base_url)
@@ -109,7 +114,6 @@ def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_ru
 
 
 def test_r10_a_crash_after_delivery_commit_does_not_deliver_again(model_factory: ModelFactory) -> None:
-    from crashpoints import InjectedFault, armed_fault
 
     model = model_factory(TWO)
     sid, epoch = children_done_callback_lost(model.base_url)
@@ -168,7 +172,6 @@ def test_the_same_recover_child_and_deliver_round_messages_several_times_deliver
 
 def test_r23_inside_a_pending_round_results_follow_ascending_execution_id(model_factory: ModelFactory) -> None:
     """The round lists call_b before call_a, but call_a's execution is older: its result comes first."""
-    from models import PendingRound
 
     model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
     parent = make_session(phase=Phase.RUNNING)
@@ -317,3 +320,42 @@ def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
     assert sorted(kinds) == ["resume", "stale"]
     assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL"]
     assert invariants(settled=False) == []
+
+
+def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFactory) -> None:
+    model = model_factory(TWO)
+    sid, epoch, children, deps = yielded_with_children(model.base_url)
+    for child in children:
+        start_child(*child, deps)
+    out = deliver_round(sid, epoch)
+    assert out.kind == "resume"
+    assert run_agent(sid, out.new_epoch, deps) == "waiting_user"  # type: ignore[arg-type]
+    calls = len(model.journal())
+    with transaction() as s:
+        before = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
+    sched = RecordingScheduler()
+    assert redeliver_parent(sid, sched) == "nothing_pending"
+    with transaction() as s:
+        after = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
+    assert tuple(after) == tuple(before) == (before.epoch, Phase.WAITING_USER)
+    assert not sched.pending() and len(model.journal()) == calls
+
+
+def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_nothing(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(TWO_CHILDREN)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    first = deliver_round(sid, epoch)
+    assert first.kind == "resume" and first.new_epoch == epoch + 1
+    count = len(messages_of(sid))
+    assert deliver_round(sid, epoch).kind == "stale"  # the duplicate callback
+    assert len(messages_of(sid)) == count
+    deps = loop_deps(model.base_url)
+    assert run_agent(sid, epoch, deps) == "stale"  # a duplicate agent.run with the old epoch
+    assert len(messages_of(sid)) == count
+    assert run_agent(sid, first.new_epoch, deps) == "waiting_user"
+    assert run_agent(sid, first.new_epoch, deps) == "stale"  # the same message delivered twice
+    assert [m.role for m in messages_of(sid)][-1] == "ASSISTANT"
+    assert len(messages_of(sid)) == count + 1
+    assert invariants() == []

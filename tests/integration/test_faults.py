@@ -32,7 +32,6 @@ from models import (
 from models.base import utcnow
 from recovery.child import recover_child, start_child
 from recovery.delivery import deliver_round
-from recovery.ops import redeliver_parent
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,
@@ -42,6 +41,7 @@ from tests.helpers import (
     invariants,
     loop_deps,
     messages_of,
+    yielded_with_children,
 )
 from tests.types import ModelFactory
 
@@ -82,20 +82,11 @@ def statement_fault(pattern: str, times: int = 1) -> Iterator[list[str]]:
         event.remove(engine, "before_cursor_execute", before)
 
 
-def _yielded(model_url: str) -> tuple[int, int, list[tuple[int, int]], Any]:
-    sched = RecordingScheduler()
-    deps = loop_deps(model_url, sched)
-    sid = create_session("main", "go")
-    assert run_agent(sid, 0, deps) == "yielded"
-    _, epoch, children = sched.children.pop()
-    return sid, epoch, children, deps
-
-
 def test_a_database_error_while_finishing_a_child_writes_no_result_and_recovery_completes_it(
     model_factory: ModelFactory,
 ) -> None:
     model = model_factory(TWO)
-    sid, _, children, deps = _yielded(model.base_url)
+    sid, _, children, deps = yielded_with_children(model.base_url)
     with statement_fault("UPDATE subagent_execution SET status") as hits:
         assert start_child(*children[0], deps) == "infra_error"
     assert hits
@@ -124,7 +115,7 @@ def test_a_database_error_in_the_parent_round_leaves_the_parent_to_the_scan_not_
 
 def test_a_database_error_during_recovery_writes_no_failure(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
-    sid, _, _children, deps = _yielded(model.base_url)
+    sid, _, _children, deps = yielded_with_children(model.base_url)
     expire_leases()
     sched = RecordingScheduler()
     scan(sched, callback_grace_seconds=0)
@@ -164,25 +155,6 @@ def test_a_broker_error_at_hand_off_does_not_fail_the_parent_and_the_scan_starts
     assert invariants() == []
 
 
-def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFactory) -> None:
-    model = model_factory(TWO)
-    sid, epoch, children, deps = _yielded(model.base_url)
-    for child in children:
-        start_child(*child, deps)
-    out = deliver_round(sid, epoch)
-    assert out.kind == "resume"
-    assert run_agent(sid, out.new_epoch, deps) == "waiting_user"  # type: ignore[arg-type]
-    calls = len(model.journal())
-    with transaction() as s:
-        before = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
-    sched = RecordingScheduler()
-    assert redeliver_parent(sid, sched) == "nothing_pending"
-    with transaction() as s:
-        after = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
-    assert tuple(after) == tuple(before) == (before.epoch, Phase.WAITING_USER)
-    assert not sched.pending() and len(model.journal()) == calls
-
-
 def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: ModelFactory) -> None:
     call = {"id": "call_1", "name": "echo", "arguments": {"text": "x"}}
     model = model_factory(
@@ -203,7 +175,7 @@ def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: Mo
 
 def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
-    sid, epoch, children, deps = _yielded(model.base_url)
+    sid, epoch, children, deps = yielded_with_children(model.base_url)
     for child in children:
         start_child(*child, deps)
     with transaction() as s:
@@ -219,7 +191,7 @@ def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory: 
     from recovery.scan import _take_plain
 
     model = model_factory(TWO)
-    sid, _, _, _ = _yielded(model.base_url)
+    sid, _, _, _ = yielded_with_children(model.base_url)
     with transaction() as s:
         epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == sid)).scalar_one()
     expire_leases()
@@ -229,7 +201,7 @@ def test_the_plain_resume_rechecks_nothing_pending_in_its_update(model_factory: 
 
 def test_a_stalled_recoverer_cannot_move_a_finished_child_back_to_resuming(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
-    _sid, _, _children, deps = _yielded(model.base_url)
+    _sid, _, _children, deps = yielded_with_children(model.base_url)
     expire_leases()
     sched = RecordingScheduler()
     scan(sched, callback_grace_seconds=0)
@@ -248,7 +220,7 @@ def test_leases_are_written_in_the_databases_time_whatever_the_workers_clock(mod
     model = model_factory(TWO)
     try:
         clock.set_local_skew(-600)  # this worker's clock is ten minutes slow
-        _sid, _, children, deps = _yielded(model.base_url)
+        _sid, _, children, deps = yielded_with_children(model.base_url)
         assert start_child(*children[0], deps) == "completed"
         with transaction() as s:
             db_now = s.execute(text("SELECT now()")).scalar_one()
@@ -280,7 +252,7 @@ def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(mod
             {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
         ]
     )
-    sid, epoch, children, deps = _yielded(model.base_url)
+    sid, epoch, children, deps = yielded_with_children(model.base_url)
     for child in children:
         start_child(*child, deps)
     out = deliver_round(sid, epoch)
@@ -341,7 +313,7 @@ def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_rows_again
 
     model = model_factory(TWO)
     for _ in range(3):
-        _yielded(model.base_url)
+        yielded_with_children(model.base_url)
     expire_leases()
     ticks = itertools.count()
     real = scan_module.utcnow
@@ -357,7 +329,7 @@ def test_a_scan_pass_longer_than_its_reservations_never_takes_its_own_rows_again
 def test_a_reservation_nobody_picked_up_is_sent_again_with_the_same_epoch(model_factory: ModelFactory) -> None:
     """A queue slower than two leases: the late message must stay valid, not be fenced over and over."""
     model = model_factory(TWO)
-    sid, _, _, deps = _yielded(model.base_url)
+    sid, _, _, deps = yielded_with_children(model.base_url)
     expire_leases()
     first, second = RecordingScheduler(), RecordingScheduler()
     scan(first, callback_grace_seconds=0)

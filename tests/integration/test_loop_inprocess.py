@@ -18,6 +18,7 @@ from models import AgentSession, PendingRound, Phase, transaction
 from recovery.child import start_child as run_child
 from recovery.delivery import deliver_round
 from tests.helpers import (
+    TWO_CHILDREN,
     RecordingScheduler,
     children_done_callback_lost,
     executions_of,
@@ -168,22 +169,6 @@ def test_r17_after_a_failed_child_the_parent_may_delegate_again(model_factory: M
     assert invariants() == []
 
 
-TWO_CHILDREN = [
-    {
-        "when": {"system_contains": MAIN, "turn": 0},
-        "reply": {
-            "tool_calls": [
-                {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "a"}},
-                {"name": "echo", "arguments": {"text": "inline"}},
-                {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "b"}},
-            ]
-        },
-    },
-    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final"}},
-    {"when": {"system_contains": "subagent"}, "reply": {"content": "child result"}},
-]
-
-
 @pytest.mark.parametrize("point", ["round.after_assistant", "round.after_some_tools", "round.after_all_tools"])
 def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(
     model_factory: ModelFactory, point: str
@@ -227,26 +212,6 @@ def test_r25_a_fault_in_a_parent_inline_round_commits_nothing(model_factory: Mod
     with armed_fault("round.after_some_tools"):
         assert run_agent(sid, 0, deps) == "failed"
     assert [m.role for m in messages_of(sid)] == ["USER"]
-
-
-def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_nothing(
-    model_factory: ModelFactory,
-) -> None:
-    model = model_factory(TWO_CHILDREN)
-    sid, epoch = children_done_callback_lost(model.base_url)
-    first = deliver_round(sid, epoch)
-    assert first.kind == "resume" and first.new_epoch == epoch + 1
-    count = len(messages_of(sid))
-    assert deliver_round(sid, epoch).kind == "stale"  # the duplicate callback
-    assert len(messages_of(sid)) == count
-    deps = loop_deps(model.base_url)
-    assert run_agent(sid, epoch, deps) == "stale"  # a duplicate agent.run with the old epoch
-    assert len(messages_of(sid)) == count
-    assert run_agent(sid, first.new_epoch, deps) == "waiting_user"
-    assert run_agent(sid, first.new_epoch, deps) == "stale"  # the same message delivered twice
-    assert [m.role for m in messages_of(sid)][-1] == "ASSISTANT"
-    assert len(messages_of(sid)) == count + 1
-    assert invariants() == []
 
 
 def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factory: ModelFactory) -> None:
