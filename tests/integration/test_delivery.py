@@ -222,7 +222,7 @@ def test_r24_parent_side_delivery_after_a_compaction_boundary_with_deleted_rows(
     assert boundary in live and deleted not in live and orphan not in live
     (e,) = executions_of(sid)
     assert e.delivery_status == "DELIVERED" and e.parent_tool_message_id in live
-    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert messages_of(sid)[-1].content.startswith("parent done")
     assert invariants() == []
 
 

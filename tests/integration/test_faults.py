@@ -48,7 +48,7 @@ from tests.types import ModelFactory
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
 
 MAIN = "main agent"
-TWO = [
+TWO: list[dict[str, Any]] = [
     {
         "when": {"system_contains": MAIN, "turn": 0},
         "reply": {

@@ -219,7 +219,7 @@ def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factor
     deps = loop_deps(model.base_url, RecordingScheduler())
     sid = create_session("main", "go")
     assert run_agent(sid, 0, deps) == "yielded"
-    _, _, children = deps.scheduler.children[-1]  # type: ignore[attr-defined]
+    _, _, children = deps.scheduler.children[-1]
     eid, e = children[0]
     assert run_child(eid, e, deps) == "completed"
     assert run_child(eid, e, deps) == "stale"
@@ -255,4 +255,4 @@ def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory
         assert s.execute(select(SubagentExecution.id)).all() == []
         assert s.execute(select(PendingRound.id)).all() == []
         assert [m.role for m in s.execute(select(Message)).scalars()] == ["USER"]
-    assert deps.scheduler.children == []  # type: ignore[attr-defined]
+    assert deps.scheduler.children == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import update
@@ -168,7 +169,7 @@ def test_r19_legacy_rows_are_neither_delivered_nor_resumed_by_scans(model_factor
     model = model_factory(one_child_script())
     parent = make_session(phase=Phase.RUNNING, lease_owner="live@host", lease_expires_at=utcnow() + timedelta(hours=1))
     add_message(parent, Role.USER, "old request")
-    lapsed = {"lease_owner": "gone@host", "lease_expires_at": utcnow() - timedelta(minutes=5)}
+    lapsed: dict[str, Any] = {"lease_owner": "gone@host", "lease_expires_at": utcnow() - timedelta(minutes=5)}
     children = [
         make_session(
             session_type=SessionType.SUBAGENT,

@@ -64,7 +64,7 @@ def test_r8_local_client_never_connecting_fails_the_child_and_the_parent_continu
     assert (done.status, done.delivery_status) == ("FAILED", "DELIVERED")
     assert done.result["error"] == "LOCAL client did not connect before the recovery deadline"  # type: ignore[index]
     assert rule_calls(model, 2) == 0  # the child's model was never called
-    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert messages_of(sid)[-1].content.startswith("parent done")
     assert invariants() == []
 
 

@@ -66,7 +66,7 @@ def test_r1_restart_while_parent_waits_for_first_delegate_recovers_the_original_
     assert sessions_count(SessionType.SUBAGENT) == 1
     assert rule_calls(model, 0) == 1  # the parent never delegated again
     assert_one_delivered_pair(sid, after)
-    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert messages_of(sid)[-1].content.startswith("parent done")
     assert invariants() == []
 
 
@@ -165,7 +165,7 @@ def test_r5_a_child_whose_recovery_fails_is_delivered_as_failed_and_the_parent_c
     tool = next(m for m in messages_of(sid) if m.role == Role.TOOL)
     payload = json.loads(tool.content or "{}")
     assert payload["success"] is False and payload["cancelled"] is False and payload["error"]
-    assert messages_of(sid)[-1].content.startswith("parent done")  # type: ignore[union-attr]
+    assert messages_of(sid)[-1].content.startswith("parent done")
     assert invariants() == []
 
 

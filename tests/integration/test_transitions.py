@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -32,7 +33,7 @@ def _row(eid: int) -> SubagentExecution:
         return s.execute(select(SubagentExecution).where(SubagentExecution.id == eid)).scalar_one()
 
 
-def _take(eid: int, epoch: int = 0, to: ExecutionStatus = ExecutionStatus.RECOVERING, **kw: object) -> int | None:
+def _take(eid: int, epoch: int = 0, to: ExecutionStatus = ExecutionStatus.RECOVERING, **kw: Any) -> int | None:
     with transaction() as s:
         return take_execution(s, eid, expected_epoch=epoch, to_status=to, owner="w1", lease_seconds=30, **kw)
 
