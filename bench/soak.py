@@ -49,6 +49,22 @@ FAULTS = (
     "bare_worker",
     "legacy_backlog",
 )
+#: The default agents, with the soak's tools (bench/soak_tools.py) allowed to the children.
+AGENTS_TOML = """
+[agents.main]
+system_prompt = "You are the main agent. Delegate work to subagents with the delegate tool and combine results."
+max_rounds = 20
+
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent."
+tools = ["echo", "wait", "charge", "stamp"]
+max_rounds = 10
+
+[agents.researcher]
+system_prompt = "You are the researcher subagent."
+tools = ["echo", "wait", "charge", "stamp"]
+max_rounds = 10
+"""
 #: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH).
 LEGACY_PARENTS, LEGACY_PER_PARENT = 201, 5
 
@@ -77,8 +93,16 @@ def script() -> list[dict[str, Any]]:
     rules += [
         {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "final answer"}},
         {
+            # Python tools of both kinds (bench/soak_tools.py), then a wait: the faults land
+            # inside the round as often as between rounds.
             "when": {"system_contains": "subagent", "last_role": "user"},
-            "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 1}}]},
+            "reply": {
+                "tool_calls": [
+                    {"name": "charge", "arguments": {"amount_cents": 250}},
+                    {"name": "stamp", "arguments": {"text": "receipt"}},
+                    {"name": "wait", "arguments": {"seconds": 1}},
+                ]
+            },
         },
         {"when": {"system_contains": "subagent", "last_role": "tool"}, "reply": {"content": "child answer"}},
     ]
@@ -102,6 +126,10 @@ class Soak:
         from migrations import upgrade
 
         upgrade(self.url)
+        self.tool_log = log_dir / "charges.log"
+        agents = log_dir / "agents.toml"
+        agents.write_text(AGENTS_TOML)
+        os.environ.update(AGENTS_FILE=str(agents), TOOL_MODULES="bench.soak_tools", SOAK_TOOL_LOG=str(self.tool_log))
         self.redis = RedisServer(log_dir).start()
         self.proxy = FaultProxy.for_url(self.url).start()
         self.model = ScriptedModelServer(script())
@@ -179,13 +207,23 @@ class Soak:
         deadline = time.monotonic() + (900 if fault == "legacy_backlog" else 240)
         while time.monotonic() < deadline:
             with transaction() as s:
-                problems = check_all(s, settled=True)
+                problems = check_all(s, settled=True) + self._charged_twice()
                 if not problems and fault == "legacy_backlog":
                     problems = _legacy_problems(s)
             if not problems:
                 return []
             time.sleep(0.25)
         return [f"fault={fault}", *problems[:5]]
+
+    def _charged_twice(self) -> list[str]:
+        """The at-most-once rule seen from the side effect itself: every ``charge`` call wrote
+        its key once at most (the file is kept across trials: keys are unique per call)."""
+        from collections import Counter
+
+        if not self.tool_log.exists():
+            return []
+        counts = Counter(self.tool_log.read_text().split())
+        return [f"charge {key[:12]} ran {n} times" for key, n in counts.items() if n > 1]
 
     def _kill(self, victim: Any, rng: random.Random) -> None:
         victim.kill()
