@@ -41,7 +41,7 @@ HISTORY_BATCH = 250_000
 
 
 class CountingScheduler:
-    """A RecoveryScheduler that enqueues nothing: the scan's own cost, without the broker.
+    """A Scheduler (harness.scheduler) that enqueues nothing: the scan's own cost, without the broker.
     (Both shapes of the scheduler: one chord per parent, or recoveries in batches, where one
     parent's executions may span two batches.)"""
 

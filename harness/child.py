@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -260,19 +261,49 @@ def _finish_child_tx(
 CHILD_STARTABLE = (None, Phase.IDLE, Phase.RUNNING, Phase.RESUMING)
 
 
+class ChildOutcome(StrEnum):
+    """How one run of an execution (``start_child``, ``recover_child``) ended."""
+
+    COMPLETED = "completed"  #: the final answer was committed with the execution COMPLETED
+    COMPLETED_FROM_FINAL = "completed_from_final"  #: recovery found the final answer committed (R20)
+    FAILED = "failed"  #: a FAILED result was committed (model/tool error, max_rounds, bad history)
+    TIMED_OUT = "timed_out"  #: recovery found the absolute deadline passed: FAILED committed (R6)
+    CANCELLED = "cancelled"  #: the child session was cancelled: CANCELLED committed
+    STALE = "stale"  #: the take did not land (a newer owner, or nothing to take): nothing done
+    LOST = "lost"  #: a newer owner took the execution mid-run: nothing written
+    INFRA_ERROR = "infra_error"  #: a database/Redis fault: nothing written, the scan resumes it
+    ERROR = "error"  #: an unexpected error, not even a failure result could be recorded
+
+    @property
+    def ended(self) -> bool:
+        """True when this run wrote the execution's end: the round may now be complete."""
+        return self in _ENDED
+
+
+_ENDED = frozenset(
+    {
+        ChildOutcome.COMPLETED,
+        ChildOutcome.COMPLETED_FROM_FINAL,
+        ChildOutcome.FAILED,
+        ChildOutcome.TIMED_OUT,
+        ChildOutcome.CANCELLED,
+    }
+)
+
+
 @dataclass(frozen=True)
 class ChildEnd:
     """How a run of the execution ended, and (when it wrote the end) the round's state."""
 
-    outcome: str
+    outcome: ChildOutcome
     state: RoundState | None = None
 
 
 def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
-    """Run a taken execution's rounds to its end (the taker set the child's phase). Outcomes:
-    "completed", "failed", "cancelled", "lost" (a newer owner: nothing written) or
-    "infra_error" (a database/Redis fault: nothing written, the lease lapses and the scan
-    resumes it — DESIGN §6). Never raises: a chord header never breaks its callback."""
+    """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
+    COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
+    database/Redis fault: nothing written, the lease lapses and the scan resumes it — DESIGN
+    §6). Never raises: a chord header never breaks its callback."""
     execution_id = info.execution_id
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
@@ -286,34 +317,36 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
         text = final.content or ""
         tokens = (final.prompt_tokens, final.completion_tokens)
         state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
-        return ChildEnd("completed", state) if state else ChildEnd("lost")
+        return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
     except LeaseLost:
         log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
-        return ChildEnd("lost")
+        return ChildEnd(ChildOutcome.LOST)
     except Cancelled:
-        return end_with_failure(info, epoch, "cancelled", failure="subagent cancelled", cancelled=True)
+        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, failure="subagent cancelled", cancelled=True)
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
-        return end_with_failure(info, epoch, "failed", failure=reason)
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=reason)
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
-            return ChildEnd("infra_error")
+            return ChildEnd(ChildOutcome.INFRA_ERROR)
         log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
-        return end_with_failure(info, epoch, "failed", failure=f"subagent failed: {describe_exception(exc)}")
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=f"subagent failed: {describe_exception(exc)}")
 
 
-def end_with_failure(info: ChildInfo, epoch: int, outcome: str, *, failure: str, cancelled: bool = False) -> ChildEnd:
+def end_with_failure(
+    info: ChildInfo, epoch: int, outcome: ChildOutcome, *, failure: str, cancelled: bool = False
+) -> ChildEnd:
     """Record a failure result; an infrastructure error while recording writes nothing."""
     try:
         state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=child_infra_error execution=%s error=%s", info.execution_id, type(exc).__name__)
-            return ChildEnd("infra_error")
+            return ChildEnd(ChildOutcome.INFRA_ERROR)
         log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
-        return ChildEnd("error")
-    return ChildEnd(outcome, state) if state else ChildEnd("lost")
+        return ChildEnd(ChildOutcome.ERROR)
+    return ChildEnd(outcome, state) if state else ChildEnd(ChildOutcome.LOST)
 
 
 def _child_rounds(

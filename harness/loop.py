@@ -17,10 +17,9 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -30,6 +29,7 @@ from harness.fence import Fence
 from harness.history import model_view
 from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
+from harness.scheduler import Scheduler
 from harness.tools import lookup
 from models import transaction
 from models.base import utcnow
@@ -39,14 +39,7 @@ from settings import get_settings
 log = logging.getLogger("harness.loop")
 
 
-class Scheduler(Protocol):
-    """What the loops ask of the task layer (Celery in production, anything in tests)."""
-
-    def start_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
-        """Run each (execution_id, epoch) in parallel, then deliver_round(parent_id, parent_epoch)."""
-
-    def resume_parent(self, parent_id: int, epoch: int) -> None:
-        """Run the parent's loop with the epoch it was handed."""
+__all__ = ["LoopDeps", "Scheduler", "ask", "inline_round", "is_infrastructure_error", "model_messages", "worker_id"]
 
 
 def worker_id() -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import replace
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
@@ -33,6 +34,7 @@ from harness.history import append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
 from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
 from harness.model import ModelReply, ToolCall
+from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
 from models.session import release_session, take_session
@@ -40,10 +42,22 @@ from models.session import release_session, take_session
 log = logging.getLogger("harness.parent")
 
 
-def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
-    """Run the session's rounds as the holder of ``epoch``. Returns what happened: "stale"
-    (a newer owner exists), "yielded", "waiting_user", "failed", "cancelled", "lost",
-    "infra_error" (nothing written; the lease lapses and the scan resumes the session)."""
+class RunOutcome(StrEnum):
+    """How one ``run_agent`` (task ``agent.run``) ended."""
+
+    STALE = "stale"  #: a newer owner holds the session (or it is not runnable): nothing done
+    YIELDED = "yielded"  #: children were created; the lease is released until their delivery
+    WAITING_USER = "waiting_user"  #: the model answered without tool calls; the user is next
+    FAILED = "failed"  #: the run ended the session FAILED (a model/tool error, max_rounds)
+    CANCELLED = "cancelled"  #: the session was cancelled; the lease is released
+    LOST = "lost"  #: the lease was lost mid-run: nothing more written
+    INFRA_ERROR = "infra_error"  #: a database/broker fault: nothing written, the scan resumes it
+
+
+def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
+    """Run the session's rounds as the holder of ``epoch``. Returns what happened
+    (``RunOutcome``); on INFRA_ERROR nothing was written: the lease lapses and the scan
+    resumes the session."""
     try:
         with transaction() as s:
             new_epoch = take_session(
@@ -69,10 +83,10 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
         if not is_infrastructure_error(exc):
             raise
         log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
-        return "infra_error"
+        return RunOutcome.INFRA_ERROR
     if new_epoch is None:
         log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
-        return "stale"
+        return RunOutcome.STALE
     crash_point("parent.after_resume")
     publish_status(session_id, Phase.RUNNING)
     fence = SessionFence(session_id, new_epoch, deps.lease_seconds)
@@ -83,18 +97,18 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> str:
             return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
     except LeaseLost:
         log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
-        return "lost"
+        return RunOutcome.LOST
     except Cancelled:
         _release(fence, None)
-        return "cancelled"
+        return RunOutcome.CANCELLED
     except Exception as exc:
         if is_infrastructure_error(exc):
             # NOTE: never a result. The lease lapses; the scan resumes the session (R18).
             log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
-            return "infra_error"
+            return RunOutcome.INFRA_ERROR
         log.warning("event=agent_run_failed session=%s error=%s", session_id, type(exc).__name__, exc_info=True)
         _release(fence, Phase.FAILED)
-        return "failed"
+        return RunOutcome.FAILED
 
 
 def _release(fence: Fence, phase: Phase | None) -> None:
@@ -112,7 +126,7 @@ def _parent_rounds(
     deps: LoopDeps,
     view: list[dict[str, Any]] | None = None,
     in_flight: RoundInFlight | None = None,
-) -> str:
+) -> RunOutcome:
     for _ in range(agent.max_rounds):
         if fence.cancelled():
             if fence.lost:
@@ -129,13 +143,13 @@ def _parent_rounds(
                     append_message(s, session_id, Role.ASSISTANT, reply.content or "")
                     release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
                 publish_status(session_id, Phase.WAITING_USER)
-                return "waiting_user"
+                return RunOutcome.WAITING_USER
             rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
         if any(
             c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in rnd.refused for c in rnd.reply.tool_calls
         ):
             if _delegating_round(session_id, fence, rnd, allowed, deps):
-                return "yielded"
+                return RunOutcome.YIELDED
             continue
         inline_round(fence, session_id, rnd, allowed, None, "parent")
     with transaction() as s:
@@ -143,7 +157,7 @@ def _parent_rounds(
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
         release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED)
     publish_status(session_id, Phase.FAILED)
-    return "failed"
+    return RunOutcome.FAILED
 
 
 def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
@@ -287,7 +301,7 @@ def _delegating_round(
             fence.check(s)
             release_session(s, session_id, epoch=fence.epoch)
     try:
-        deps.scheduler.start_children(session_id, fence.epoch, [(c.execution_id, 0) for c in created])
+        deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in created])
     except Exception as exc:
         # NOTE: the broker is down longer than its publish retries. Everything is committed:
         # the executions' creation reservations lapse and the scan starts them (DESIGN §6).

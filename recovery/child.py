@@ -32,6 +32,7 @@ from harness.child import (
     CHILD_STARTABLE,
     ChildEnd,
     ChildInfo,
+    ChildOutcome,
     child_deadline,
     end_with_failure,
     finish_child,
@@ -62,8 +63,6 @@ from recovery.legacy import infer_and_store
 log = logging.getLogger("recovery.child")
 E = SubagentExecution
 
-#: Ends after which the round may be complete.
-_ENDED = {"completed", "failed", "cancelled", "timed_out", "completed_from_final"}
 #: Child phases that say its last answer was NOT a final result (old rows, spec §7.3.5).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
 
@@ -100,7 +99,7 @@ def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> Fi
     return None
 
 
-def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
     the child's phase and the facts the run needs are ONE transaction."""
     try:
@@ -120,28 +119,28 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
                 set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
     except IllegalTransition:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
-        return "stale"
+        return ChildOutcome.STALE
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise
         log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
-        return "infra_error"
+        return ChildOutcome.INFRA_ERROR
     if new_epoch is None or info is None:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
-        return "stale"
+        return ChildOutcome.STALE
     crash_point("child.after_take")
     end = run_rounds(info, new_epoch, deps)
     _after_end(execution_id, end, deps, recovered=False)
     return end.outcome
 
 
-def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> str:
+def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
     started = time.monotonic()
     try:
         end = _recover(execution_id, epoch, deps)
     except Exception as exc:
-        kind = "infra_error" if is_infrastructure_error(exc) else "error"
+        kind = ChildOutcome.INFRA_ERROR if is_infrastructure_error(exc) else ChildOutcome.ERROR
         log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
         end = ChildEnd(kind)
     log.info(
@@ -167,7 +166,7 @@ class _Taken:
     unrecoverable: str | None = None
 
 
-def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | str:
+def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | ChildOutcome:
     """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final."""
     with transaction() as s:
         try:
@@ -183,10 +182,10 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
             )
         except IllegalTransition:
             log.info("event=subagent_recovery_skipped executionId=%s reason=not_pending", execution_id)
-            return "stale"
+            return ChildOutcome.STALE
         if new_epoch is None:
             log.info("event=subagent_recovery_skipped executionId=%s reason=stale_epoch", execution_id)
-            return "stale"
+            return ChildOutcome.STALE
         parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
         invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
         info = load_child(execution_id, s)
@@ -216,7 +215,7 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
 
 def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
     taken = _take_for_recovery(execution_id, epoch, deps)
-    if isinstance(taken, str):
+    if isinstance(taken, ChildOutcome):
         return ChildEnd(taken)
     crash_point("recover.after_take")
     info, new_epoch = taken.info, taken.epoch
@@ -229,21 +228,21 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         taken.tail_removed,
     )
     if taken.unrecoverable is not None:
-        return end_with_failure(info, new_epoch, "failed", failure=taken.unrecoverable)
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, failure=taken.unrecoverable)
     try:
         if taken.final is not None:
             # R20: the final answer exists; finish without calling the model again.
             state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
-            return ChildEnd("completed_from_final", state) if state else ChildEnd("lost")
+            return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
         if utcnow() >= child_deadline(info.started_at):
-            return end_with_failure(info, new_epoch, "timed_out", failure=timeout_reason())
+            return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, failure=timeout_reason())
     except Exception as exc:
         if is_infrastructure_error(exc):
             log.warning("event=subagent_recovery_infra_error executionId=%s error=%s", execution_id, type(exc).__name__)
-            return ChildEnd("infra_error")
+            return ChildEnd(ChildOutcome.INFRA_ERROR)
         log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
         return end_with_failure(
-            info, new_epoch, "failed", failure=f"subagent recovery failed: {describe_exception(exc)}"
+            info, new_epoch, ChildOutcome.FAILED, failure=f"subagent recovery failed: {describe_exception(exc)}"
         )
     return run_rounds(info, new_epoch, deps)
 
@@ -252,7 +251,7 @@ def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: b
     """The last execution of a recovered round to end asks for the round's delivery. The
     round's state comes from the finishing transaction itself (no extra trip)."""
     state = end.state
-    if end.outcome not in _ENDED or state is None:
+    if not end.outcome.ended or state is None:
         return
     if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
         return  # delivered already, siblings still running, or the parent is not waiting

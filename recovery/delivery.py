@@ -19,7 +19,8 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -33,6 +34,7 @@ from harness.journal import interrupted_result
 from harness.model import ToolCall
 from harness.results import failure_result
 from harness.rounds import ToolResult, write_round
+from harness.scheduler import Scheduler
 from models import (
     ACTIVE_EXECUTION,
     STOPPED_PHASES,
@@ -55,9 +57,21 @@ E = SubagentExecution
 INTERRUPTED = "error: the tool was interrupted by a restart and was not re-run"
 
 
+class DeliveryKind(StrEnum):
+    """How one ``deliver_round`` ended."""
+
+    STALE = "stale"  #: the parent is gone or holds another epoch (a duplicate/late callback): nothing done
+    PARENT_BUSY = "parent_busy"  #: a loop holds the parent's lease; the last child or the scan asks again
+    WAITING = "waiting"  #: an execution of the parent is still active or PENDING: no hand-over yet (I3)
+    SUPPRESSED = "suppressed"  #: the parent is stopped: its PENDING results became SUPPRESSED
+    RESUME = "resume"  #: every result delivered; the parent was handed ``new_epoch`` to run
+    NOTHING = "nothing"  #: nothing was pending: a settled parent is left as it is (spec §7.1.5)
+    STOPPED = "stopped"  #: the parent's history can never be legal: stopped FAILED, results suppressed
+
+
 @dataclass(frozen=True)
 class DeliveryOutcome:
-    kind: str  #: "stale" | "waiting" | "suppressed" | "resume" | "nothing" | "stopped"
+    kind: DeliveryKind
     new_epoch: int | None = None
     delivered: tuple[int, ...] = ()
 
@@ -219,15 +233,15 @@ def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[in
     parent = _lock_parent(s, parent_id)
     if parent is None or parent.epoch != epoch:
         log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
-        return DeliveryOutcome("stale", delivered=tuple(delivered))
+        return DeliveryOutcome(DeliveryKind.STALE, delivered=tuple(delivered))
     if parent.lease_owner is not None:
         # NOTE: a loop holds the parent (it has not yielded yet, or it runs again): a parent
         # waiting for its children holds no lease. The last child or the scan asks again.
         log.info("event=deliver_round_skipped parent=%s epoch=%s reason=parent_busy", parent_id, epoch)
-        return DeliveryOutcome("stale", delivered=tuple(delivered))
+        return DeliveryOutcome(DeliveryKind.PARENT_BUSY, delivered=tuple(delivered))
     if parent.phase in STOPPED_PHASES:
         suppressed = suppress_parent(s, parent_id)
-        return DeliveryOutcome("suppressed", delivered=tuple(delivered) or tuple(suppressed))
+        return DeliveryOutcome(DeliveryKind.SUPPRESSED, delivered=tuple(delivered) or tuple(suppressed))
     return None
 
 
@@ -239,7 +253,7 @@ def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered
     if not delivered and not had_round:
         # Nothing was waiting: a settled parent is never handed over (spec §7.1.5).
         log.info("event=deliver_round_skipped parent=%s reason=nothing_pending", parent_id)
-        return DeliveryOutcome("nothing")
+        return DeliveryOutcome(DeliveryKind.NOTHING)
     left = (
         s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
         .scalars()
@@ -247,11 +261,11 @@ def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered
     )
     if left:
         log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
-        return DeliveryOutcome("waiting", delivered=tuple(delivered))
+        return DeliveryOutcome(DeliveryKind.WAITING, delivered=tuple(delivered))
     new_epoch = hand_over(
         s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
     )
-    return DeliveryOutcome("resume", new_epoch=new_epoch, delivered=tuple(delivered))
+    return DeliveryOutcome(DeliveryKind.RESUME, new_epoch=new_epoch, delivered=tuple(delivered))
 
 
 def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
@@ -265,10 +279,10 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         with transaction() as s:
             parent = _lock_parent(s, parent_id)
             if parent is None or not stop_session(s, parent_id, epoch=epoch, to_phase=Phase.FAILED):
-                return DeliveryOutcome("stale")
+                return DeliveryOutcome(DeliveryKind.STALE)
             suppressed = suppress_parent(s, parent_id)
         publish_status(parent_id, Phase.FAILED)
-        return DeliveryOutcome("stopped", delivered=tuple(suppressed))
+        return DeliveryOutcome(DeliveryKind.STOPPED, delivered=tuple(suppressed))
 
 
 def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
@@ -286,7 +300,7 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         active = [r.id for r in pending if r.status in ACTIVE_EXECUTION]
         if active:
             log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, active)))
-            return DeliveryOutcome("waiting")
+            return DeliveryOutcome(DeliveryKind.WAITING)
         cleanup_incomplete_tail(
             s, parent_id, validated_boundary(s, parent_id), protected=_delivered_rows(s, parent_id, -1)
         )
@@ -306,7 +320,7 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
             if stop is not None:
                 return stop
             outcome = _close_round_and_hand_over(s, parent_id, epoch, delivered)
-    if outcome.kind == "resume":
+    if outcome.kind == DeliveryKind.RESUME:
         crash_point("deliver.before_resume")
         log.info(
             "event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, outcome.new_epoch, len(delivered)
@@ -314,16 +328,12 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     return outcome
 
 
-class _Resumer(Protocol):
-    def resume_parent(self, parent_id: int, epoch: int) -> None: ...
-
-
-def deliver_and_resume(parent_id: int, epoch: int, scheduler: _Resumer) -> DeliveryOutcome:
+def deliver_and_resume(parent_id: int, epoch: int, scheduler: Scheduler) -> DeliveryOutcome:
     """deliver_round, then enqueue the parent's run with the epoch it was handed. A broker
     error there loses nothing: the parent waits RUNNING under a reservation and the scan
     resumes it once that lapses (R18)."""
     outcome = deliver_round(parent_id, epoch)
-    if outcome.kind == "resume" and outcome.new_epoch is not None:
+    if outcome.kind == DeliveryKind.RESUME and outcome.new_epoch is not None:
         try:
             scheduler.resume_parent(parent_id, outcome.new_epoch)
         except Exception as exc:

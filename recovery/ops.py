@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from harness.scheduler import Scheduler
 from models import (
     ACTIVE_EXECUTION,
     STOPPED_PHASES,
@@ -18,16 +19,16 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from recovery.delivery import deliver_round
+from recovery.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
-from recovery.scan import RecoveryScheduler, release_dead_parents
+from recovery.scan import release_dead_parents
 from settings import get_settings
 
 log = logging.getLogger("recovery.ops")
 E = SubagentExecution
 
 
-def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
+def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
     """Run the same delivery as the chord callback for the parent, idempotently: a parent
     with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
     asked again, spec §7.1.5); a stopped one has its pending results suppressed; a parent
@@ -51,14 +52,16 @@ def redeliver_parent(parent_id: int, scheduler: RecoveryScheduler) -> str:
             return "nothing_pending"
         epochs = release_dead_parents(s, [parent_id])
     outcome = deliver_round(parent_id, epochs[parent_id])
-    if outcome.kind == "resume" and outcome.new_epoch is not None:
+    if outcome.kind == DeliveryKind.RESUME and outcome.new_epoch is not None:
         scheduler.resume_parent(parent_id, outcome.new_epoch)
-    kind = "parent_busy" if outcome.kind == "stale" else outcome.kind
+    # NOTE: STALE here is the epoch moving between release_dead_parents and the delivery: a
+    # loop took the parent meanwhile, which the operator sees as a busy parent too.
+    kind = DeliveryKind.PARENT_BUSY if outcome.kind == DeliveryKind.STALE else outcome.kind
     log.info("event=redeliver parent=%s outcome=%s delivered=%d", parent_id, kind, len(outcome.delivered))
     return kind
 
 
-def redeliver(execution_id: int, scheduler: RecoveryScheduler) -> str:
+def redeliver(execution_id: int, scheduler: Scheduler) -> str:
     """Re-run delivery for one execution. Already delivered/suppressed/legacy: nothing happens.
     Still running: nothing to deliver yet (the scan recovers it when its lease expires)."""
     with transaction() as s:

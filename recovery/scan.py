@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy import and_, case, exists, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -40,6 +40,7 @@ from crashpoints import crash_point
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, validated_boundary
+from harness.scheduler import Handed, Scheduler
 from models import (
     ACTIVE_EXECUTION,
     ACTIVE_PHASES,
@@ -66,19 +67,6 @@ log = logging.getLogger("recovery.scan")
 BATCH = 1000
 
 E, S = SubagentExecution, AgentSession
-
-#: (execution_id, epoch) pairs of one parent.
-Children = Sequence[tuple[int, int]]
-
-
-class RecoveryScheduler(Protocol):
-    def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
-        """For each (parent_id, parent_epoch, children): recover_child(eid, epoch) per child."""
-
-    def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
-        """deliver_round(parent_id, epoch) for each."""
-
-    def resume_parent(self, parent_id: int, epoch: int) -> None: ...
 
 
 @dataclass
@@ -139,7 +127,7 @@ class ScanRight:
             release_scan_right(s, self.holder)
 
 
-def scan(scheduler: RecoveryScheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
+def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
     results may wait for their own delivery before the scan asks for it again."""
     started, started_at = time.monotonic(), utcnow()
@@ -356,16 +344,16 @@ def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int
     return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 
 
-def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport, right: ScanRight) -> None:
+def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
     reserve_seconds = reservation_seconds()
     pass_started = utcnow()
     cursor = 0
     while True:
         with transaction() as s:
             batch = _reserve_batch(s, reserve_seconds, pass_started, cursor)
-            by_parent: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            by_parent: dict[int, list[Handed]] = defaultdict(list)
             for eid, epoch, parent_id in batch.rows:
-                by_parent[int(parent_id)].append((int(eid), int(epoch)))
+                by_parent[int(parent_id)].append(Handed(int(eid), int(epoch)))
             epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
         cursor = batch.cursor
         if batch.rows:
@@ -385,7 +373,7 @@ def _recover_dead_executions(scheduler: RecoveryScheduler, report: ScanReport, r
         right.renew()
 
 
-def _deliver_waiting_rounds(scheduler: RecoveryScheduler, report: ScanReport, grace_seconds: float | None) -> None:
+def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seconds: float | None) -> None:
     settings = get_settings()
     now = utcnow()
     grace = timedelta(seconds=settings.LEASE_SECONDS if grace_seconds is None else grace_seconds)
@@ -430,7 +418,7 @@ def _nothing_pending() -> tuple[Any, ...]:
     )
 
 
-def _resume_plain_sessions(scheduler: RecoveryScheduler, report: ScanReport) -> None:
+def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
     now = utcnow()
     with transaction() as s:
         rows = s.execute(

@@ -6,6 +6,7 @@ import logging
 from functools import lru_cache
 from typing import Any
 
+from harness.child import ChildOutcome
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
@@ -39,7 +40,7 @@ def run_child_task(execution_id: int, epoch: int) -> str:
         return start_child(int(execution_id), int(epoch), deps())
     except Exception:
         log.error("event=run_child_error execution=%s", execution_id, exc_info=True)
-        return "error"
+        return ChildOutcome.ERROR
 
 
 @app.task(name="agent.deliver_round", ignore_result=True)

@@ -12,19 +12,23 @@ from typing import Any
 
 from celery import chord
 
+from harness.scheduler import Children
+
 #: Recoveries sent one message each up to this many executions in a pass; above, in batches.
 FAN_OUT_ABOVE = 200
 FAN_OUT_BATCH = 500
 
 
 class CeleryScheduler:
+    """harness.scheduler.Scheduler over Celery (plus ``fan_out``, the fan-out task's own step)."""
+
     def __init__(self, app: Any) -> None:
         self.app = app
 
     def _sig(self, name: str, *args: object) -> Any:
         return self.app.signature(name, args=args)
 
-    def start_children(self, parent_id: int, parent_epoch: int, children: Sequence[tuple[int, int]]) -> None:
+    def start_children(self, parent_id: int, parent_epoch: int, children: Children) -> None:
         header = [self._sig("agent.run_child", eid, epoch) for eid, epoch in children]
         chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
 
@@ -33,7 +37,7 @@ class CeleryScheduler:
             for parent_id, epoch in parents:
                 self._sig("agent.deliver_round", None, parent_id, epoch).apply_async(producer=producer)
 
-    def recover_many(self, rounds: Sequence[tuple[int, int, Sequence[tuple[int, int]]]]) -> None:
+    def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
         """One recover_child message per execution; the last of a round to end asks for its
         delivery (recovery.child), so no chord has to survive the next crash.
 
@@ -49,7 +53,7 @@ class CeleryScheduler:
                 batch = [list(pair) for pair in children[i : i + FAN_OUT_BATCH]]
                 self._sig("recovery.fan_out", batch).apply_async(producer=producer)
 
-    def fan_out(self, children: Sequence[tuple[int, int]]) -> None:
+    def fan_out(self, children: Children) -> None:
         with self.app.producer_or_acquire() as producer:
             for eid, epoch in children:
                 self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
