@@ -19,12 +19,12 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
-from harness.errors import Cancelled, DeadlineExceeded
+from harness.errors import Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Fence, Heartbeat
 from harness.history import append_message
 from harness.journal import RoundInFlight, journal_reply, resume
-from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
+from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception, failure_result, followup_fields, success_result
@@ -308,16 +308,18 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
     try:
-        publish_status(info.child_session_id, Phase.RUNNING)
-        agent = get_agent(info.agent_type)
-        allowed = agent.tool_names(tool_names(), subagent=True)
-        local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
-        with Heartbeat(fence):
-            final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
-        text = final.content or ""
-        tokens = (final.prompt_tokens, final.completion_tokens)
-        state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
-        return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
+        with infrastructure_boundary(log, "child_infra_error", execution=execution_id):
+            publish_status(info.child_session_id, Phase.RUNNING)
+            agent = get_agent(info.agent_type)
+            allowed = agent.tool_names(tool_names(), subagent=True)
+            local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
+            with Heartbeat(fence):
+                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
+            text = final.content or ""
+            tokens = (final.prompt_tokens, final.completion_tokens)
+            state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
+            return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
+        return ChildEnd(ChildOutcome.INFRA_ERROR)
     except LeaseLost:
         log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
         return ChildEnd(ChildOutcome.LOST)
@@ -327,9 +329,6 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=reason)
     except Exception as exc:
-        if is_infrastructure_error(exc):
-            log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
-            return ChildEnd(ChildOutcome.INFRA_ERROR)
         log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=f"subagent failed: {describe_exception(exc)}")
 
@@ -339,13 +338,13 @@ def end_with_failure(
 ) -> ChildEnd:
     """Record a failure result; an infrastructure error while recording writes nothing."""
     try:
-        state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
-    except Exception as exc:
-        if is_infrastructure_error(exc):
-            log.warning("event=child_infra_error execution=%s error=%s", info.execution_id, type(exc).__name__)
-            return ChildEnd(ChildOutcome.INFRA_ERROR)
+        with infrastructure_boundary(log, "child_infra_error", execution=info.execution_id) as fault:
+            state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
+    except Exception:
         log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
         return ChildEnd(ChildOutcome.ERROR)
+    if fault:
+        return ChildEnd(ChildOutcome.INFRA_ERROR)
     return ChildEnd(outcome, state) if state else ChildEnd(ChildOutcome.LOST)
 
 
@@ -366,15 +365,12 @@ def _child_rounds(
     round its crashed run journaled, without asking the model again (harness.journal)."""
     in_flight: RoundInFlight | None = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
     for _ in range(agent.max_rounds):
-        if fence.cancelled():
-            if fence.lost:
-                raise LeaseLost()
-            raise Cancelled()
+        fence.raise_if_stopped()
         if utcnow() >= deadline:
             raise DeadlineExceeded()
         if local:
-            wait_for_client(info.user_id, deadline, fence.cancelled)
-            if fence.cancelled():
+            wait_for_client(info.user_id, deadline, fence.should_stop)
+            if fence.should_stop():
                 continue
         if in_flight is not None:
             rnd, in_flight = in_flight, None

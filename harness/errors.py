@@ -1,6 +1,12 @@
-"""Errors of the agent runtime: one root, leaves named as facts."""
+"""Errors of the agent runtime: one root, leaves named as facts; and the one boundary where
+an infrastructure fault (database, Redis, broker) is told apart from a result."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 
 class HarnessError(Exception):
@@ -40,3 +46,54 @@ class Cancelled(HarnessError):
 
 class DeadlineExceeded(HarnessError):
     """The absolute deadline of this execution has passed."""
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """True for a database, Redis or broker fault: never to be recorded as a result. A lost
+    lease (``LeaseLost``) is a fact about ownership, not a fault of the infrastructure."""
+    from sqlalchemy import exc as sa_exc
+
+    from models.errors import LeaseLost
+
+    if isinstance(exc, HarnessError | LeaseLost):
+        return False  # the model, a tool, the deadline: those are results; a lost lease stops
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
+        return True
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, sa_exc.InternalError | sa_exc.ResourceClosedError):
+        return True  # e.g. "current transaction is aborted" after a cut, a closed cursor
+    mod = type(exc).__module__
+    if mod.startswith(("redis.", "kombu.", "amqp.", "psycopg2")):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_infrastructure_error(cause)
+
+
+@dataclass
+class InfrastructureFault:
+    """What ``infrastructure_boundary`` stopped: false while the block has not hit a fault."""
+
+    error: BaseException | None = None
+
+    def __bool__(self) -> bool:
+        return self.error is not None
+
+
+@contextmanager
+def infrastructure_boundary(
+    log: logging.Logger, event: str, *, level: int = logging.WARNING, **fields: object
+) -> Iterator[InfrastructureFault]:
+    """The one place an infrastructure error ends a task: it is logged as ``event`` (with
+    ``fields`` and the error's type) and recorded in the yielded fault, never re-raised and
+    never a result: the lease lapses and the scan resumes the work (DESIGN §6). Every other
+    exception passes through, so a handler around the block sees only results and facts."""
+    fault = InfrastructureFault()
+    try:
+        yield fault
+    except Exception as exc:
+        if not is_infrastructure_error(exc):
+            raise
+        fault.error = exc
+        names = "".join(f" {k}=%s" for k in fields)
+        log.log(level, f"event={event}{names} error=%s", *fields.values(), type(exc).__name__)

@@ -59,7 +59,15 @@ class Fence:
     def _still_owned(self, s: Session) -> bool:
         raise NotImplementedError
 
-    def cancelled(self) -> bool:
+    def raise_if_stopped(self) -> None:
+        """Raises LeaseLost when this worker lost the row, Cancelled when the session was
+        cancelled (``should_stop``); returns when the loop may go on."""
+        if self.should_stop():
+            if self.lost:
+                raise LeaseLost()
+            raise Cancelled()
+
+    def should_stop(self) -> bool:
         """True when this worker lost the row or the session was cancelled (polled, throttled)."""
         if self.lost or self._cancelled:
             return True

@@ -190,7 +190,7 @@ def run_tools(
                 fence.check(s)
                 store.mark_started(s, rnd.journal_id, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
-        ctx = ToolContext(session_id, call.id, deadline, fence.cancelled, kind)
+        ctx = ToolContext(session_id, call.id, deadline, fence.should_stop, kind)
         result = run_inline(call.name, call.arguments, ctx, allowed)
         out[call.id] = result
         if n == len(todo) - 1 and safe:

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from harness.agents import AgentDef
-from harness.errors import DeadlineExceeded, ModelUnavailable
+from harness.errors import DeadlineExceeded, ModelUnavailable, is_infrastructure_error
 from harness.fence import Fence
 from harness.history import model_view
 from harness.journal import RoundInFlight, commit_round, run_tools
@@ -63,27 +63,6 @@ class LoopDeps:
         self.model = self.model or ModelClient.from_settings()
         self.owner = self.owner or worker_id()
         self.lease_seconds = self.lease_seconds or settings.LEASE_SECONDS
-
-
-def is_infrastructure_error(exc: BaseException) -> bool:
-    """True for a database, Redis or broker fault: never to be recorded as a result."""
-    from sqlalchemy import exc as sa_exc
-
-    from harness.errors import HarnessError
-
-    if isinstance(exc, HarnessError):
-        return False  # the model, a tool, the deadline: those are results
-    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
-        return True
-    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
-        return True
-    if isinstance(exc, sa_exc.InternalError | sa_exc.ResourceClosedError):
-        return True  # e.g. "current transaction is aborted" after a cut, a closed cursor
-    mod = type(exc).__module__
-    if mod.startswith(("redis.", "kombu.", "amqp.", "psycopg2")):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    return cause is not None and cause is not exc and is_infrastructure_error(cause)
 
 
 def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:

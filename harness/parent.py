@@ -27,12 +27,12 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
 from harness.delegate import CreatedExecution, create_execution
-from harness.errors import Cancelled
+from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
-from harness.loop import LoopDeps, ask, inline_round, is_infrastructure_error, model_messages
+from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
@@ -58,31 +58,27 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     """Run the session's rounds as the holder of ``epoch``. Returns what happened
     (``RunOutcome``); on INFRA_ERROR nothing was written: the lease lapses and the scan
     resumes the session."""
-    try:
-        with transaction() as s:
-            new_epoch = take_session(
-                s,
-                session_id,
-                expected_epoch=epoch,
-                owner=deps.owner,
-                lease_seconds=deps.lease_seconds,
-                to_phase=Phase.RUNNING,
-                require_expired=True,
-                free_when_unowned=True,
-            )
-            agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
-            # The first round's view (or the round a crashed run journaled) is read in the
-            # take's transaction (one trip fewer); the take is the epoch's fence there.
-            in_flight = resume_in(s, session_id, new_epoch) if new_epoch is not None else None
-            first_view = (
-                model_messages(session_id, get_agent(agent_type), s)
-                if new_epoch is not None and in_flight is None
-                else None
-            )
-    except Exception as exc:
-        if not is_infrastructure_error(exc):
-            raise
-        log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
+    with infrastructure_boundary(log, "agent_run_infra_error", session=session_id) as fault, transaction() as s:
+        new_epoch = take_session(
+            s,
+            session_id,
+            expected_epoch=epoch,
+            owner=deps.owner,
+            lease_seconds=deps.lease_seconds,
+            to_phase=Phase.RUNNING,
+            require_expired=True,
+            free_when_unowned=True,
+        )
+        agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
+        # The first round's view (or the round a crashed run journaled) is read in the
+        # take's transaction (one trip fewer); the take is the epoch's fence there.
+        in_flight = resume_in(s, session_id, new_epoch) if new_epoch is not None else None
+        first_view = (
+            model_messages(session_id, get_agent(agent_type), s)
+            if new_epoch is not None and in_flight is None
+            else None
+        )
+    if fault:
         return RunOutcome.INFRA_ERROR
     if new_epoch is None:
         log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
@@ -93,8 +89,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     agent = get_agent(agent_type)
     allowed = agent.tool_names(tool_names(), subagent=False)
     try:
-        with Heartbeat(fence):
+        # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
+        # resumes the session (R18). The boundary stops it before the handlers below.
+        with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session=session_id):
             return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
+        return RunOutcome.INFRA_ERROR
     except LeaseLost:
         log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
         return RunOutcome.LOST
@@ -102,10 +101,6 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         _release(fence, None)
         return RunOutcome.CANCELLED
     except Exception as exc:
-        if is_infrastructure_error(exc):
-            # NOTE: never a result. The lease lapses; the scan resumes the session (R18).
-            log.warning("event=agent_run_infra_error session=%s error=%s", session_id, type(exc).__name__)
-            return RunOutcome.INFRA_ERROR
         log.warning("event=agent_run_failed session=%s error=%s", session_id, type(exc).__name__, exc_info=True)
         _release(fence, Phase.FAILED)
         return RunOutcome.FAILED
@@ -128,10 +123,7 @@ def _parent_rounds(
     in_flight: RoundInFlight | None = None,
 ) -> RunOutcome:
     for _ in range(agent.max_rounds):
-        if fence.cancelled():
-            if fence.lost:
-                raise LeaseLost()
-            raise Cancelled()
+        fence.raise_if_stopped()
         if in_flight is not None:
             rnd, in_flight = in_flight, None  # continued from the journal: no model call
         else:
@@ -290,7 +282,7 @@ def _delegating_round(
         ",".join(str(c.execution_id) for c in created),
     )
     for call in inline:
-        ctx = ToolContext(session_id, call.id, None, fence.cancelled, "parent")
+        ctx = ToolContext(session_id, call.id, None, fence.should_stop, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
         _record_inline(fence, round_id, call.id, result)
         crash_point("parent.mid_inline")

@@ -40,9 +40,9 @@ from harness.child import (
     run_rounds,
     timeout_reason,
 )
-from harness.errors import BoundaryInvalid
+from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
-from harness.loop import LoopDeps, is_infrastructure_error
+from harness.loop import LoopDeps
 from harness.results import describe_exception
 from models import (
     AgentSession,
@@ -103,7 +103,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
     the child's phase and the facts the run needs are ONE transaction."""
     try:
-        with transaction() as s:
+        with infrastructure_boundary(log, "child_infra_error", execution=execution_id) as fault, transaction() as s:
             new_epoch = take_execution(
                 s,
                 execution_id,
@@ -120,10 +120,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     except IllegalTransition:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
         return ChildOutcome.STALE
-    except Exception as exc:
-        if not is_infrastructure_error(exc):
-            raise
-        log.warning("event=child_infra_error execution=%s error=%s", execution_id, type(exc).__name__)
+    if fault:
         return ChildOutcome.INFRA_ERROR
     if new_epoch is None or info is None:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
@@ -138,11 +135,15 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
     """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
     started = time.monotonic()
     try:
-        end = _recover(execution_id, epoch, deps)
+        with infrastructure_boundary(
+            log, "subagent_recovery_error", level=logging.ERROR, executionId=execution_id
+        ) as fault:
+            end = _recover(execution_id, epoch, deps)
     except Exception as exc:
-        kind = ChildOutcome.INFRA_ERROR if is_infrastructure_error(exc) else ChildOutcome.ERROR
         log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
-        end = ChildEnd(kind)
+        end = ChildEnd(ChildOutcome.ERROR)
+    if fault:
+        end = ChildEnd(ChildOutcome.INFRA_ERROR)
     log.info(
         "event=subagent_recovery_complete executionId=%s outcome=%s durationMs=%d",
         execution_id,
@@ -230,16 +231,16 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
     if taken.unrecoverable is not None:
         return end_with_failure(info, new_epoch, ChildOutcome.FAILED, failure=taken.unrecoverable)
     try:
-        if taken.final is not None:
-            # R20: the final answer exists; finish without calling the model again.
-            state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
-            return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
-        if utcnow() >= child_deadline(info.started_at):
-            return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, failure=timeout_reason())
-    except Exception as exc:
-        if is_infrastructure_error(exc):
-            log.warning("event=subagent_recovery_infra_error executionId=%s error=%s", execution_id, type(exc).__name__)
+        with infrastructure_boundary(log, "subagent_recovery_infra_error", executionId=execution_id) as fault:
+            if taken.final is not None:
+                # R20: the final answer exists; finish without calling the model again.
+                state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
+                return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
+            if utcnow() >= child_deadline(info.started_at):
+                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, failure=timeout_reason())
+        if fault:
             return ChildEnd(ChildOutcome.INFRA_ERROR)
+    except Exception as exc:
         log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
         return end_with_failure(
             info, new_epoch, ChildOutcome.FAILED, failure=f"subagent recovery failed: {describe_exception(exc)}"

@@ -13,7 +13,7 @@ What a call can end in (``run_inline``):
   validate (the pydantic errors, without the values), a ``ToolError`` (its message), or any other
   exception (its type and message, one line, secrets redacted, never a traceback);
 - ``Cancelled``, ``DeadlineExceeded``, a models error (``LeaseLost`` above all) and an
-  infrastructure error (``harness.loop.is_infrastructure_error``) propagate: the loop stops
+  infrastructure error (``harness.errors.is_infrastructure_error``) propagate: the loop stops
   without a result and the lease lapses.
 """
 
@@ -285,7 +285,7 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
     except (Cancelled, DeadlineExceeded):
         raise
     except Exception as exc:
-        from harness.loop import is_infrastructure_error
+        from harness.errors import is_infrastructure_error
         from models.errors import ModelError
 
         if isinstance(exc, ModelError) or is_infrastructure_error(exc):

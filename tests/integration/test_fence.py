@@ -65,7 +65,7 @@ def test_a_stale_session_epochs_write_raises_lease_lost_and_rolls_back() -> None
         _write(s, sid)
         fence.check(s)
     assert messages_of(sid) == []
-    assert fence.lost and fence.cancelled()
+    assert fence.lost and fence.should_stop()
 
 
 def test_a_cancel_makes_the_session_fence_raise_cancelled_inside_the_writes_transaction() -> None:
@@ -77,7 +77,7 @@ def test_a_cancel_makes_the_session_fence_raise_cancelled_inside_the_writes_tran
         _write(s, sid)
         fence.check(s)
     assert messages_of(sid) == []
-    assert not fence.lost and fence.cancelled()
+    assert not fence.lost and fence.should_stop()
 
 
 def test_the_session_fence_of_the_current_epoch_lets_the_write_commit() -> None:
