@@ -52,8 +52,7 @@ def _positive_int(text: str) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from harness.errors import UnknownAgent
-    from harness.errors import is_infrastructure_error
+    from harness.errors import UnknownAgent, is_infrastructure_error
     from harness.views import create_session
     from tasks import app
 

@@ -2,7 +2,7 @@
 
 Two views of a session's history:
 - RAW rows (``deleted = false``, after a validated compaction boundary): what recovery and
-  delivery reason about. ``cleanup_incomplete_tail`` and ``find_complete_pair`` work here.
+  delivery reason about. ``cleanup_incomplete_tail`` and ``pair_state`` work here.
 - The NORMALIZED view (``normalize``): what a model may be shown. It never contains an orphan
   TOOL, an assistant tool_call without its TOOL, or a row with malformed tool_calls JSON.
 
@@ -321,7 +321,8 @@ def _tool_run(rows: Sequence[Any], idx: int) -> list[Any]:
 def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[int, int] | None:
     """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
 
-    Malformed tool_calls JSON counts as incomplete. Used by delivery to decide "already there".
+    Malformed tool_calls JSON counts as incomplete. Delivery asks ``pair_state`` (which also
+    names the rows to repair); this answer is the complete-pair half of it, for tests and ops.
     """
     state = pair_state(s, session_id, tool_call_id)
     if state.assistant_id is not None and state.tool_id is not None:

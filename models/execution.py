@@ -135,10 +135,6 @@ def _classify(s: Session, eid: int, epoch: int | None, what: str) -> None:
     )
 
 
-def lease_until(seconds: float) -> datetime:
-    return utcnow() + timedelta(seconds=seconds)
-
-
 def take_execution(
     s: Session,
     eid: int,
@@ -194,17 +190,6 @@ def take_execution(
         return None  # a live lease: the owner is still working
     _classify(s, eid, expected_epoch, f"take as {to_status}")
     return None
-
-
-def renew_execution_lease(s: Session, eid: int, epoch: int, lease_seconds: float) -> bool:
-    """Extend the lease; False when the epoch moved on (the caller has lost the execution)."""
-    rows = cas(
-        s,
-        update(E)
-        .where(E.id == eid, E.epoch == epoch, E.status.in_(ACTIVE_EXECUTION))
-        .values(lease_expires_at=lease_until(lease_seconds)),
-    )
-    return rows == 1
 
 
 def finish_execution(

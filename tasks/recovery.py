@@ -26,9 +26,10 @@ def scan_task() -> dict[str, int]:
     }
 
 
-@app.task(name="recovery.recover_child", ignore_result=True)  # not a chord header any more
+@app.task(name="recovery.recover_child", ignore_result=True)
 def recover_child_task(execution_id: int, epoch: int) -> str:
-    """Chord header: never raises (every failure becomes a FAILED execution)."""
+    """Sent alone, one per execution (no chord: the last recovered execution of a round
+    delivers it). Never raises: every failure becomes a FAILED execution."""
     return recover_child(int(execution_id), int(epoch), deps())
 
 

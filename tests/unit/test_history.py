@@ -47,7 +47,7 @@ def histories(draw: st.DrawFn) -> list[R]:
             rows.append(R(nid, Role.ASSISTANT, "", tool_calls=calls(*ids), deleted=deleted))
             answered = draw(st.lists(st.sampled_from([*ids, "zz"]), max_size=4))
             for tid in answered:
-                rows.append(R(len(rows) + 1, Role.TOOL, "res", tool_call_id=tid, deleted=draw(st.booleans()) and False))
+                rows.append(R(len(rows) + 1, Role.TOOL, "res", tool_call_id=tid, deleted=False))
         elif kind == "tool":
             rows.append(R(nid, Role.TOOL, "res", tool_call_id=draw(IDS), deleted=deleted))
         else:
