@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -43,6 +43,7 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import finish_execution
+from models.session import set_child_phase
 from settings import get_settings
 
 log = logging.getLogger("harness.child")
@@ -247,12 +248,7 @@ def _finish_child_tx(
         phase = {ExecutionStatus.COMPLETED: Phase.COMPLETED, ExecutionStatus.FAILED: Phase.FAILED}.get(
             status, Phase.CANCELLED
         )
-        s.execute(
-            update(AgentSession)
-            .where(AgentSession.id == info.child_session_id, AgentSession.phase.is_distinct_from(Phase.CANCELLED))
-            .values(phase=phase, updated_at=utcnow())
-            .execution_options(synchronize_session=False)
-        )
+        set_child_phase(s, info.child_session_id, phase)
         state = _round_state(s, info.execution_id)
     return status, phase, rounds, state
 

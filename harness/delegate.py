@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -26,17 +26,13 @@ from models import (
     DeliveryStatus,
     ExecutionStatus,
     InvocationType,
-    Phase,
     Role,
     SessionType,
     SubagentExecution,
 )
 from models.base import utcnow
-from models.db import cas
+from models.session import reopen_child_for_followup
 from models.worker import identity
-
-#: Phases a child session may be in for a follow-up to take it (its previous execution ended).
-FOLLOWUP_FROM = (Phase.IDLE, Phase.COMPLETED, Phase.FAILED)
 
 
 class DelegationRefused(HarnessError):
@@ -174,13 +170,7 @@ def _followup(
     if child is None:
         raise DelegationRefused(f"session {child_id} is not a child session of this session")
     # The child's phase is taken by compare-and-set: a busy (or cancelled) child refuses.
-    taken = cas(
-        s,
-        update(AgentSession)
-        .where(AgentSession.id == child_id, AgentSession.phase.in_(FOLLOWUP_FROM))
-        .values(phase=Phase.RUNNING, updated_at=utcnow()),
-    )
-    if taken != 1:
+    if not reopen_child_for_followup(s, child_id):
         raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
     # spec §7.2: the child's incomplete tail goes before the new instruction is added.
     cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))

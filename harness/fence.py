@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from harness.errors import Cancelled
@@ -29,7 +29,7 @@ from models import (
 )
 from models.base import utcnow
 from models.db import cas
-from models.session import renew_session_lease
+from models.session import fence_session, renew_session_lease
 from models.worker import still_current
 
 log = logging.getLogger("harness.fence")
@@ -97,19 +97,7 @@ class SessionFence(Fence):
         it (we raise Cancelled and roll the write back) or waits for our commit (the round
         came first). A cancelled parent never commits another round or creates children."""
         S = AgentSession
-        rows = cas(
-            s,
-            update(S)
-            .where(
-                S.id == self.session_id,
-                S.epoch == self.epoch,
-                S.lease_owner.is_not(None),
-                or_(S.phase.is_(None), S.phase.not_in(STOPPED_PHASES)),
-                *still_current(),  # a process replaced under its name renews nothing
-            )
-            .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds)),
-        )
-        if rows == 1:
+        if fence_session(s, self.session_id, epoch=self.epoch, lease_seconds=self.lease_seconds):
             return
         row = s.execute(select(S.epoch, S.phase).where(S.id == self.session_id)).one()
         if row.epoch == self.epoch and row.phase in STOPPED_PHASES:

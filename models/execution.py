@@ -105,9 +105,11 @@ class SubagentExecution(Base):
     pending_round_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("pending_round.id"), nullable=True)
 
 
-#: Legal sources of each target status (DESIGN §4). RUNNING is only ever an initial state.
+#: Legal sources of each target status (DESIGN §4). RUNNING -> RUNNING is the normal path's take
+#: (the chord's run_child takes the execution it was created for: epoch + 1, same status); no
+#: other status ever goes back to RUNNING.
 STATUS_SOURCES: dict[ExecutionStatus, tuple[ExecutionStatus, ...]] = {
-    ExecutionStatus.RUNNING: (),
+    ExecutionStatus.RUNNING: (ExecutionStatus.RUNNING,),
     ExecutionStatus.RECOVERING: ACTIVE_EXECUTION,
     ExecutionStatus.COMPLETED: ACTIVE_EXECUTION,
     ExecutionStatus.FAILED: ACTIVE_EXECUTION,
@@ -154,7 +156,7 @@ def take_execution(
     IllegalTransition for a terminal or non-PENDING row at the expected epoch (spec §6.2:
     terminal never goes back; only PENDING may be taken over).
     """
-    sources = STATUS_SOURCES[to_status] if to_status != ExecutionStatus.RUNNING else (ExecutionStatus.RUNNING,)
+    sources = STATUS_SOURCES[to_status]
     conditions = [
         E.id == eid,
         E.status.in_(sources),

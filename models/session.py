@@ -15,6 +15,7 @@ from sqlalchemy import (
     Text,
     case,
     or_,
+    select,
     text,
     update,
 )
@@ -70,6 +71,114 @@ STARTABLE_PHASES: tuple[Phase | None, ...] = (
     Phase.RESUMING,
     Phase.WAITING_USER,
 )
+
+
+def not_stopped(model: Any = None) -> Any:
+    """SQL: the session (``model``: the mapped class or an alias of its table; default the
+    class) is not in a stopped phase: no phase yet, or not COMPLETED/FAILED/CANCELLED. The one
+    spelling of "a parent that may still get a delivery, be resumed or be written to"."""
+    phase = S if model is None else model
+    column = phase.c.phase if hasattr(phase, "c") else phase.phase
+    return or_(column.is_(None), column.not_in(STOPPED_PHASES_))
+
+
+def child_not_cancelled() -> Any:
+    """SQL: a CHILD session's phase may still move: anything but CANCELLED. NOTE: a different
+    rule from :func:`not_stopped`: a child's COMPLETED/FAILED phase is not final, because a
+    follow-up (``delegate_followup``) reopens the child; only a cancel is."""
+    return S.phase.is_distinct_from(Phase.CANCELLED)
+
+
+def reservation_seconds() -> float:
+    """How long a reservation the scan or a delivery hands over waits for the task it was
+    handed: two leases (the one place the rule is written)."""
+    from settings import get_settings
+
+    return 2 * get_settings().LEASE_SECONDS
+
+
+def set_child_phase(s: Session, child_id: int, to_phase: Phase) -> None:
+    """Move a child session's phase as the holder of its execution's epoch (the caller's
+    transaction carries the execution's compare-and-set); a cancelled child stays cancelled."""
+    s.execute(
+        update(S)
+        .where(S.id == child_id, child_not_cancelled())
+        .values(phase=to_phase, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def cancel_child(s: Session, child_id: int) -> None:
+    """A suppressed execution's child session -> CANCELLED, unless already stopped."""
+    s.execute(
+        update(S)
+        .where(S.id == child_id, not_stopped())
+        .values(phase=Phase.CANCELLED, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+#: Phases a child session may be in for a follow-up to take it (its previous execution ended).
+FOLLOWUP_FROM = (Phase.IDLE, Phase.COMPLETED, Phase.FAILED)
+
+
+def reopen_child_for_followup(s: Session, child_id: int) -> bool:
+    """A follow-up takes the child: phase IDLE/COMPLETED/FAILED -> RUNNING. False, and nothing
+    written, when the child is busy (RUNNING/RESUMING, or never ran) or cancelled."""
+    return (
+        cas(
+            s,
+            update(S)
+            .where(S.id == child_id, S.phase.in_(FOLLOWUP_FROM))
+            .values(phase=Phase.RUNNING, updated_at=utcnow()),
+        )
+        == 1
+    )
+
+
+def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> bool:
+    """Inside a loop's write transaction: renew the lease of the epoch's owner unless the
+    session was stopped meanwhile (or this process was replaced under its name). The UPDATE
+    locks the row, so a concurrent cancel lands either before it (False) or after the write.
+    False, and nothing written, when the epoch moved on, the session is stopped or unowned."""
+    return (
+        cas(
+            s,
+            update(S)
+            .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None), not_stopped(), *still_current())
+            .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)),
+        )
+        == 1
+    )
+
+
+def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
+    """The scan's hand-over of parents whose rounds it recovers or delivers: a parent whose own
+    lease lapsed (it died before yielding) gets epoch + 1, RESUMING and an unowned reservation
+    of :func:`reservation_seconds`; a waiting parent (no owner) keeps its epoch (the callback it
+    was handed stays valid) and shows RESUMING. Returns every given parent's current epoch; a
+    parent still leased by a live loop keeps its epoch (its loop yields with it)."""
+    now = utcnow()
+    s.execute(
+        update(S)
+        .where(S.id.in_(parent_ids), S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
+        .values(
+            phase=Phase.RESUMING,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=now + timedelta(seconds=reservation_seconds()),
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    s.execute(
+        update(S)
+        .where(S.id.in_(parent_ids), S.lease_owner.is_(None), S.phase == Phase.RUNNING)
+        .values(phase=Phase.RESUMING, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 
 
 def _phase_in(phases: tuple[Phase | None, ...]) -> Any:

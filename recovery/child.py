@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -56,7 +56,7 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import take_execution
-from models.session import set_phase
+from models.session import set_child_phase, set_phase
 from recovery.delivery import deliver_and_resume
 from recovery.legacy import infer_and_store
 
@@ -192,12 +192,7 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         info = load_child(execution_id, s)
         child_phase = s.execute(select(AgentSession.phase).where(AgentSession.id == info.child_session_id)).scalar_one()
         # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
-        s.execute(
-            update(AgentSession)
-            .where(AgentSession.id == info.child_session_id, AgentSession.phase.is_distinct_from(Phase.CANCELLED))
-            .values(phase=Phase.RESUMING, updated_at=utcnow())
-            .execution_options(synchronize_session=False)
-        )
+        set_child_phase(s, info.child_session_id, Phase.RESUMING)
         try:
             boundary = validated_boundary(s, info.child_session_id)
         except BoundaryInvalid as exc:

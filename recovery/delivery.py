@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -47,7 +47,7 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import mark_delivered, suppress_execution
-from models.session import hand_over, stop_session
+from models.session import cancel_child, hand_over, stop_session
 from recovery.legacy import infer_and_store
 from settings import get_settings
 
@@ -100,15 +100,7 @@ def suppress_parent(s: Session, parent_id: int) -> list[int]:
         if suppress_execution(s, row.id):
             suppressed.append(row.id)
             if was_active:
-                s.execute(
-                    update(AgentSession)
-                    .where(
-                        AgentSession.id == row.child_session_id,
-                        or_(AgentSession.phase.is_(None), AgentSession.phase.not_in(STOPPED_PHASES)),
-                    )
-                    .values(phase=Phase.CANCELLED, updated_at=utcnow())
-                    .execution_options(synchronize_session=False)
-                )
+                cancel_child(s, row.child_session_id)
     s.execute(
         update(PendingRound)
         .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))

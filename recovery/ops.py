@@ -19,9 +19,9 @@ from models import (
     transaction,
 )
 from models.base import utcnow
+from models.session import release_dead_parents
 from recovery.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
-from recovery.scan import release_dead_parents
 from settings import get_settings
 
 log = logging.getLogger("recovery.ops")

@@ -28,7 +28,6 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -55,7 +54,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.session import reserve_session, stop_session
+from models.session import not_stopped, release_dead_parents, reservation_seconds, reserve_session, stop_session
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
 from recovery.delivery import suppress_parent
 from recovery.errors import RecoveryError
@@ -80,11 +79,6 @@ class ScanReport:
     resumed_sessions: list[int] = field(default_factory=list)
     #: The pass stopped because its right to scan passed to another scanner.
     right_lost: bool = False
-
-
-def reservation_seconds() -> float:
-    """How long a reservation written by the scan waits for the task it was handed: two leases."""
-    return 2 * get_settings().LEASE_SECONDS
 
 
 class ScanRightLost(RecoveryError):
@@ -209,10 +203,6 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
             log.error("event=scan_suppress_failed parent=%s", parent_id, exc_info=True)
 
 
-def _not_stopped(model: Any) -> Any:
-    return or_(model.phase.is_(None), model.phase.not_in(STOPPED_PHASES))
-
-
 def _dead(pass_started: datetime) -> Any:
     """SQL: an execution is dead at ``pass_started``: its lease is free (lapsed, never taken, or
     held by a replaced boot generation), or it is past its absolute deadline + cancel grace and
@@ -261,7 +251,7 @@ def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, a
     candidates = s.execute(
         select(E.id, E.parent_session_id)
         .join(Parent, Parent.c.id == E.parent_session_id)
-        .where(E.id > after_id, dead, or_(Parent.c.phase.is_(None), Parent.c.phase.not_in(STOPPED_PHASES)))
+        .where(E.id > after_id, dead, not_stopped(Parent))
         .order_by(E.id)
         .limit(BATCH)
     ).all()
@@ -270,9 +260,7 @@ def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, a
     cursor = int(candidates[-1][0])
     parents = sorted({int(p) for _, p in candidates})
     locked = list(
-        s.execute(
-            select(S.id).where(S.id.in_(parents), _not_stopped(S)).order_by(S.id).with_for_update(skip_locked=True)
-        )
+        s.execute(select(S.id).where(S.id.in_(parents), not_stopped()).order_by(S.id).with_for_update(skip_locked=True))
         .scalars()
         .all()
     )
@@ -307,41 +295,6 @@ def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, a
             ).all()
         )
     return _Batch(rows, cursor, len(candidates) == BATCH)
-
-
-def release_dead_parents(s: Session, parent_ids: Sequence[int]) -> dict[int, int]:
-    """Parents whose own lease lapsed (they died before yielding): epoch + 1, RESUMING, no
-    owner. Returns every given parent's current epoch, whether released now or already free;
-    a parent still leased by a live loop keeps its epoch (its loop yields with it)."""
-    now = utcnow()
-    reserve = reservation_seconds()
-    s.execute(
-        update(S)
-        .where(
-            S.id.in_(parent_ids),
-            S.lease_owner.is_not(None),
-            lease_free(S, now),
-            _not_stopped(S),
-        )
-        .values(
-            phase=Phase.RESUMING,
-            epoch=S.epoch + 1,
-            lease_owner=None,
-            lease_generation=None,
-            lease_expires_at=now + timedelta(seconds=reserve),
-            updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    # A waiting parent (no owner) keeps its epoch — the chord callback it was handed stays
-    # valid — and shows that recovery owns its round (RESUMING, shown as RUNNING).
-    s.execute(
-        update(S)
-        .where(S.id.in_(parent_ids), S.lease_owner.is_(None), S.phase == Phase.RUNNING)
-        .values(phase=Phase.RESUMING, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 
 
 def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
@@ -381,7 +334,7 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
         rows = s.execute(
             select(E.parent_session_id, func.array_agg(E.id) if _pg(s) else func.group_concat(E.id))
             .join(S, S.id == E.parent_session_id)
-            .where(E.delivery_status == DeliveryStatus.PENDING, _not_stopped(S))
+            .where(E.delivery_status == DeliveryStatus.PENDING, not_stopped())
             .group_by(E.parent_session_id)
             .having(
                 and_(
