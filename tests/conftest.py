@@ -54,6 +54,48 @@ def _stack_redis_dbs() -> str:
     return f"{events + 1},{events + 2},{events}"
 
 
+# --- RabbitMQ tests: one at a time under pytest-xdist -----------------------------------------
+#: Every amqp test uses RabbitMQ's one set of queues (celery, recovery): they must never overlap.
+#: They carry ``xdist_group("rabbitmq")``, but with pytest 9 xdist 3.8's loadgroup silently
+#: groups nothing (it renames ``item._nodeid``, which pytest 9 no longer reads: seen as
+#: test_rabbitmq.py on gw1 and test_worker_kill[amqp] on gw2 at once, consuming each other's
+#: messages). So the scheduler below groups by node id: a test of a module named *rabbitmq*, or
+#: a test whose parameters include ``amqp``, and pytest_collection_modifyitems checks that every
+#: ``xdist_group("rabbitmq")`` test is recognised by that rule.
+RABBITMQ_GROUP = "rabbitmq"
+
+
+def rabbitmq_scope(nodeid: str) -> bool:
+    """True for a test of the RabbitMQ group, from its node id alone (the xdist controller
+    does not collect, so it has no markers)."""
+    path, _, rest = nodeid.partition("::")
+    params = rest[rest.find("[") + 1 : rest.rfind("]")].split("-") if "[" in rest else []
+    return RABBITMQ_GROUP in path.rsplit("/", 1)[-1] or "amqp" in params
+
+
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """--dist loadgroup as it is meant to work: each test its own scope, except that the
+    RabbitMQ tests form one scope (one worker, one after another)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RabbitMQGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RABBITMQ_GROUP if rabbitmq_scope(nodeid) else nodeid
+
+    return RabbitMQGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    for item in items:
+        marked = any(m.args[:1] == (RABBITMQ_GROUP,) for m in item.iter_markers("xdist_group"))
+        if marked != rabbitmq_scope(item.nodeid):
+            raise pytest.UsageError(
+                f"{item.nodeid}: xdist_group({RABBITMQ_GROUP!r}) and tests/conftest.py rabbitmq_scope() disagree"
+            )
+
+
 # Set before anything imports demo.stack (it reads them at import) and before the settings are
 # read: in-process code (session_status events, presence, the Celery app of the test process)
 # uses this worker's databases too, never a default database of a shared server.

@@ -207,5 +207,6 @@ def test_cli_recover_against_dripped_headers_ends_at_max_wait(field_env: dict[st
     elapsed = time.monotonic() - started
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["error_code"] == "deadline_exceeded"
-    # max_wait plus the interpreter's start-up (and 3 s of slack), not the ~60 s of the drip
-    assert elapsed < 1 + startup + 3, f"{elapsed:.1f}s (start-up {startup:.1f}s)"
+    # max_wait plus the interpreter's start-up (twice: the one measured above varies with the
+    # machine's load) and 3 s of slack, not the ~60 s of the drip
+    assert elapsed < 1 + 2 * startup + 3, f"{elapsed:.1f}s (start-up {startup:.1f}s)"
