@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Processes of `make test` (pytest-xdist): the crash tests mostly wait for leases and worker
+# boots, so 3 pay even on 2 cores. TEST_WORKERS=0 runs the suite in one process. At most 5: each
+# process takes three Redis databases of TEST_REDIS_URL (tests/conftest.py).
+TEST_WORKERS ?= 3
 
 .PHONY: help setup test lint typecheck demo clean
 
@@ -20,8 +24,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install the project with its dev extras
 
-test: $(STAMP) ## the whole suite (unit, integration, crash) on a throwaway PostgreSQL database
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: $(STAMP) ## the whole suite (unit, integration, crash) in TEST_WORKERS processes, a throwaway PostgreSQL database each
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, mypy on the domain packages
 	$(BIN)/ruff check .

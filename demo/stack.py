@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Redis server of the stack (no database number); the test suite sets it from TEST_REDIS_URL, so
+#: one variable points every test, stack helper and worker at another server.
+REDIS_BASE = os.environ.get("STACK_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 #: Redis databases of the stack (broker, result backend, events); STACK_REDIS_DBS="b,r,e" lets
 #: two stacks share one Redis server without consuming each other's messages.
 BROKER_DB, BACKEND_DB, EVENTS_DB = (int(x) for x in os.environ.get("STACK_REDIS_DBS", "14,15,13").split(","))
@@ -29,17 +32,18 @@ def stack_broker() -> str:
     return broker
 
 
-def broker_url(broker: str | None = None, redis_base: str = "redis://127.0.0.1:6379") -> str:
-    return AMQP_URL if (broker or stack_broker()) == "amqp" else f"{redis_base}/{BROKER_DB}"
+def broker_url(broker: str | None = None, redis_base: str | None = None) -> str:
+    return AMQP_URL if (broker or stack_broker()) == "amqp" else f"{redis_base or REDIS_BASE}/{BROKER_DB}"
 
 
 def service_env(
     pg_url: str,
     model_url: str,
-    redis_base: str = "redis://127.0.0.1:6379",
+    redis_base: str | None = None,
     broker: str | None = None,
     **extra: str,
 ) -> dict[str, str]:
+    redis_base = redis_base or REDIS_BASE
     env = dict(os.environ)
     env.update(
         DATABASE_URL=pg_url,
@@ -98,12 +102,12 @@ def apply_env(env: dict[str, str]) -> None:
     tasks.app.amqp._rtable = None
 
 
-def flush_broker(redis_base: str = "redis://127.0.0.1:6379", broker: str | None = None) -> None:
+def flush_broker(redis_base: str | None = None, broker: str | None = None) -> None:
     """Every queued message, result and event of the stack is gone (I7: nothing is lost)."""
     import redis
 
     for db in (BROKER_DB, BACKEND_DB, EVENTS_DB):
-        client = redis.Redis.from_url(f"{redis_base}/{db}")
+        client = redis.Redis.from_url(f"{redis_base or REDIS_BASE}/{db}")
         client.flushdb()
         client.close()
     if (broker or stack_broker()) == "amqp":

@@ -25,8 +25,86 @@ if TYPE_CHECKING:
     from tests.types import ModelFactory, StackFactory
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
-REDIS_BASE = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# --- Redis: ONE server for the whole run, disjoint databases per xdist worker ----------------
+#: The Redis server of every test, stack helper and worker subprocess (no database number):
+#: TEST_REDIS_URL=redis://127.0.0.1:6390 points a whole run at a private redis-server.
+REDIS_BASE = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
+#: Highest xdist worker that still gets its own three databases (gw0 14,15,13 ... gw4 2,3,1;
+#: database 0 is left alone): `make test` runs fewer workers than that.
+MAX_XDIST_WORKERS = 5
+
+
+def _stack_redis_dbs() -> str:
+    """The "broker,backend,events" databases of this process. Under pytest-xdist each worker
+    gets its own (gw0 14,15,13; gw1 11,12,10; gw2 8,9,7; gw3 5,6,4; gw4 2,3,1): two workers
+    never flush or consume each other's queues. A sequential run keeps STACK_REDIS_DBS (default
+    14,15,13)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... set by xdist
+    if not worker.startswith("gw"):
+        return os.environ.get("STACK_REDIS_DBS", "14,15,13")
+    index = int(worker[2:])
+    if index >= MAX_XDIST_WORKERS:
+        raise pytest.UsageError(
+            f"xdist worker {worker}: one Redis server has databases for {MAX_XDIST_WORKERS} workers "
+            f"(3 each); run with -n {MAX_XDIST_WORKERS} or fewer"
+        )
+    events = 13 - 3 * index
+    return f"{events + 1},{events + 2},{events}"
+
+
+# --- RabbitMQ tests: one at a time under pytest-xdist -----------------------------------------
+#: Every amqp test uses RabbitMQ's one set of queues (celery, recovery): they must never overlap.
+#: They carry ``xdist_group("rabbitmq")``, but with pytest 9 xdist 3.8's loadgroup silently
+#: groups nothing (it renames ``item._nodeid``, which pytest 9 no longer reads: seen as
+#: test_rabbitmq.py on gw1 and test_worker_kill[amqp] on gw2 at once, consuming each other's
+#: messages). So the scheduler below groups by node id: a test of a module named *rabbitmq*, or
+#: a test whose parameters include ``amqp``, and pytest_collection_modifyitems checks that every
+#: ``xdist_group("rabbitmq")`` test is recognised by that rule.
+RABBITMQ_GROUP = "rabbitmq"
+
+
+def rabbitmq_scope(nodeid: str) -> bool:
+    """True for a test of the RabbitMQ group, from its node id alone (the xdist controller
+    does not collect, so it has no markers)."""
+    path, _, rest = nodeid.partition("::")
+    params = rest[rest.find("[") + 1 : rest.rfind("]")].split("-") if "[" in rest else []
+    return RABBITMQ_GROUP in path.rsplit("/", 1)[-1] or "amqp" in params
+
+
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """--dist loadgroup as it is meant to work: each test its own scope, except that the
+    RabbitMQ tests form one scope (one worker, one after another)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RabbitMQGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RABBITMQ_GROUP if rabbitmq_scope(nodeid) else nodeid
+
+    return RabbitMQGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    for item in items:
+        marked = any(m.args[:1] == (RABBITMQ_GROUP,) for m in item.iter_markers("xdist_group"))
+        if marked != rabbitmq_scope(item.nodeid):
+            raise pytest.UsageError(
+                f"{item.nodeid}: xdist_group({RABBITMQ_GROUP!r}) and tests/conftest.py rabbitmq_scope() disagree"
+            )
+
+
+# Set before anything imports demo.stack (it reads them at import) and before the settings are
+# read: in-process code (session_status events, presence, the Celery app of the test process)
+# uses this worker's databases too, never a default database of a shared server.
+os.environ["STACK_REDIS_URL"] = REDIS_BASE
+os.environ["STACK_REDIS_DBS"] = _stack_redis_dbs()
+_BROKER_DB, _BACKEND_DB, _EVENTS_DB = os.environ["STACK_REDIS_DBS"].split(",")
+os.environ["CELERY_BROKER_URL"] = f"{REDIS_BASE}/{_BROKER_DB}"
+os.environ["CELERY_RESULT_BACKEND"] = f"{REDIS_BASE}/{_BACKEND_DB}"
+os.environ["REDIS_URL"] = f"{REDIS_BASE}/{_EVENTS_DB}"
 
 
 def _missing(what: str, exc: BaseException) -> None:
@@ -139,6 +217,21 @@ def fresh_db_url() -> Iterator[str]:
 # --- a full stack: PostgreSQL + Redis + scripted model + real Celery workers ----------------
 
 
+#: What demo.stack.apply_env sets in this process; a Stack puts it back when it closes, so no
+#: later test (in whatever order xdist runs them) inherits a stack's broker, lease or timeouts.
+STACK_ENV_KEYS = (
+    "DATABASE_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_RESULT_BACKEND",
+    "REDIS_URL",
+    "MODEL_BASE_URL",
+    "LEASE_SECONDS",
+    "SCAN_INTERVAL_SECONDS",
+    "SUBAGENT_TIMEOUT_SECONDS",
+    "SUBAGENT_CANCEL_GRACE_SECONDS",
+)
+
+
 class Stack:
     """One test's services; workers are real `celery -A tasks worker` subprocesses."""
 
@@ -146,6 +239,7 @@ class Stack:
         from demo.stack import apply_env, flush_broker, service_env
         from doubles.scripted_model import ScriptedModelServer
 
+        self._saved_env = {key: os.environ.get(key) for key in STACK_ENV_KEYS}
         flush_broker()
         self.model = ScriptedModelServer(script)
         self.model.start()
@@ -223,9 +317,17 @@ class Stack:
             return check_all(s, settled=settled)
 
     def close(self) -> None:
+        from demo.stack import apply_env
+
         for w in self.workers:
             w.stop()
         self.model.stop()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        apply_env(dict(os.environ))  # the app's broker, backend and settings as before the stack
 
 
 @pytest.fixture

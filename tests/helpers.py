@@ -360,3 +360,14 @@ def yielded_with_children(model_url: str) -> tuple[int, int, list[tuple[int, int
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = sched.children.pop()
     return sid, epoch, children, deps
+
+
+def redis_db_url(which: str = "broker") -> str:
+    """This test process's ``broker``, ``backend`` or ``events`` Redis database (tests/conftest.py
+    gives each xdist worker its own), for tests that talk to Redis without a Stack. Never a fixed
+    database number: another worker, or another run on the same server, would share it."""
+    import os
+
+    broker, backend, events = os.environ["STACK_REDIS_DBS"].split(",")
+    db = {"broker": broker, "backend": backend, "events": events}[which]
+    return f"{os.environ['STACK_REDIS_URL']}/{db}"

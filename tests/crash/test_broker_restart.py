@@ -62,10 +62,14 @@ def worker_env(db: str, model: ScriptedModelServer, private_redis: RedisServer) 
 
 
 @pytest.fixture
-def sender(worker_env: dict[str, str]) -> Iterator[Celery]:
+def sender(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
     """A Celery app of this test's own that sends by task name to the private Redis. NOTE: not
     ``tasks.app``: its broker pool and result backend are cached per process, and later tests
     in this session must not inherit a URL whose server this test stops."""
+    # Celery prefers CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment to the URLs
+    # given to Celery(): the test process's own (tests/conftest.py) would send elsewhere.
+    monkeypatch.setenv("CELERY_BROKER_URL", worker_env["CELERY_BROKER_URL"])
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", worker_env["CELERY_RESULT_BACKEND"])
     app = Celery(
         "broker_restart_test",
         broker=worker_env["CELERY_BROKER_URL"],

@@ -104,11 +104,15 @@ class Rig:
 
 
 @pytest.fixture
-def rig_factory(db: str, private_redis: RedisServer, tmp_path: Path) -> Iterator[Any]:
+def rig_factory(db: str, private_redis: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     rigs: list[Rig] = []
 
     def make(rules: list[dict[str, Any]]) -> Rig:
         rig = Rig(db, private_redis.url, tmp_path, rules)
+        # Celery prefers CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment to the
+        # URLs given to Celery(): without this the rig's app sends to the test process's Redis.
+        monkeypatch.setenv("CELERY_BROKER_URL", rig.env["CELERY_BROKER_URL"])
+        monkeypatch.setenv("CELERY_RESULT_BACKEND", rig.env["CELERY_RESULT_BACKEND"])
         rigs.append(rig)
         return rig
 

@@ -24,7 +24,11 @@ from tests.conftest import _missing
 from tests.helpers import children_done_callback_lost, executions_of, expire_leases, messages_of, wait_until
 from tests.types import StackFactory
 
-pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
+#: RabbitMQ's queues (celery, recovery) are one set for every amqp test: under pytest-xdist they
+#: all run in one group, on one worker, one after another (test_worker_kill's amqp runs too).
+RABBITMQ_GROUP = pytest.mark.xdist_group("rabbitmq")
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(180), RABBITMQ_GROUP]
 
 MAIN = "main agent"
 SCRIPT = [

@@ -39,7 +39,8 @@ SCRIPT = [
 ]
 
 
-@pytest.fixture(params=["redis", "amqp"])
+# The amqp runs share RabbitMQ's queues with tests/crash/test_rabbitmq.py: same xdist group.
+@pytest.fixture(params=["redis", pytest.param("amqp", marks=pytest.mark.xdist_group("rabbitmq"))])
 def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The stacks of the test run on this broker (STACK_BROKER); RabbitMQ's queues purged after."""
     if request.param == "amqp":

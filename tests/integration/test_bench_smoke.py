@@ -9,6 +9,7 @@ must say so instead of printing figures; with the extra, it must print them.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,9 +137,18 @@ MISSING_EXTRA = "is not installed: install with pip install"
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_benchmark_runs_with_tiny_sizes_and_prints_its_figures(case: str, pg_url: str, redis_url: str) -> None:
     script, args, lines, extra = CASES[case]
+    # The benches' own Redis databases (4,5,6 of 6379 by default) are one set per server: two
+    # xdist workers running two benches would consume each other's messages. This test process's
+    # databases instead (tests/conftest.py), on the tests' server.
+    env = {
+        **os.environ,
+        "BENCH_REDIS_URL": os.environ["STACK_REDIS_URL"],
+        "BENCH_REDIS_DBS": os.environ["STACK_REDIS_DBS"],
+    }
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{script}.py"), *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=75,

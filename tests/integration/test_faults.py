@@ -41,6 +41,7 @@ from tests.helpers import (
     invariants,
     loop_deps,
     messages_of,
+    redis_db_url,
     yielded_with_children,
 )
 from tests.types import ModelFactory
@@ -274,7 +275,7 @@ def test_status_shows_each_queues_oldest_wait_and_leases_nobody_picks_up(monkeyp
     from settings import get_settings
     from tasks.queues import queue_waits
 
-    url = "redis://127.0.0.1:6379/9"
+    url = redis_db_url("broker")  # this xdist worker's own database, flushed before and after
     redis.Redis.from_url(url).flushdb()
     monkeypatch.setenv("CELERY_BROKER_URL", url)
     get_settings.cache_clear()
@@ -351,7 +352,7 @@ def test_a_large_pass_is_handed_over_in_fan_out_batches_that_publish_every_recov
     import tasks
     from tasks.scheduler import FAN_OUT_ABOVE, FAN_OUT_BATCH, CeleryScheduler
 
-    url = "redis://127.0.0.1:6379/9"
+    url = redis_db_url("broker")  # this xdist worker's own database, flushed before and after
     client = redis.Redis.from_url(url)
     client.flushdb()
     old = tasks.app.conf.broker_url

@@ -58,7 +58,7 @@ def stub_process() -> Iterator[str]:
             return False
 
     try:
-        assert wait_until(up, timeout=10), "the stand-in did not start"
+        assert wait_until(up, timeout=30), "the stand-in did not start"  # 1 s quiet; more beside other suites
         yield base
     finally:
         proc.terminate()
@@ -191,6 +191,10 @@ def test_cli_recover_against_dripped_headers_ends_at_max_wait(field_env: dict[st
     # Issue 10 item 1, as an operator tried it: headers one byte every half second.
     config = {"behaviour": "slow_headers", "slow_headers_on": "session", "header_drip_seconds": 0.5}
     requests.post(stub_process + "/_config", json=config, timeout=5).raise_for_status()
+    # The same interpreter's start-up, now (0.5 s quiet, several seconds on a busy machine).
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "cli.main", "field", "recover", "--help"], cwd=ROOT, capture_output=True)
+    startup = time.monotonic() - started
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "cli.main", "field", "recover", str(SAMPLE), "--json"],
@@ -203,4 +207,6 @@ def test_cli_recover_against_dripped_headers_ends_at_max_wait(field_env: dict[st
     elapsed = time.monotonic() - started
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["error_code"] == "deadline_exceeded"
-    assert elapsed < 1 + 3  # max_wait plus the interpreter's start-up, not the ~60 s of the drip
+    # max_wait plus the interpreter's start-up (twice: the one measured above varies with the
+    # machine's load) and 3 s of slack, not the ~60 s of the drip
+    assert elapsed < 1 + 2 * startup + 3, f"{elapsed:.1f}s (start-up {startup:.1f}s)"
