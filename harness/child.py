@@ -167,99 +167,90 @@ def finish_child(
     Returns the round's state as that transaction saw it, or None when a newer owner holds
     the execution (nothing written)."""
     try:
-        with transaction() as s:
-            _lock_parent_of(s, info.execution_id)
-            if fence is not None:
-                fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
-            final_id = final_message_id
-            if final_content is not None:
-                final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
-            end = _build_end(s, info, text=text, failure=failure, cancelled=cancelled)
-            state = _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+        status, phase, rounds, state = _finish_child_tx(
+            info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
+        )
     except _Lost:
         return None
     crash_point("child.after_final")
-    publish_status(info.child_session_id, end.phase)
-    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, end.status, end.rounds)
+    publish_status(info.child_session_id, phase)
+    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, status, rounds)
     return state
 
 
 class _Lost(Exception):
-    """Raised (and caught in ``finish_child``, rolling its transaction back) when the
-    execution's compare-and-set finds a newer owner: control flow, not an error."""
+    pass
 
 
-@dataclass(frozen=True)
-class _End:
-    """The execution's end as its finishing transaction built it."""
-
-    status: ExecutionStatus
-    phase: Phase  #: the child session's phase that goes with it
-    result: dict[str, Any]  #: the result JSON (harness.results, the one factory)
-    rounds: int
-    tool_calls: int
-
-
-def _lock_parent_of(s: Session, execution_id: int) -> None:
-    """Step 1. NOTE: the parent row first, as delivery locks it (parent, then its executions):
-    the same order everywhere, so a finishing child and a delivery never deadlock, and siblings
-    finishing at once serialize here (``_round_state`` counts the earlier one's end)."""
-    E, S = SubagentExecution, AgentSession
-    parent = select(E.parent_session_id).where(E.id == execution_id).scalar_subquery()
-    s.execute(select(S.id).where(S.id == parent).with_for_update())
-
-
-def _build_end(s: Session, info: ChildInfo, *, text: str | None, failure: str | None, cancelled: bool) -> _End:
-    """Step 2: the result from what the transaction sees (the execution's token counters,
-    which the fence just added this round's usage to, and the child's counted rounds)."""
-    E = SubagentExecution
-    usage = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
-    rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
-    followup = _followup_info(s, info)
-    if failure is None and text is not None:
-        result = success_result(
-            agent_type=info.agent_type,
-            child_session_id=info.child_session_id,
-            text=text,
-            rounds=rounds,
-            tool_calls=tool_calls,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            followup=followup,
+def _finish_child_tx(
+    info: ChildInfo,
+    epoch: int,
+    text: str | None,
+    failure: str | None,
+    cancelled: bool,
+    final_content: str | None,
+    fence: Fence | None,
+    tokens: tuple[int, int],
+    final_message_id: int | None = None,
+) -> tuple[ExecutionStatus, Phase, int, RoundState]:
+    with transaction() as s:
+        # NOTE: the parent row first, as delivery locks it (parent, then its executions): the
+        # same order everywhere, so a finishing child and a delivery never deadlock.
+        E, S = SubagentExecution, AgentSession
+        s.execute(
+            select(S.id)
+            .where(S.id == select(E.parent_session_id).where(E.id == info.execution_id).scalar_subquery())
+            .with_for_update()
         )
-        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, result, rounds, tool_calls)
-    result = failure_result(
-        agent_type=info.agent_type,
-        child_session_id=info.child_session_id,
-        reason=failure or "no result",
-        cancelled=cancelled,
-        followup=followup,
-    )
-    if cancelled:
-        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, result, rounds, tool_calls)
-    return _End(ExecutionStatus.FAILED, Phase.FAILED, result, rounds, tool_calls)
-
-
-def _finish_with_phase(
-    s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None
-) -> RoundState:
-    """Step 3: the execution's compare-and-set to its terminal status (raises _Lost when a
-    newer owner holds it), the child's phase with it, and the round's state as it now is."""
-    landed = finish_execution(
-        s,
-        info.execution_id,
-        epoch=epoch,
-        status=end.status,
-        result=end.result,
-        error=None if end.status == ExecutionStatus.COMPLETED else end.result["error"],
-        final_message_id=final_message_id,
-        rounds=end.rounds,
-        total_tool_calls=end.tool_calls,
-    )
-    if not landed:
-        raise _Lost()
-    set_child_phase(s, info.child_session_id, end.phase)
-    return _round_state(s, info.execution_id)
+        if fence is not None:
+            fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
+        final_id = final_message_id
+        if final_content is not None:
+            final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
+        E = SubagentExecution
+        tokens = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
+        rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
+        followup = _followup_info(s, info)
+        if failure is None and text is not None:
+            status = ExecutionStatus.COMPLETED
+            result = success_result(
+                agent_type=info.agent_type,
+                child_session_id=info.child_session_id,
+                text=text,
+                rounds=rounds,
+                tool_calls=tool_calls,
+                prompt_tokens=tokens.prompt_tokens,
+                completion_tokens=tokens.completion_tokens,
+                followup=followup,
+            )
+        else:
+            status = ExecutionStatus.CANCELLED if cancelled else ExecutionStatus.FAILED
+            result = failure_result(
+                agent_type=info.agent_type,
+                child_session_id=info.child_session_id,
+                reason=failure or "no result",
+                cancelled=cancelled,
+                followup=followup,
+            )
+        landed = finish_execution(
+            s,
+            info.execution_id,
+            epoch=epoch,
+            status=status,
+            result=result,
+            error=None if status == ExecutionStatus.COMPLETED else result["error"],
+            final_message_id=final_id,
+            rounds=rounds,
+            total_tool_calls=tool_calls,
+        )
+        if not landed:
+            raise _Lost()
+        phase = {ExecutionStatus.COMPLETED: Phase.COMPLETED, ExecutionStatus.FAILED: Phase.FAILED}.get(
+            status, Phase.CANCELLED
+        )
+        set_child_phase(s, info.child_session_id, phase)
+        state = _round_state(s, info.execution_id)
+    return status, phase, rounds, state
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -384,6 +375,6 @@ def _child_rounds(
             if not reply.tool_calls:
                 return reply
             rnd = journal_reply(fence, info.child_session_id, reply)
-        inline_round(fence, session_id=info.child_session_id, rnd=rnd, allowed=allowed, deadline=deadline, kind="child")
+        inline_round(fence, info.child_session_id, rnd, allowed, deadline, "child")
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")

@@ -164,7 +164,6 @@ def run_tools(
     fence: Fence,
     session_id: int,
     rnd: RoundInFlight,
-    *,
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,

@@ -100,7 +100,6 @@ def ask(
 
 def inline_round(
     fence: Fence,
-    *,
     session_id: int,
     rnd: RoundInFlight,
     allowed: tuple[str, ...],
@@ -109,5 +108,4 @@ def inline_round(
 ) -> None:
     """Run (or take from the journal) every tool of a journaled round, then commit assistant +
     every TOOL in one transaction that also closes the journal entry (harness.journal)."""
-    results = run_tools(fence, session_id, rnd, allowed=allowed, deadline=deadline, kind=kind)
-    commit_round(fence, session_id, rnd, results)
+    commit_round(fence, session_id, rnd, run_tools(fence, session_id, rnd, allowed, deadline, kind))

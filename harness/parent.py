@@ -142,7 +142,7 @@ def _parent_rounds(
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
             continue
-        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
+        inline_round(fence, session_id, rnd, allowed, None, "parent")
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
@@ -269,8 +269,9 @@ def _delegating_round(
                 release_session(s, session_id, epoch=fence.epoch)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
-        refusals = replace(rnd, refused={**rnd.refused, **nothing.errors})
-        inline_round(fence, session_id=session_id, rnd=refusals, allowed=allowed, deadline=None, kind="parent")
+        inline_round(
+            fence, session_id, replace(rnd, refused={**rnd.refused, **nothing.errors}), allowed, None, "parent"
+        )
         return False
     crash_point("delegate.after_create")
     log.info(
