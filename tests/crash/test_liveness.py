@@ -10,11 +10,12 @@ import os
 import signal
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from demo.stack import procfile_commands
+from demo.stack import ROOT, procfile_commands
 from models import Phase, Role, SessionType
 from models.base import utcnow
 from tests.helpers import add_message, executions_of, make_execution, make_session, wait_until
@@ -26,7 +27,8 @@ LONG_SECONDS = 30
 
 
 def script() -> list[dict[str, Any]]:
-    """ "slow" parents delegate two children that wait LONG_SECONDS; "fast" ones two that wait 1 s."""
+    """ "slow" parents delegate two children that hold LONG_SECONDS (idempotent: a recovered
+    child holds again); "fast" ones two that wait 1 s."""
     return [
         *[
             {
@@ -43,7 +45,7 @@ def script() -> list[dict[str, Any]]:
         {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final: {tool_results}"}},
         {
             "when": {"system_contains": "subagent", "last_role": "user", "user_contains": "slow"},
-            "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": LONG_SECONDS}}]},
+            "reply": {"tool_calls": [{"name": "hold", "arguments": {"seconds": LONG_SECONDS}}]},
         },
         {
             "when": {"system_contains": "subagent", "last_role": "user", "user_contains": "fast"},
@@ -51,6 +53,16 @@ def script() -> list[dict[str, Any]]:
         },
         {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
     ]
+
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+#: Children that may ``hold``: an idempotent long tool, run again by a recovered child (``wait``
+#: would be reported interrupted after the crash and the child would end at once).
+HOLD_ENV = {
+    "PYTHONPATH": f"{ROOT}{os.pathsep}{DATA / 'usertools'}",
+    "TOOL_MODULES": "hold_tools",
+    "AGENTS_FILE": str(DATA / "agents_hold.toml"),
+}
 
 
 def test_a_bare_celery_worker_delivers_a_delegating_round(stack_factory: Any) -> None:
@@ -94,8 +106,8 @@ def test_with_the_procfile_topology_recovered_long_children_never_delay_a_new_pa
     lines = procfile_commands()
     assert "-Q" in lines["recovery"] and "recovery" in lines["recovery"]
     stack = stack_factory(script())
-    worker = stack.worker("worker", argv=lines["worker"])
-    stack.worker("recovery", argv=lines["recovery"])
+    worker = stack.worker("worker", argv=lines["worker"], **HOLD_ENV)
+    stack.worker("recovery", argv=lines["recovery"], **HOLD_ENV)
     slow = stack.submit("slow")
 
     def running(sid: int, min_epoch: int) -> bool:
@@ -105,7 +117,7 @@ def test_with_the_procfile_topology_recovered_long_children_never_delay_a_new_pa
     wait_until(lambda: running(slow, 1), timeout=30, what="both long children running")
     first = {e.id: e.epoch for e in executions_of(slow)}
     worker.kill()
-    stack.worker("worker", argv=lines["worker"])  # the supervisor restarts it under its name
+    stack.worker("worker", argv=lines["worker"], **HOLD_ENV)  # the supervisor restarts it under its name
     wait_until(
         lambda: all(e.epoch >= first[e.id] + 2 and e.lease_owner for e in executions_of(slow)),
         timeout=20,

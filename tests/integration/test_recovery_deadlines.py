@@ -70,8 +70,15 @@ def test_r22_deadline_is_not_reset_by_restart_and_local_waiting_consumes_it(
             update(AgentSession).where(AgentSession.id == e.child_session_id).values(execution_mode=ExecutionMode.LOCAL)
         )
     presence.disconnect("cli")
-    threading.Timer(1.5, presence.connect, args=("cli",)).start()  # connects after the deadline
-    drive(model.base_url)
+    late = threading.Timer(1.5, presence.connect, args=("cli",))  # connects after the deadline
+    late.start()
+    try:
+        drive(model.base_url)
+    finally:
+        # Never let the timer fire into the next test of this process (it would connect "cli"
+        # there: a LOCAL child that should wait would run at once).
+        late.join()
+        presence.disconnect("cli")
     (done,) = executions_of(sid)
     assert (done.status, done.delivery_status) == ("FAILED", "DELIVERED")
     assert rule_calls(model, 2) == 0

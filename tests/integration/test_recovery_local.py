@@ -41,8 +41,10 @@ def test_r7_local_child_waits_for_the_client_and_then_succeeds(
     make_local(e.child_session_id)
     user = "cli"
     presence.disconnect(user)
-    threading.Timer(1.0, presence.connect, args=(user,)).start()
+    late = threading.Timer(1.0, presence.connect, args=(user,))
+    late.start()
     drive(model.base_url)
+    late.join()
     (done,) = executions_of(sid)
     assert (done.status, done.delivery_status) == ("COMPLETED", "DELIVERED")
     assert presence.is_connected(user)
