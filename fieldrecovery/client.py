@@ -37,6 +37,7 @@ another agent's key.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import secrets
@@ -56,13 +57,13 @@ from fieldrecovery.errors import (
     ProviderRejected,
     ProviderUnavailable,
 )
-from fieldrecovery.logs import get_logger, log_event
 from fieldrecovery.schemas import INT32_MAX, storable_text
 from fieldrecovery.sse import BROKEN, StreamBroken, StreamState, json_object, read_events
 from fieldrecovery.transport import CSRF_COOKIE, Resolver, read_capped, watched_session
+from logfmt import log_event
 from settings import FieldRecoverySettings, OpenApiSettings
 
-log = get_logger("client")
+log = logging.getLogger(__name__)
 
 #: The cancel is sent after the deadline (cancel grace is outside it) with this bound.
 CANCEL_TIMEOUT_SECONDS = 5.0

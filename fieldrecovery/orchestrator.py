@@ -14,6 +14,7 @@ code, the view is the parser baseline, and no part of the answer is used.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from fieldrecovery.client import CallProgress, OpenApiClient, ProviderAnswer, cl
 from fieldrecovery.deadline import Deadline
 from fieldrecovery.eml import parse_eml
 from fieldrecovery.errors import AttemptInvalid, FieldRecoveryError, RequestTooLarge
-from fieldrecovery.logs import get_logger, log_event
 from fieldrecovery.projector import project
 from fieldrecovery.records import InvocationMeta, ProviderAudit
 from fieldrecovery.request_builder import build_request, render_message, request_hash
@@ -44,9 +44,10 @@ from fieldrecovery.schemas import (
 )
 from fieldrecovery.store import ClaimOutcome, InvocationStore, LeaseKeeper, new_owner_id
 from fieldrecovery.tables import ArtifactType
+from logfmt import log_event
 from settings import FieldRecoverySettings, get_settings
 
-log = get_logger("orchestrator")
+log = logging.getLogger(__name__)
 
 
 class RecoveryStatus(StrEnum):

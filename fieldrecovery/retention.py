@@ -11,16 +11,17 @@ more than one call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, select
 
-from fieldrecovery.logs import get_logger, log_event
 from fieldrecovery.store import InvocationStore, rowcount
 from fieldrecovery.tables import FieldRecoveryArtifact, FieldRecoveryInvocation, InvocationStatus
+from logfmt import log_event
 
-log = get_logger("retention")
+log = logging.getLogger(__name__)
 Inv = FieldRecoveryInvocation
 Art = FieldRecoveryArtifact
 

@@ -27,6 +27,7 @@ Lease times use the database clock (``now()``), so workers with skewed clocks ag
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -46,7 +47,6 @@ from sqlalchemy.orm import Session
 
 from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
 from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable, ValueRejected
-from fieldrecovery.logs import get_logger, log_event
 from fieldrecovery.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
 from fieldrecovery.tables import (
     DEFAULT_RETENTION_DAYS,
@@ -54,9 +54,10 @@ from fieldrecovery.tables import (
     FieldRecoveryInvocation,
     InvocationStatus,
 )
+from logfmt import log_event
 from models.db import get_engine
 
-log = get_logger("store")
+log = logging.getLogger(__name__)
 Inv = FieldRecoveryInvocation
 
 
