@@ -150,107 +150,156 @@ def _round_state(s: Any, execution_id: int) -> RoundState:
     )
 
 
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of the model reply that ends the execution: the fence adds them to the
+    execution's counters in the finishing transaction."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The child answered: ``text`` is its result. ``final_message_id`` names its final
+    ASSISTANT when that is committed already (recovery found it, R20); without it the end
+    appends the final ASSISTANT with ``text`` as its content."""
+
+    text: str
+    final_message_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The child ended without an answer (a model or tool error, max_rounds, the deadline, an
+    unrecoverable history): ``reason`` is the result's error text."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The child session was cancelled."""
+
+    reason: str = "subagent cancelled"
+
+
+#: What an execution ends with: the one argument of ``finish_child``.
+ChildResult = Completed | Failed | Stopped
+
+
+@dataclass(frozen=True)
+class _End:
+    """The execution's end as its finishing transaction built it."""
+
+    status: ExecutionStatus
+    phase: Phase  #: the child session's phase that goes with the status
+    result: dict[str, Any]  #: the result JSON (harness.results, the one factory)
+    rounds: int
+    tool_calls: int
+
+
 def finish_child(
-    info: ChildInfo,
-    epoch: int,
-    *,
-    text: str | None,
-    failure: str | None = None,
-    cancelled: bool = False,
-    final_content: str | None = None,
-    fence: Fence | None = None,
-    tokens: tuple[int, int] = (0, 0),
-    final_message_id: int | None = None,
+    info: ChildInfo, epoch: int, result: ChildResult, *, fence: Fence | None = None, usage: Usage = Usage()
 ) -> RoundState | None:
-    """Commit the execution's end in ONE transaction: (final ASSISTANT when there is new text),
-    final_message_id, terminal status, result JSON (the one factory), counters, child phase.
+    """Commit the execution's end in ONE transaction, in three steps: lock the parent row,
+    build the end (the final ASSISTANT when it is new, the result JSON, the counters), then
+    the execution's compare-and-set to its terminal status with the child's phase.
+
     Returns the round's state as that transaction saw it, or None when a newer owner holds
     the execution (nothing written)."""
     try:
-        status, phase, rounds, state = _finish_child_tx(
-            info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
-        )
+        with transaction() as s:
+            _lock_parent_of(s, info.execution_id)
+            if fence is not None:
+                fence.check(s, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+            final_id = _final_message(s, info, result)
+            end = _build_end(s, info, result)
+            state = _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
     except _Lost:
         return None
     crash_point("child.after_final")
-    publish_status(info.child_session_id, phase)
-    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, status, rounds)
+    publish_status(info.child_session_id, end.phase)
+    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, end.status, end.rounds)
     return state
 
 
 class _Lost(Exception):
-    pass
+    """Raised inside ``finish_child``'s transaction when the execution's compare-and-set finds
+    a newer owner, to roll everything it wrote back (the final ASSISTANT, the phase); caught
+    there. Control flow, not an error."""
 
 
-def _finish_child_tx(
-    info: ChildInfo,
-    epoch: int,
-    text: str | None,
-    failure: str | None,
-    cancelled: bool,
-    final_content: str | None,
-    fence: Fence | None,
-    tokens: tuple[int, int],
-    final_message_id: int | None = None,
-) -> tuple[ExecutionStatus, Phase, int, RoundState]:
-    with transaction() as s:
-        # NOTE: the parent row first, as delivery locks it (parent, then its executions): the
-        # same order everywhere, so a finishing child and a delivery never deadlock.
-        E, S = SubagentExecution, AgentSession
-        s.execute(
-            select(S.id)
-            .where(S.id == select(E.parent_session_id).where(E.id == info.execution_id).scalar_subquery())
-            .with_for_update()
-        )
-        if fence is not None:
-            fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
-        final_id = final_message_id
-        if final_content is not None:
-            final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
-        E = SubagentExecution
-        tokens = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
-        rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
-        followup = _followup_info(s, info)
-        if failure is None and text is not None:
-            status = ExecutionStatus.COMPLETED
-            result = success_result(
-                agent_type=info.agent_type,
-                child_session_id=info.child_session_id,
-                text=text,
-                rounds=rounds,
-                tool_calls=tool_calls,
-                prompt_tokens=tokens.prompt_tokens,
-                completion_tokens=tokens.completion_tokens,
-                followup=followup,
-            )
-        else:
-            status = ExecutionStatus.CANCELLED if cancelled else ExecutionStatus.FAILED
-            result = failure_result(
-                agent_type=info.agent_type,
-                child_session_id=info.child_session_id,
-                reason=failure or "no result",
-                cancelled=cancelled,
-                followup=followup,
-            )
-        landed = finish_execution(
-            s,
-            info.execution_id,
-            epoch=epoch,
-            status=status,
-            result=result,
-            error=None if status == ExecutionStatus.COMPLETED else result["error"],
-            final_message_id=final_id,
+def _lock_parent_of(s: Session, execution_id: int) -> None:
+    """Step 1. NOTE: the parent row first, as delivery and cancel lock it (parent, then its
+    executions): the same order everywhere, so a finishing child never deadlocks with them,
+    and siblings finishing at once serialize here (``_round_state`` counts the earlier end)."""
+    E, S = SubagentExecution, AgentSession
+    parent = select(E.parent_session_id).where(E.id == execution_id).scalar_subquery()
+    s.execute(select(S.id).where(S.id == parent).with_for_update())
+
+
+def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:
+    """The final ASSISTANT's id: the committed one, or a new one for a new answer."""
+    if not isinstance(result, Completed):
+        return None
+    if result.final_message_id is not None:
+        return result.final_message_id
+    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text).id
+
+
+def _build_end(s: Session, info: ChildInfo, result: ChildResult) -> _End:
+    """Step 2: the result JSON from what the transaction sees: the execution's token counters
+    (the fence has just added this reply's usage), the child's rounds and tool calls."""
+    E = SubagentExecution
+    counted = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
+    rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
+    followup = _followup_info(s, info)
+    if isinstance(result, Completed):
+        success = success_result(
+            agent_type=info.agent_type,
+            child_session_id=info.child_session_id,
+            text=result.text,
             rounds=rounds,
-            total_tool_calls=tool_calls,
+            tool_calls=tool_calls,
+            prompt_tokens=counted.prompt_tokens,
+            completion_tokens=counted.completion_tokens,
+            followup=followup,
         )
-        if not landed:
-            raise _Lost()
-        phase = {ExecutionStatus.COMPLETED: Phase.COMPLETED, ExecutionStatus.FAILED: Phase.FAILED}.get(
-            status, Phase.CANCELLED
-        )
-        set_child_phase(s, info.child_session_id, phase)
-        state = _round_state(s, info.execution_id)
-    return status, phase, rounds, state
+        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, success, rounds, tool_calls)
+    stopped = isinstance(result, Stopped)
+    failure = failure_result(
+        agent_type=info.agent_type,
+        child_session_id=info.child_session_id,
+        reason=result.reason,
+        cancelled=stopped,
+        followup=followup,
+    )
+    if stopped:
+        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls)
+    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls)
+
+
+def _finish_with_phase(
+    s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None
+) -> RoundState:
+    """Step 3: the execution's compare-and-set to its terminal status (``_Lost`` when a newer
+    owner holds it), the child's phase with it, and the round's state as it now is."""
+    landed = finish_execution(
+        s,
+        info.execution_id,
+        epoch=epoch,
+        status=end.status,
+        result=end.result,
+        error=None if end.status == ExecutionStatus.COMPLETED else end.result["error"],
+        final_message_id=final_message_id,
+        rounds=end.rounds,
+        total_tool_calls=end.tool_calls,
+    )
+    if not landed:
+        raise _Lost()
+    set_child_phase(s, info.child_session_id, end.phase)
+    return _round_state(s, info.execution_id)
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -311,31 +360,29 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
                 final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
-            text = final.content or ""
-            tokens = (final.prompt_tokens, final.completion_tokens)
-            state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
+            usage = Usage(final.prompt_tokens, final.completion_tokens)
+            state = finish_child(info, epoch, Completed(final.content or ""), fence=fence, usage=usage)
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except LeaseLost:
         log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
         return ChildEnd(ChildOutcome.LOST)
     except Cancelled:
-        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, failure="subagent cancelled", cancelled=True)
+        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, Stopped())
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=reason)
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason))
     except Exception as exc:
         log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=f"subagent failed: {describe_exception(exc)}")
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(f"subagent failed: {describe_exception(exc)}"))
 
 
-def end_with_failure(
-    info: ChildInfo, epoch: int, outcome: ChildOutcome, *, failure: str, cancelled: bool = False
-) -> ChildEnd:
-    """Record a failure result; an infrastructure error while recording writes nothing."""
+def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result: Failed | Stopped) -> ChildEnd:
+    """Record a run's end without an answer; an infrastructure error while recording writes
+    nothing (INFRA_ERROR: the lease lapses and the scan resumes the execution)."""
     try:
         with infrastructure_boundary(log, "child_infra_error", execution=info.execution_id) as fault:
-            state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
+            state = finish_child(info, epoch, result)
     except Exception:
         log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
         return ChildEnd(ChildOutcome.ERROR)
@@ -375,6 +422,6 @@ def _child_rounds(
             if not reply.tool_calls:
                 return reply
             rnd = journal_reply(fence, info.child_session_id, reply)
-        inline_round(fence, info.child_session_id, rnd, allowed, deadline, "child")
+        inline_round(fence, session_id=info.child_session_id, rnd=rnd, allowed=allowed, deadline=deadline, kind="child")
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")

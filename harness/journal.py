@@ -164,6 +164,7 @@ def run_tools(
     fence: Fence,
     session_id: int,
     rnd: RoundInFlight,
+    *,
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,

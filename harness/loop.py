@@ -100,6 +100,7 @@ def ask(
 
 def inline_round(
     fence: Fence,
+    *,
     session_id: int,
     rnd: RoundInFlight,
     allowed: tuple[str, ...],
@@ -108,4 +109,5 @@ def inline_round(
 ) -> None:
     """Run (or take from the journal) every tool of a journaled round, then commit assistant +
     every TOOL in one transaction that also closes the journal entry (harness.journal)."""
-    commit_round(fence, session_id, rnd, run_tools(fence, session_id, rnd, allowed, deadline, kind))
+    results = run_tools(fence, session_id, rnd, allowed=allowed, deadline=deadline, kind=kind)
+    commit_round(fence, session_id, rnd, results)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -143,7 +143,7 @@ def _parent_rounds(
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
             continue
-        inline_round(fence, session_id, rnd, allowed, None, "parent")
+        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
@@ -203,8 +203,78 @@ def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple
 
 
 class _NothingCreated(Exception):
+    """Raised inside the creation transaction when no delegation of the round created a child,
+    to roll that whole transaction back (the pending round, the fence's token counters); caught
+    by ``_delegating_round``, which then commits the round as an ordinary one with the refusals
+    as TOOL results. Control flow, not an error.
+
+    NOTE: not a savepoint. The round's other (inline) tools must run outside any transaction,
+    and the ordinary round's commit counts the reply's tokens itself: keeping the outer
+    transaction's fence check would count them twice."""
+
     def __init__(self, errors: dict[str, str]) -> None:
         self.errors = errors
+
+
+@dataclass(frozen=True)
+class _Created:
+    """What the creation transaction committed: the pending round, its children, and the
+    round's inline calls still to run (the refused ones are already its TOOL errors)."""
+
+    round_id: int
+    executions: tuple[CreatedExecution, ...]
+    inline: tuple[ToolCall, ...]
+
+
+def _create_round(
+    s: Session, session_id: int, fence: SessionFence, rnd: RoundInFlight, *, allowed: tuple[str, ...], deps: LoopDeps
+) -> _Created:
+    """ONE transaction: the pending round, a child session + execution + instruction per
+    delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
+    entry closed; released at once when nothing runs inline. Raises ``_NothingCreated``."""
+    reply, refused = rnd.reply, rnd.refused
+    fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+    parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
+    round_row = PendingRound(
+        session_id=session_id,
+        assistant_content=reply.content,
+        tool_calls=[c.to_openai() for c in reply.tool_calls],
+        inline_results={},
+        prompt_tokens=reply.prompt_tokens,
+        completion_tokens=reply.completion_tokens,
+    )
+    s.add(round_row)
+    s.flush()
+    errors: dict[str, str] = dict(refused)
+    created: list[CreatedExecution] = []
+    for call in reply.tool_calls:
+        if call.name not in DELEGATION_TOOLS or call.name not in allowed or call.id in refused:
+            continue
+        out = create_execution(
+            s,
+            parent,
+            name=call.name,
+            raw_arguments=call.arguments,
+            tool_call_id=call.id,
+            pending_round_id=round_row.id,
+            lease_seconds=deps.lease_seconds,
+        )
+        if isinstance(out, str):
+            errors[call.id] = out
+        else:
+            created.append(out)
+    if not created:
+        raise _NothingCreated(errors)
+    close_in(s, rnd)
+    round_row.inline_results = errors
+    children = {c.tool_call_id for c in created}
+    inline = tuple(
+        c for c in reply.tool_calls if c.id not in children and c.id not in errors and c.name not in DELEGATION_TOOLS
+    )
+    if not inline:
+        # Nothing runs between the round and the yield: release in the same transaction.
+        release_session(s, session_id, epoch=fence.epoch)
+    return _Created(round_row.id, tuple(created), inline)
 
 
 def _delegating_round(
@@ -218,82 +288,34 @@ def _delegating_round(
     (every delegation was refused: the round was committed whole with the errors). The
     transaction that creates the children closes the round's journal entry: a journaled
     delegating reply creates its children once."""
-    reply, refused = rnd.reply, rnd.refused
-    calls = [c.to_openai() for c in reply.tool_calls]
-    delegations = [
-        c for c in reply.tool_calls if c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused
-    ]
-    created: list[CreatedExecution] = []
     try:
         with transaction() as s:
-            fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
-            parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
-            round_row = PendingRound(
-                session_id=session_id,
-                assistant_content=reply.content,
-                tool_calls=calls,
-                inline_results={},
-                prompt_tokens=reply.prompt_tokens,
-                completion_tokens=reply.completion_tokens,
-            )
-            s.add(round_row)
-            s.flush()
-            errors: dict[str, str] = dict(refused)
-            for call in delegations:
-                out = create_execution(
-                    s,
-                    parent,
-                    name=call.name,
-                    raw_arguments=call.arguments,
-                    tool_call_id=call.id,
-                    pending_round_id=round_row.id,
-                    lease_seconds=deps.lease_seconds,
-                )
-                if isinstance(out, str):
-                    errors[call.id] = out
-                else:
-                    created.append(out)
-            if not created:
-                raise _NothingCreated(errors)
-            close_in(s, rnd)
-            round_row.inline_results = errors
-            round_id = round_row.id
-            inline = [
-                c
-                for c in reply.tool_calls
-                if c.id not in {x.tool_call_id for x in created}
-                and c.id not in errors
-                and c.name not in DELEGATION_TOOLS
-            ]
-            if not inline:
-                # Nothing runs between the round and the yield: release in the same transaction.
-                release_session(s, session_id, epoch=fence.epoch)
+            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
-        inline_round(
-            fence, session_id, replace(rnd, refused={**rnd.refused, **nothing.errors}), allowed, None, "parent"
-        )
+        refusals = replace(rnd, refused={**rnd.refused, **nothing.errors})
+        inline_round(fence, session_id=session_id, rnd=refusals, allowed=allowed, deadline=None, kind="parent")
         return False
     crash_point("delegate.after_create")
     log.info(
         "event=delegation_round session=%s round=%s executions=%s",
         session_id,
-        round_id,
-        ",".join(str(c.execution_id) for c in created),
+        made.round_id,
+        ",".join(str(c.execution_id) for c in made.executions),
     )
-    for call in inline:
+    for call in made.inline:
         ctx = ToolContext(session_id, call.id, None, fence.should_stop, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
-        _record_inline(fence, round_id, call.id, result)
+        _record_inline(fence, made.round_id, call.id, result)
         crash_point("parent.mid_inline")
     crash_point("parent.before_yield")
-    if inline:
+    if made.inline:
         with transaction() as s:
             # Release as the epoch's owner; the epoch itself stays: deliver_round is handed it.
             fence.check(s)
             release_session(s, session_id, epoch=fence.epoch)
     try:
-        deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in created])
+        deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in made.executions])
     except Exception as exc:
         # NOTE: the broker is down longer than its publish retries. Everything is committed:
         # the executions' creation reservations lapse and the scan starts them (DESIGN §6).

@@ -33,6 +33,8 @@ from harness.child import (
     ChildEnd,
     ChildInfo,
     ChildOutcome,
+    Completed,
+    Failed,
     child_deadline,
     end_with_failure,
     finish_child,
@@ -224,22 +226,22 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         taken.tail_removed,
     )
     if taken.unrecoverable is not None:
-        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, failure=taken.unrecoverable)
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(taken.unrecoverable))
     try:
         with infrastructure_boundary(log, "subagent_recovery_infra_error", executionId=execution_id) as fault:
             if taken.final is not None:
                 # R20: the final answer exists; finish without calling the model again.
-                state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
+                found = Completed(taken.final.content, final_message_id=taken.final.message_id)
+                state = finish_child(info, new_epoch, found)
                 return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
             if utcnow() >= child_deadline(info.started_at):
-                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, failure=timeout_reason())
+                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, Failed(timeout_reason()))
         if fault:
             return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Exception as exc:
         log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
-        return end_with_failure(
-            info, new_epoch, ChildOutcome.FAILED, failure=f"subagent recovery failed: {describe_exception(exc)}"
-        )
+        reason = f"subagent recovery failed: {describe_exception(exc)}"
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(reason))
     return run_rounds(info, new_epoch, deps)
 
 
