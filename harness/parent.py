@@ -69,18 +69,17 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             require_expired=True,
             free_when_unowned=True,
         )
-        agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
-        # The first round's view (or the round a crashed run journaled) is read in the
-        # take's transaction (one trip fewer); the take is the epoch's fence there.
-        in_flight = resume_in(s, session_id, new_epoch) if new_epoch is not None else None
-        first_view = (
-            model_messages(session_id, get_agent(agent_type), s)
-            if new_epoch is not None and in_flight is None
-            else None
-        )
+        agent_type: str | None = None
+        in_flight = first_view = None
+        if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
+            agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
+            # The first round's view (or the round a crashed run journaled) is read in the
+            # take's transaction (one trip fewer); the take is the epoch's fence there.
+            in_flight = resume_in(s, session_id, new_epoch)
+            first_view = model_messages(session_id, get_agent(agent_type), s) if in_flight is None else None
     if fault:
         return RunOutcome.INFRA_ERROR
-    if new_epoch is None:
+    if new_epoch is None or agent_type is None:
         log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
         return RunOutcome.STALE
     crash_point("parent.after_resume")

@@ -256,3 +256,11 @@ def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory
         assert s.execute(select(PendingRound.id)).all() == []
         assert [m.role for m in s.execute(select(Message)).scalars()] == ["USER"]
     assert deps.scheduler.children == []
+
+
+def test_a_run_message_for_a_session_that_no_longer_exists_is_stale_not_an_error(db: str) -> None:
+    """A late ``agent.run`` whose session was deleted (retention, an operator) does nothing."""
+    from harness.parent import RunOutcome, run_agent
+    from tests.helpers import loop_deps
+
+    assert run_agent(987654, 0, loop_deps("http://127.0.0.1:9/v1")) == RunOutcome.STALE
