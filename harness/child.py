@@ -19,9 +19,9 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
-from harness.errors import Cancelled, DeadlineExceeded, infrastructure_boundary
+from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
-from harness.fence import ExecutionFence, Fence, Heartbeat
+from harness.fence import ExecutionFence, Heartbeat
 from harness.history import append_message
 from harness.journal import RoundInFlight, journal_reply, resume
 from harness.loop import LoopDeps, ask, inline_round, model_messages
@@ -52,6 +52,7 @@ log = logging.getLogger("harness.child")
 @dataclass(frozen=True)
 class ChildInfo:
     execution_id: int
+    parent_session_id: int
     child_session_id: int
     agent_type: str
     invocation_type: InvocationType | None
@@ -81,6 +82,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
     row = s.execute(
         select(
             E.id,
+            E.parent_session_id,
             E.child_session_id,
             E.agent_type,
             E.invocation_type,
@@ -93,7 +95,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
         .join(S, S.id == E.child_session_id)
         .where(E.id == execution_id)
     ).one()
-    return ChildInfo(*row)
+    return ChildInfo(*tuple(row))
 
 
 def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
@@ -131,23 +133,21 @@ class RoundState:
     max_epoch: int  #: >= 2 when some went through recovery
 
 
-def _round_state(s: Any, execution_id: int) -> RoundState:
-    E, S = SubagentExecution, AgentSession
-    parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
-    # NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
-    # finishing at the same moment serialize on it, so the later one counts the earlier one's
-    # end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete.
-    parent = s.execute(select(S.epoch, S.lease_owner).where(S.id == parent_id)).one()
+def _round_state(s: Any, parent: _Parent) -> RoundState:
+    """The round as the finishing transaction sees it, after the execution's end.
+
+    NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
+    finishing at the same moment serialize on it, so the later one counts the earlier one's
+    end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete."""
+    E = SubagentExecution
     active, max_epoch, pending = s.execute(
         select(
             func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
             func.max(E.epoch),
             func.count(),
-        ).where(E.parent_session_id == parent_id, E.delivery_status == "PENDING")
+        ).where(E.parent_session_id == parent.id, E.delivery_status == "PENDING")
     ).one()
-    return RoundState(
-        int(parent_id), int(parent.epoch), parent.lease_owner, int(pending), int(active), int(max_epoch or 0)
-    )
+    return RoundState(parent.id, parent.epoch, parent.owner, int(pending), int(active), int(max_epoch or 0))
 
 
 @dataclass(frozen=True)
@@ -197,25 +197,25 @@ class _End:
     result: dict[str, Any]  #: the result JSON (harness.results, the one factory)
     rounds: int
     tool_calls: int
+    prompt_tokens: int  #: the execution's totals, this end's usage counted
+    completion_tokens: int
 
 
-def finish_child(
-    info: ChildInfo, epoch: int, result: ChildResult, *, fence: Fence | None = None, usage: Usage = Usage()
-) -> RoundState | None:
-    """Commit the execution's end in ONE transaction, in three steps: lock the parent row,
-    build the end (the final ASSISTANT when it is new, the result JSON, the counters), then
-    the execution's compare-and-set to its terminal status with the child's phase.
+def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usage = Usage()) -> RoundState | None:
+    """Commit the execution's end in ONE transaction, in three steps: lock the parent row (and
+    read the execution's token counters), build the end (the final ASSISTANT when it is new,
+    the result JSON with ``usage`` counted, the counters), then the execution's compare-and-set
+    to its terminal status (the epoch is the fence), with the child's phase.
 
     Returns the round's state as that transaction saw it, or None when a newer owner holds
     the execution (nothing written)."""
     try:
         with transaction() as s:
-            _lock_parent_of(s, info.execution_id)
-            if fence is not None:
-                fence.check(s, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+            parent = _lock_parent(s, info)
             final_id = _final_message(s, info, result)
-            end = _build_end(s, info, result)
-            state = _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+            end = _build_end(s, info, result, parent=parent, usage=usage)
+            _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+            state = _round_state(s, parent)
     except _Lost:
         return None
     crash_point("child.after_final")
@@ -230,13 +230,31 @@ class _Lost(Exception):
     there. Control flow, not an error."""
 
 
-def _lock_parent_of(s: Session, execution_id: int) -> None:
+@dataclass(frozen=True)
+class _Parent:
+    """The parent row as the finishing transaction locked it, and the execution's counters."""
+
+    id: int
+    epoch: int
+    owner: str | None
+    prompt_tokens: int  #: the execution's, before this end's usage
+    completion_tokens: int
+
+
+def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
     """Step 1. NOTE: the parent row first, as delivery and cancel lock it (parent, then its
     executions): the same order everywhere, so a finishing child never deadlocks with them,
-    and siblings finishing at once serialize here (``_round_state`` counts the earlier end)."""
+    and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
+    The execution's token counters are read in the same statement (not locked: only the
+    epoch's owner adds to them, and the end's compare-and-set checks the epoch)."""
     E, S = SubagentExecution, AgentSession
-    parent = select(E.parent_session_id).where(E.id == execution_id).scalar_subquery()
-    s.execute(select(S.id).where(S.id == parent).with_for_update())
+    row = s.execute(
+        select(S.epoch, S.lease_owner, E.prompt_tokens, E.completion_tokens)
+        .join(E, E.parent_session_id == S.id)
+        .where(S.id == info.parent_session_id, E.id == info.execution_id)
+        .with_for_update(of=S)
+    ).one()
+    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
 
 
 def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:
@@ -248,11 +266,11 @@ def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | No
     return append_message(s, info.child_session_id, Role.ASSISTANT, result.text).id
 
 
-def _build_end(s: Session, info: ChildInfo, result: ChildResult) -> _End:
+def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage) -> _End:
     """Step 2: the result JSON from what the transaction sees: the execution's token counters
-    (the fence has just added this reply's usage), the child's rounds and tool calls."""
-    E = SubagentExecution
-    counted = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
+    with this end's usage, the child's rounds and tool calls."""
+    prompt = parent.prompt_tokens + usage.prompt_tokens
+    completion = parent.completion_tokens + usage.completion_tokens
     rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
     followup = _followup_info(s, info)
     if isinstance(result, Completed):
@@ -262,11 +280,11 @@ def _build_end(s: Session, info: ChildInfo, result: ChildResult) -> _End:
             text=result.text,
             rounds=rounds,
             tool_calls=tool_calls,
-            prompt_tokens=counted.prompt_tokens,
-            completion_tokens=counted.completion_tokens,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
             followup=followup,
         )
-        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, success, rounds, tool_calls)
+        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, success, rounds, tool_calls, prompt, completion)
     stopped = isinstance(result, Stopped)
     failure = failure_result(
         agent_type=info.agent_type,
@@ -276,15 +294,13 @@ def _build_end(s: Session, info: ChildInfo, result: ChildResult) -> _End:
         followup=followup,
     )
     if stopped:
-        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls)
-    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls)
+        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion)
+    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls, prompt, completion)
 
 
-def _finish_with_phase(
-    s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None
-) -> RoundState:
+def _finish_with_phase(s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None) -> None:
     """Step 3: the execution's compare-and-set to its terminal status (``_Lost`` when a newer
-    owner holds it), the child's phase with it, and the round's state as it now is."""
+    owner holds it), with the child's phase."""
     landed = finish_execution(
         s,
         info.execution_id,
@@ -295,11 +311,12 @@ def _finish_with_phase(
         final_message_id=final_message_id,
         rounds=end.rounds,
         total_tool_calls=end.tool_calls,
+        prompt_tokens=end.prompt_tokens,
+        completion_tokens=end.completion_tokens,
     )
     if not landed:
         raise _Lost()
     set_child_phase(s, info.child_session_id, end.phase)
-    return _round_state(s, info.execution_id)
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -344,7 +361,28 @@ class ChildEnd:
     state: RoundState | None = None
 
 
-def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
+def first_round_view(s: Session, info: ChildInfo, epoch: int) -> list[dict[str, Any]] | None:
+    """The first round's model messages, read in the taker's transaction ``s`` (one trip
+    fewer): None when the run must read them itself (a LOCAL child waits for its client
+    first; a re-taken execution continues its journaled round; an unknown agent fails in the
+    run, not in the take)."""
+    if epoch >= 2 or info.execution_mode == ExecutionMode.LOCAL:
+        return None
+    try:
+        agent = get_agent(info.agent_type)
+    except Exception:
+        return None
+    if agent.execution_mode == ExecutionMode.LOCAL:
+        return None
+    try:
+        return model_messages(info.child_session_id, agent, s)
+    except BoundaryInvalid:
+        return None  # the run reads it again and ends FAILED with the reason
+
+
+def run_rounds(
+    info: ChildInfo, epoch: int, deps: LoopDeps, *, first_view: list[dict[str, Any]] | None = None
+) -> ChildEnd:
     """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
     COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
     database/Redis fault: nothing written, the lease lapses and the scan resumes it — DESIGN
@@ -359,9 +397,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
             allowed = agent.tool_names(tool_names(), subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
-                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
+                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first_view)
             usage = Usage(final.prompt_tokens, final.completion_tokens)
-            state = finish_child(info, epoch, Completed(final.content or ""), fence=fence, usage=usage)
+            state = finish_child(info, epoch, Completed(final.content or ""), usage=usage)
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except LeaseLost:
@@ -399,6 +437,7 @@ def _child_rounds(
     deadline: datetime,
     deps: LoopDeps,
     local: bool,
+    first_view: list[dict[str, Any]] | None = None,
 ) -> ModelReply:
     """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
     A LOCAL child waits for its desktop client before every round: a client that disconnects
@@ -418,7 +457,8 @@ def _child_rounds(
         if in_flight is not None:
             rnd, in_flight = in_flight, None
         else:
-            reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline, agent.model_options)
+            view, first_view = first_view or model_messages(info.child_session_id, agent), None
+            reply = ask(deps, view, allowed, deadline, agent.model_options)
             if not reply.tool_calls:
                 return reply
             rnd = journal_reply(fence, info.child_session_id, reply)

@@ -382,13 +382,23 @@ def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
+#: The columns a model view reads (a Core select: no ORM objects on the hot path).
+_VIEW_COLUMNS = (Message.id, Message.role, Message.content, Message.tool_calls, Message.tool_call_id)
+
+
 def model_view(s: Session, session_id: int) -> list[dict[str, Any]]:
-    """The OpenAI messages of a session: compaction summary first, then the normalized rows."""
-    boundary = validated_boundary(s, session_id)
-    summary = s.execute(
-        select(AgentSession.compaction_summary).where(AgentSession.id == session_id)
-    ).scalar_one_or_none()
-    messages = to_openai(normalize(load_raw(s, session_id, boundary, validate=False)))
+    """The OpenAI messages of a session: compaction summary first, then the normalized rows
+    after its (validated) compaction boundary."""
+    S = AgentSession
+    found = s.execute(
+        select(S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
+    ).one_or_none()
+    boundary, summary = (found.compaction_boundary_message_id, found.compaction_summary) if found else (None, None)
+    check_boundary(s, session_id, boundary)
+    q = select(*_VIEW_COLUMNS).where(Message.session_id == session_id, Message.deleted.is_(False))
+    if boundary is not None:
+        q = q.where(Message.id > boundary)
+    messages = to_openai(normalize(list(s.execute(q.order_by(Message.id)).all())))
     if boundary is not None and summary:
         messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation: {summary}"})
     return messages

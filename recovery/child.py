@@ -38,6 +38,7 @@ from harness.child import (
     child_deadline,
     end_with_failure,
     finish_child,
+    first_round_view,
     load_child,
     run_rounds,
     timeout_reason,
@@ -117,8 +118,11 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
                 free_when_unowned=True,
             )
             info = load_child(execution_id, s) if new_epoch is not None else None
-            if info is not None:
+            first_view = None
+            if info is not None and new_epoch is not None:
                 set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+                # The first round's view is read in the take's transaction (one trip fewer).
+                first_view = first_round_view(s, info, new_epoch)
     except IllegalTransition:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
         return ChildOutcome.STALE
@@ -128,7 +132,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
         log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
         return ChildOutcome.STALE
     crash_point("child.after_take")
-    end = run_rounds(info, new_epoch, deps)
+    end = run_rounds(info, new_epoch, deps, first_view=first_view)
     _after_end(execution_id, end, deps, recovered=False)
     return end.outcome
 
