@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.orm import Session
 
 from harness.errors import BoundaryInvalid
@@ -338,6 +338,30 @@ def delete_rows(s: Session, session_id: int, ids: Sequence[int]) -> None:
             .values(deleted=True)
             .execution_options(synchronize_session=False)
         )
+
+
+def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Insert ``rows`` (``role``, ``content`` and optionally ``tool_calls``, ``tool_call_id``,
+    ``source_session_id``) in ONE statement in the caller's transaction; returns their ids in
+    the order given, which is their history order (``sort_by_parameter_order``: on PostgreSQL
+    the rows are inserted, and their ids drawn, in parameter order)."""
+    now = utcnow()
+    params = [
+        {
+            "session_id": session_id,
+            "role": r["role"],
+            "content": r.get("content"),
+            "tool_calls": json.dumps(r["tool_calls"]) if r.get("tool_calls") else None,
+            "tool_call_id": r.get("tool_call_id"),
+            "source_session_id": r.get("source_session_id"),
+            "deleted": False,
+            "created_at": now,
+        }
+        for r in rows
+    ]
+    table = cast(Table, Message.__table__)
+    stmt = insert(table).returning(table.c.id, sort_by_parameter_order=True)
+    return [int(i) for i in s.execute(stmt, params).scalars()]
 
 
 def append_message(

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     or_,
     select,
     text,
@@ -271,6 +272,31 @@ def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, to
         return False
     _classify(s, eid, None, "mark delivered")
     return False
+
+
+def mark_all_delivered(s: Session, tool_message_ids: dict[int, int], *, assistant_message_id: int) -> None:
+    """PENDING -> DELIVERED for every execution of one delivered round, in ONE statement
+    (execution id -> its TOOL message id). When it does not land on every row, each row is
+    classified as ``mark_delivered`` does (IllegalTransition for one still active or LEGACY;
+    a row already delivered or suppressed is left as it is)."""
+    if not tool_message_ids:
+        return
+    ids = list(tool_message_ids)
+    rows = cas(
+        s,
+        update(E)
+        .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
+        .values(
+            delivery_status=DeliveryStatus.DELIVERED,
+            parent_result_delivered_at=utcnow(),
+            parent_assistant_message_id=assistant_message_id,
+            parent_tool_message_id=case(tool_message_ids, value=E.id),
+        ),
+    )
+    if rows == len(ids):
+        return
+    for eid, tool_id in tool_message_ids.items():
+        mark_delivered(s, eid, assistant_message_id=assistant_message_id, tool_message_id=tool_id)
 
 
 def suppress_execution(s: Session, eid: int) -> bool:

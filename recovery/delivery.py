@@ -46,7 +46,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.execution import mark_delivered, suppress_execution
+from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.session import cancel_child, hand_over, stop_session
 from recovery.legacy import infer_and_store
 from settings import get_settings
@@ -76,8 +76,12 @@ class DeliveryOutcome:
     delivered: tuple[int, ...] = ()
 
 
-def _lock_parent(s: Session, parent_id: int) -> AgentSession | None:
-    return s.execute(select(AgentSession).where(AgentSession.id == parent_id).with_for_update()).scalar_one_or_none()
+def _lock_parent(s: Session, parent_id: int) -> Any:
+    """The parent's epoch, lease owner and phase, its row locked (first, in every path)."""
+    S = AgentSession
+    return s.execute(
+        select(S.id, S.epoch, S.lease_owner, S.phase).where(S.id == parent_id).with_for_update()
+    ).one_or_none()
 
 
 def _pending(s: Session, parent_id: int) -> list[SubagentExecution]:
@@ -168,15 +172,16 @@ def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
     return True
 
 
-def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecution]) -> list[int]:
-    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
-    rnd = s.execute(
+def _open_round(s: Session, parent_id: int) -> PendingRound | None:
+    return s.execute(
         select(PendingRound)
         .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
         .with_for_update()
     ).scalar_one_or_none()
-    if rnd is None:
-        return []
+
+
+def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
+    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
     # spec R23: delegation results in ascending execution id. They take the delegation slots
     # of the round in that order; inline results keep their own slots.
@@ -198,25 +203,18 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
             results.append(ToolResult(call_id, result))
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
-    delivered = []
-    for member in sorted(members.values(), key=lambda m: m.id):
-        call_id = str(member.parent_tool_call_id)
-        mark_delivered(s, member.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
-        delivered.append(member.id)
+    ordered = sorted(members.values(), key=lambda m: m.id)
+    marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
+    mark_all_delivered(s, marked, assistant_message_id=assistant_id)
+    for member in ordered:
         log.info(
-            "event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s", member.id, parent_id, call_id
+            "event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s",
+            member.id,
+            parent_id,
+            member.parent_tool_call_id,
         )
     rnd.closed_at = utcnow()
-    return delivered
-
-
-def _has_open_round(s: Session, parent_id: int) -> bool:
-    return (
-        s.execute(
-            select(PendingRound.id).where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
-        ).first()
-        is not None
-    )
+    return [m.id for m in ordered]
 
 
 def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | None:
@@ -237,20 +235,26 @@ def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[in
     return None
 
 
-def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered: list[int]) -> DeliveryOutcome:
+def _close_round_and_hand_over(
+    s: Session, parent_id: int, epoch: int, delivered: list[int], pending: list[SubagentExecution] | None = None
+) -> DeliveryOutcome:
     """In the caller's transaction (parent locked and checked): write the open round, then hand
-    the parent a new epoch — unless something is still PENDING."""
-    had_round = _has_open_round(s, parent_id)
-    delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
-    if not delivered and not had_round:
+    the parent a new epoch — unless something is still PENDING. ``pending`` is the parent's
+    PENDING executions when this transaction has read (and locked) them already."""
+    if pending is None:
+        pending = _pending(s, parent_id)
+    rnd = _open_round(s, parent_id)
+    if rnd is not None:
+        delivered += _deliver_open_round(s, parent_id, rnd, pending)
+    if not delivered and rnd is None:
         # Nothing was waiting: a settled parent is never handed over (spec §7.1.5).
         log.info("event=deliver_round_skipped parent=%s reason=nothing_pending", parent_id)
         return DeliveryOutcome(DeliveryKind.NOTHING)
-    left = (
-        s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
-        .scalars()
-        .all()
-    )
+    # NOTE: what is left PENDING is known without another read: the PENDING rows are locked
+    # (FOR UPDATE) and no execution of this parent can be created while its row is locked
+    # (creation runs under the parent's fence, which updates that row).
+    done = set(delivered)
+    left = [r.id for r in pending if r.id not in done]
     if left:
         log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
         return DeliveryOutcome(DeliveryKind.WAITING, delivered=tuple(delivered))
@@ -297,7 +301,7 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
             s, parent_id, validated_boundary(s, parent_id), protected=_delivered_rows(s, parent_id, -1)
         )
         legacy = [r.id for r in pending if r.pending_round_id is None]
-        outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered)
+        outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered, pending)
     for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
