@@ -66,8 +66,6 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             owner=deps.owner,
             lease_seconds=deps.lease_seconds,
             to_phase=Phase.RUNNING,
-            require_expired=True,
-            free_when_unowned=True,
         )
         agent_type: str | None = None
         in_flight = first_view = None

@@ -114,8 +114,6 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
                 to_status=ExecutionStatus.RUNNING,
                 owner=deps.owner,
                 lease_seconds=deps.lease_seconds,
-                require_expired=True,
-                free_when_unowned=True,
             )
             info = load_child(execution_id, s) if new_epoch is not None else None
             first_view = None
@@ -184,8 +182,6 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
                 to_status=ExecutionStatus.RECOVERING,
                 owner=deps.owner,
                 lease_seconds=deps.lease_seconds,
-                require_expired=True,
-                free_when_unowned=True,  # the scan's reservation is handed to us with the epoch
             )
         except IllegalTransition:
             log.info("event=subagent_recovery_skipped executionId=%s reason=not_pending", execution_id)

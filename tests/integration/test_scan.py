@@ -444,8 +444,6 @@ def test_an_overdue_execution_being_ended_by_its_recovery_is_not_taken_from_it_b
             to_status=ExecutionStatus.RECOVERING,
             owner="recoverer@host",
             lease_seconds=30,
-            require_expired=True,
-            free_when_unowned=True,
         )
     assert taken == epoch + 1
     second = RecordingScheduler()

@@ -43,8 +43,6 @@ def _take(eid: int, epoch: int, owner: str, to: ExecutionStatus = ExecutionStatu
             to_status=to,
             owner=owner,
             lease_seconds=30,
-            require_expired=True,
-            free_when_unowned=True,
         )
 
 
