@@ -410,14 +410,28 @@ def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
 _VIEW_COLUMNS = (Message.id, Message.role, Message.content, Message.tool_calls, Message.tool_call_id)
 
 
-def model_view(s: Session, session_id: int) -> list[dict[str, Any]]:
-    """The OpenAI messages of a session: compaction summary first, then the normalized rows
-    after its (validated) compaction boundary."""
+@dataclass(frozen=True)
+class Compaction:
+    """A session's compaction state: messages with id <= ``boundary`` are summarized."""
+
+    boundary: int | None = None
+    summary: str | None = None
+
+
+def compaction_of(s: Session, session_id: int) -> Compaction:
     S = AgentSession
     found = s.execute(
         select(S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
     ).one_or_none()
-    boundary, summary = (found.compaction_boundary_message_id, found.compaction_summary) if found else (None, None)
+    return Compaction(*found) if found is not None else Compaction()
+
+
+def model_view(s: Session, session_id: int, compaction: Compaction | None = None) -> list[dict[str, Any]]:
+    """The OpenAI messages of a session: compaction summary first, then the normalized rows
+    after its (validated) compaction boundary. ``compaction`` when the caller's transaction
+    has read it already (one statement fewer)."""
+    compaction = compaction if compaction is not None else compaction_of(s, session_id)
+    boundary, summary = compaction.boundary, compaction.summary
     check_boundary(s, session_id, boundary)
     q = select(*_VIEW_COLUMNS).where(Message.session_id == session_id, Message.deleted.is_(False))
     if boundary is not None:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from harness.agents import AgentDef
 from harness.errors import DeadlineExceeded, ModelUnavailable, is_infrastructure_error
 from harness.fence import Fence
-from harness.history import model_view
+from harness.history import Compaction, model_view
 from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
 from harness.scheduler import Scheduler
@@ -69,12 +69,15 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
     return [t.spec() for t in map(lookup, names) if t is not None]
 
 
-def model_messages(session_id: int, agent: AgentDef, s: Session | None = None) -> list[dict[str, Any]]:
-    """The system prompt and the session's model view, in ``s`` when given."""
+def model_messages(
+    session_id: int, agent: AgentDef, s: Session | None = None, compaction: Compaction | None = None
+) -> list[dict[str, Any]]:
+    """The system prompt and the session's model view, in ``s`` when given (with the
+    session's ``compaction`` when that transaction has read it)."""
     if s is None:
         with transaction() as own:
             return model_messages(session_id, agent, own)
-    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id)]
+    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction)]
 
 
 def ask(

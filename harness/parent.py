@@ -30,14 +30,14 @@ from harness.delegate import CreatedExecution, create_execution
 from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
-from harness.history import append_message
+from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
-from models.session import release_session, take_session
+from models.session import end_run, release_session, take_session
 
 log = logging.getLogger("harness.parent")
 
@@ -70,11 +70,17 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         agent_type: str | None = None
         in_flight = first_view = None
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
-            agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
+            S = AgentSession
+            row = s.execute(
+                select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
+            ).one()
+            agent_type = row.agent_type
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there.
             in_flight = resume_in(s, session_id, new_epoch)
-            first_view = model_messages(session_id, get_agent(agent_type), s) if in_flight is None else None
+            if in_flight is None:
+                compaction = Compaction(row.compaction_boundary_message_id, row.compaction_summary)
+                first_view = model_messages(session_id, get_agent(agent_type), s, compaction)
     if fault:
         return RunOutcome.INFRA_ERROR
     if new_epoch is None or agent_type is None:
@@ -128,9 +134,12 @@ def _parent_rounds(
             view = None
             if not reply.tool_calls:
                 with transaction() as s:
-                    fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                    # The release is the fence (one statement); when it does not land the
+                    # fence says why (Cancelled or LeaseLost) and the answer rolls back.
+                    if not end_run(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER):
+                        fence.check(s)
+                        raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
                     append_message(s, session_id, Role.ASSISTANT, reply.content or "")
-                    release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
                 publish_status(session_id, Phase.WAITING_USER)
                 return RunOutcome.WAITING_USER
             rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))

@@ -307,6 +307,29 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
     return False
 
 
+def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
+    """The epoch's owner ends its run (its last write's transaction): lease dropped and phase
+    moved in ONE compare-and-set that is also the fence (``fence_session``'s conditions: owned
+    at this epoch, not stopped, this process not replaced under its name). False, nothing
+    written, when any of them fails: the caller asks the fence why (cancelled or lost)."""
+    return (
+        cas(
+            s,
+            update(S)
+            .where(
+                S.id == sid,
+                S.epoch == epoch,
+                S.lease_owner.is_not(None),
+                not_stopped(),
+                _phase_in(STARTABLE_PHASES),
+                *still_current(),
+            )
+            .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=utcnow()),
+        )
+        == 1
+    )
+
+
 def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seconds: float = 0) -> int | None:
     """As the epoch's holder, bump the epoch and leave an unowned reservation so that only a
     task handed the new epoch takes the session (the scan waits for the reservation to
