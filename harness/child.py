@@ -9,7 +9,7 @@ lifecycle's job (recovery.child); this module runs what was taken.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -22,7 +22,7 @@ from harness.agents import AgentDef, get_agent
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
-from harness.history import append_message
+from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, journal_reply, resume
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
@@ -61,6 +61,8 @@ class ChildInfo:
     execution_mode: ExecutionMode
     user_id: str
     task_description: str
+    #: The child session's compaction as the loading transaction read it (its first view).
+    compaction: Compaction = field(default_factory=Compaction)
 
 
 def timeout_reason() -> str:
@@ -91,11 +93,25 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
             S.execution_mode,
             S.user_id,
             E.task_description,
+            S.compaction_boundary_message_id,
+            S.compaction_summary,
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == execution_id)
     ).one()
-    return ChildInfo(*tuple(row))
+    return ChildInfo(
+        execution_id=row.id,
+        parent_session_id=row.parent_session_id,
+        child_session_id=row.child_session_id,
+        agent_type=row.agent_type,
+        invocation_type=row.invocation_type,
+        started_at=row.started_at,
+        execution_start_message_id=row.execution_start_message_id,
+        execution_mode=row.execution_mode,
+        user_id=row.user_id,
+        task_description=row.task_description,
+        compaction=Compaction(row.compaction_boundary_message_id, row.compaction_summary),
+    )
 
 
 def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
@@ -263,7 +279,7 @@ def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | No
         return None
     if result.final_message_id is not None:
         return result.final_message_id
-    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text).id
+    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
 
 
 def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage) -> _End:
@@ -375,7 +391,7 @@ def first_round_view(s: Session, info: ChildInfo, epoch: int) -> list[dict[str, 
     if agent.execution_mode == ExecutionMode.LOCAL:
         return None
     try:
-        return model_messages(info.child_session_id, agent, s)
+        return model_messages(info.child_session_id, agent, s, info.compaction)
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 

@@ -140,7 +140,7 @@ def _delegate(
         task=task,
         invocation=InvocationType.DELEGATE,
         tool_call_id=tool_call_id,
-        start_message_id=start.id,
+        start_message_id=start,
         pending_round_id=pending_round_id,
         lease_seconds=lease_seconds,
     )
@@ -184,7 +184,7 @@ def _followup(
         task=task,
         invocation=InvocationType.FOLLOWUP,
         tool_call_id=tool_call_id,
-        start_message_id=start.id,
+        start_message_id=start,
         pending_round_id=pending_round_id,
         lease_seconds=lease_seconds,
     )

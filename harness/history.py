@@ -14,7 +14,7 @@ tool_call id has a TOOL row in that run.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -227,17 +227,26 @@ def tail_garbage(rows: Sequence[Row]) -> list[int]:
 
 
 def cleanup_incomplete_tail(
-    s: Session, session_id: int, boundary: int | None, *, protected: frozenset[int] = frozenset()
+    s: Session,
+    session_id: int,
+    boundary: int | None,
+    *,
+    protected: frozenset[int] | Callable[[], frozenset[int]] = frozenset(),
 ) -> list[int]:
     """Logically delete the last tool round lacking any TOOL result, and orphan TOOLs after it.
 
     Works on RAW live rows after the validated boundary; complete rounds are kept. Returns the
     ids it deleted (empty when the tail was already clean). Interrupted tools are never re-run:
     the model is asked again from the last complete round. ``protected`` rows (another
-    execution's delivered result) are never deleted.
+    execution's delivered result) are never deleted; given as a function, it is asked only
+    when the tail has something to delete (a clean tail costs no read of them).
     """
     rows = load_raw(s, session_id, boundary)
-    ids = [i for i in tail_garbage(rows) if i not in protected]
+    garbage = tail_garbage(rows)
+    if not garbage:
+        return []
+    keep = protected() if callable(protected) else protected
+    ids = [i for i in garbage if i not in keep]
     if ids:
         s.execute(
             update(Message)
@@ -373,21 +382,16 @@ def append_message(
     tool_calls: list[dict[str, Any]] | None = None,
     tool_call_id: str | None = None,
     source_session_id: int | None = None,
-) -> Message:
-    """Insert one row (flushed, so its id is known) in the caller's transaction."""
-    msg = Message(
-        session_id=session_id,
-        role=role,
-        content=content,
-        tool_calls=json.dumps(tool_calls) if tool_calls else None,
-        tool_call_id=tool_call_id,
-        source_session_id=source_session_id,
-        deleted=False,
-        created_at=utcnow(),
-    )
-    s.add(msg)
-    s.flush()
-    return msg
+) -> int:
+    """Insert one row in the caller's transaction (a Core INSERT ... RETURNING); its id."""
+    row = {
+        "role": role,
+        "content": content,
+        "tool_calls": tool_calls,
+        "tool_call_id": tool_call_id,
+        "source_session_id": source_session_id,
+    }
+    return insert_messages(s, session_id, [row])[0]
 
 
 def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from crashpoints import crash_point
 from harness.delegate import delegate_arguments, tool_name
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
-from harness.history import cleanup_incomplete_tail, delete_rows, pair_state, validated_boundary
+from harness.history import cleanup_incomplete_tail, delete_rows, pair_state
 from harness.journal import interrupted_result
 from harness.model import ToolCall
 from harness.results import failure_result
@@ -77,10 +77,13 @@ class DeliveryOutcome:
 
 
 def _lock_parent(s: Session, parent_id: int) -> Any:
-    """The parent's epoch, lease owner and phase, its row locked (first, in every path)."""
+    """The parent's epoch, lease owner, phase and compaction boundary, its row locked (first,
+    in every path)."""
     S = AgentSession
     return s.execute(
-        select(S.id, S.epoch, S.lease_owner, S.phase).where(S.id == parent_id).with_for_update()
+        select(S.id, S.epoch, S.lease_owner, S.phase, S.compaction_boundary_message_id)
+        .where(S.id == parent_id)
+        .with_for_update()
     ).one_or_none()
 
 
@@ -217,9 +220,9 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
     return [m.id for m in ordered]
 
 
-def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | None:
-    """Lock the parent; None when this delivery may go on. A stale epoch stops it; a stopped
-    parent has its pending results suppressed (and is never resumed)."""
+def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | Any:
+    """Lock the parent; its row when this delivery may go on, else how it stopped: a stale
+    epoch stops it; a stopped parent has its pending results suppressed (never resumed)."""
     parent = _lock_parent(s, parent_id)
     if parent is None or parent.epoch != epoch:
         log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
@@ -232,7 +235,7 @@ def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[in
     if parent.phase in STOPPED_PHASES:
         suppressed = suppress_parent(s, parent_id)
         return DeliveryOutcome(DeliveryKind.SUPPRESSED, delivered=tuple(delivered) or tuple(suppressed))
-    return None
+    return parent
 
 
 def _close_round_and_hand_over(
@@ -289,23 +292,22 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     tail cleanup, the whole round, the markers and the hand-over."""
     delivered: list[int] = []
     with transaction() as s:
-        stop = _check_parent(s, parent_id, epoch, ())
-        if stop is not None:
-            return stop
+        parent = _check_parent(s, parent_id, epoch, ())
+        if isinstance(parent, DeliveryOutcome):
+            return parent
         pending = _pending(s, parent_id)
         active = [r.id for r in pending if r.status in ACTIVE_EXECUTION]
         if active:
             log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, active)))
             return DeliveryOutcome(DeliveryKind.WAITING)
-        cleanup_incomplete_tail(
-            s, parent_id, validated_boundary(s, parent_id), protected=_delivered_rows(s, parent_id, -1)
-        )
+        boundary = parent.compaction_boundary_message_id  # validated by the tail's own read
+        cleanup_incomplete_tail(s, parent_id, boundary, protected=lambda: _delivered_rows(s, parent_id, -1))
         legacy = [r.id for r in pending if r.pending_round_id is None]
         outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered, pending)
     for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
-            if stop is not None:
+            if isinstance(stop, DeliveryOutcome):
                 return stop
             row = s.execute(select(E).where(E.id == eid).with_for_update()).scalar_one()
             if deliver_one(s, row, parent_id):
@@ -313,7 +315,7 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     if outcome is None:
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
-            if stop is not None:
+            if isinstance(stop, DeliveryOutcome):
                 return stop
             outcome = _close_round_and_hand_over(s, parent_id, epoch, delivered)
     if outcome.kind == DeliveryKind.RESUME:

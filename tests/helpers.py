@@ -90,7 +90,7 @@ def add_message(session_id: int, role: Role, content: str | None = "", **kw: Any
     from harness.history import append_message
 
     with transaction() as s:
-        return append_message(s, session_id, role, content, **kw).id
+        return append_message(s, session_id, role, content, **kw)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
