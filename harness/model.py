@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -89,6 +90,20 @@ class ModelReply:
     completion_tokens: int
 
 
+def _session_for(url: str) -> requests.Session:
+    """A keep-alive session whose environment settings (proxy variables, ``REQUESTS_CA_BUNDLE``
+    / ``CURL_CA_BUNDLE``) are read ONCE, here, instead of at every request: requests'
+    ``trust_env`` scans the environment (and ``~/.netrc``) on each call, a measurable part of a
+    short model call (issue 19). A provider behind a proxy still goes through it."""
+    session = requests.Session()
+    session.proxies.update(requests.utils.get_environ_proxies(url))
+    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+    if bundle:
+        session.verify = bundle
+    session.trust_env = False
+    return session
+
+
 class ModelClient:
     """A chat-completions client on one ``requests.Session``; meant for one agent loop at a time."""
 
@@ -116,7 +131,7 @@ class ModelClient:
         self._url = f"{self.base_url}/chat/completions"
         #: The endpoint as messages may show it: no userinfo, no query.
         self._where = _safe_url(self._url)
-        self._session = requests.Session()
+        self._session = _session_for(self._url)
 
     @classmethod
     def from_settings(cls) -> ModelClient:
