@@ -9,8 +9,14 @@ One round, in the order its commits happen:
    it runs;                                                   crash point journal.after_tool_start
 3. each tool's result is committed as it completes, except the last one of a repeatable tool,
    which the round's own transaction carries;                crash point journal.after_tool_result
-4. ``commit_round`` lands assistant + every TOOL in ONE transaction and closes the entry (a
-   delegating round closes it in the transaction that creates its children).
+4. ``commit_round`` lands assistant + every TOOL in ONE transaction and closes the entry.
+
+A delegating reply has no entry of its own: its pending round, committed in the transaction
+that creates its children before any of its tools runs, is its journal (harness.parent; crash
+point journal.after_reply right after that commit). It is journaled here only when none of its
+delegations creates a child and it becomes an ordinary round. An open entry of a delegating
+reply written by an earlier release is still continued: its children are created once and the
+creation closes it.
 
 A loop that starts (a recovered one, or the next run after a crash) calls ``resume`` before
 asking the model: an open entry asked from the same history is continued without a model call;
@@ -69,7 +75,9 @@ def interrupted_result(call: ToolCall) -> str:
 class RoundInFlight:
     """A journaled round: the reply and what its tools left in the journal."""
 
-    journal_id: int
+    #: The round_journal entry; None for a delegating reply, whose entry is the pending round
+    #: committed with its children (``harness.parent``): nothing runs before that commit.
+    journal_id: int | None
     reply: ModelReply
     #: tool_call_id -> TOOL error written instead of running the call.
     refused: dict[str, str] = field(default_factory=dict)
@@ -172,6 +180,7 @@ def run_tools(
     """Run (or take from the journal) every call of the round; returns tool_call_id -> TOOL
     content. Each result but the last one of a repeatable tool is journaled as it completes;
     the caller's round transaction carries that one."""
+    entry = _entry_of(rnd)
     out: dict[str, str] = {}
     todo = rnd.reply.tool_calls
     for n, call in enumerate(todo):
@@ -189,7 +198,7 @@ def run_tools(
         if not safe:
             with transaction() as s:
                 fence.check(s)
-                store.mark_started(s, rnd.journal_id, call.id, tool_name=call.name, repeatable=False)
+                store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
         ctx = ToolContext(session_id, call.id, deadline, fence.should_stop, kind)
         result = run_inline(call.name, call.arguments, ctx, allowed)
@@ -199,7 +208,7 @@ def run_tools(
         with transaction() as s:
             store.relaxed_commit(s)
             fence.check(s)
-            store.mark_finished(s, rnd.journal_id, call.id, result, tool_name=call.name, repeatable=safe)
+            store.mark_finished(s, entry, call.id, result, tool_name=call.name, repeatable=safe)
         crash_point("journal.after_tool_result")
     return out
 
@@ -216,9 +225,18 @@ def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dic
             [c.to_openai() for c in reply.tool_calls],
             [ToolResult(c.id, results[c.id]) for c in reply.tool_calls],
         )
-        store.close(s, rnd.journal_id)
+        store.close(s, _entry_of(rnd))
+
+
+def _entry_of(rnd: RoundInFlight) -> int:
+    """The round's journal entry: a round runs tools outside a pending round only once its
+    reply is journaled."""
+    if rnd.journal_id is None:
+        raise RuntimeError("a round's tools run only after its reply was journaled")
+    return rnd.journal_id
 
 
 def close_in(s: Session, rnd: RoundInFlight) -> None:
     """Close the entry in the caller's transaction (a delegating round's creation)."""
-    store.close(s, rnd.journal_id)
+    if rnd.journal_id is not None:
+        store.close(s, rnd.journal_id)

@@ -142,10 +142,15 @@ def _parent_rounds(
                     append_message(s, session_id, Role.ASSISTANT, reply.content or "")
                 publish_status(session_id, Phase.WAITING_USER)
                 return RunOutcome.WAITING_USER
-            rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
-        if any(
-            c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in rnd.refused for c in rnd.reply.tool_calls
-        ):
+            if _delegates(reply, allowed, {}):
+                # NOTE: a delegating reply's journal entry is its pending round, committed with
+                # its children before any of its tools (children or inline ones) runs: no
+                # journal transaction of its own (issue 19). It is journaled only when none of
+                # its delegations creates a child and it becomes an ordinary round.
+                rnd = RoundInFlight(None, reply)
+            else:
+                rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
+        if _delegates(rnd.reply, allowed, rnd.refused):
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
             continue
@@ -208,6 +213,11 @@ def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple
     return ModelReply(reply.content, tuple(calls), reply.prompt_tokens, reply.completion_tokens), refused
 
 
+def _delegates(reply: ModelReply, allowed: tuple[str, ...], refused: dict[str, str]) -> bool:
+    """True when the reply asks for a delegation this agent may make (not refused already)."""
+    return any(c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused for c in reply.tool_calls)
+
+
 class _NothingCreated(Exception):
     """Raised inside the creation transaction when no delegation of the round created a child,
     to roll that whole transaction back (the pending round, the fence's token counters); caught
@@ -218,8 +228,9 @@ class _NothingCreated(Exception):
     and the ordinary round's commit counts the reply's tokens itself: keeping the outer
     transaction's fence check would count them twice."""
 
-    def __init__(self, errors: dict[str, str]) -> None:
-        self.errors = errors
+    def __init__(self, rnd: RoundInFlight, errors: dict[str, str]) -> None:
+        self.rnd = rnd  #: the round as the transaction saw it (tool_call ids made unique)
+        self.errors = errors  #: tool_call_id -> TOOL error of every refused call
 
 
 @dataclass(frozen=True)
@@ -237,9 +248,15 @@ def _create_round(
 ) -> _Created:
     """ONE transaction: the pending round, a child session + execution + instruction per
     delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
-    entry closed; released at once when nothing runs inline. Raises ``_NothingCreated``."""
+    entry closed; released at once when nothing runs inline. Raises ``_NothingCreated``.
+
+    A fresh reply (not journaled: ``journal_id`` None) has its tool_call ids made unique here,
+    in the transaction that commits it."""
+    fence.check(s, prompt_tokens=rnd.reply.prompt_tokens, completion_tokens=rnd.reply.completion_tokens)
+    if rnd.journal_id is None:
+        unique, refusals = _unique_call_ids_in(s, session_id, rnd.reply)
+        rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
     reply, refused = rnd.reply, rnd.refused
-    fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
     parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
     round_row = PendingRound(
         session_id=session_id,
@@ -270,7 +287,7 @@ def _create_round(
         else:
             created.append(out)
     if not created:
-        raise _NothingCreated(errors)
+        raise _NothingCreated(rnd, errors)
     close_in(s, rnd)
     round_row.inline_results = errors
     children = {c.tool_call_id for c in created}
@@ -299,9 +316,15 @@ def _delegating_round(
             made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
-        refusals = replace(rnd, refused={**rnd.refused, **nothing.errors})
-        inline_round(fence, session_id=session_id, rnd=refusals, allowed=allowed, deadline=None, kind="parent")
+        refused = {**nothing.rnd.refused, **nothing.errors}
+        if nothing.rnd.journal_id is None:  # journaled now, before its inline tools run
+            rnd = journal_reply(fence, session_id, nothing.rnd.reply, lambda s, r: (r, refused))
+        else:
+            rnd = replace(nothing.rnd, refused=refused)
+        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
         return False
+    if rnd.journal_id is None:
+        crash_point("journal.after_reply")  # the reply is committed (as its pending round)
     crash_point("delegate.after_create")
     log.info(
         "event=delegation_round session=%s round=%s executions=%s",
