@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, union
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
-from harness.delegate import CreatedExecution, create_execution
+from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
@@ -164,27 +164,19 @@ def _parent_rounds(
 
 
 def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
+    """The ids among ``ids`` this session has used already (a delegation's or a TOOL's), in
+    one statement."""
     E = SubagentExecution
-    used = set(
-        s.execute(
-            select(E.parent_tool_call_id).where(E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids))
-        )
-        .scalars()
-        .all()
+    delegated = select(E.parent_tool_call_id.label("id")).where(
+        E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids)
     )
-    used |= set(
-        s.execute(
-            select(Message.tool_call_id).where(
-                Message.session_id == session_id,
-                Message.role == Role.TOOL,
-                Message.deleted.is_(False),
-                Message.tool_call_id.in_(ids),
-            )
-        )
-        .scalars()
-        .all()
+    answered = select(Message.tool_call_id.label("id")).where(
+        Message.session_id == session_id,
+        Message.role == Role.TOOL,
+        Message.deleted.is_(False),
+        Message.tool_call_id.in_(ids),
     )
-    return {str(i) for i in used if i is not None}
+    return {str(i) for i in s.execute(union(delegated, answered)).scalars() if i is not None}
 
 
 def unique_call_ids(session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
@@ -257,7 +249,7 @@ def _create_round(
         unique, refusals = _unique_call_ids_in(s, session_id, rnd.reply)
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
     reply, refused = rnd.reply, rnd.refused
-    parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
+    parent = parent_of(s, session_id)
     round_row = PendingRound(
         session_id=session_id,
         assistant_content=reply.content,
