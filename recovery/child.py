@@ -11,11 +11,13 @@
 
 Then the same steps: finish from an existing final without calling the model, or fail past the
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
-last execution of a round to end asks for the round's delivery when the round went through
-recovery (an execution with epoch >= 2): its original chord may have lost a header for good,
-so its callback may never come. It delivers the round itself, in one short transaction, and
-enqueues the parent's run. Delivery's barrier is the database's (I3): trying early is harmless.
-Never raises: a chord header that raised would stop the parent's delivery.
+last execution of a round to end (it sees the round complete in its finishing transaction)
+delivers the round itself, in one short transaction, and enqueues the parent's run: no task
+hop between the last child and its parent (issue 19). In recovery there may be no callback at
+all (the original chord may have lost a header for good); in the normal path the chord's
+callback comes after and finds the parent handed over. Delivery's barrier is the database's
+(I3): trying early is harmless. Never raises: a chord header that raised would stop the
+parent's delivery.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
         return ChildOutcome.STALE
     crash_point("child.after_take")
     end = run_rounds(info, new_epoch, deps, first_view=first_view)
-    _after_end(execution_id, end, deps, recovered=False)
+    _after_end(execution_id, end, deps)
     return end.outcome
 
 
@@ -154,7 +156,7 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
         end.outcome,
         (time.monotonic() - started) * 1000,
     )
-    _after_end(execution_id, end, deps, recovered=True)
+    _after_end(execution_id, end, deps)
     return end.outcome
 
 
@@ -245,16 +247,17 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
     return run_rounds(info, new_epoch, deps)
 
 
-def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: bool) -> None:
-    """The last execution of a recovered round to end asks for the round's delivery. The
-    round's state comes from the finishing transaction itself (no extra trip)."""
+def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
+    """The last execution of a round to end delivers the round, in the normal path and in
+    recovery alike (DESIGN §6). The round's state comes from the finishing transaction itself
+    (no extra trip). In the normal path the chord callback that follows finds the parent
+    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
+    and the scan is the one behind it."""
     state = end.state
     if not end.outcome.ended or state is None:
         return
     if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
         return  # delivered already, siblings still running, or the parent is not waiting
-    if not recovered and state.max_epoch < 2:
-        return  # an untouched round: its chord callback delivers it
     log.info("event=round_delivery_requested parent=%s executionId=%s", state.parent_id, execution_id)
     try:
         # Delivered right here (one short transaction): no task hop between the last child and

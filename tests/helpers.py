@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from crashpoints import armed_fault
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -227,8 +228,11 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
 
 
 def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, int]:
-    """A parent that delegated and whose children all completed, but whose chord callback
-    never ran: returns (parent id, the epoch its deliver_round was handed)."""
+    """A parent that delegated and whose children all completed, but whose round was never
+    delivered: the last child's worker died right after its final commit (child.after_final,
+    before it could deliver the round itself) and the chord callback never ran. Returns
+    (parent id, the epoch its deliver_round was handed)."""
+    from crashpoints import InjectedKill
     from harness.parent import run_agent
     from harness.views import create_session
     from recovery.child import start_child
@@ -237,8 +241,17 @@ def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, 
     sid = create_session("main", text)
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = deps.scheduler.children.pop()
-    for eid, e in children:
+    *first, (last, last_epoch) = children
+    for eid, e in first:
         assert start_child(eid, e, deps) == "completed"
+    with armed_fault("child.after_final", kill=True):
+        try:
+            start_child(last, last_epoch, deps)
+        except InjectedKill:
+            pass
+        else:
+            raise AssertionError("the last child did not reach child.after_final")
+    assert not deps.scheduler.resumed  # nothing delivered
     return sid, epoch
 
 

@@ -42,10 +42,11 @@ def _drive(model_url: str, sid: int, sched: RecordingScheduler) -> None:
         parent, parent_epoch, children = sched.children[-1]
         for eid, e in children:
             run_child(eid, e, deps)
-        result = deliver_round(parent, parent_epoch)
-        assert result.kind == "resume"
-        assert result.new_epoch is not None
-        epoch = result.new_epoch
+        # The last child delivered the round itself and enqueued the parent's run (DESIGN §6);
+        # the chord callback that follows finds the parent handed over and does nothing.
+        resumed, epoch = sched.resumed.pop()
+        assert resumed == parent and not sched.resumed
+        assert deliver_round(parent, parent_epoch).kind == "stale"
     raise AssertionError("the parent did not finish")
 
 

@@ -95,9 +95,10 @@ def test_r2_restart_while_a_followup_runs_reuses_child_and_execution(model_facto
     sid = create_session("main", "go")
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = deps.scheduler.children.pop()
-    run_child(*children[0], deps)
-    out = deliver_round(sid, epoch)
-    assert run_agent(sid, out.new_epoch, deps) == "yielded"  # type: ignore[arg-type]
+    run_child(*children[0], deps)  # the only child: it delivers the round and resumes the parent
+    resumed, new_epoch = deps.scheduler.resumed.pop()
+    assert resumed == sid and deliver_round(sid, epoch).kind == "stale"  # the chord callback: nothing left
+    assert run_agent(sid, new_epoch, deps) == "yielded"
     deps.scheduler.children.clear()  # the worker died: the followup's chord is lost
     followup_before = executions_of(sid)[1]
     assert followup_before.invocation_type == "FOLLOWUP" and followup_before.status == "RUNNING"
