@@ -18,7 +18,7 @@ README); a field that means the same thing has the same name in every package:
   was done), ``error`` (an exception's type name only, never its message), ``error_code`` (a
   classified, safe code such as ``http_5xx``);
 - time: ``duration_ms``, ``wait_ms`` (whole milliseconds, the unit in the name);
-- counts are plain nouns: ``executions``, ``parents``, ``delivered``, ``rounds``, ``attempt``.
+- counts are plain nouns: ``executions``, ``parents``, ``delivered``, ``rounds``; ``attempt`` counts from 1.
 """
 
 from __future__ import annotations
