@@ -41,10 +41,11 @@ from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
 from harness.tools import ToolContext, lookup, run_inline
+from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
 
-log = logging.getLogger("harness.journal")
+log = logging.getLogger(__name__)
 
 #: Longest argument text quoted back to the model in an interrupted call's result.
 MAX_QUOTED_ARGUMENT_CHARS = 2000
@@ -108,7 +109,7 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
         return None
     if entry.after_message_id != store.last_live_message_id(s, session_id):
         store.abandon(s, entry.id)
-        log.info("event=round_journal_abandoned session=%s journal=%s", session_id, entry.id)
+        log_event(log, "round_journal_abandoned", session_id=session_id, journal_id=entry.id)
         return None
     if not store.adopt(s, entry.id, epoch=epoch):
         # NOTE: the caller holds the epoch in this transaction, so a newer loop cannot hold it.
@@ -131,12 +132,13 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
         frozenset(c.tool_call_id for c in calls if c.status == CallStatus.STARTED),
         replayed=True,
     )
-    log.info(
-        "event=round_journal_resumed session=%s journal=%s results=%d interrupted=%d",
-        session_id,
-        rnd.journal_id,
-        len(rnd.results),
-        len(rnd.started),
+    log_event(
+        log,
+        "round_journal_resumed",
+        session_id=session_id,
+        journal_id=rnd.journal_id,
+        results=len(rnd.results),
+        interrupted=len(rnd.started),
     )
     return rnd
 
@@ -192,7 +194,7 @@ def run_tools(
             continue
         safe = repeatable(call.name)
         if call.id in rnd.started and not safe:
-            log.info("event=tool_interrupted_not_rerun session=%s tool=%s", session_id, call.name)
+            log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name)
             out[call.id] = interrupted_result(call)
             continue
         if not safe:

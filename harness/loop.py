@@ -36,7 +36,7 @@ from models.base import utcnow
 from models.worker import identity
 from settings import get_settings
 
-log = logging.getLogger("harness.loop")
+log = logging.getLogger(__name__)
 
 
 __all__ = ["LoopDeps", "Scheduler", "ask", "inline_round", "is_infrastructure_error", "model_messages", "worker_id"]

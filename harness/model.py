@@ -34,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 
 from harness.errors import ModelUnavailable
+from logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +196,13 @@ class ModelClient:
                     or (give_up_at is not None and now + wait >= give_up_at)
                 ):
                     raise failure.error from failure.__cause__
-                log.info(
-                    "event=model_retry attempt=%d status=%s code=%s wait_ms=%d",
-                    attempt,
-                    failure.status if failure.status is not None else "-",
-                    failure.error.code,
-                    int(wait * 1000),
+                log_event(
+                    log,
+                    "model_retry",
+                    attempt=attempt,
+                    status=failure.status,
+                    error_code=failure.error.code,
+                    wait_ms=int(wait * 1000),
                 )
                 time.sleep(wait)
 
@@ -240,7 +242,7 @@ class ModelClient:
         if not 200 <= status < 300:
             code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
-            log.info("model_call_failed status=%d code=%s duration_ms=%d", status, code, duration_ms)
+            log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
             error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
             if status in _RETRY_STATUSES or status >= 500:
                 raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
@@ -252,13 +254,15 @@ class ModelClient:
                 f"{self._where} answered HTTP {status} with a body that is not JSON", "bad_response"
             ) from exc
         reply = self._parse(payload)
-        log.debug(
-            "model_call status=%d duration_ms=%d prompt_tokens=%d completion_tokens=%d tool_calls=%d",
-            status,
-            duration_ms,
-            reply.prompt_tokens,
-            reply.completion_tokens,
-            len(reply.tool_calls),
+        log_event(
+            log,
+            "model_call",
+            logging.DEBUG,
+            status=status,
+            duration_ms=duration_ms,
+            prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens,
+            tool_calls=len(reply.tool_calls),
         )
         return reply
 

@@ -36,10 +36,11 @@ from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
+from logfmt import log_event
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
 from models.session import end_run, release_session, take_session
 
-log = logging.getLogger("harness.parent")
+log = logging.getLogger(__name__)
 
 
 class RunOutcome(StrEnum):
@@ -58,7 +59,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     """Run the session's rounds as the holder of ``epoch``. Returns what happened
     (``RunOutcome``); on INFRA_ERROR nothing was written: the lease lapses and the scan
     resumes the session."""
-    with infrastructure_boundary(log, "agent_run_infra_error", session=session_id) as fault, transaction() as s:
+    with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault, transaction() as s:
         new_epoch = take_session(
             s,
             session_id,
@@ -84,7 +85,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     if fault:
         return RunOutcome.INFRA_ERROR
     if new_epoch is None or agent_type is None:
-        log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
+        log_event(log, "agent_run_skipped", session_id=session_id, epoch=epoch, reason="stale")
         return RunOutcome.STALE
     crash_point("parent.after_resume")
     publish_status(session_id, Phase.RUNNING)
@@ -94,17 +95,19 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     try:
         # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
         # resumes the session (R18). The boundary stops it before the handlers below.
-        with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session=session_id):
+        with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
             return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
         return RunOutcome.INFRA_ERROR
     except LeaseLost:
-        log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
+        log_event(log, "agent_run_lost", session_id=session_id, epoch=new_epoch)
         return RunOutcome.LOST
     except Cancelled:
         _release(fence, None)
         return RunOutcome.CANCELLED
     except Exception as exc:
-        log.warning("event=agent_run_failed session=%s error=%s", session_id, type(exc).__name__, exc_info=True)
+        log_event(
+            log, "agent_run_failed", logging.WARNING, exc_info=True, session_id=session_id, error=type(exc).__name__
+        )
         _release(fence, Phase.FAILED)
         return RunOutcome.FAILED
 
@@ -195,7 +198,7 @@ def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple
         if call.id in used or call.id in seen:
             fresh = f"{call.id[:80]}-dup-{uuid.uuid4().hex[:8]}"
             refused[fresh] = f"error: the model repeated tool_call id {call.id[:80]!r}; the call was not run"
-            log.warning("event=duplicate_tool_call_id session=%s tool=%s", session_id, call.name)
+            log_event(log, "duplicate_tool_call_id", logging.WARNING, session_id=session_id, tool=call.name)
             calls.append(ToolCall(fresh, call.name, call.arguments))
         else:
             seen.add(call.id)
@@ -318,11 +321,12 @@ def _delegating_round(
     if rnd.journal_id is None:
         crash_point("journal.after_reply")  # the reply is committed (as its pending round)
     crash_point("delegate.after_create")
-    log.info(
-        "event=delegation_round session=%s round=%s executions=%s",
-        session_id,
-        made.round_id,
-        ",".join(str(c.execution_id) for c in made.executions),
+    log_event(
+        log,
+        "delegation_round",
+        session_id=session_id,
+        round_id=made.round_id,
+        execution_ids=[c.execution_id for c in made.executions],
     )
     for call in made.inline:
         ctx = ToolContext(session_id, call.id, None, fence.should_stop, "parent")
@@ -340,7 +344,7 @@ def _delegating_round(
     except Exception as exc:
         # NOTE: the broker is down longer than its publish retries. Everything is committed:
         # the executions' creation reservations lapse and the scan starts them (DESIGN §6).
-        log.warning("event=children_handoff_failed session=%s error=%s", session_id, type(exc).__name__)
+        log_event(log, "children_handoff_failed", logging.WARNING, session_id=session_id, error=type(exc).__name__)
     return True
 
 

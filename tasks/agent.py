@@ -10,12 +10,13 @@ from harness.child import ChildOutcome
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
+from logfmt import log_event
 from recovery.child import start_child
 from recovery.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 
-log = logging.getLogger("tasks.agent")
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +40,7 @@ def run_child_task(execution_id: int, epoch: int) -> str:
     try:
         return start_child(int(execution_id), int(epoch), deps())
     except Exception:
-        log.error("event=run_child_error execution=%s", execution_id, exc_info=True)
+        log_event(log, "run_child_error", logging.ERROR, exc_info=True, execution_id=execution_id)
         return ChildOutcome.ERROR
 
 

@@ -18,6 +18,7 @@ from fieldrecovery.orchestrator import recover_eml
 from fieldrecovery.retention import purge_expired
 from fieldrecovery.schemas import SourceKind
 from fieldrecovery.store import store_from_settings
+from logfmt import log_event
 from settings import get_settings
 from tasks import app
 
@@ -47,7 +48,7 @@ def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> 
         code = exc.code
     except (ValueError, TypeError):
         code = "input_invalid"  # an unknown source kind, an attempt that is not a number
-    log.warning("event=field_input_invalid code=%s", code)
+    log_event(log, "field_input_invalid", logging.WARNING, error_code=code)
     return {"status": "failed", "needs_review": False, "error_code": code, "idempotency_key": None}
 
 

@@ -248,9 +248,12 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
     ):
         assert f"event={event}" in text, event
     assert secret_task not in text and secret_answer not in text
+    (e,) = executions_of(sid)
+    # One spelling per field (logfmt): the ids are execution_id/parent_id/tool_call_id.
+    assert f"event=subagent_result_delivered execution_id={e.id} parent_id={sid} tool_call_id=" in text
+    assert f"event=parent_recovery_start parent_id={sid} epoch=" in text
     # ... and a second delivery attempt logs the skip with its reason.
     caplog.clear()
-    (e,) = executions_of(sid)
     from recovery.ops import redeliver
 
     assert redeliver(e.id, RecordingScheduler()) == "already_delivered"
@@ -259,5 +262,5 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
 
         row = s.execute(select(SubagentExecution).where(SubagentExecution.id == e.id)).scalar_one()
         assert deliver_one(s, row, sid) is False
-    assert "event=subagent_result_delivery_skipped" in caplog.text and "reason=already_delivered" in caplog.text
+    assert f"event=subagent_result_delivery_skipped execution_id={e.id} reason=already_delivered" in caplog.text
     assert invariants() == []
