@@ -29,6 +29,7 @@ from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception, failure_result, followup_fields, success_result
 from harness.tools import tool_names
+from logfmt import log_event
 from models import (
     AgentSession,
     ExecutionMode,
@@ -46,7 +47,7 @@ from models.execution import finish_execution
 from models.session import set_child_phase
 from settings import get_settings
 
-log = logging.getLogger("harness.child")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
         return None
     crash_point("child.after_final")
     publish_status(info.child_session_id, end.phase)
-    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, end.status, end.rounds)
+    log_event(log, "child_finished", execution_id=info.execution_id, status=end.status, rounds=end.rounds)
     return state
 
 
@@ -407,7 +408,7 @@ def run_rounds(
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
     try:
-        with infrastructure_boundary(log, "child_infra_error", execution=execution_id):
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id):
             publish_status(info.child_session_id, Phase.RUNNING)
             agent = get_agent(info.agent_type)
             allowed = agent.tool_names(tool_names(), subagent=True)
@@ -419,7 +420,7 @@ def run_rounds(
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except LeaseLost:
-        log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
+        log_event(log, "child_lost", execution_id=execution_id, epoch=epoch)
         return ChildEnd(ChildOutcome.LOST)
     except Cancelled:
         return end_with_failure(info, epoch, ChildOutcome.CANCELLED, Stopped())
@@ -427,7 +428,9 @@ def run_rounds(
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason))
     except Exception as exc:
-        log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
+        log_event(
+            log, "child_failed", logging.WARNING, exc_info=True, execution_id=execution_id, error=type(exc).__name__
+        )
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(f"subagent failed: {describe_exception(exc)}"))
 
 
@@ -435,10 +438,10 @@ def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result:
     """Record a run's end without an answer; an infrastructure error while recording writes
     nothing (INFRA_ERROR: the lease lapses and the scan resumes the execution)."""
     try:
-        with infrastructure_boundary(log, "child_infra_error", execution=info.execution_id) as fault:
+        with infrastructure_boundary(log, "child_infra_error", execution_id=info.execution_id) as fault:
             state = finish_child(info, epoch, result)
     except Exception:
-        log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
+        log_event(log, "child_fail_not_recorded", logging.ERROR, exc_info=True, execution_id=info.execution_id)
         return ChildEnd(ChildOutcome.ERROR)
     if fault:
         return ChildEnd(ChildOutcome.INFRA_ERROR)

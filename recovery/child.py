@@ -49,6 +49,7 @@ from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
 from harness.loop import LoopDeps
 from harness.results import describe_exception
+from logfmt import log_event
 from models import (
     AgentSession,
     ExecutionStatus,
@@ -65,7 +66,7 @@ from models.session import set_child_phase, set_phase
 from recovery.delivery import deliver_and_resume
 from recovery.legacy import infer_and_store
 
-log = logging.getLogger("recovery.child")
+log = logging.getLogger(__name__)
 E = SubagentExecution
 
 #: Child phases that say its last answer was NOT a final result (old rows, spec §7.3.5).
@@ -108,7 +109,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
     the child's phase and the facts the run needs are ONE transaction."""
     try:
-        with infrastructure_boundary(log, "child_infra_error", execution=execution_id) as fault, transaction() as s:
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault, transaction() as s:
             new_epoch = take_execution(
                 s,
                 execution_id,
@@ -124,12 +125,12 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
                 # The first round's view is read in the take's transaction (one trip fewer).
                 first_view = first_round_view(s, info, new_epoch)
     except IllegalTransition:
-        log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")
         return ChildOutcome.STALE
     if fault:
         return ChildOutcome.INFRA_ERROR
     if new_epoch is None or info is None:
-        log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="stale")
         return ChildOutcome.STALE
     crash_point("child.after_take")
     end = run_rounds(info, new_epoch, deps, first_view=first_view)
@@ -142,19 +143,20 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
     started = time.monotonic()
     try:
         with infrastructure_boundary(
-            log, "subagent_recovery_error", level=logging.ERROR, executionId=execution_id
+            log, "subagent_recovery_error", level=logging.ERROR, execution_id=execution_id
         ) as fault:
             end = _recover(execution_id, epoch, deps)
     except Exception as exc:
-        log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
+        log_event(log, "subagent_recovery_error", logging.ERROR, execution_id=execution_id, error=type(exc).__name__)
         end = ChildEnd(ChildOutcome.ERROR)
     if fault:
         end = ChildEnd(ChildOutcome.INFRA_ERROR)
-    log.info(
-        "event=subagent_recovery_complete executionId=%s outcome=%s durationMs=%d",
-        execution_id,
-        end.outcome,
-        (time.monotonic() - started) * 1000,
+    log_event(
+        log,
+        "subagent_recovery_complete",
+        execution_id=execution_id,
+        outcome=end.outcome,
+        duration_ms=int((time.monotonic() - started) * 1000),
     )
     _after_end(execution_id, end, deps)
     return end.outcome
@@ -186,10 +188,10 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
                 lease_seconds=deps.lease_seconds,
             )
         except IllegalTransition:
-            log.info("event=subagent_recovery_skipped executionId=%s reason=not_pending", execution_id)
+            log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="not_pending")
             return ChildOutcome.STALE
         if new_epoch is None:
-            log.info("event=subagent_recovery_skipped executionId=%s reason=stale_epoch", execution_id)
+            log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="stale_epoch")
             return ChildOutcome.STALE
         parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
         invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
@@ -202,8 +204,12 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         except BoundaryInvalid as exc:
             # NOTE: the take itself must land (it is what stops the scan from re-sending this
             # reservation every two leases); the child then ends FAILED with the reason.
-            log.error(
-                "event=subagent_recovery_unrecoverable execution_id=%s reason=invalid_compaction_boundary", execution_id
+            log_event(
+                log,
+                "subagent_recovery_unrecoverable",
+                logging.ERROR,
+                execution_id=execution_id,
+                reason="invalid_compaction_boundary",
             )
             return _Taken(
                 new_epoch, info, parent_id, str(invocation), 0, None, f"subagent history cannot be recovered: {exc}"
@@ -219,18 +225,19 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         return ChildEnd(taken)
     crash_point("recover.after_take")
     info, new_epoch = taken.info, taken.epoch
-    log.info(
-        "event=subagent_recovery_start executionId=%s parent=%s child=%s invocation=%s tail_removed=%d",
-        execution_id,
-        taken.parent_id,
-        info.child_session_id,
-        taken.invocation,
-        taken.tail_removed,
+    log_event(
+        log,
+        "subagent_recovery_start",
+        execution_id=execution_id,
+        parent_id=taken.parent_id,
+        child_session_id=info.child_session_id,
+        invocation=taken.invocation,
+        tail_removed=taken.tail_removed,
     )
     if taken.unrecoverable is not None:
         return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(taken.unrecoverable))
     try:
-        with infrastructure_boundary(log, "subagent_recovery_infra_error", executionId=execution_id) as fault:
+        with infrastructure_boundary(log, "subagent_recovery_infra_error", execution_id=execution_id) as fault:
             if taken.final is not None:
                 # R20: the final answer exists; finish without calling the model again.
                 found = Completed(taken.final.content, final_message_id=taken.final.message_id)
@@ -241,7 +248,7 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         if fault:
             return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Exception as exc:
-        log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
+        log_event(log, "subagent_recovery_failed", logging.WARNING, execution_id=execution_id, error=type(exc).__name__)
         reason = f"subagent recovery failed: {describe_exception(exc)}"
         return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(reason))
     return run_rounds(info, new_epoch, deps)
@@ -258,11 +265,11 @@ def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
         return
     if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
         return  # delivered already, siblings still running, or the parent is not waiting
-    log.info("event=round_delivery_requested parent=%s executionId=%s", state.parent_id, execution_id)
+    log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
     try:
         # Delivered right here (one short transaction): no task hop between the last child and
         # its parent. A duplicate request or the chord callback loses the epoch check.
         deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
-        log.warning("event=round_delivery_failed executionId=%s", execution_id, exc_info=True)
+        log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

@@ -252,6 +252,9 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
     # One spelling per field (logfmt): the ids are execution_id/parent_id/tool_call_id.
     assert f"event=subagent_result_delivered execution_id={e.id} parent_id={sid} tool_call_id=" in text
     assert f"event=parent_recovery_start parent_id={sid} epoch=" in text
+    start = f"event=subagent_recovery_start execution_id={e.id} parent_id={sid} child_session_id={e.child_session_id} "
+    assert start + "invocation=DELEGATE" in text
+    assert f"event=subagent_recovery_complete execution_id={e.id} outcome=completed duration_ms=" in text
     # ... and a second delivery attempt logs the skip with its reason.
     caplog.clear()
     from recovery.ops import redeliver
