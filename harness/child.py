@@ -23,7 +23,7 @@ from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrast
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
 from harness.history import Compaction, append_message
-from harness.journal import RoundInFlight, journal_reply, resume
+from harness.journal import RoundInFlight, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
@@ -64,6 +64,10 @@ class ChildInfo:
     task_description: str
     #: The child session's compaction as the loading transaction read it (its first view).
     compaction: Compaction = field(default_factory=Compaction)
+    #: As the loading transaction read them (recovery's take: legacy inference, R20).
+    parent_tool_call_id: str | None = None
+    final_message_id: int | None = None
+    child_phase: Phase | None = None
 
 
 def timeout_reason() -> str:
@@ -96,6 +100,9 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
             E.task_description,
             S.compaction_boundary_message_id,
             S.compaction_summary,
+            E.parent_tool_call_id,
+            E.final_message_id,
+            S.phase,
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == execution_id)
@@ -112,6 +119,9 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
         user_id=row.user_id,
         task_description=row.task_description,
         compaction=Compaction(row.compaction_boundary_message_id, row.compaction_summary),
+        parent_tool_call_id=row.parent_tool_call_id,
+        final_message_id=row.final_message_id,
+        child_phase=row.phase,
     )
 
 
@@ -378,12 +388,21 @@ class ChildEnd:
     state: RoundState | None = None
 
 
-def first_round_view(s: Session, info: ChildInfo, epoch: int) -> list[dict[str, Any]] | None:
-    """The first round's model messages, read in the taker's transaction ``s`` (one trip
-    fewer): None when the run must read them itself (a LOCAL child waits for its client
-    first; a re-taken execution continues its journaled round; an unknown agent fails in the
-    run, not in the take)."""
-    if epoch >= 2 or info.execution_mode == ExecutionMode.LOCAL:
+@dataclass(frozen=True)
+class FirstRound:
+    """What the execution's first round needs, read in the taker's transaction (one trip and
+    one transaction fewer): the round its crashed run journaled, or else the model messages."""
+
+    in_flight: RoundInFlight | None = None
+    view: list[dict[str, Any]] | None = None
+
+
+def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
+    """``FirstRound`` in the taker's transaction ``s``, which holds ``epoch``; None when the run
+    must read it itself (a LOCAL child waits for its client first; an unknown agent or an
+    invalid compaction boundary fails in the run, not in the take). A re-taken execution
+    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled."""
+    if info.execution_mode == ExecutionMode.LOCAL:
         return None
     try:
         agent = get_agent(info.agent_type)
@@ -391,15 +410,17 @@ def first_round_view(s: Session, info: ChildInfo, epoch: int) -> list[dict[str, 
         return None
     if agent.execution_mode == ExecutionMode.LOCAL:
         return None
+    if epoch >= 2:
+        in_flight = resume_in(s, info.child_session_id, epoch)
+        if in_flight is not None:
+            return FirstRound(in_flight=in_flight)
     try:
-        return model_messages(info.child_session_id, agent, s, info.compaction)
+        return FirstRound(view=model_messages(info.child_session_id, agent, s, info.compaction))
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 
 
-def run_rounds(
-    info: ChildInfo, epoch: int, deps: LoopDeps, *, first_view: list[dict[str, Any]] | None = None
-) -> ChildEnd:
+def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound | None = None) -> ChildEnd:
     """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
     COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
     database/Redis fault: nothing written, the lease lapses and the scan resumes it — DESIGN
@@ -414,7 +435,7 @@ def run_rounds(
             allowed = agent.tool_names(tool_names(), subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
-                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first_view)
+                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first)
             usage = Usage(final.prompt_tokens, final.completion_tokens)
             state = finish_child(info, epoch, Completed(final.content or ""), usage=usage)
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
@@ -456,15 +477,20 @@ def _child_rounds(
     deadline: datetime,
     deps: LoopDeps,
     local: bool,
-    first_view: list[dict[str, Any]] | None = None,
+    first: FirstRound | None = None,
 ) -> ModelReply:
     """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
     A LOCAL child waits for its desktop client before every round: a client that disconnects
     mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4).
 
     A recovered execution (epoch >= 2: the normal path takes epoch 1) first continues the
-    round its crashed run journaled, without asking the model again (harness.journal)."""
-    in_flight: RoundInFlight | None = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
+    round its crashed run journaled, without asking the model again (harness.journal).
+    ``first`` is what the taker read for the first round (then nothing is read again here)."""
+    if first is not None:
+        in_flight, first_view = first.in_flight, first.view
+    else:
+        in_flight = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
+        first_view = None
     for _ in range(agent.max_rounds):
         fence.raise_if_stopped()
         if utcnow() >= deadline:

@@ -232,6 +232,7 @@ def cleanup_incomplete_tail(
     boundary: int | None,
     *,
     protected: frozenset[int] | Callable[[], frozenset[int]] = frozenset(),
+    rows: Sequence[Row] | None = None,
 ) -> list[int]:
     """Logically delete the last tool round lacking any TOOL result, and orphan TOOLs after it.
 
@@ -239,9 +240,10 @@ def cleanup_incomplete_tail(
     ids it deleted (empty when the tail was already clean). Interrupted tools are never re-run:
     the model is asked again from the last complete round. ``protected`` rows (another
     execution's delivered result) are never deleted; given as a function, it is asked only
-    when the tail has something to delete (a clean tail costs no read of them).
+    when the tail has something to delete (a clean tail costs no read of them). ``rows``: the
+    live rows after the boundary when the caller has read (and validated) them already.
     """
-    rows = load_raw(s, session_id, boundary)
+    rows = rows if rows is not None else load_raw(s, session_id, boundary)
     garbage = tail_garbage(rows)
     if not garbage:
         return []

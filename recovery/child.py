@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -37,21 +38,21 @@ from harness.child import (
     ChildOutcome,
     Completed,
     Failed,
+    FirstRound,
     child_deadline,
     end_with_failure,
     finish_child,
-    first_round_view,
+    first_round,
     load_child,
     run_rounds,
     timeout_reason,
 )
 from harness.errors import BoundaryInvalid, infrastructure_boundary
-from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
+from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps
 from harness.results import describe_exception
 from logfmt import log_event
 from models import (
-    AgentSession,
     ExecutionStatus,
     IllegalTransition,
     Message,
@@ -79,20 +80,22 @@ class FinalFound:
     content: str
 
 
-def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> FinalFound | None:
+def existing_final(s: Session, info: ChildInfo, rows: Sequence[Message] | None = None) -> FinalFound | None:
     """The execution's final ASSISTANT if it was committed before the crash (spec §7.3.5):
     ``final_message_id``, or for old rows the last live row after the execution's USER
     instruction when it is an ASSISTANT without tool calls and the child's phase does not say
-    otherwise (a FAILED/CANCELLED child's last words are not its result)."""
-    final_id = s.execute(select(E.final_message_id).where(E.id == info.execution_id)).scalar_one()
-    if final_id is not None:
-        row = s.execute(select(Message).where(Message.id == final_id, Message.deleted.is_(False))).scalar_one_or_none()
+    otherwise (a FAILED/CANCELLED child's last words are not its result). ``rows``: every
+    live row of the child, when the caller's transaction has them already."""
+    if info.final_message_id is not None:
+        row = s.execute(
+            select(Message).where(Message.id == info.final_message_id, Message.deleted.is_(False))
+        ).scalar_one_or_none()
         if row is not None:
             return FinalFound(row.id, row.content or "")
-    if child_phase in _NOT_FINAL_PHASES:
+    if info.child_phase in _NOT_FINAL_PHASES:
         return None
     start = info.execution_start_message_id
-    rows = load_raw(s, info.child_session_id, None, validate=False)
+    rows = rows if rows is not None else load_raw(s, info.child_session_id, None, validate=False)
     if start is None:
         # Old row: the execution's instruction is the last USER message carrying its task.
         users = [m.id for m in rows if m.role == Role.USER and (m.content or "") == info.task_description]
@@ -119,11 +122,10 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
                 lease_seconds=deps.lease_seconds,
             )
             info = load_child(execution_id, s) if new_epoch is not None else None
-            first_view = None
+            first: FirstRound | None = None
             if info is not None and new_epoch is not None:
                 set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
-                # The first round's view is read in the take's transaction (one trip fewer).
-                first_view = first_round_view(s, info, new_epoch)
+                first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
     except IllegalTransition:
         log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")
         return ChildOutcome.STALE
@@ -133,7 +135,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
         log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="stale")
         return ChildOutcome.STALE
     crash_point("child.after_take")
-    end = run_rounds(info, new_epoch, deps, first_view=first_view)
+    end = run_rounds(info, new_epoch, deps, first=first)
     _after_end(execution_id, end, deps)
     return end.outcome
 
@@ -166,17 +168,19 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
 class _Taken:
     epoch: int
     info: ChildInfo
-    parent_id: int
     invocation: str
     tail_removed: int
     final: FinalFound | None
     #: Why the child's history can never be made legal again (an invalid compaction boundary):
     #: the execution ends FAILED with this reason instead of a take that rolls back forever.
     unrecoverable: str | None = None
+    #: The first round, read in the take's transaction (None: the run reads it).
+    first: FirstRound | None = None
 
 
 def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | ChildOutcome:
-    """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final."""
+    """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final, and
+    the first round (the journaled one, or the model messages)."""
     with transaction() as s:
         try:
             new_epoch = take_execution(
@@ -193,14 +197,17 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         if new_epoch is None:
             log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="stale_epoch")
             return ChildOutcome.STALE
-        parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
-        invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
         info = load_child(execution_id, s)
-        child_phase = s.execute(select(AgentSession.phase).where(AgentSession.id == info.child_session_id)).scalar_one()
+        if info.invocation_type is None or info.parent_tool_call_id is None:
+            # A pre-upgrade row: inferred and written back in the first recovery transaction,
+            # before anything reads its invocation (its followup fields, R13).
+            invocation, call_id = infer_and_store(s, execution_id)
+            info = replace(info, invocation_type=invocation, parent_tool_call_id=call_id)
         # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
         set_child_phase(s, info.child_session_id, Phase.RESUMING)
+        boundary = info.compaction.boundary
         try:
-            boundary = validated_boundary(s, info.child_session_id)
+            rows = load_raw(s, info.child_session_id, boundary)  # validates the boundary
         except BoundaryInvalid as exc:
             # NOTE: the take itself must land (it is what stops the scan from re-sending this
             # reservation every two leases); the child then ends FAILED with the reason.
@@ -211,12 +218,13 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
                 execution_id=execution_id,
                 reason="invalid_compaction_boundary",
             )
-            return _Taken(
-                new_epoch, info, parent_id, str(invocation), 0, None, f"subagent history cannot be recovered: {exc}"
-            )
-        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary)
-        final = existing_final(s, info, child_phase)
-    return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
+            reason = f"subagent history cannot be recovered: {exc}"
+            return _Taken(new_epoch, info, str(info.invocation_type), 0, None, reason)
+        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows)
+        live = [m for m in rows if m.id not in set(removed)] if boundary is None else None
+        final = existing_final(s, info, live)
+        first = first_round(s, info, new_epoch) if final is None else None
+    return _Taken(new_epoch, info, str(info.invocation_type), len(removed), final, first=first)
 
 
 def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
@@ -229,7 +237,7 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         log,
         "subagent_recovery_start",
         execution_id=execution_id,
-        parent_id=taken.parent_id,
+        parent_id=info.parent_session_id,
         child_session_id=info.child_session_id,
         invocation=taken.invocation,
         tail_removed=taken.tail_removed,
@@ -251,7 +259,7 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         log_event(log, "subagent_recovery_failed", logging.WARNING, execution_id=execution_id, error=type(exc).__name__)
         reason = f"subagent recovery failed: {describe_exception(exc)}"
         return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(reason))
-    return run_rounds(info, new_epoch, deps)
+    return run_rounds(info, new_epoch, deps, first=taken.first)
 
 
 def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
