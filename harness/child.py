@@ -1,9 +1,10 @@
-"""The child (SUBAGENT) loop: rounds of one execution in its child session, and its end.
+"""The child (SUBAGENT) loop: rounds of one execution in its child session.
 
-A child's final round commits the final ASSISTANT, final_message_id, the execution's terminal
-status, the result JSON (one factory, harness.results) and the counters in ONE transaction,
-fenced by the execution's epoch. Taking the execution (normal start or recovery) is the
-lifecycle's job (recovery.child); this module runs what was taken.
+The normal path's start (``start_child``, task ``agent.run_child``) takes the execution and
+runs it; recovery's take is recovery.child's. Both run the same rounds (``run_rounds``), end
+in the same transaction (harness.child_end), and then the last execution of a round to end
+delivers the round in-process (``after_end``, through the ``deliver`` the caller gave in
+``LoopDeps``: recovery's transactional delivery, which harness does not import).
 """
 
 from __future__ import annotations
@@ -14,37 +15,37 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
+from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
-from harness.history import Compaction, append_message
+from harness.history import Compaction
 from harness.journal import RoundInFlight, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
-from harness.results import describe_exception, failure_result, followup_fields, success_result
+from harness.results import describe_exception
 from harness.tools import tool_names
 from logfmt import log_event
 from models import (
     AgentSession,
     ExecutionMode,
     ExecutionStatus,
+    IllegalTransition,
     InvocationType,
     LeaseLost,
-    Message,
     Phase,
-    Role,
     SubagentExecution,
     transaction,
 )
 from models.base import utcnow
-from models.execution import finish_execution
-from models.session import set_child_phase
+from models.execution import take_execution
+from models.session import set_phase
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -123,227 +124,6 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
         final_message_id=row.final_message_id,
         child_phase=row.phase,
     )
-
-
-def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
-    """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
-    q = select(Message.role, func.count()).where(Message.session_id == child_session_id, Message.deleted.is_(False))
-    if start_id is not None:
-        q = q.where(Message.id > start_id)
-    counts = dict(s.execute(q.group_by(Message.role)).all())
-    return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
-
-
-def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
-    if info.invocation_type != InvocationType.FOLLOWUP:
-        return None
-    E = SubagentExecution
-    earlier = (
-        s.execute(select(E.status).where(E.child_session_id == info.child_session_id, E.id <= info.execution_id))
-        .scalars()
-        .all()
-    )
-    completed = sum(1 for st in earlier if st == ExecutionStatus.COMPLETED) + 1
-    return followup_fields(len(earlier), completed)
-
-
-@dataclass(frozen=True)
-class RoundState:
-    """The execution's round as its end left it (read in the finishing transaction): what the
-    lifecycle needs to decide whether to ask for the round's delivery, without another trip."""
-
-    parent_id: int
-    parent_epoch: int
-    parent_owner: str | None
-    pending: int  #: executions of the parent still PENDING delivery (this one included)
-    active: int  #: of those, still running
-    max_epoch: int  #: >= 2 when some went through recovery
-
-
-def _round_state(s: Any, parent: _Parent) -> RoundState:
-    """The round as the finishing transaction sees it, after the execution's end.
-
-    NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
-    finishing at the same moment serialize on it, so the later one counts the earlier one's
-    end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete."""
-    E = SubagentExecution
-    active, max_epoch, pending = s.execute(
-        select(
-            func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
-            func.max(E.epoch),
-            func.count(),
-        ).where(E.parent_session_id == parent.id, E.delivery_status == "PENDING")
-    ).one()
-    return RoundState(parent.id, parent.epoch, parent.owner, int(pending), int(active), int(max_epoch or 0))
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Tokens of the model reply that ends the execution: the fence adds them to the
-    execution's counters in the finishing transaction."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Completed:
-    """The child answered: ``text`` is its result. ``final_message_id`` names its final
-    ASSISTANT when that is committed already (recovery found it, R20); without it the end
-    appends the final ASSISTANT with ``text`` as its content."""
-
-    text: str
-    final_message_id: int | None = None
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The child ended without an answer (a model or tool error, max_rounds, the deadline, an
-    unrecoverable history): ``reason`` is the result's error text."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """The child session was cancelled."""
-
-    reason: str = "subagent cancelled"
-
-
-#: What an execution ends with: the one argument of ``finish_child``.
-ChildResult = Completed | Failed | Stopped
-
-
-@dataclass(frozen=True)
-class _End:
-    """The execution's end as its finishing transaction built it."""
-
-    status: ExecutionStatus
-    phase: Phase  #: the child session's phase that goes with the status
-    result: dict[str, Any]  #: the result JSON (harness.results, the one factory)
-    rounds: int
-    tool_calls: int
-    prompt_tokens: int  #: the execution's totals, this end's usage counted
-    completion_tokens: int
-
-
-def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usage = Usage()) -> RoundState | None:
-    """Commit the execution's end in ONE transaction, in three steps: lock the parent row (and
-    read the execution's token counters), build the end (the final ASSISTANT when it is new,
-    the result JSON with ``usage`` counted, the counters), then the execution's compare-and-set
-    to its terminal status (the epoch is the fence), with the child's phase.
-
-    Returns the round's state as that transaction saw it, or None when a newer owner holds
-    the execution (nothing written)."""
-    try:
-        with transaction() as s:
-            parent = _lock_parent(s, info)
-            final_id = _final_message(s, info, result)
-            end = _build_end(s, info, result, parent=parent, usage=usage)
-            _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
-            state = _round_state(s, parent)
-    except _Lost:
-        return None
-    crash_point("child.after_final")
-    publish_status(info.child_session_id, end.phase)
-    log_event(log, "child_finished", execution_id=info.execution_id, status=end.status, rounds=end.rounds)
-    return state
-
-
-class _Lost(Exception):
-    """Raised inside ``finish_child``'s transaction when the execution's compare-and-set finds
-    a newer owner, to roll everything it wrote back (the final ASSISTANT, the phase); caught
-    there. Control flow, not an error."""
-
-
-@dataclass(frozen=True)
-class _Parent:
-    """The parent row as the finishing transaction locked it, and the execution's counters."""
-
-    id: int
-    epoch: int
-    owner: str | None
-    prompt_tokens: int  #: the execution's, before this end's usage
-    completion_tokens: int
-
-
-def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
-    """Step 1. NOTE: the parent row first, as delivery and cancel lock it (parent, then its
-    executions): the same order everywhere, so a finishing child never deadlocks with them,
-    and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
-    The execution's token counters are read in the same statement (not locked: only the
-    epoch's owner adds to them, and the end's compare-and-set checks the epoch)."""
-    E, S = SubagentExecution, AgentSession
-    row = s.execute(
-        select(S.epoch, S.lease_owner, E.prompt_tokens, E.completion_tokens)
-        .join(E, E.parent_session_id == S.id)
-        .where(S.id == info.parent_session_id, E.id == info.execution_id)
-        .with_for_update(of=S)
-    ).one()
-    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
-
-
-def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:
-    """The final ASSISTANT's id: the committed one, or a new one for a new answer."""
-    if not isinstance(result, Completed):
-        return None
-    if result.final_message_id is not None:
-        return result.final_message_id
-    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
-
-
-def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage) -> _End:
-    """Step 2: the result JSON from what the transaction sees: the execution's token counters
-    with this end's usage, the child's rounds and tool calls."""
-    prompt = parent.prompt_tokens + usage.prompt_tokens
-    completion = parent.completion_tokens + usage.completion_tokens
-    rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
-    followup = _followup_info(s, info)
-    if isinstance(result, Completed):
-        success = success_result(
-            agent_type=info.agent_type,
-            child_session_id=info.child_session_id,
-            text=result.text,
-            rounds=rounds,
-            tool_calls=tool_calls,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            followup=followup,
-        )
-        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, success, rounds, tool_calls, prompt, completion)
-    stopped = isinstance(result, Stopped)
-    failure = failure_result(
-        agent_type=info.agent_type,
-        child_session_id=info.child_session_id,
-        reason=result.reason,
-        cancelled=stopped,
-        followup=followup,
-    )
-    if stopped:
-        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion)
-    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls, prompt, completion)
-
-
-def _finish_with_phase(s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None) -> None:
-    """Step 3: the execution's compare-and-set to its terminal status (``_Lost`` when a newer
-    owner holds it), with the child's phase."""
-    landed = finish_execution(
-        s,
-        info.execution_id,
-        epoch=epoch,
-        status=end.status,
-        result=end.result,
-        error=None if end.status == ExecutionStatus.COMPLETED else end.result["error"],
-        final_message_id=final_message_id,
-        rounds=end.rounds,
-        total_tool_calls=end.tool_calls,
-        prompt_tokens=end.prompt_tokens,
-        completion_tokens=end.completion_tokens,
-    )
-    if not landed:
-        raise _Lost()
-    set_child_phase(s, info.child_session_id, end.phase)
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -510,3 +290,58 @@ def _child_rounds(
         inline_round(fence, session_id=info.child_session_id, rnd=rnd, allowed=allowed, deadline=deadline, kind="child")
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")
+
+
+def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
+    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
+    the child's phase and the facts the run needs are ONE transaction."""
+    try:
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault, transaction() as s:
+            new_epoch = take_execution(
+                s,
+                execution_id,
+                expected_epoch=epoch,
+                to_status=ExecutionStatus.RUNNING,
+                owner=deps.owner,
+                lease_seconds=deps.lease_seconds,
+            )
+            info = load_child(execution_id, s) if new_epoch is not None else None
+            first: FirstRound | None = None
+            if info is not None and new_epoch is not None:
+                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+                first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
+    except IllegalTransition:
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")
+        return ChildOutcome.STALE
+    if fault:
+        return ChildOutcome.INFRA_ERROR
+    if new_epoch is None or info is None:
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="stale")
+        return ChildOutcome.STALE
+    crash_point("child.after_take")
+    end = run_rounds(info, new_epoch, deps, first=first)
+    after_end(execution_id, end, deps)
+    return end.outcome
+
+
+def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
+    """The last execution of a round to end delivers the round, in the normal path and in
+    recovery alike (DESIGN §6). The round's state comes from the finishing transaction itself
+    (no extra trip). In the normal path the chord callback that follows finds the parent
+    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
+    and the scan is the one behind it."""
+    state = end.state
+    if not end.outcome.ended or state is None:
+        return
+    if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
+        return  # delivered already, siblings still running, or the parent is not waiting
+    if deps.deliver is None:
+        return  # the chord callback (or the scan) delivers it
+    log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
+    try:
+        # Delivered right here (one short transaction): no task hop between the last child and
+        # its parent. A duplicate request or the chord callback loses the epoch check.
+        deps.deliver(state.parent_id, state.parent_epoch, deps.scheduler)
+    except Exception:
+        # The scan delivers a round whose results wait longer than the callback grace.
+        log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

@@ -1,23 +1,19 @@
-"""One child execution's lifecycle, for the normal path and for recovery alike (spec §7.3).
+"""A child execution's recovery (spec §7.3): ``recover_child`` (task ``recovery.recover_child``).
 
-``start_child`` (task ``agent.run_child``) and ``recover_child`` (task
-``recovery.recover_child``) differ only in how they take the execution:
-
-- start: RUNNING -> RUNNING (epoch + 1), child phase RUNNING;
-- recover: RUNNING/RECOVERING + PENDING -> RECOVERING (epoch + 1), legacy fields inferred and
-  written back, child phase RESUMING, the child's incomplete tail cleaned on raw rows after
-  its validated boundary, and its final ASSISTANT looked for (R20) — all in ONE transaction,
-  so a stalled recoverer that lost the epoch cannot touch the child's phase.
+It differs from the normal path's start (harness.child ``start_child``, task
+``agent.run_child``: RUNNING -> RUNNING, epoch + 1, child phase RUNNING) only in how it takes
+the execution: RUNNING/RECOVERING + PENDING -> RECOVERING (epoch + 1), legacy fields inferred
+and written back, child phase RESUMING, the child's incomplete tail cleaned on raw rows after
+its validated boundary, its final ASSISTANT looked for (R20), and its first round (the one its
+crashed run journaled) read — all in ONE transaction, so a stalled recoverer that lost the
+epoch cannot touch the child's phase.
 
 Then the same steps: finish from an existing final without calling the model, or fail past the
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
-last execution of a round to end (it sees the round complete in its finishing transaction)
-delivers the round itself, in one short transaction, and enqueues the parent's run: no task
-hop between the last child and its parent (issue 19). In recovery there may be no callback at
-all (the original chord may have lost a header for good); in the normal path the chord's
-callback comes after and finds the parent handed over. Delivery's barrier is the database's
-(I3): trying early is harmless. Never raises: a chord header that raised would stop the
-parent's delivery.
+last execution of a round to end delivers the round itself (harness.child ``after_end``, with
+recovery.delivery), in one short transaction, and enqueues the parent's run: its original
+chord may have lost a header for good, so its callback may never come. Delivery's barrier is
+the database's (I3): trying early is harmless. Never raises.
 """
 
 from __future__ import annotations
@@ -32,21 +28,19 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.child import (
-    CHILD_STARTABLE,
     ChildEnd,
     ChildInfo,
     ChildOutcome,
-    Completed,
-    Failed,
     FirstRound,
+    after_end,
     child_deadline,
     end_with_failure,
-    finish_child,
     first_round,
     load_child,
     run_rounds,
     timeout_reason,
 )
+from harness.child_end import Completed, Failed, finish_child
 from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps
@@ -63,8 +57,7 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import take_execution
-from models.session import set_child_phase, set_phase
-from recovery.delivery import deliver_and_resume
+from models.session import set_child_phase
 from recovery.legacy import infer_and_store
 
 log = logging.getLogger(__name__)
@@ -108,38 +101,6 @@ def existing_final(s: Session, info: ChildInfo, rows: Sequence[Message] | None =
     return None
 
 
-def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
-    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
-    the child's phase and the facts the run needs are ONE transaction."""
-    try:
-        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault, transaction() as s:
-            new_epoch = take_execution(
-                s,
-                execution_id,
-                expected_epoch=epoch,
-                to_status=ExecutionStatus.RUNNING,
-                owner=deps.owner,
-                lease_seconds=deps.lease_seconds,
-            )
-            info = load_child(execution_id, s) if new_epoch is not None else None
-            first: FirstRound | None = None
-            if info is not None and new_epoch is not None:
-                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
-                first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
-    except IllegalTransition:
-        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")
-        return ChildOutcome.STALE
-    if fault:
-        return ChildOutcome.INFRA_ERROR
-    if new_epoch is None or info is None:
-        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="stale")
-        return ChildOutcome.STALE
-    crash_point("child.after_take")
-    end = run_rounds(info, new_epoch, deps, first=first)
-    _after_end(execution_id, end, deps)
-    return end.outcome
-
-
 def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
     started = time.monotonic()
@@ -160,7 +121,7 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
         outcome=end.outcome,
         duration_ms=int((time.monotonic() - started) * 1000),
     )
-    _after_end(execution_id, end, deps)
+    after_end(execution_id, end, deps)
     return end.outcome
 
 
@@ -260,24 +221,3 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         reason = f"subagent recovery failed: {describe_exception(exc)}"
         return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(reason))
     return run_rounds(info, new_epoch, deps, first=taken.first)
-
-
-def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
-    """The last execution of a round to end delivers the round, in the normal path and in
-    recovery alike (DESIGN §6). The round's state comes from the finishing transaction itself
-    (no extra trip). In the normal path the chord callback that follows finds the parent
-    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
-    and the scan is the one behind it."""
-    state = end.state
-    if not end.outcome.ended or state is None:
-        return
-    if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
-        return  # delivered already, siblings still running, or the parent is not waiting
-    log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
-    try:
-        # Delivered right here (one short transaction): no task hop between the last child and
-        # its parent. A duplicate request or the chord callback loses the epoch check.
-        deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
-    except Exception:
-        # The scan delivers a round whose results wait longer than the callback grace.
-        log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

@@ -1,4 +1,4 @@
-"""Agent tasks: thin adapters over harness.parent, recovery.child and recovery.delivery."""
+"""Agent tasks: thin adapters over harness.parent, harness.child and recovery.delivery."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from harness.child import ChildOutcome
+from harness.child import ChildOutcome, start_child
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
-from recovery.child import start_child
 from recovery.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
@@ -26,7 +25,7 @@ def _model() -> ModelClient:
 
 
 def deps() -> LoopDeps:
-    return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
+    return LoopDeps(scheduler=CeleryScheduler(app), model=_model(), deliver=deliver_and_resume)
 
 
 @app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write

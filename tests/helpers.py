@@ -135,9 +135,16 @@ class RecordingScheduler:
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
     from harness.loop import LoopDeps
     from harness.model import ModelClient
+    from recovery.delivery import deliver_and_resume
 
     model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
-    return LoopDeps(scheduler=scheduler or RecordingScheduler(), model=model, owner="test", lease_seconds=lease_seconds)
+    return LoopDeps(
+        scheduler=scheduler or RecordingScheduler(),
+        model=model,
+        owner="test",
+        lease_seconds=lease_seconds,
+        deliver=deliver_and_resume,
+    )
 
 
 def messages_of(session_id: int) -> list[Any]:
@@ -195,8 +202,9 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     """Run recovery and the normal path in-process until nothing is left to do: scan ->
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
     loop (-> its own chords) -> ..."""
+    from harness.child import start_child
     from harness.parent import run_agent
-    from recovery.child import recover_child, start_child
+    from recovery.child import recover_child
     from recovery.delivery import deliver_and_resume
     from recovery.scan import scan
 
@@ -233,9 +241,9 @@ def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, 
     before it could deliver the round itself) and the chord callback never ran. Returns
     (parent id, the epoch its deliver_round was handed)."""
     from crashpoints import InjectedKill
+    from harness.child import start_child
     from harness.parent import run_agent
     from harness.views import create_session
-    from recovery.child import start_child
 
     deps = loop_deps(model_url, RecordingScheduler())
     sid = create_session("main", text)

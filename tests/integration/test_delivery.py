@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import select, update
 
 from crashpoints import InjectedFault, armed_fault
+from harness.child import start_child
 from harness.parent import run_agent
 from models import (
     AgentSession,
@@ -35,7 +36,7 @@ from models.execution import (
     mark_delivered,
     set_delivery_status,
 )
-from recovery.child import recover_child, start_child
+from recovery.child import recover_child
 from recovery.delivery import deliver_round
 from recovery.ops import redeliver_parent
 from recovery.scan import scan

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import event, select, text, update
 from sqlalchemy.exc import OperationalError
 
+from harness.child import start_child
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -30,7 +31,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from recovery.child import recover_child, start_child
+from recovery.child import recover_child
 from recovery.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (

@@ -13,6 +13,7 @@ import json
 import pytest
 from sqlalchemy import select
 
+from harness.child import start_child as run_child
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -23,7 +24,6 @@ from models import (
     transaction,
 )
 from recovery.child import recover_child
-from recovery.child import start_child as run_child
 from recovery.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (

@@ -17,11 +17,11 @@ from sqlalchemy import select
 
 import harness.journal
 import harness.parent
+from harness.child import start_child
 from harness.parent import run_agent
 from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import CallStatus, JournalStatus, Phase, RoundJournal, RoundJournalCall, transaction
-from recovery.child import start_child
 from tests.helpers import RecordingScheduler, drive, executions_of, invariants, loop_deps, messages_of
 from tests.types import ModelFactory
 
