@@ -130,6 +130,29 @@ def test_a_gzip_bomb_body_is_refused_without_being_inflated(stub: SuperAgentStub
     assert elapsed < 3
 
 
+def test_a_gzip_bomb_event_stream_is_refused_within_its_byte_budget_and_the_run_cancelled(
+    stub: SuperAgentStub,
+) -> None:
+    # The message stream itself: a run.started, then one data line of 60 MB decoded bytes (a
+    # ~60 KB gzip body), sent gzip although the request asked for identity.
+    stub.configure(behaviour=Behaviour.GZIP_BOMB, bomb_on="stream", bomb_bytes=60_000_000)
+    client = open_api_client(stub.base_url, KEY)
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(FieldRecoveryError) as info:
+            call_provider(client, SampleCall(), seconds=10)
+        elapsed = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.code == "response_too_large"
+    # The budget is 8 x 200,000 + 64 KiB decoded bytes; the line held is at most that.
+    assert peak < 8_000_000, f"{peak / 1e6:.1f} MB held for a bomb stream"
+    assert elapsed < 3
+    assert stub.cancelled_runs, "the run was not cancelled"
+
+
 # --- item 7: an owner that cannot renew its lease stops and cancels --------------------------
 
 

@@ -25,7 +25,12 @@ def _response(body: bytes) -> requests.Response:
 
 
 def _budget_sized_event(line: bytes = b"data: x\n") -> bytes:
-    lines = (BUDGET - 200) // len(line)
+    return _budget_sized_event_of(BUDGET, line)
+
+
+def _budget_sized_event_of(size: int, line: bytes = b"data: x\n") -> bytes:
+    """One event of about ``size`` bytes of short data lines, then ``end``."""
+    lines = (size - 200) // len(line)
     return b"id: 1\nevent: message.delta\n" + line * lines + b"\n" + b"id: 2\nevent: end\ndata: {}\n\n"
 
 
@@ -46,6 +51,25 @@ def test_a_budget_sized_event_of_short_lines_is_framed_and_parsed_in_linear_time
     # bound far above linear even on a loaded 2-core machine, far below the quadratic framing
     # it replaced (36 s), so the test fails only if the framing turns quadratic again.
     assert elapsed < 15, f"{elapsed:.1f}s for one {len(body)} byte event"
+
+
+def test_framing_time_grows_linearly_with_the_event_not_with_its_square() -> None:
+    # The budget-sized event against a quarter of it, best of a few runs each (a loaded machine
+    # slows single runs, rarely all of them): linear framing takes ~4x as long for 4x the bytes,
+    # the quadratic framing it replaced ~16x. 8x is the line between them.
+    def best(body: bytes, runs: int) -> float:
+        times = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            events, _ = _read(body)
+            times.append(time.perf_counter() - started)
+            assert events == [("end", {})]
+        return min(times)
+
+    full = _budget_sized_event()
+    quarter = _budget_sized_event_of(len(full) // 4)
+    small, large = best(quarter, 5), best(full, 3)
+    assert large < 8 * small, f"{large:.3f}s for 4x the bytes of {small:.3f}s: not linear"
 
 
 def test_parsing_a_huge_event_stops_at_the_deadline() -> None:
