@@ -10,11 +10,11 @@ deletes it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Connection, ScalarSelect, and_, func, or_, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -30,31 +30,69 @@ class ArtifactDraft:
     source: SourceRef
     content: dict[str, Any]
     idempotency_key: str | None = None
+    #: sha256 of ``canonical_json(content)`` when the caller has it already (a PARSED_FACT_SET's
+    #: is the facts' observation hash); computed here otherwise.
+    content_hash: str | None = None
+
+    def hashed(self) -> ArtifactDraft:
+        """This draft with its content hash set (computed once, here, if the caller had none)."""
+        if self.content_hash is not None:
+            return self
+        return replace(self, content_hash=sha256_hex(canonical_json(self.content)))
+
+    @property
+    def marker(self) -> str:
+        """``TYPE/content_hash``: what ``stored_markers`` returns for this draft once it is stored."""
+        return f"{self.artifact_type.value}/{self.hashed().content_hash}"
+
+
+def stored_markers(drafts: Sequence[ArtifactDraft]) -> ScalarSelect[list[str] | None]:
+    """A scalar subquery: the markers of those drafts that are stored already (NULL for none).
+
+    It reads the unique key (source, revision, type, content hash) only, so a caller can leave
+    out what is stored without sending (or serialising) any content.
+    """
+    match = [
+        and_(
+            Art.source_message_id == d.source.message_id,
+            Art.source_revision == d.source.revision,
+            Art.artifact_type == d.artifact_type.value,
+            Art.content_hash == d.hashed().content_hash,
+        )
+        for d in drafts
+    ]
+    return select(func.array_agg(Art.artifact_type + "/" + Art.content_hash)).where(or_(*match)).scalar_subquery()
 
 
 def put_artifacts(
-    s: Session, drafts: Sequence[ArtifactDraft], *, retention: timedelta = timedelta(days=DEFAULT_RETENTION_DAYS)
+    s: Session | Connection,
+    drafts: Sequence[ArtifactDraft],
+    *,
+    retention: timedelta = timedelta(days=DEFAULT_RETENTION_DAYS),
 ) -> int:
-    """Insert the drafts that are not stored yet; returns how many were new."""
-    written = 0
-    for draft in drafts:
-        row = s.execute(
-            pg_insert(Art)
-            .values(
-                source_message_id=draft.source.message_id,
-                source_revision=draft.source.revision,
-                artifact_type=draft.artifact_type.value,
-                idempotency_key=draft.idempotency_key,
-                content=draft.content,
-                content_hash=sha256_hex(canonical_json(draft.content)),
-                created_at=func.now(),
-                retention_until=func.now() + retention,
-            )
-            .on_conflict_do_nothing(constraint="uq_field_recovery_artifact_content")
-            .returning(Art.id)
-        ).scalar_one_or_none()
-        written += row is not None
-    return written
+    """Insert the drafts that are not stored yet (ONE statement); returns how many were new."""
+    if not drafts:
+        return 0
+    rows = [
+        {
+            "source_message_id": draft.source.message_id,
+            "source_revision": draft.source.revision,
+            "artifact_type": draft.artifact_type.value,
+            "idempotency_key": draft.idempotency_key,
+            "content": draft.content,
+            "content_hash": draft.content_hash or sha256_hex(canonical_json(draft.content)),
+            "created_at": func.now(),
+            "retention_until": func.now() + retention,
+        }
+        for draft in drafts
+    ]
+    inserted = s.execute(
+        pg_insert(Art)
+        .values(rows)
+        .on_conflict_do_nothing(constraint="uq_field_recovery_artifact_content")
+        .returning(Art.id)
+    ).all()
+    return len(inserted)
 
 
 def list_artifacts(s: Session, source: SourceRef) -> list[tuple[ArtifactType, dict[str, Any]]]:

@@ -186,12 +186,26 @@ def test_an_owner_whose_lease_renewals_fail_stops_and_cancels_before_its_lease_r
 # --- item 8: a purge racing a replay; a bare ``end`` ---------------------------------------
 
 
+def _forget_assembly(url: str) -> None:
+    """The state an owner leaves when it dies between storing the PatchSet and the assembly."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE th_hotel_booking.field_recovery_invocation SET assembly_result = NULL"))
+    finally:
+        engine.dispose()
+
+
 def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     field_db: str, stub: SuperAgentStub
 ) -> None:
+    # A replay assembles (and writes) only a succeeded invocation that has no assembly yet: here
+    # its owner died between the two writes. The purge deletes the row between the replay's
+    # read of the PatchSet and its put-if-absent of the assembly.
     settings = _settings(stub)
     first = _process(field_db, settings)
     assert first.status == RecoveryStatus.SUCCEEDED
+    _forget_assembly(field_db)
     engine = get_engine(field_db)
     other = create_engine(field_db)
     purged = threading.Event()
@@ -212,6 +226,37 @@ def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     assert replay.status == RecoveryStatus.FAILED
     assert replay.error_code == "not_succeeded"
     assert replay.replayed
+    assert stub.stats()["sessions"] == 1  # the replay never called the provider
+
+
+def test_a_purge_after_a_replays_read_of_an_applied_assembly_replays_what_was_read(
+    field_db: str, stub: SuperAgentStub
+) -> None:
+    # The replay of an applied invocation reads the stored assembly in its claim and writes
+    # nothing after it: a purge right after that read changes nothing of the result.
+    settings = _settings(stub)
+    first = _process(field_db, settings)
+    assert first.status == RecoveryStatus.SUCCEEDED
+    engine = get_engine(field_db)
+    other = create_engine(field_db)
+    purged = threading.Event()
+
+    def purge_after_read(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.startswith("SELECT") and "assembly_result" in statement and not purged.is_set():
+            purged.set()
+            with other.begin() as c:
+                c.execute(text("DELETE FROM th_hotel_booking.field_recovery_invocation"))
+
+    event.listen(engine, "after_cursor_execute", purge_after_read)
+    try:
+        replay = _process(field_db, settings)
+    finally:
+        event.remove(engine, "after_cursor_execute", purge_after_read)
+        other.dispose()
+    assert purged.is_set()
+    assert replay.status == RecoveryStatus.SUCCEEDED and replay.replayed and replay.provider_calls == 0
+    assert replay.assembly == first.assembly and replay.view == first.view
+    assert _invocations(field_db) == []
 
 
 def test_a_bare_end_event_without_data_ends_the_stream(field_db: str, stub: SuperAgentStub) -> None:
