@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Connection, ScalarSelect, and_, func, or_, select
+from sqlalchemy import Connection, ScalarSelect, and_, bindparam, func, or_, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -46,22 +47,35 @@ class ArtifactDraft:
         return f"{self.artifact_type.value}/{self.hashed().content_hash}"
 
 
-def stored_markers(drafts: Sequence[ArtifactDraft]) -> ScalarSelect[list[str] | None]:
-    """A scalar subquery: the markers of those drafts that are stored already (NULL for none).
+@lru_cache(maxsize=8)
+def stored_markers(count: int) -> ScalarSelect[list[str] | None]:
+    """A scalar subquery for ``count`` drafts: the markers of those stored already (NULL for none).
 
     It reads the unique key (source, revision, type, content hash) only, so a caller can leave
-    out what is stored without sending (or serialising) any content.
+    out what is stored without sending (or serialising) any content. Its parameters come from
+    ``stored_markers_params``; the statement is built once per count (the hot path only binds).
     """
     match = [
         and_(
-            Art.source_message_id == d.source.message_id,
-            Art.source_revision == d.source.revision,
-            Art.artifact_type == d.artifact_type.value,
-            Art.content_hash == d.hashed().content_hash,
+            Art.source_message_id == bindparam(f"art_message_id_{i}"),
+            Art.source_revision == bindparam(f"art_revision_{i}"),
+            Art.artifact_type == bindparam(f"art_type_{i}"),
+            Art.content_hash == bindparam(f"art_hash_{i}"),
         )
-        for d in drafts
+        for i in range(count)
     ]
     return select(func.array_agg(Art.artifact_type + "/" + Art.content_hash)).where(or_(*match)).scalar_subquery()
+
+
+def stored_markers_params(drafts: Sequence[ArtifactDraft]) -> dict[str, Any]:
+    """The parameters of ``stored_markers(len(drafts))`` for these drafts."""
+    params: dict[str, Any] = {}
+    for i, d in enumerate(drafts):
+        params[f"art_message_id_{i}"] = d.source.message_id
+        params[f"art_revision_{i}"] = d.source.revision
+        params[f"art_type_{i}"] = d.artifact_type.value
+        params[f"art_hash_{i}"] = d.hashed().content_hash
+    return params
 
 
 def put_artifacts(

@@ -40,14 +40,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any, cast
 
-from sqlalchemy import Connection, CursorResult, Engine, Row, func, literal, select, update
+from sqlalchemy import Connection, CursorResult, Engine, Row, Select, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from fieldrecovery.artifacts import ArtifactDraft, put_artifacts, stored_markers
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts, stored_markers, stored_markers_params
 from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable, ValueRejected
 from fieldrecovery.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
 from fieldrecovery.tables import (
@@ -137,9 +138,23 @@ def _record(row: Row[Any]) -> InvocationRecord:
     )
 
 
+#: The row of one key (built once: the hot path only binds ``key``).
+_READ = select(*_RECORD_COLUMNS).where(Inv.idempotency_key == bindparam("key"))
+
+
 def _read(conn: Connection, key: str) -> InvocationRecord | None:
-    row = conn.execute(select(*_RECORD_COLUMNS).where(Inv.idempotency_key == key)).one_or_none()
+    row = conn.execute(_READ, {"key": key}).one_or_none()
     return None if row is None else _record(row)
+
+
+@lru_cache(maxsize=8)
+def _read_with_artifacts(count: int) -> Select[Any]:
+    """One row always: which of ``count`` artifacts are stored (an aggregate), with the
+    invocation of ``key`` left-joined to it (its columns NULL when there is none)."""
+    markers = select(stored_markers(count).label("stored_markers")).subquery("stored")
+    return select(markers.c.stored_markers, *_RECORD_COLUMNS).select_from(
+        markers.outerjoin(Inv, Inv.idempotency_key == bindparam("key"))
+    )
 
 
 class InvocationStore:
@@ -265,16 +280,10 @@ class InvocationStore:
     def _read_for_claim(
         conn: Connection, key: str, drafts: Sequence[ArtifactDraft]
     ) -> tuple[InvocationRecord | None, set[str]]:
-        """(the row or None, markers of the drafts already stored), in one statement: one row
-        always (the artifacts' aggregate), the invocation's columns left-joined to it."""
+        """(the row or None, markers of the drafts already stored), in one statement."""
         if not drafts:
             return _read(conn, key), set()
-        markers = select(stored_markers(drafts).label("stored_markers")).subquery("stored")
-        row = conn.execute(
-            select(markers.c.stored_markers, *_RECORD_COLUMNS).select_from(
-                markers.outerjoin(Inv, Inv.idempotency_key == literal(key))
-            )
-        ).one()
+        row = conn.execute(_read_with_artifacts(len(drafts)), {"key": key, **stored_markers_params(drafts)}).one()
         record = None if row.idempotency_key is None else _record(row)
         return record, set(row.stored_markers or ())
 
