@@ -79,6 +79,25 @@ def test_parsing_a_huge_event_stops_at_the_deadline() -> None:
         list(read_events(_response(_budget_sized_event(b"data:\n")), StreamState(), deadline, byte_budget=BUDGET))
 
 
+def test_one_huge_chunk_is_framed_with_a_deadline_check_every_few_thousand_lines() -> None:
+    # The whole event in ONE read: no per-read check can help; the framing and the event's
+    # parse must each ask the deadline at least once per CHECK_EVERY_LINES lines (the CPU work
+    # grows with the lines, and the watchdog cannot interrupt CPU work).
+    from fieldrecovery.sse import CHECK_EVERY_LINES, EventParser
+
+    class CountingDeadline(Deadline):
+        checks = 0
+
+        def check(self) -> None:
+            CountingDeadline.checks += 1
+            super().check()
+
+    body = _budget_sized_event()
+    lines = body.count(b"\n")
+    assert [e.name for e in EventParser(CountingDeadline(60)).events([body])] == ["message.delta", "end"]
+    assert CountingDeadline.checks >= 2 * (lines // CHECK_EVERY_LINES), (CountingDeadline.checks, lines)
+
+
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
 def test_every_line_ending_frames_the_same_events(eol: bytes) -> None:
     lines = [b"id: 1", b"event: run.started", b'data: {"run_id":', b'data: "r1"}', b"", b": a comment", b""]
