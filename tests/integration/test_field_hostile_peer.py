@@ -87,6 +87,15 @@ def test_a_nul_or_an_int32_overflow_in_the_run_status_does_not_lose_the_paid_ans
     assert row["provider_run_id"] is not None
 
 
+@pytest.mark.parametrize("value", ["run_1\n", "run_1\r\n", "", "r" * 65, "run 1", "run_\u00e9"])
+def test_a_peer_id_or_code_with_a_line_end_or_odd_characters_is_never_taken_as_safe(value: str) -> None:
+    # Ids and codes of the peer go into URL paths, the audit record and log lines.
+    from fieldrecovery.client import _SAFE_TOKEN, _safe
+
+    assert _SAFE_TOKEN.match(value) is None
+    assert _safe(value, "unknown") == "unknown"
+
+
 def test_an_answer_the_database_refuses_finishes_the_key_failed_not_in_progress(
     field_db: str, stub: SuperAgentStub
 ) -> None:
