@@ -287,8 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     stalls = [s for s in args.stalls if s != "slow_headers" or "slow_headers" in {b.value for b in module.Behaviour}]
     print(
         f"field: the stand-in {module.__name__}.SuperAgentStub on loopback, the pipeline in this process; "
-        f"{args.runs} runs x ({args.replays} replays + {args.calls} fresh calls); {args.calls} stalled calls per "
-        f"stall ({', '.join(stalls)}), max_wait {args.deadline_seconds:g} s; {system_load()}",
+        + (
+            f"{args.runs} runs x {args.replays} replays (--replay-only); "
+            if args.replay_only
+            else f"{args.runs} runs x ({args.replays} replays + {args.calls} fresh calls); {args.calls} stalled calls "
+            f"per stall ({', '.join(stalls)}), max_wait {args.deadline_seconds:g} s; "
+        )
+        + system_load(),
         flush=True,
     )
     runs: list[Run] = []
