@@ -9,6 +9,9 @@ RECOVERY_ASSEMBLY and EFFECTIVE_FACT_VIEW artifacts -> continue (``next_stage``)
 AGENTBUS sources and a disabled configuration never call the provider: they continue with the
 parser baseline. Every failure of the call fails closed: the invocation is FAILED with a safe
 code, the view is the parser baseline, and no part of the answer is used.
+
+A replay of an applied key is one read (the claim's SELECT) and writes nothing: the stored
+assembly is the result (``_replay_assembly`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -145,7 +148,8 @@ class FieldRecoveryOrchestrator:
 
     def _recover(self, facts: ParsedFactSet, source: SourceKind, attempt: int) -> RecoveryRun:
         """The PARSED_FACT_SET artifact is written in every case: alone when there is nothing to
-        call, else in the claim's transaction (with RECOVERY_REQUEST), before any provider call."""
+        call, else by the claim (with RECOVERY_REQUEST, each only if not stored yet), before any
+        provider call."""
         parsed = ArtifactDraft(
             ArtifactType.PARSED_FACT_SET,
             facts.source,
