@@ -54,11 +54,18 @@ class InjectedFault(RuntimeError):
     """A fault injected by a test at a named crash point."""
 
 
+class InjectedKill(BaseException):
+    """A process killed at a named crash point, in-process (a test's): no handler of the code
+    under test catches it (they catch Exception), so nothing after the point runs, as after a
+    SIGKILL; an open transaction rolls back."""
+
+
 _armed_env = os.environ.get("CRASH_POINT", "")
 _after = int(os.environ.get("CRASH_POINT_AFTER", "1") or "1")
 _mode = os.environ.get("CRASH_POINT_MODE", "")
 _hits: dict[str, int] = {}
 _faults: dict[str, int] = {}
+_kills: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -78,6 +85,9 @@ def crash_point(name: str) -> None:
                 _faults[name] -= 1
                 if _faults[name] <= 0:
                     del _faults[name]
+                    if name in _kills:
+                        _kills.discard(name)
+                        raise InjectedKill(name)
                     raise InjectedFault(name)
     if _armed_env and name == _armed_env:
         _hits[name] = _hits.get(name, 0) + 1
@@ -92,14 +102,18 @@ def crash_point(name: str) -> None:
 
 
 @contextmanager
-def armed_fault(name: str, *, on_hit: int = 1) -> Iterator[None]:
-    """Raise InjectedFault the ``on_hit``-th time ``name`` is reached inside the block."""
+def armed_fault(name: str, *, on_hit: int = 1, kill: bool = False) -> Iterator[None]:
+    """Raise InjectedFault (InjectedKill with ``kill``) the ``on_hit``-th time ``name`` is
+    reached inside the block."""
     if name not in POINTS:
         raise ValueError(f"unknown crash point {name!r}")
     with _lock:
         _faults[name] = on_hit
+        if kill:
+            _kills.add(name)
     try:
         yield
     finally:
         with _lock:
             _faults.pop(name, None)
+            _kills.discard(name)

@@ -164,7 +164,7 @@ def run_child(execution_id: int) -> dict[str, Any]:
             .values(
                 status=ExecutionStatus.COMPLETED,
                 result=result,
-                final_message_id=final.id,
+                final_message_id=final,
                 completed_at=utcnow(),
                 rounds=1,
                 total_tool_calls=0,

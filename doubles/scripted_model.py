@@ -50,6 +50,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TextIO
 
+from logfmt import log_event
+
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -462,7 +464,7 @@ class ScriptedModelServer:
         illegal = illegal_sequence(body["messages"])
         if illegal is not None:
             index, message = illegal
-            log.warning("scripted_model_illegal_sequence index=%d", index)
+            log_event(log, "scripted_model_illegal_sequence", logging.WARNING, index=index)
             with self._lock:
                 self._rejected.append({"index": index, "message": message})
             return 400, _error_body(message, "invalid_message_sequence", param=f"messages.[{index}]")
@@ -489,7 +491,7 @@ class ScriptedModelServer:
                 f"no script rule matched this request (turn {request.turn}, last_role {request.last_role}); "
                 f'system prompt head: "{head}"'
             )
-            log.warning("scripted_model_no_match turn=%d last_role=%s", request.turn, request.last_role)
+            log_event(log, "scripted_model_no_match", logging.WARNING, turn=request.turn, last_role=request.last_role)
             return 400, _error_body(message, "no_rule_matched")
         if rule.delay_seconds > 0 and self._stopping.wait(rule.delay_seconds):
             return 503, _error_body("the scripted model server is stopping", "stopping", "server_error")
@@ -606,7 +608,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client gave up (its read timeout); nothing to answer
 
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("scripted_model_request %s", format % args)
+        log_event(log, "scripted_model_request", logging.DEBUG, request=format % args)
 
 
 def _route(path: str) -> str:

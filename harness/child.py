@@ -1,57 +1,60 @@
-"""The child (SUBAGENT) loop: rounds of one execution in its child session, and its end.
+"""The child (SUBAGENT) loop: rounds of one execution in its child session.
 
-A child's final round commits the final ASSISTANT, final_message_id, the execution's terminal
-status, the result JSON (one factory, harness.results) and the counters in ONE transaction,
-fenced by the execution's epoch. Taking the execution (normal start or recovery) is the
-lifecycle's job (recovery.child); this module runs what was taken.
+The normal path's start (``start_child``, task ``agent.run_child``) takes the execution and
+runs it; recovery's take is recovery.child's. Both run the same rounds (``run_rounds``), end
+in the same transaction (harness.child_end), and then the last execution of a round to end
+delivers the round in-process (``after_end``, through the ``deliver`` the caller gave in
+``LoopDeps``: recovery's transactional delivery, which harness does not import).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
-from harness.errors import Cancelled, DeadlineExceeded, infrastructure_boundary
+from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
+from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
-from harness.fence import ExecutionFence, Fence, Heartbeat
-from harness.history import append_message
-from harness.journal import RoundInFlight, journal_reply, resume
+from harness.fence import ExecutionFence, Heartbeat
+from harness.history import Compaction
+from harness.journal import RoundInFlight, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
-from harness.results import describe_exception, failure_result, followup_fields, success_result
+from harness.results import describe_exception
 from harness.tools import tool_names
+from logfmt import log_event
 from models import (
     AgentSession,
     ExecutionMode,
     ExecutionStatus,
+    IllegalTransition,
     InvocationType,
     LeaseLost,
-    Message,
     Phase,
-    Role,
     SubagentExecution,
     transaction,
 )
 from models.base import utcnow
-from models.execution import finish_execution
-from models.session import set_child_phase
+from models.execution import take_execution
+from models.session import set_phase
 from settings import get_settings
 
-log = logging.getLogger("harness.child")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ChildInfo:
     execution_id: int
+    parent_session_id: int
     child_session_id: int
     agent_type: str
     invocation_type: InvocationType | None
@@ -60,6 +63,12 @@ class ChildInfo:
     execution_mode: ExecutionMode
     user_id: str
     task_description: str
+    #: The child session's compaction as the loading transaction read it (its first view).
+    compaction: Compaction = field(default_factory=Compaction)
+    #: As the loading transaction read them (recovery's take: legacy inference, R20).
+    parent_tool_call_id: str | None = None
+    final_message_id: int | None = None
+    child_phase: Phase | None = None
 
 
 def timeout_reason() -> str:
@@ -81,6 +90,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
     row = s.execute(
         select(
             E.id,
+            E.parent_session_id,
             E.child_session_id,
             E.agent_type,
             E.invocation_type,
@@ -89,168 +99,31 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
             S.execution_mode,
             S.user_id,
             E.task_description,
+            S.compaction_boundary_message_id,
+            S.compaction_summary,
+            E.parent_tool_call_id,
+            E.final_message_id,
+            S.phase,
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == execution_id)
     ).one()
-    return ChildInfo(*row)
-
-
-def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
-    """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
-    q = select(Message.role, func.count()).where(Message.session_id == child_session_id, Message.deleted.is_(False))
-    if start_id is not None:
-        q = q.where(Message.id > start_id)
-    counts = dict(s.execute(q.group_by(Message.role)).all())
-    return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
-
-
-def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
-    if info.invocation_type != InvocationType.FOLLOWUP:
-        return None
-    E = SubagentExecution
-    earlier = (
-        s.execute(select(E.status).where(E.child_session_id == info.child_session_id, E.id <= info.execution_id))
-        .scalars()
-        .all()
+    return ChildInfo(
+        execution_id=row.id,
+        parent_session_id=row.parent_session_id,
+        child_session_id=row.child_session_id,
+        agent_type=row.agent_type,
+        invocation_type=row.invocation_type,
+        started_at=row.started_at,
+        execution_start_message_id=row.execution_start_message_id,
+        execution_mode=row.execution_mode,
+        user_id=row.user_id,
+        task_description=row.task_description,
+        compaction=Compaction(row.compaction_boundary_message_id, row.compaction_summary),
+        parent_tool_call_id=row.parent_tool_call_id,
+        final_message_id=row.final_message_id,
+        child_phase=row.phase,
     )
-    completed = sum(1 for st in earlier if st == ExecutionStatus.COMPLETED) + 1
-    return followup_fields(len(earlier), completed)
-
-
-@dataclass(frozen=True)
-class RoundState:
-    """The execution's round as its end left it (read in the finishing transaction): what the
-    lifecycle needs to decide whether to ask for the round's delivery, without another trip."""
-
-    parent_id: int
-    parent_epoch: int
-    parent_owner: str | None
-    pending: int  #: executions of the parent still PENDING delivery (this one included)
-    active: int  #: of those, still running
-    max_epoch: int  #: >= 2 when some went through recovery
-
-
-def _round_state(s: Any, execution_id: int) -> RoundState:
-    E, S = SubagentExecution, AgentSession
-    parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
-    # NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
-    # finishing at the same moment serialize on it, so the later one counts the earlier one's
-    # end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete.
-    parent = s.execute(select(S.epoch, S.lease_owner).where(S.id == parent_id)).one()
-    active, max_epoch, pending = s.execute(
-        select(
-            func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
-            func.max(E.epoch),
-            func.count(),
-        ).where(E.parent_session_id == parent_id, E.delivery_status == "PENDING")
-    ).one()
-    return RoundState(
-        int(parent_id), int(parent.epoch), parent.lease_owner, int(pending), int(active), int(max_epoch or 0)
-    )
-
-
-def finish_child(
-    info: ChildInfo,
-    epoch: int,
-    *,
-    text: str | None,
-    failure: str | None = None,
-    cancelled: bool = False,
-    final_content: str | None = None,
-    fence: Fence | None = None,
-    tokens: tuple[int, int] = (0, 0),
-    final_message_id: int | None = None,
-) -> RoundState | None:
-    """Commit the execution's end in ONE transaction: (final ASSISTANT when there is new text),
-    final_message_id, terminal status, result JSON (the one factory), counters, child phase.
-    Returns the round's state as that transaction saw it, or None when a newer owner holds
-    the execution (nothing written)."""
-    try:
-        status, phase, rounds, state = _finish_child_tx(
-            info, epoch, text, failure, cancelled, final_content, fence, tokens, final_message_id
-        )
-    except _Lost:
-        return None
-    crash_point("child.after_final")
-    publish_status(info.child_session_id, phase)
-    log.info("event=child_finished execution=%s status=%s rounds=%s", info.execution_id, status, rounds)
-    return state
-
-
-class _Lost(Exception):
-    pass
-
-
-def _finish_child_tx(
-    info: ChildInfo,
-    epoch: int,
-    text: str | None,
-    failure: str | None,
-    cancelled: bool,
-    final_content: str | None,
-    fence: Fence | None,
-    tokens: tuple[int, int],
-    final_message_id: int | None = None,
-) -> tuple[ExecutionStatus, Phase, int, RoundState]:
-    with transaction() as s:
-        # NOTE: the parent row first, as delivery locks it (parent, then its executions): the
-        # same order everywhere, so a finishing child and a delivery never deadlock.
-        E, S = SubagentExecution, AgentSession
-        s.execute(
-            select(S.id)
-            .where(S.id == select(E.parent_session_id).where(E.id == info.execution_id).scalar_subquery())
-            .with_for_update()
-        )
-        if fence is not None:
-            fence.check(s, prompt_tokens=tokens[0], completion_tokens=tokens[1])
-        final_id = final_message_id
-        if final_content is not None:
-            final_id = append_message(s, info.child_session_id, Role.ASSISTANT, final_content).id
-        E = SubagentExecution
-        tokens = s.execute(select(E.prompt_tokens, E.completion_tokens).where(E.id == info.execution_id)).one()
-        rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
-        followup = _followup_info(s, info)
-        if failure is None and text is not None:
-            status = ExecutionStatus.COMPLETED
-            result = success_result(
-                agent_type=info.agent_type,
-                child_session_id=info.child_session_id,
-                text=text,
-                rounds=rounds,
-                tool_calls=tool_calls,
-                prompt_tokens=tokens.prompt_tokens,
-                completion_tokens=tokens.completion_tokens,
-                followup=followup,
-            )
-        else:
-            status = ExecutionStatus.CANCELLED if cancelled else ExecutionStatus.FAILED
-            result = failure_result(
-                agent_type=info.agent_type,
-                child_session_id=info.child_session_id,
-                reason=failure or "no result",
-                cancelled=cancelled,
-                followup=followup,
-            )
-        landed = finish_execution(
-            s,
-            info.execution_id,
-            epoch=epoch,
-            status=status,
-            result=result,
-            error=None if status == ExecutionStatus.COMPLETED else result["error"],
-            final_message_id=final_id,
-            rounds=rounds,
-            total_tool_calls=tool_calls,
-        )
-        if not landed:
-            raise _Lost()
-        phase = {ExecutionStatus.COMPLETED: Phase.COMPLETED, ExecutionStatus.FAILED: Phase.FAILED}.get(
-            status, Phase.CANCELLED
-        )
-        set_child_phase(s, info.child_session_id, phase)
-        state = _round_state(s, info.execution_id)
-    return status, phase, rounds, state
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -295,7 +168,39 @@ class ChildEnd:
     state: RoundState | None = None
 
 
-def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
+@dataclass(frozen=True)
+class FirstRound:
+    """What the execution's first round needs, read in the taker's transaction (one trip and
+    one transaction fewer): the round its crashed run journaled, or else the model messages."""
+
+    in_flight: RoundInFlight | None = None
+    view: list[dict[str, Any]] | None = None
+
+
+def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
+    """``FirstRound`` in the taker's transaction ``s``, which holds ``epoch``; None when the run
+    must read it itself (a LOCAL child waits for its client first; an unknown agent or an
+    invalid compaction boundary fails in the run, not in the take). A re-taken execution
+    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled."""
+    if info.execution_mode == ExecutionMode.LOCAL:
+        return None
+    try:
+        agent = get_agent(info.agent_type)
+    except Exception:
+        return None
+    if agent.execution_mode == ExecutionMode.LOCAL:
+        return None
+    if epoch >= 2:
+        in_flight = resume_in(s, info.child_session_id, epoch)
+        if in_flight is not None:
+            return FirstRound(in_flight=in_flight)
+    try:
+        return FirstRound(view=model_messages(info.child_session_id, agent, s, info.compaction))
+    except BoundaryInvalid:
+        return None  # the run reads it again and ends FAILED with the reason
+
+
+def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound | None = None) -> ChildEnd:
     """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
     COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
     database/Redis fault: nothing written, the lease lapses and the scan resumes it — DESIGN
@@ -304,40 +209,40 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps) -> ChildEnd:
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
     try:
-        with infrastructure_boundary(log, "child_infra_error", execution=execution_id):
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id):
             publish_status(info.child_session_id, Phase.RUNNING)
             agent = get_agent(info.agent_type)
             allowed = agent.tool_names(tool_names(), subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
-                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local)
-            text = final.content or ""
-            tokens = (final.prompt_tokens, final.completion_tokens)
-            state = finish_child(info, epoch, text=text, final_content=text, fence=fence, tokens=tokens)
+                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first)
+            usage = Usage(final.prompt_tokens, final.completion_tokens)
+            state = finish_child(info, epoch, Completed(final.content or ""), usage=usage)
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except LeaseLost:
-        log.info("event=child_lost execution=%s epoch=%s", execution_id, epoch)
+        log_event(log, "child_lost", execution_id=execution_id, epoch=epoch)
         return ChildEnd(ChildOutcome.LOST)
     except Cancelled:
-        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, failure="subagent cancelled", cancelled=True)
+        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, Stopped())
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=reason)
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason))
     except Exception as exc:
-        log.warning("event=child_failed execution=%s error=%s", execution_id, type(exc).__name__, exc_info=True)
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, failure=f"subagent failed: {describe_exception(exc)}")
+        log_event(
+            log, "child_failed", logging.WARNING, exc_info=True, execution_id=execution_id, error=type(exc).__name__
+        )
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(f"subagent failed: {describe_exception(exc)}"))
 
 
-def end_with_failure(
-    info: ChildInfo, epoch: int, outcome: ChildOutcome, *, failure: str, cancelled: bool = False
-) -> ChildEnd:
-    """Record a failure result; an infrastructure error while recording writes nothing."""
+def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result: Failed | Stopped) -> ChildEnd:
+    """Record a run's end without an answer; an infrastructure error while recording writes
+    nothing (INFRA_ERROR: the lease lapses and the scan resumes the execution)."""
     try:
-        with infrastructure_boundary(log, "child_infra_error", execution=info.execution_id) as fault:
-            state = finish_child(info, epoch, text=None, failure=failure, cancelled=cancelled)
+        with infrastructure_boundary(log, "child_infra_error", execution_id=info.execution_id) as fault:
+            state = finish_child(info, epoch, result)
     except Exception:
-        log.error("event=child_fail_not_recorded execution=%s", info.execution_id, exc_info=True)
+        log_event(log, "child_fail_not_recorded", logging.ERROR, exc_info=True, execution_id=info.execution_id)
         return ChildEnd(ChildOutcome.ERROR)
     if fault:
         return ChildEnd(ChildOutcome.INFRA_ERROR)
@@ -352,14 +257,20 @@ def _child_rounds(
     deadline: datetime,
     deps: LoopDeps,
     local: bool,
+    first: FirstRound | None = None,
 ) -> ModelReply:
     """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
     A LOCAL child waits for its desktop client before every round: a client that disconnects
     mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4).
 
     A recovered execution (epoch >= 2: the normal path takes epoch 1) first continues the
-    round its crashed run journaled, without asking the model again (harness.journal)."""
-    in_flight: RoundInFlight | None = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
+    round its crashed run journaled, without asking the model again (harness.journal).
+    ``first`` is what the taker read for the first round (then nothing is read again here)."""
+    if first is not None:
+        in_flight, first_view = first.in_flight, first.view
+    else:
+        in_flight = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
+        first_view = None
     for _ in range(agent.max_rounds):
         fence.raise_if_stopped()
         if utcnow() >= deadline:
@@ -371,10 +282,66 @@ def _child_rounds(
         if in_flight is not None:
             rnd, in_flight = in_flight, None
         else:
-            reply = ask(deps, model_messages(info.child_session_id, agent), allowed, deadline, agent.model_options)
+            view, first_view = first_view or model_messages(info.child_session_id, agent), None
+            reply = ask(deps, view, allowed, deadline, agent.model_options)
             if not reply.tool_calls:
                 return reply
             rnd = journal_reply(fence, info.child_session_id, reply)
-        inline_round(fence, info.child_session_id, rnd, allowed, deadline, "child")
+        inline_round(fence, session_id=info.child_session_id, rnd=rnd, allowed=allowed, deadline=deadline, kind="child")
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")
+
+
+def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
+    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
+    the child's phase and the facts the run needs are ONE transaction."""
+    try:
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault, transaction() as s:
+            new_epoch = take_execution(
+                s,
+                execution_id,
+                expected_epoch=epoch,
+                to_status=ExecutionStatus.RUNNING,
+                owner=deps.owner,
+                lease_seconds=deps.lease_seconds,
+            )
+            info = load_child(execution_id, s) if new_epoch is not None else None
+            first: FirstRound | None = None
+            if info is not None and new_epoch is not None:
+                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+                first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
+    except IllegalTransition:
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")
+        return ChildOutcome.STALE
+    if fault:
+        return ChildOutcome.INFRA_ERROR
+    if new_epoch is None or info is None:
+        log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="stale")
+        return ChildOutcome.STALE
+    crash_point("child.after_take")
+    end = run_rounds(info, new_epoch, deps, first=first)
+    after_end(execution_id, end, deps)
+    return end.outcome
+
+
+def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
+    """The last execution of a round to end delivers the round, in the normal path and in
+    recovery alike (DESIGN §6). The round's state comes from the finishing transaction itself
+    (no extra trip). In the normal path the chord callback that follows finds the parent
+    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
+    and the scan is the one behind it."""
+    state = end.state
+    if not end.outcome.ended or state is None:
+        return
+    if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
+        return  # delivered already, siblings still running, or the parent is not waiting
+    if deps.deliver is None:
+        return  # the chord callback (or the scan) delivers it
+    log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
+    try:
+        # Delivered right here (one short transaction): no task hop between the last child and
+        # its parent. A duplicate request or the chord callback loses the epoch check.
+        deps.deliver(state.parent_id, state.parent_epoch, deps.scheduler)
+    except Exception:
+        # The scan delivers a round whose results wait longer than the callback grace.
+        log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

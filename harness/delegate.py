@@ -1,19 +1,22 @@
 """`delegate` / `delegate_followup`: atomic creation of a child execution (spec §7.2).
 
-Each call runs inside the parent's round transaction, in its own SAVEPOINT: child session (first
-delegate), child USER message, execution row (RUNNING, PENDING, invocation_type,
-parent_tool_call_id, execution_start_message_id, started_at) all land together or not at all.
-A refused call (unknown agent, busy child, bad arguments) rolls back only its own savepoint and
-becomes the TOOL error of that call; it leaves no orphan row.
+Each call runs inside the parent's round transaction: child session (first delegate), child
+USER message, execution row (RUNNING, PENDING, invocation_type, parent_tool_call_id,
+execution_start_message_id, started_at) all land together or not at all. A refused call
+(unknown agent, busy child, bad arguments) becomes the TOOL error of that call and leaves no
+orphan row: a `delegate` is refused before it writes anything (its checks need no database), so
+it needs no savepoint; a `delegate_followup` is refused by a compare-and-set on the child, after
+which it may have cleaned the child's tail, so it runs in its own SAVEPOINT. The rows are
+written with Core statements (no unit of work on the hot path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -60,10 +63,23 @@ def tool_name(invocation: InvocationType) -> str:
     return "delegate" if invocation == InvocationType.DELEGATE else "delegate_followup"
 
 
+@dataclass(frozen=True)
+class Parent:
+    """What a delegation needs of its parent session."""
+
+    id: int
+    user_id: str
+
+
+def parent_of(s: Session, session_id: int) -> Parent:
+    row = s.execute(select(AgentSession.id, AgentSession.user_id).where(AgentSession.id == session_id)).one()
+    return Parent(row.id, row.user_id)
+
+
 def _new_execution(
     s: Session,
     *,
-    parent: AgentSession,
+    parent: Parent,
     child_id: int,
     agent_type: str,
     task: str,
@@ -72,10 +88,11 @@ def _new_execution(
     start_message_id: int,
     pending_round_id: int | None,
     lease_seconds: float,
-) -> SubagentExecution:
+) -> int:
+    """Insert the execution row (epoch 0, the creation reservation); its id."""
     now = utcnow()
     booted = identity()
-    row = SubagentExecution(
+    values = dict(
         parent_session_id=parent.id,
         child_session_id=child_id,
         agent_type=agent_type,
@@ -96,14 +113,13 @@ def _new_execution(
         lease_expires_at=now + timedelta(seconds=lease_seconds),
         epoch=0,
     )
-    s.add(row)
-    s.flush()
-    return row
+    table = cast(Table, SubagentExecution.__table__)
+    return int(s.execute(insert(table).values(**values).returning(table.c.id)).scalar_one())
 
 
 def _delegate(
     s: Session,
-    parent: AgentSession,
+    parent: Parent,
     args: dict[str, Any],
     tool_call_id: str,
     pending_round_id: int | None,
@@ -116,40 +132,47 @@ def _delegate(
         agent = get_agent(agent_type)
     except UnknownAgent as exc:
         raise DelegationRefused(str(exc)) from None
+    # NOTE: nothing below refuses: from here on only the database can fail, and that fails
+    # the whole round's transaction (an infrastructure error), never just this call.
     now = utcnow()
-    child = AgentSession(
-        user_id=parent.user_id,
-        session_type=SessionType.SUBAGENT,
-        parent_session_id=parent.id,
-        agent_type=agent.name,
-        execution_mode=agent.execution_mode,
-        phase=None,  # set to RUNNING by the task that runs it (spec §3.4: recovery copes with NULL)
-        started_at=now,
-        updated_at=now,
+    sessions = cast(Table, AgentSession.__table__)
+    child_id = int(
+        s.execute(
+            insert(sessions)
+            .values(
+                user_id=parent.user_id,
+                session_type=SessionType.SUBAGENT,
+                parent_session_id=parent.id,
+                agent_type=agent.name,
+                execution_mode=agent.execution_mode,
+                phase=None,  # set to RUNNING by the task that runs it (spec §3.4: recovery copes with NULL)
+                started_at=now,
+                updated_at=now,
+            )
+            .returning(sessions.c.id)
+        ).scalar_one()
     )
-    s.add(child)
-    s.flush()
     crash_point("delegate.after_child_session")
-    start = append_message(s, child.id, Role.USER, task)
+    start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")
-    row = _new_execution(
+    execution_id = _new_execution(
         s,
         parent=parent,
-        child_id=child.id,
+        child_id=child_id,
         agent_type=agent.name,
         task=task,
         invocation=InvocationType.DELEGATE,
         tool_call_id=tool_call_id,
-        start_message_id=start.id,
+        start_message_id=start,
         pending_round_id=pending_round_id,
         lease_seconds=lease_seconds,
     )
-    return CreatedExecution(row.id, child.id, tool_call_id, InvocationType.DELEGATE)
+    return CreatedExecution(execution_id, child_id, tool_call_id, InvocationType.DELEGATE)
 
 
 def _followup(
     s: Session,
-    parent: AgentSession,
+    parent: Parent,
     args: dict[str, Any],
     tool_call_id: str,
     pending_round_id: int | None,
@@ -176,7 +199,7 @@ def _followup(
     cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))
     start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")
-    row = _new_execution(
+    execution_id = _new_execution(
         s,
         parent=parent,
         child_id=child_id,
@@ -184,16 +207,16 @@ def _followup(
         task=task,
         invocation=InvocationType.FOLLOWUP,
         tool_call_id=tool_call_id,
-        start_message_id=start.id,
+        start_message_id=start,
         pending_round_id=pending_round_id,
         lease_seconds=lease_seconds,
     )
-    return CreatedExecution(row.id, child_id, tool_call_id, InvocationType.FOLLOWUP)
+    return CreatedExecution(execution_id, child_id, tool_call_id, InvocationType.FOLLOWUP)
 
 
 def create_execution(
     s: Session,
-    parent: AgentSession,
+    parent: Parent,
     *,
     name: str,
     raw_arguments: str,
@@ -201,14 +224,16 @@ def create_execution(
     pending_round_id: int | None,
     lease_seconds: float,
 ) -> CreatedExecution | str:
-    """Create one delegation in a savepoint. Returns the execution, or the TOOL error text."""
+    """Create one delegation (a follow-up in a savepoint: see the module docstring). Returns
+    the execution, or the TOOL error text."""
     try:
         args = parse_arguments(raw_arguments)
     except ToolError as exc:
         return f"error: {exc}"
-    fn = _delegate if name == "delegate" else _followup
     try:
+        if name == "delegate":
+            return _delegate(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
         with s.begin_nested():
-            return fn(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
+            return _followup(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
     except DelegationRefused as exc:
         return f"error: {exc}"

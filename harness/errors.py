@@ -7,6 +7,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from logfmt import log_event
 
 
 class HarnessError(Exception):
@@ -82,7 +85,7 @@ class InfrastructureFault:
 
 @contextmanager
 def infrastructure_boundary(
-    log: logging.Logger, event: str, *, level: int = logging.WARNING, **fields: object
+    log: logging.Logger, event: str, *, level: int = logging.WARNING, **fields: Any
 ) -> Iterator[InfrastructureFault]:
     """The one place an infrastructure error ends a task: it is logged as ``event`` (with
     ``fields`` and the error's type) and recorded in the yielded fault, never re-raised and
@@ -95,5 +98,4 @@ def infrastructure_boundary(
         if not is_infrastructure_error(exc):
             raise
         fault.error = exc
-        names = "".join(f" {k}=%s" for k in fields)
-        log.log(level, f"event={event}{names} error=%s", *fields.values(), type(exc).__name__)
+        log_event(log, event, level, **fields, error=type(exc).__name__)

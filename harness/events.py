@@ -11,10 +11,11 @@ import logging
 from functools import lru_cache
 from typing import Any
 
+from logfmt import log_event
 from models import Phase
 from settings import get_settings
 
-log = logging.getLogger("harness.events")
+log = logging.getLogger(__name__)
 
 CHANNEL = "session_status"
 
@@ -43,4 +44,4 @@ def publish_status(session_id: int, phase: Phase | str | None) -> None:
     try:
         _redis().publish(CHANNEL, json.dumps(event))
     except Exception:  # a missing event never stops the work
-        log.debug("event=session_status_not_published session=%s", session_id, exc_info=True)
+        log_event(log, "session_status_not_published", logging.DEBUG, exc_info=True, session_id=session_id)

@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from harness.errors import Cancelled
+from logfmt import log_event
 from models import (
     ACTIVE_EXECUTION,
     STOPPED_PHASES,
@@ -32,7 +33,7 @@ from models.db import cas
 from models.session import fence_session, renew_session_lease
 from models.worker import still_current
 
-log = logging.getLogger("harness.fence")
+log = logging.getLogger(__name__)
 
 CANCEL_POLL_SECONDS = 0.5
 
@@ -165,10 +166,10 @@ class Heartbeat:
             try:
                 if not self.fence.renew():
                     self.fence.lost = True
-                    log.info("event=lease_lost session=%s epoch=%s", self.fence.session_id, self.fence.epoch)
+                    log_event(log, "lease_lost", session_id=self.fence.session_id, epoch=self.fence.epoch)
                     return
             except Exception:  # a DB blip: try again next beat; the lease has slack
-                log.warning("event=heartbeat_failed session=%s", self.fence.session_id, exc_info=True)
+                log_event(log, "heartbeat_failed", logging.WARNING, exc_info=True, session_id=self.fence.session_id)
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()

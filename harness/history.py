@@ -14,11 +14,11 @@ tool_call id has a TOOL row in that run.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.orm import Session
 
 from harness.errors import BoundaryInvalid
@@ -227,17 +227,28 @@ def tail_garbage(rows: Sequence[Row]) -> list[int]:
 
 
 def cleanup_incomplete_tail(
-    s: Session, session_id: int, boundary: int | None, *, protected: frozenset[int] = frozenset()
+    s: Session,
+    session_id: int,
+    boundary: int | None,
+    *,
+    protected: frozenset[int] | Callable[[], frozenset[int]] = frozenset(),
+    rows: Sequence[Row] | None = None,
 ) -> list[int]:
     """Logically delete the last tool round lacking any TOOL result, and orphan TOOLs after it.
 
     Works on RAW live rows after the validated boundary; complete rounds are kept. Returns the
     ids it deleted (empty when the tail was already clean). Interrupted tools are never re-run:
     the model is asked again from the last complete round. ``protected`` rows (another
-    execution's delivered result) are never deleted.
+    execution's delivered result) are never deleted; given as a function, it is asked only
+    when the tail has something to delete (a clean tail costs no read of them). ``rows``: the
+    live rows after the boundary when the caller has read (and validated) them already.
     """
-    rows = load_raw(s, session_id, boundary)
-    ids = [i for i in tail_garbage(rows) if i not in protected]
+    rows = rows if rows is not None else load_raw(s, session_id, boundary)
+    garbage = tail_garbage(rows)
+    if not garbage:
+        return []
+    keep = protected() if callable(protected) else protected
+    ids = [i for i in garbage if i not in keep]
     if ids:
         s.execute(
             update(Message)
@@ -340,6 +351,30 @@ def delete_rows(s: Session, session_id: int, ids: Sequence[int]) -> None:
         )
 
 
+def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Insert ``rows`` (``role``, ``content`` and optionally ``tool_calls``, ``tool_call_id``,
+    ``source_session_id``) in ONE statement in the caller's transaction; returns their ids in
+    the order given, which is their history order (``sort_by_parameter_order``: on PostgreSQL
+    the rows are inserted, and their ids drawn, in parameter order)."""
+    now = utcnow()
+    params = [
+        {
+            "session_id": session_id,
+            "role": r["role"],
+            "content": r.get("content"),
+            "tool_calls": json.dumps(r["tool_calls"]) if r.get("tool_calls") else None,
+            "tool_call_id": r.get("tool_call_id"),
+            "source_session_id": r.get("source_session_id"),
+            "deleted": False,
+            "created_at": now,
+        }
+        for r in rows
+    ]
+    table = cast(Table, Message.__table__)
+    stmt = insert(table).returning(table.c.id, sort_by_parameter_order=True)
+    return [int(i) for i in s.execute(stmt, params).scalars()]
+
+
 def append_message(
     s: Session,
     session_id: int,
@@ -349,21 +384,16 @@ def append_message(
     tool_calls: list[dict[str, Any]] | None = None,
     tool_call_id: str | None = None,
     source_session_id: int | None = None,
-) -> Message:
-    """Insert one row (flushed, so its id is known) in the caller's transaction."""
-    msg = Message(
-        session_id=session_id,
-        role=role,
-        content=content,
-        tool_calls=json.dumps(tool_calls) if tool_calls else None,
-        tool_call_id=tool_call_id,
-        source_session_id=source_session_id,
-        deleted=False,
-        created_at=utcnow(),
-    )
-    s.add(msg)
-    s.flush()
-    return msg
+) -> int:
+    """Insert one row in the caller's transaction (a Core INSERT ... RETURNING); its id."""
+    row = {
+        "role": role,
+        "content": content,
+        "tool_calls": tool_calls,
+        "tool_call_id": tool_call_id,
+        "source_session_id": source_session_id,
+    }
+    return insert_messages(s, session_id, [row])[0]
 
 
 def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
@@ -382,13 +412,37 @@ def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
-def model_view(s: Session, session_id: int) -> list[dict[str, Any]]:
-    """The OpenAI messages of a session: compaction summary first, then the normalized rows."""
-    boundary = validated_boundary(s, session_id)
-    summary = s.execute(
-        select(AgentSession.compaction_summary).where(AgentSession.id == session_id)
-    ).scalar_one_or_none()
-    messages = to_openai(normalize(load_raw(s, session_id, boundary, validate=False)))
+#: The columns a model view reads (a Core select: no ORM objects on the hot path).
+_VIEW_COLUMNS = (Message.id, Message.role, Message.content, Message.tool_calls, Message.tool_call_id)
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """A session's compaction state: messages with id <= ``boundary`` are summarized."""
+
+    boundary: int | None = None
+    summary: str | None = None
+
+
+def compaction_of(s: Session, session_id: int) -> Compaction:
+    S = AgentSession
+    found = s.execute(
+        select(S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
+    ).one_or_none()
+    return Compaction(*found) if found is not None else Compaction()
+
+
+def model_view(s: Session, session_id: int, compaction: Compaction | None = None) -> list[dict[str, Any]]:
+    """The OpenAI messages of a session: compaction summary first, then the normalized rows
+    after its (validated) compaction boundary. ``compaction`` when the caller's transaction
+    has read it already (one statement fewer)."""
+    compaction = compaction if compaction is not None else compaction_of(s, session_id)
+    boundary, summary = compaction.boundary, compaction.summary
+    check_boundary(s, session_id, boundary)
+    q = select(*_VIEW_COLUMNS).where(Message.session_id == session_id, Message.deleted.is_(False))
+    if boundary is not None:
+        q = q.where(Message.id > boundary)
+    messages = to_openai(normalize(list(s.execute(q.order_by(Message.id)).all())))
     if boundary is not None and summary:
         messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation: {summary}"})
     return messages

@@ -9,8 +9,14 @@ One round, in the order its commits happen:
    it runs;                                                   crash point journal.after_tool_start
 3. each tool's result is committed as it completes, except the last one of a repeatable tool,
    which the round's own transaction carries;                crash point journal.after_tool_result
-4. ``commit_round`` lands assistant + every TOOL in ONE transaction and closes the entry (a
-   delegating round closes it in the transaction that creates its children).
+4. ``commit_round`` lands assistant + every TOOL in ONE transaction and closes the entry.
+
+A delegating reply has no entry of its own: its pending round, committed in the transaction
+that creates its children before any of its tools runs, is its journal (harness.parent; crash
+point journal.after_reply right after that commit). It is journaled here only when none of its
+delegations creates a child and it becomes an ordinary round. An open entry of a delegating
+reply written by an earlier release is still continued: its children are created once and the
+creation closes it.
 
 A loop that starts (a recovered one, or the next run after a crash) calls ``resume`` before
 asking the model: an open entry asked from the same history is continued without a model call;
@@ -35,10 +41,11 @@ from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
 from harness.tools import ToolContext, lookup, run_inline
+from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
 
-log = logging.getLogger("harness.journal")
+log = logging.getLogger(__name__)
 
 #: Longest argument text quoted back to the model in an interrupted call's result.
 MAX_QUOTED_ARGUMENT_CHARS = 2000
@@ -69,7 +76,9 @@ def interrupted_result(call: ToolCall) -> str:
 class RoundInFlight:
     """A journaled round: the reply and what its tools left in the journal."""
 
-    journal_id: int
+    #: The round_journal entry; None for a delegating reply, whose entry is the pending round
+    #: committed with its children (``harness.parent``): nothing runs before that commit.
+    journal_id: int | None
     reply: ModelReply
     #: tool_call_id -> TOOL error written instead of running the call.
     refused: dict[str, str] = field(default_factory=dict)
@@ -100,7 +109,7 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
         return None
     if entry.after_message_id != store.last_live_message_id(s, session_id):
         store.abandon(s, entry.id)
-        log.info("event=round_journal_abandoned session=%s journal=%s", session_id, entry.id)
+        log_event(log, "round_journal_abandoned", session_id=session_id, journal_id=entry.id)
         return None
     if not store.adopt(s, entry.id, epoch=epoch):
         # NOTE: the caller holds the epoch in this transaction, so a newer loop cannot hold it.
@@ -123,12 +132,13 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
         frozenset(c.tool_call_id for c in calls if c.status == CallStatus.STARTED),
         replayed=True,
     )
-    log.info(
-        "event=round_journal_resumed session=%s journal=%s results=%d interrupted=%d",
-        session_id,
-        rnd.journal_id,
-        len(rnd.results),
-        len(rnd.started),
+    log_event(
+        log,
+        "round_journal_resumed",
+        session_id=session_id,
+        journal_id=rnd.journal_id,
+        results=len(rnd.results),
+        interrupted=len(rnd.started),
     )
     return rnd
 
@@ -164,6 +174,7 @@ def run_tools(
     fence: Fence,
     session_id: int,
     rnd: RoundInFlight,
+    *,
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,
@@ -171,6 +182,7 @@ def run_tools(
     """Run (or take from the journal) every call of the round; returns tool_call_id -> TOOL
     content. Each result but the last one of a repeatable tool is journaled as it completes;
     the caller's round transaction carries that one."""
+    entry = _entry_of(rnd)
     out: dict[str, str] = {}
     todo = rnd.reply.tool_calls
     for n, call in enumerate(todo):
@@ -182,13 +194,13 @@ def run_tools(
             continue
         safe = repeatable(call.name)
         if call.id in rnd.started and not safe:
-            log.info("event=tool_interrupted_not_rerun session=%s tool=%s", session_id, call.name)
+            log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name)
             out[call.id] = interrupted_result(call)
             continue
         if not safe:
             with transaction() as s:
                 fence.check(s)
-                store.mark_started(s, rnd.journal_id, call.id, tool_name=call.name, repeatable=False)
+                store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
         ctx = ToolContext(session_id, call.id, deadline, fence.should_stop, kind)
         result = run_inline(call.name, call.arguments, ctx, allowed)
@@ -198,7 +210,7 @@ def run_tools(
         with transaction() as s:
             store.relaxed_commit(s)
             fence.check(s)
-            store.mark_finished(s, rnd.journal_id, call.id, result, tool_name=call.name, repeatable=safe)
+            store.mark_finished(s, entry, call.id, result, tool_name=call.name, repeatable=safe)
         crash_point("journal.after_tool_result")
     return out
 
@@ -215,9 +227,18 @@ def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dic
             [c.to_openai() for c in reply.tool_calls],
             [ToolResult(c.id, results[c.id]) for c in reply.tool_calls],
         )
-        store.close(s, rnd.journal_id)
+        store.close(s, _entry_of(rnd))
+
+
+def _entry_of(rnd: RoundInFlight) -> int:
+    """The round's journal entry: a round runs tools outside a pending round only once its
+    reply is journaled."""
+    if rnd.journal_id is None:
+        raise RuntimeError("a round's tools run only after its reply was journaled")
+    return rnd.journal_id
 
 
 def close_in(s: Session, rnd: RoundInFlight) -> None:
     """Close the entry in the caller's transaction (a delegating round's creation)."""
-    store.close(s, rnd.journal_id)
+    if rnd.journal_id is not None:
+        store.close(s, rnd.journal_id)

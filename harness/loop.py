@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -26,7 +27,7 @@ from sqlalchemy.orm import Session
 from harness.agents import AgentDef
 from harness.errors import DeadlineExceeded, ModelUnavailable, is_infrastructure_error
 from harness.fence import Fence
-from harness.history import model_view
+from harness.history import Compaction, model_view
 from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
 from harness.scheduler import Scheduler
@@ -36,7 +37,7 @@ from models.base import utcnow
 from models.worker import identity
 from settings import get_settings
 
-log = logging.getLogger("harness.loop")
+log = logging.getLogger(__name__)
 
 
 __all__ = ["LoopDeps", "Scheduler", "ask", "inline_round", "is_infrastructure_error", "model_messages", "worker_id"]
@@ -51,12 +52,20 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+#: Delivers a parent's complete round in-process and enqueues its run (``parent_id, epoch,
+#: scheduler``): recovery's transactional delivery (recovery.delivery.deliver_and_resume),
+#: handed in by the caller because harness does not import recovery.
+Deliver = Callable[[int, int, Scheduler], object]
+
+
 @dataclass
 class LoopDeps:
     scheduler: Scheduler
     model: ModelClient | None = None
     owner: str = ""
     lease_seconds: float = 0.0
+    #: The last child of a round delivers it with this (None: the chord callback or the scan does).
+    deliver: Deliver | None = None
 
     def __post_init__(self) -> None:
         settings = get_settings()
@@ -69,12 +78,15 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
     return [t.spec() for t in map(lookup, names) if t is not None]
 
 
-def model_messages(session_id: int, agent: AgentDef, s: Session | None = None) -> list[dict[str, Any]]:
-    """The system prompt and the session's model view, in ``s`` when given."""
+def model_messages(
+    session_id: int, agent: AgentDef, s: Session | None = None, compaction: Compaction | None = None
+) -> list[dict[str, Any]]:
+    """The system prompt and the session's model view, in ``s`` when given (with the
+    session's ``compaction`` when that transaction has read it)."""
     if s is None:
         with transaction() as own:
             return model_messages(session_id, agent, own)
-    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id)]
+    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction)]
 
 
 def ask(
@@ -100,6 +112,7 @@ def ask(
 
 def inline_round(
     fence: Fence,
+    *,
     session_id: int,
     rnd: RoundInFlight,
     allowed: tuple[str, ...],
@@ -108,4 +121,5 @@ def inline_round(
 ) -> None:
     """Run (or take from the journal) every tool of a journaled round, then commit assistant +
     every TOOL in one transaction that also closes the journal entry (harness.journal)."""
-    commit_round(fence, session_id, rnd, run_tools(fence, session_id, rnd, allowed, deadline, kind))
+    results = run_tools(fence, session_id, rnd, allowed=allowed, deadline=deadline, kind=kind)
+    commit_round(fence, session_id, rnd, results)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -33,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 
 from harness.errors import ModelUnavailable
+from logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,20 @@ class ModelReply:
     completion_tokens: int
 
 
+def _session_for(url: str) -> requests.Session:
+    """A keep-alive session whose environment settings (proxy variables, ``REQUESTS_CA_BUNDLE``
+    / ``CURL_CA_BUNDLE``) are read ONCE, here, instead of at every request: requests'
+    ``trust_env`` scans the environment (and ``~/.netrc``) on each call, a measurable part of a
+    short model call (issue 19). A provider behind a proxy still goes through it."""
+    session = requests.Session()
+    session.proxies.update(requests.utils.get_environ_proxies(url))
+    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+    if bundle:
+        session.verify = bundle
+    session.trust_env = False
+    return session
+
+
 class ModelClient:
     """A chat-completions client on one ``requests.Session``; meant for one agent loop at a time."""
 
@@ -116,7 +132,7 @@ class ModelClient:
         self._url = f"{self.base_url}/chat/completions"
         #: The endpoint as messages may show it: no userinfo, no query.
         self._where = _safe_url(self._url)
-        self._session = requests.Session()
+        self._session = _session_for(self._url)
 
     @classmethod
     def from_settings(cls) -> ModelClient:
@@ -180,12 +196,13 @@ class ModelClient:
                     or (give_up_at is not None and now + wait >= give_up_at)
                 ):
                     raise failure.error from failure.__cause__
-                log.info(
-                    "event=model_retry attempt=%d status=%s code=%s wait_ms=%d",
-                    attempt,
-                    failure.status if failure.status is not None else "-",
-                    failure.error.code,
-                    int(wait * 1000),
+                log_event(
+                    log,
+                    "model_retry",
+                    attempt=attempt,
+                    status=failure.status,
+                    error_code=failure.error.code,
+                    wait_ms=int(wait * 1000),
                 )
                 time.sleep(wait)
 
@@ -225,7 +242,7 @@ class ModelClient:
         if not 200 <= status < 300:
             code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
-            log.info("model_call_failed status=%d code=%s duration_ms=%d", status, code, duration_ms)
+            log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
             error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
             if status in _RETRY_STATUSES or status >= 500:
                 raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
@@ -237,13 +254,15 @@ class ModelClient:
                 f"{self._where} answered HTTP {status} with a body that is not JSON", "bad_response"
             ) from exc
         reply = self._parse(payload)
-        log.debug(
-            "model_call status=%d duration_ms=%d prompt_tokens=%d completion_tokens=%d tool_calls=%d",
-            status,
-            duration_ms,
-            reply.prompt_tokens,
-            reply.completion_tokens,
-            len(reply.tool_calls),
+        log_event(
+            log,
+            "model_call",
+            logging.DEBUG,
+            status=status,
+            duration_ms=duration_ms,
+            prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens,
+            tool_calls=len(reply.tool_calls),
         )
         return reply
 

@@ -17,29 +17,30 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, union
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
-from harness.delegate import CreatedExecution, create_execution
+from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
-from harness.history import append_message
+from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
+from logfmt import log_event
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
-from models.session import release_session, take_session
+from models.session import end_run, release_session, take_session
 
-log = logging.getLogger("harness.parent")
+log = logging.getLogger(__name__)
 
 
 class RunOutcome(StrEnum):
@@ -58,7 +59,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     """Run the session's rounds as the holder of ``epoch``. Returns what happened
     (``RunOutcome``); on INFRA_ERROR nothing was written: the lease lapses and the scan
     resumes the session."""
-    with infrastructure_boundary(log, "agent_run_infra_error", session=session_id) as fault, transaction() as s:
+    with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault, transaction() as s:
         new_epoch = take_session(
             s,
             session_id,
@@ -66,22 +67,25 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             owner=deps.owner,
             lease_seconds=deps.lease_seconds,
             to_phase=Phase.RUNNING,
-            require_expired=True,
-            free_when_unowned=True,
         )
-        agent_type = s.execute(select(AgentSession.agent_type).where(AgentSession.id == session_id)).scalar_one()
-        # The first round's view (or the round a crashed run journaled) is read in the
-        # take's transaction (one trip fewer); the take is the epoch's fence there.
-        in_flight = resume_in(s, session_id, new_epoch) if new_epoch is not None else None
-        first_view = (
-            model_messages(session_id, get_agent(agent_type), s)
-            if new_epoch is not None and in_flight is None
-            else None
-        )
+        agent_type: str | None = None
+        in_flight = first_view = None
+        if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
+            S = AgentSession
+            row = s.execute(
+                select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
+            ).one()
+            agent_type = row.agent_type
+            # The first round's view (or the round a crashed run journaled) is read in the
+            # take's transaction (one trip fewer); the take is the epoch's fence there.
+            in_flight = resume_in(s, session_id, new_epoch)
+            if in_flight is None:
+                compaction = Compaction(row.compaction_boundary_message_id, row.compaction_summary)
+                first_view = model_messages(session_id, get_agent(agent_type), s, compaction)
     if fault:
         return RunOutcome.INFRA_ERROR
-    if new_epoch is None:
-        log.info("event=agent_run_skipped session=%s epoch=%s reason=stale", session_id, epoch)
+    if new_epoch is None or agent_type is None:
+        log_event(log, "agent_run_skipped", session_id=session_id, epoch=epoch, reason="stale")
         return RunOutcome.STALE
     crash_point("parent.after_resume")
     publish_status(session_id, Phase.RUNNING)
@@ -91,17 +95,19 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     try:
         # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
         # resumes the session (R18). The boundary stops it before the handlers below.
-        with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session=session_id):
+        with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
             return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
         return RunOutcome.INFRA_ERROR
     except LeaseLost:
-        log.info("event=agent_run_lost session=%s epoch=%s", session_id, new_epoch)
+        log_event(log, "agent_run_lost", session_id=session_id, epoch=new_epoch)
         return RunOutcome.LOST
     except Cancelled:
         _release(fence, None)
         return RunOutcome.CANCELLED
     except Exception as exc:
-        log.warning("event=agent_run_failed session=%s error=%s", session_id, type(exc).__name__, exc_info=True)
+        log_event(
+            log, "agent_run_failed", logging.WARNING, exc_info=True, session_id=session_id, error=type(exc).__name__
+        )
         _release(fence, Phase.FAILED)
         return RunOutcome.FAILED
 
@@ -131,19 +137,27 @@ def _parent_rounds(
             view = None
             if not reply.tool_calls:
                 with transaction() as s:
-                    fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                    # The release is the fence (one statement); when it does not land the
+                    # fence says why (Cancelled or LeaseLost) and the answer rolls back.
+                    if not end_run(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER):
+                        fence.check(s)
+                        raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
                     append_message(s, session_id, Role.ASSISTANT, reply.content or "")
-                    release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER)
                 publish_status(session_id, Phase.WAITING_USER)
                 return RunOutcome.WAITING_USER
-            rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
-        if any(
-            c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in rnd.refused for c in rnd.reply.tool_calls
-        ):
+            if _delegates(reply, allowed, {}):
+                # NOTE: a delegating reply's journal entry is its pending round, committed with
+                # its children before any of its tools (children or inline ones) runs: no
+                # journal transaction of its own (issue 19). It is journaled only when none of
+                # its delegations creates a child and it becomes an ordinary round.
+                rnd = RoundInFlight(None, reply)
+            else:
+                rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
+        if _delegates(rnd.reply, allowed, rnd.refused):
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
             continue
-        inline_round(fence, session_id, rnd, allowed, None, "parent")
+        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
@@ -153,27 +167,19 @@ def _parent_rounds(
 
 
 def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
+    """The ids among ``ids`` this session has used already (a delegation's or a TOOL's), in
+    one statement."""
     E = SubagentExecution
-    used = set(
-        s.execute(
-            select(E.parent_tool_call_id).where(E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids))
-        )
-        .scalars()
-        .all()
+    delegated = select(E.parent_tool_call_id.label("id")).where(
+        E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids)
     )
-    used |= set(
-        s.execute(
-            select(Message.tool_call_id).where(
-                Message.session_id == session_id,
-                Message.role == Role.TOOL,
-                Message.deleted.is_(False),
-                Message.tool_call_id.in_(ids),
-            )
-        )
-        .scalars()
-        .all()
+    answered = select(Message.tool_call_id.label("id")).where(
+        Message.session_id == session_id,
+        Message.role == Role.TOOL,
+        Message.deleted.is_(False),
+        Message.tool_call_id.in_(ids),
     )
-    return {str(i) for i in used if i is not None}
+    return {str(i) for i in s.execute(union(delegated, answered)).scalars() if i is not None}
 
 
 def unique_call_ids(session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
@@ -192,7 +198,7 @@ def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple
         if call.id in used or call.id in seen:
             fresh = f"{call.id[:80]}-dup-{uuid.uuid4().hex[:8]}"
             refused[fresh] = f"error: the model repeated tool_call id {call.id[:80]!r}; the call was not run"
-            log.warning("event=duplicate_tool_call_id session=%s tool=%s", session_id, call.name)
+            log_event(log, "duplicate_tool_call_id", logging.WARNING, session_id=session_id, tool=call.name)
             calls.append(ToolCall(fresh, call.name, call.arguments))
         else:
             seen.add(call.id)
@@ -202,9 +208,91 @@ def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple
     return ModelReply(reply.content, tuple(calls), reply.prompt_tokens, reply.completion_tokens), refused
 
 
+def _delegates(reply: ModelReply, allowed: tuple[str, ...], refused: dict[str, str]) -> bool:
+    """True when the reply asks for a delegation this agent may make (not refused already)."""
+    return any(c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused for c in reply.tool_calls)
+
+
 class _NothingCreated(Exception):
-    def __init__(self, errors: dict[str, str]) -> None:
-        self.errors = errors
+    """Raised inside the creation transaction when no delegation of the round created a child,
+    to roll that whole transaction back (the pending round, the fence's token counters); caught
+    by ``_delegating_round``, which then commits the round as an ordinary one with the refusals
+    as TOOL results. Control flow, not an error.
+
+    NOTE: not a savepoint. The round's other (inline) tools must run outside any transaction,
+    and the ordinary round's commit counts the reply's tokens itself: keeping the outer
+    transaction's fence check would count them twice."""
+
+    def __init__(self, rnd: RoundInFlight, errors: dict[str, str]) -> None:
+        self.rnd = rnd  #: the round as the transaction saw it (tool_call ids made unique)
+        self.errors = errors  #: tool_call_id -> TOOL error of every refused call
+
+
+@dataclass(frozen=True)
+class _Created:
+    """What the creation transaction committed: the pending round, its children, and the
+    round's inline calls still to run (the refused ones are already its TOOL errors)."""
+
+    round_id: int
+    executions: tuple[CreatedExecution, ...]
+    inline: tuple[ToolCall, ...]
+
+
+def _create_round(
+    s: Session, session_id: int, fence: SessionFence, rnd: RoundInFlight, *, allowed: tuple[str, ...], deps: LoopDeps
+) -> _Created:
+    """ONE transaction: the pending round, a child session + execution + instruction per
+    delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
+    entry closed; released at once when nothing runs inline. Raises ``_NothingCreated``.
+
+    A fresh reply (not journaled: ``journal_id`` None) has its tool_call ids made unique here,
+    in the transaction that commits it."""
+    fence.check(s, prompt_tokens=rnd.reply.prompt_tokens, completion_tokens=rnd.reply.completion_tokens)
+    if rnd.journal_id is None:
+        unique, refusals = _unique_call_ids_in(s, session_id, rnd.reply)
+        rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
+    reply, refused = rnd.reply, rnd.refused
+    parent = parent_of(s, session_id)
+    round_row = PendingRound(
+        session_id=session_id,
+        assistant_content=reply.content,
+        tool_calls=[c.to_openai() for c in reply.tool_calls],
+        inline_results={},
+        prompt_tokens=reply.prompt_tokens,
+        completion_tokens=reply.completion_tokens,
+    )
+    s.add(round_row)
+    s.flush()
+    errors: dict[str, str] = dict(refused)
+    created: list[CreatedExecution] = []
+    for call in reply.tool_calls:
+        if call.name not in DELEGATION_TOOLS or call.name not in allowed or call.id in refused:
+            continue
+        out = create_execution(
+            s,
+            parent,
+            name=call.name,
+            raw_arguments=call.arguments,
+            tool_call_id=call.id,
+            pending_round_id=round_row.id,
+            lease_seconds=deps.lease_seconds,
+        )
+        if isinstance(out, str):
+            errors[call.id] = out
+        else:
+            created.append(out)
+    if not created:
+        raise _NothingCreated(rnd, errors)
+    close_in(s, rnd)
+    round_row.inline_results = errors
+    children = {c.tool_call_id for c in created}
+    inline = tuple(
+        c for c in reply.tool_calls if c.id not in children and c.id not in errors and c.name not in DELEGATION_TOOLS
+    )
+    if not inline:
+        # Nothing runs between the round and the yield: release in the same transaction.
+        release_session(s, session_id, epoch=fence.epoch)
+    return _Created(round_row.id, tuple(created), inline)
 
 
 def _delegating_round(
@@ -218,86 +306,45 @@ def _delegating_round(
     (every delegation was refused: the round was committed whole with the errors). The
     transaction that creates the children closes the round's journal entry: a journaled
     delegating reply creates its children once."""
-    reply, refused = rnd.reply, rnd.refused
-    calls = [c.to_openai() for c in reply.tool_calls]
-    delegations = [
-        c for c in reply.tool_calls if c.name in DELEGATION_TOOLS and c.name in allowed and c.id not in refused
-    ]
-    created: list[CreatedExecution] = []
     try:
         with transaction() as s:
-            fence.check(s, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
-            parent = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one()
-            round_row = PendingRound(
-                session_id=session_id,
-                assistant_content=reply.content,
-                tool_calls=calls,
-                inline_results={},
-                prompt_tokens=reply.prompt_tokens,
-                completion_tokens=reply.completion_tokens,
-            )
-            s.add(round_row)
-            s.flush()
-            errors: dict[str, str] = dict(refused)
-            for call in delegations:
-                out = create_execution(
-                    s,
-                    parent,
-                    name=call.name,
-                    raw_arguments=call.arguments,
-                    tool_call_id=call.id,
-                    pending_round_id=round_row.id,
-                    lease_seconds=deps.lease_seconds,
-                )
-                if isinstance(out, str):
-                    errors[call.id] = out
-                else:
-                    created.append(out)
-            if not created:
-                raise _NothingCreated(errors)
-            close_in(s, rnd)
-            round_row.inline_results = errors
-            round_id = round_row.id
-            inline = [
-                c
-                for c in reply.tool_calls
-                if c.id not in {x.tool_call_id for x in created}
-                and c.id not in errors
-                and c.name not in DELEGATION_TOOLS
-            ]
-            if not inline:
-                # Nothing runs between the round and the yield: release in the same transaction.
-                release_session(s, session_id, epoch=fence.epoch)
+            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
-        inline_round(
-            fence, session_id, replace(rnd, refused={**rnd.refused, **nothing.errors}), allowed, None, "parent"
-        )
+        refused = {**nothing.rnd.refused, **nothing.errors}
+        if nothing.rnd.journal_id is None:  # journaled now, before its inline tools run
+            rnd = journal_reply(fence, session_id, nothing.rnd.reply, lambda s, r: (r, refused))
+        else:
+            rnd = replace(nothing.rnd, refused=refused)
+        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
         return False
+    if rnd.journal_id is None:
+        crash_point("journal.after_reply")  # the reply is committed (as its pending round)
     crash_point("delegate.after_create")
-    log.info(
-        "event=delegation_round session=%s round=%s executions=%s",
-        session_id,
-        round_id,
-        ",".join(str(c.execution_id) for c in created),
+    log_event(
+        log,
+        "delegation_round",
+        session_id=session_id,
+        round_id=made.round_id,
+        execution_ids=[c.execution_id for c in made.executions],
     )
-    for call in inline:
+    for call in made.inline:
         ctx = ToolContext(session_id, call.id, None, fence.should_stop, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
-        _record_inline(fence, round_id, call.id, result)
+        _record_inline(fence, made.round_id, call.id, result)
         crash_point("parent.mid_inline")
     crash_point("parent.before_yield")
-    if inline:
+    if made.inline:
         with transaction() as s:
             # Release as the epoch's owner; the epoch itself stays: deliver_round is handed it.
             fence.check(s)
             release_session(s, session_id, epoch=fence.epoch)
     try:
-        deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in created])
+        deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in made.executions])
     except Exception as exc:
         # NOTE: the broker is down longer than its publish retries. Everything is committed:
         # the executions' creation reservations lapse and the scan starts them (DESIGN §6).
-        log.warning("event=children_handoff_failed session=%s error=%s", session_id, type(exc).__name__)
+        log_event(log, "children_handoff_failed", logging.WARNING, session_id=session_id, error=type(exc).__name__)
     return True
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
-from harness.history import append_message
+from harness.history import insert_messages
 from models import Role
 
 
@@ -37,16 +37,24 @@ def write_round(
     by_id = {r.tool_call_id: r for r in results}
     if sorted(by_id) != sorted(ids) or len(results) != len(ids):
         raise ValueError("a round must answer every tool call exactly once")
-    assistant = append_message(s, session_id, Role.ASSISTANT, assistant_content or "", tool_calls=tool_calls)
+    # ONE statement for the whole round: the assistant first, then every TOOL in the order
+    # given (delivery orders by execution id); the crash points stay inside the transaction.
+    rows: list[dict[str, Any]] = [
+        {"role": Role.ASSISTANT, "content": assistant_content or "", "tool_calls": tool_calls}
+    ]
+    rows += [
+        {
+            "role": Role.TOOL,
+            "content": r.content,
+            "tool_call_id": r.tool_call_id,
+            "source_session_id": r.source_session_id,
+        }
+        for r in results
+    ]
+    assistant_id, *tool_row_ids = insert_messages(s, session_id, rows)
     crash_point("round.after_assistant")
-    tool_ids: dict[str, int] = {}
-    for n, r in enumerate(results):  # in the order given (delivery orders by execution id)
-        call_id = r.tool_call_id
-        msg = append_message(
-            s, session_id, Role.TOOL, r.content, tool_call_id=call_id, source_session_id=r.source_session_id
-        )
-        tool_ids[call_id] = msg.id
-        if n == 0:
-            crash_point("round.after_some_tools")
+    tool_ids = {r.tool_call_id: i for r, i in zip(results, tool_row_ids, strict=True)}
+    if results:
+        crash_point("round.after_some_tools")
     crash_point("round.after_all_tools")
-    return assistant.id, tool_ids
+    return assistant_id, tool_ids

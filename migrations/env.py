@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import Table, create_engine, pool
+from sqlalchemy.schema import SchemaItem
 
 import models  # noqa: F401  (imports every model module)
 from models.base import Base
@@ -17,11 +18,13 @@ def _url() -> str:
     return str(config.attributes.get("url") or get_settings().DATABASE_URL)
 
 
-def _include_object(obj, name, type_, reflected, compare_to):  # type: ignore[no-untyped-def]
+def _include_object(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: SchemaItem | None
+) -> bool:
     # Field-recovery tables live in their own schema with their own MetaData and are compared
     # by their own test (tests/integration/test_field_migration.py); skip them here.
     field_schema = get_settings().booking_field_recovery.db_schema
-    return not (type_ == "table" and reflected and compare_to is None and obj.schema == field_schema)
+    return not (isinstance(obj, Table) and reflected and compare_to is None and obj.schema == field_schema)
 
 
 def run_migrations_offline() -> None:

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     or_,
     select,
     text,
@@ -40,7 +41,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free, still_current, superseded
+from models.worker import generation_of, lease_takeable, still_current, superseded
 
 
 class SubagentExecution(Base):
@@ -145,14 +146,12 @@ def take_execution(
     to_status: ExecutionStatus,
     owner: str,
     lease_seconds: float,
-    require_expired: bool = False,
-    free_when_unowned: bool = False,
 ) -> int | None:
     """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease.
 
-    Returns the new epoch, or None when a newer owner holds it (epoch moved, or a live lease
-    when ``require_expired``; with ``free_when_unowned`` a reservation — unowned as a scan's
-    hand-over, or naming its creator at epoch 0 — counts as free for the epoch's holder). Raises
+    Returns the new epoch, or None when a newer owner holds it: the epoch moved, or a live
+    lease (``models.worker.lease_takeable``: a reservation left for the epoch's holder, unowned
+    as a scan's hand-over or naming its creator at epoch 0, counts as free). Raises
     IllegalTransition for a terminal or non-PENDING row at the expected epoch (spec §6.2:
     terminal never goes back; only PENDING may be taken over).
     """
@@ -165,14 +164,12 @@ def take_execution(
         *still_current(owner),  # never taken by a process a newer boot of its name replaced
     ]
     now = utcnow()
-    if require_expired:
-        free = [lease_free(E, now)]
-        if free_when_unowned:
-            free.append(E.lease_owner.is_(None))
-            if expected_epoch == 0:
-                # The creation reservation belongs to the epoch-0 message, whoever created it.
-                free.append(E.epoch == 0)
-        conditions.append(or_(*free))
+    takeable = lease_takeable(E, now)
+    if expected_epoch == 0:
+        # The creation reservation names its creator but belongs to the epoch-0 message,
+        # whoever runs it.
+        takeable = or_(takeable, E.epoch == 0)
+    conditions.append(takeable)
     rows = cas(
         s,
         update(E)
@@ -271,6 +268,31 @@ def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, to
         return False
     _classify(s, eid, None, "mark delivered")
     return False
+
+
+def mark_all_delivered(s: Session, tool_message_ids: dict[int, int], *, assistant_message_id: int) -> None:
+    """PENDING -> DELIVERED for every execution of one delivered round, in ONE statement
+    (execution id -> its TOOL message id). When it does not land on every row, each row is
+    classified as ``mark_delivered`` does (IllegalTransition for one still active or LEGACY;
+    a row already delivered or suppressed is left as it is)."""
+    if not tool_message_ids:
+        return
+    ids = list(tool_message_ids)
+    rows = cas(
+        s,
+        update(E)
+        .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
+        .values(
+            delivery_status=DeliveryStatus.DELIVERED,
+            parent_result_delivered_at=utcnow(),
+            parent_assistant_message_id=assistant_message_id,
+            parent_tool_message_id=case(tool_message_ids, value=E.id),
+        ),
+    )
+    if rows == len(ids):
+        return
+    for eid, tool_id in tool_message_ids.items():
+        mark_delivered(s, eid, assistant_message_id=assistant_message_id, tool_message_id=tool_id)
 
 
 def suppress_execution(s: Session, eid: int) -> bool:

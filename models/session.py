@@ -26,7 +26,7 @@ from models.db import cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free, still_current
+from models.worker import generation_of, lease_free, lease_takeable, still_current
 
 
 class AgentSession(Base):
@@ -196,23 +196,23 @@ def take_session(
     lease_seconds: float,
     to_phase: Phase,
     from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
-    require_expired: bool = True,
-    free_when_unowned: bool = False,
 ) -> int | None:
     """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease.
 
-    Returns the new epoch, or None when the epoch moved on, a live lease is held, or the phase
+    Returns the new epoch, or None when the epoch moved on, a live lease is held (an unowned
+    reservation is left for the epoch's holder: ``models.worker.lease_takeable``), or the phase
     is not one it may start from (a stopped session is never taken).
     """
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
     now = utcnow()
-    conditions = [S.id == sid, S.epoch == expected_epoch, _phase_in(from_phases), *still_current(owner)]
-    if require_expired:
-        free = [lease_free(S, now)]
-        if free_when_unowned:
-            free.append(S.lease_owner.is_(None))  # a reservation made for the epoch's holder
-        conditions.append(or_(*free))
+    conditions = [
+        S.id == sid,
+        S.epoch == expected_epoch,
+        _phase_in(from_phases),
+        *still_current(owner),
+        lease_takeable(S, now),
+    ]
     rows = cas(
         s,
         update(S)
@@ -305,6 +305,29 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
             .execution_options(synchronize_session=False)
         )
     return False
+
+
+def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
+    """The epoch's owner ends its run (its last write's transaction): lease dropped and phase
+    moved in ONE compare-and-set that is also the fence (``fence_session``'s conditions: owned
+    at this epoch, not stopped, this process not replaced under its name). False, nothing
+    written, when any of them fails: the caller asks the fence why (cancelled or lost)."""
+    return (
+        cas(
+            s,
+            update(S)
+            .where(
+                S.id == sid,
+                S.epoch == epoch,
+                S.lease_owner.is_not(None),
+                not_stopped(),
+                _phase_in(STARTABLE_PHASES),
+                *still_current(),
+            )
+            .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=utcnow()),
+        )
+        == 1
+    )
 
 
 def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seconds: float = 0) -> int | None:

@@ -238,6 +238,13 @@ def name_conflicts(s: Session) -> list[WorkerBoot]:
     return list(s.execute(select(W).where(W.conflict_seen_at.is_not(None)).order_by(W.name)).scalars())
 
 
+def lease_takeable(model: Any, now: Any) -> ColumnElement[bool]:
+    """SQL: the rule of every take (a loop, a child, a recovery) handed an epoch: the lease is
+    free (``lease_free``), or it is a reservation left unowned for the epoch's holder (the
+    scan's or a delivery's hand-over, a fresh submit)."""
+    return or_(lease_free(model, now), model.lease_owner.is_(None))
+
+
 def lease_free(model: Any, now: Any = None) -> ColumnElement[bool]:
     """SQL: the row's lease is free to take over: none, expired in the DATABASE's time, or
     held by an older boot generation of a worker name that has booted again (its process

@@ -1,51 +1,52 @@
-"""One child execution's lifecycle, for the normal path and for recovery alike (spec §7.3).
+"""A child execution's recovery (spec §7.3): ``recover_child`` (task ``recovery.recover_child``).
 
-``start_child`` (task ``agent.run_child``) and ``recover_child`` (task
-``recovery.recover_child``) differ only in how they take the execution:
-
-- start: RUNNING -> RUNNING (epoch + 1), child phase RUNNING;
-- recover: RUNNING/RECOVERING + PENDING -> RECOVERING (epoch + 1), legacy fields inferred and
-  written back, child phase RESUMING, the child's incomplete tail cleaned on raw rows after
-  its validated boundary, and its final ASSISTANT looked for (R20) — all in ONE transaction,
-  so a stalled recoverer that lost the epoch cannot touch the child's phase.
+It differs from the normal path's start (harness.child ``start_child``, task
+``agent.run_child``: RUNNING -> RUNNING, epoch + 1, child phase RUNNING) only in how it takes
+the execution: RUNNING/RECOVERING + PENDING -> RECOVERING (epoch + 1), legacy fields inferred
+and written back, child phase RESUMING, the child's incomplete tail cleaned on raw rows after
+its validated boundary, its final ASSISTANT looked for (R20), and its first round (the one its
+crashed run journaled) read — all in ONE transaction, so a stalled recoverer that lost the
+epoch cannot touch the child's phase.
 
 Then the same steps: finish from an existing final without calling the model, or fail past the
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
-last execution of a round to end asks for the round's delivery when the round went through
-recovery (an execution with epoch >= 2): its original chord may have lost a header for good,
-so its callback may never come. It delivers the round itself, in one short transaction, and
-enqueues the parent's run. Delivery's barrier is the database's (I3): trying early is harmless.
-Never raises: a chord header that raised would stop the parent's delivery.
+last execution of a round to end delivers the round itself (harness.child ``after_end``, with
+recovery.delivery), in one short transaction, and enqueues the parent's run: its original
+chord may have lost a header for good, so its callback may never come. Delivery's barrier is
+the database's (I3): trying early is harmless. Never raises.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.child import (
-    CHILD_STARTABLE,
     ChildEnd,
     ChildInfo,
     ChildOutcome,
+    FirstRound,
+    after_end,
     child_deadline,
     end_with_failure,
-    finish_child,
+    first_round,
     load_child,
     run_rounds,
     timeout_reason,
 )
+from harness.child_end import Completed, Failed, finish_child
 from harness.errors import BoundaryInvalid, infrastructure_boundary
-from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls, validated_boundary
+from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps
 from harness.results import describe_exception
+from logfmt import log_event
 from models import (
-    AgentSession,
     ExecutionStatus,
     IllegalTransition,
     Message,
@@ -56,11 +57,10 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import take_execution
-from models.session import set_child_phase, set_phase
-from recovery.delivery import deliver_and_resume
+from models.session import set_child_phase
 from recovery.legacy import infer_and_store
 
-log = logging.getLogger("recovery.child")
+log = logging.getLogger(__name__)
 E = SubagentExecution
 
 #: Child phases that say its last answer was NOT a final result (old rows, spec §7.3.5).
@@ -73,20 +73,22 @@ class FinalFound:
     content: str
 
 
-def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> FinalFound | None:
+def existing_final(s: Session, info: ChildInfo, rows: Sequence[Message] | None = None) -> FinalFound | None:
     """The execution's final ASSISTANT if it was committed before the crash (spec §7.3.5):
     ``final_message_id``, or for old rows the last live row after the execution's USER
     instruction when it is an ASSISTANT without tool calls and the child's phase does not say
-    otherwise (a FAILED/CANCELLED child's last words are not its result)."""
-    final_id = s.execute(select(E.final_message_id).where(E.id == info.execution_id)).scalar_one()
-    if final_id is not None:
-        row = s.execute(select(Message).where(Message.id == final_id, Message.deleted.is_(False))).scalar_one_or_none()
+    otherwise (a FAILED/CANCELLED child's last words are not its result). ``rows``: every
+    live row of the child, when the caller's transaction has them already."""
+    if info.final_message_id is not None:
+        row = s.execute(
+            select(Message).where(Message.id == info.final_message_id, Message.deleted.is_(False))
+        ).scalar_one_or_none()
         if row is not None:
             return FinalFound(row.id, row.content or "")
-    if child_phase in _NOT_FINAL_PHASES:
+    if info.child_phase in _NOT_FINAL_PHASES:
         return None
     start = info.execution_start_message_id
-    rows = load_raw(s, info.child_session_id, None, validate=False)
+    rows = rows if rows is not None else load_raw(s, info.child_session_id, None, validate=False)
     if start is None:
         # Old row: the execution's instruction is the last USER message carrying its task.
         users = [m.id for m in rows if m.role == Role.USER and (m.content or "") == info.task_description]
@@ -99,58 +101,27 @@ def existing_final(s: Session, info: ChildInfo, child_phase: Phase | None) -> Fi
     return None
 
 
-def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
-    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
-    the child's phase and the facts the run needs are ONE transaction."""
-    try:
-        with infrastructure_boundary(log, "child_infra_error", execution=execution_id) as fault, transaction() as s:
-            new_epoch = take_execution(
-                s,
-                execution_id,
-                expected_epoch=epoch,
-                to_status=ExecutionStatus.RUNNING,
-                owner=deps.owner,
-                lease_seconds=deps.lease_seconds,
-                require_expired=True,
-                free_when_unowned=True,
-            )
-            info = load_child(execution_id, s) if new_epoch is not None else None
-            if info is not None:
-                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
-    except IllegalTransition:
-        log.info("event=child_run_skipped execution=%s epoch=%s reason=not_pending", execution_id, epoch)
-        return ChildOutcome.STALE
-    if fault:
-        return ChildOutcome.INFRA_ERROR
-    if new_epoch is None or info is None:
-        log.info("event=child_run_skipped execution=%s epoch=%s reason=stale", execution_id, epoch)
-        return ChildOutcome.STALE
-    crash_point("child.after_take")
-    end = run_rounds(info, new_epoch, deps)
-    _after_end(execution_id, end, deps, recovered=False)
-    return end.outcome
-
-
 def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
     """Resume one execution handed ``epoch`` by the scan. Returns what happened; never raises."""
     started = time.monotonic()
     try:
         with infrastructure_boundary(
-            log, "subagent_recovery_error", level=logging.ERROR, executionId=execution_id
+            log, "subagent_recovery_error", level=logging.ERROR, execution_id=execution_id
         ) as fault:
             end = _recover(execution_id, epoch, deps)
     except Exception as exc:
-        log.error("event=subagent_recovery_error executionId=%s error=%s", execution_id, type(exc).__name__)
+        log_event(log, "subagent_recovery_error", logging.ERROR, execution_id=execution_id, error=type(exc).__name__)
         end = ChildEnd(ChildOutcome.ERROR)
     if fault:
         end = ChildEnd(ChildOutcome.INFRA_ERROR)
-    log.info(
-        "event=subagent_recovery_complete executionId=%s outcome=%s durationMs=%d",
-        execution_id,
-        end.outcome,
-        (time.monotonic() - started) * 1000,
+    log_event(
+        log,
+        "subagent_recovery_complete",
+        execution_id=execution_id,
+        outcome=end.outcome,
+        duration_ms=int((time.monotonic() - started) * 1000),
     )
-    _after_end(execution_id, end, deps, recovered=True)
+    after_end(execution_id, end, deps)
     return end.outcome
 
 
@@ -158,17 +129,19 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
 class _Taken:
     epoch: int
     info: ChildInfo
-    parent_id: int
     invocation: str
     tail_removed: int
     final: FinalFound | None
     #: Why the child's history can never be made legal again (an invalid compaction boundary):
     #: the execution ends FAILED with this reason instead of a take that rolls back forever.
     unrecoverable: str | None = None
+    #: The first round, read in the take's transaction (None: the run reads it).
+    first: FirstRound | None = None
 
 
 def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken | ChildOutcome:
-    """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final."""
+    """ONE transaction: take, legacy inference, child phase RESUMING, tail cleanup, final, and
+    the first round (the journaled one, or the model messages)."""
     with transaction() as s:
         try:
             new_epoch = take_execution(
@@ -178,35 +151,41 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
                 to_status=ExecutionStatus.RECOVERING,
                 owner=deps.owner,
                 lease_seconds=deps.lease_seconds,
-                require_expired=True,
-                free_when_unowned=True,  # the scan's reservation is handed to us with the epoch
             )
         except IllegalTransition:
-            log.info("event=subagent_recovery_skipped executionId=%s reason=not_pending", execution_id)
+            log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="not_pending")
             return ChildOutcome.STALE
         if new_epoch is None:
-            log.info("event=subagent_recovery_skipped executionId=%s reason=stale_epoch", execution_id)
+            log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="stale_epoch")
             return ChildOutcome.STALE
-        parent_id = s.execute(select(E.parent_session_id).where(E.id == execution_id)).scalar_one()
-        invocation, _ = infer_and_store(s, execution_id)  # written back in the first recovery transaction
         info = load_child(execution_id, s)
-        child_phase = s.execute(select(AgentSession.phase).where(AgentSession.id == info.child_session_id)).scalar_one()
+        if info.invocation_type is None or info.parent_tool_call_id is None:
+            # A pre-upgrade row: inferred and written back in the first recovery transaction,
+            # before anything reads its invocation (its followup fields, R13).
+            invocation, call_id = infer_and_store(s, execution_id)
+            info = replace(info, invocation_type=invocation, parent_tool_call_id=call_id)
         # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
         set_child_phase(s, info.child_session_id, Phase.RESUMING)
+        boundary = info.compaction.boundary
         try:
-            boundary = validated_boundary(s, info.child_session_id)
+            rows = load_raw(s, info.child_session_id, boundary)  # validates the boundary
         except BoundaryInvalid as exc:
             # NOTE: the take itself must land (it is what stops the scan from re-sending this
             # reservation every two leases); the child then ends FAILED with the reason.
-            log.error(
-                "event=subagent_recovery_unrecoverable execution_id=%s reason=invalid_compaction_boundary", execution_id
+            log_event(
+                log,
+                "subagent_recovery_unrecoverable",
+                logging.ERROR,
+                execution_id=execution_id,
+                reason="invalid_compaction_boundary",
             )
-            return _Taken(
-                new_epoch, info, parent_id, str(invocation), 0, None, f"subagent history cannot be recovered: {exc}"
-            )
-        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary)
-        final = existing_final(s, info, child_phase)
-    return _Taken(new_epoch, info, parent_id, str(invocation), len(removed), final)
+            reason = f"subagent history cannot be recovered: {exc}"
+            return _Taken(new_epoch, info, str(info.invocation_type), 0, None, reason)
+        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows)
+        live = [m for m in rows if m.id not in set(removed)] if boundary is None else None
+        final = existing_final(s, info, live)
+        first = first_round(s, info, new_epoch) if final is None else None
+    return _Taken(new_epoch, info, str(info.invocation_type), len(removed), final, first=first)
 
 
 def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
@@ -215,49 +194,30 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         return ChildEnd(taken)
     crash_point("recover.after_take")
     info, new_epoch = taken.info, taken.epoch
-    log.info(
-        "event=subagent_recovery_start executionId=%s parent=%s child=%s invocation=%s tail_removed=%d",
-        execution_id,
-        taken.parent_id,
-        info.child_session_id,
-        taken.invocation,
-        taken.tail_removed,
+    log_event(
+        log,
+        "subagent_recovery_start",
+        execution_id=execution_id,
+        parent_id=info.parent_session_id,
+        child_session_id=info.child_session_id,
+        invocation=taken.invocation,
+        tail_removed=taken.tail_removed,
     )
     if taken.unrecoverable is not None:
-        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, failure=taken.unrecoverable)
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(taken.unrecoverable))
     try:
-        with infrastructure_boundary(log, "subagent_recovery_infra_error", executionId=execution_id) as fault:
+        with infrastructure_boundary(log, "subagent_recovery_infra_error", execution_id=execution_id) as fault:
             if taken.final is not None:
                 # R20: the final answer exists; finish without calling the model again.
-                state = finish_child(info, new_epoch, text=taken.final.content, final_message_id=taken.final.message_id)
+                found = Completed(taken.final.content, final_message_id=taken.final.message_id)
+                state = finish_child(info, new_epoch, found)
                 return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
             if utcnow() >= child_deadline(info.started_at):
-                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, failure=timeout_reason())
+                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, Failed(timeout_reason()))
         if fault:
             return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Exception as exc:
-        log.warning("event=subagent_recovery_failed executionId=%s error=%s", execution_id, type(exc).__name__)
-        return end_with_failure(
-            info, new_epoch, ChildOutcome.FAILED, failure=f"subagent recovery failed: {describe_exception(exc)}"
-        )
-    return run_rounds(info, new_epoch, deps)
-
-
-def _after_end(execution_id: int, end: ChildEnd, deps: LoopDeps, *, recovered: bool) -> None:
-    """The last execution of a recovered round to end asks for the round's delivery. The
-    round's state comes from the finishing transaction itself (no extra trip)."""
-    state = end.state
-    if not end.outcome.ended or state is None:
-        return
-    if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
-        return  # delivered already, siblings still running, or the parent is not waiting
-    if not recovered and state.max_epoch < 2:
-        return  # an untouched round: its chord callback delivers it
-    log.info("event=round_delivery_requested parent=%s executionId=%s", state.parent_id, execution_id)
-    try:
-        # Delivered right here (one short transaction): no task hop between the last child and
-        # its parent. A duplicate request or the chord callback loses the epoch check.
-        deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
-    except Exception:
-        # The scan delivers a round whose results wait longer than the callback grace.
-        log.warning("event=round_delivery_failed executionId=%s", execution_id, exc_info=True)
+        log_event(log, "subagent_recovery_failed", logging.WARNING, execution_id=execution_id, error=type(exc).__name__)
+        reason = f"subagent recovery failed: {describe_exception(exc)}"
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(reason))
+    return run_rounds(info, new_epoch, deps, first=taken.first)

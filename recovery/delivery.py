@@ -29,12 +29,13 @@ from crashpoints import crash_point
 from harness.delegate import delegate_arguments, tool_name
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
-from harness.history import cleanup_incomplete_tail, delete_rows, pair_state, validated_boundary
+from harness.history import cleanup_incomplete_tail, delete_rows, pair_state
 from harness.journal import interrupted_result
 from harness.model import ToolCall
 from harness.results import failure_result
 from harness.rounds import ToolResult, write_round
 from harness.scheduler import Scheduler
+from logfmt import log_event
 from models import (
     ACTIVE_EXECUTION,
     STOPPED_PHASES,
@@ -46,12 +47,12 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.execution import mark_delivered, suppress_execution
+from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.session import cancel_child, hand_over, stop_session
 from recovery.legacy import infer_and_store
 from settings import get_settings
 
-log = logging.getLogger("recovery.delivery")
+log = logging.getLogger(__name__)
 E = SubagentExecution
 
 INTERRUPTED = "error: the tool was interrupted by a restart and was not re-run"
@@ -76,8 +77,15 @@ class DeliveryOutcome:
     delivered: tuple[int, ...] = ()
 
 
-def _lock_parent(s: Session, parent_id: int) -> AgentSession | None:
-    return s.execute(select(AgentSession).where(AgentSession.id == parent_id).with_for_update()).scalar_one_or_none()
+def _lock_parent(s: Session, parent_id: int) -> Any:
+    """The parent's epoch, lease owner, phase and compaction boundary, its row locked (first,
+    in every path)."""
+    S = AgentSession
+    return s.execute(
+        select(S.id, S.epoch, S.lease_owner, S.phase, S.compaction_boundary_message_id)
+        .where(S.id == parent_id)
+        .with_for_update()
+    ).one_or_none()
 
 
 def _pending(s: Session, parent_id: int) -> list[SubagentExecution]:
@@ -108,8 +116,8 @@ def suppress_parent(s: Session, parent_id: int) -> list[int]:
         .execution_options(synchronize_session=False)
     )
     for eid in suppressed:
-        log.info(
-            "event=subagent_result_delivery_skipped executionId=%s parent=%s reason=parent_stopped", eid, parent_id
+        log_event(
+            log, "subagent_result_delivery_skipped", execution_id=eid, parent_id=parent_id, reason="parent_stopped"
         )
     return suppressed
 
@@ -143,13 +151,13 @@ def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
     Caller holds the parent lock and has checked the parent. Returns True when it wrote or
     marked, False when already delivered/suppressed."""
     if row.delivery_status != DeliveryStatus.PENDING:
-        log.info("event=subagent_result_delivery_skipped executionId=%s reason=already_delivered", row.id)
+        log_event(log, "subagent_result_delivery_skipped", execution_id=row.id, reason="already_delivered")
         return False
     invocation, call_id = infer_and_store(s, row.id)
     state = pair_state(s, parent_id, call_id, protected=_delivered_rows(s, parent_id, row.id))
     if state.complete:
         mark_delivered(s, row.id, assistant_message_id=state.assistant_id, tool_message_id=state.tool_id)
-        log.info("event=subagent_result_delivery_skipped executionId=%s reason=messages_exist", row.id)
+        log_event(log, "subagent_result_delivery_skipped", execution_id=row.id, reason="messages_exist")
         return True
     delete_rows(s, parent_id, state.broken_ids)  # repair: malformed JSON, orphan TOOL, assistant only
     args = delegate_arguments(
@@ -164,19 +172,20 @@ def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
         s, parent_id, "", [call], [ToolResult(call_id, result_content(row), row.child_session_id)]
     )
     mark_delivered(s, row.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
-    log.info("event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s", row.id, parent_id, call_id)
+    log_event(log, "subagent_result_delivered", execution_id=row.id, parent_id=parent_id, tool_call_id=call_id)
     return True
 
 
-def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecution]) -> list[int]:
-    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
-    rnd = s.execute(
+def _open_round(s: Session, parent_id: int) -> PendingRound | None:
+    return s.execute(
         select(PendingRound)
         .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
         .with_for_update()
     ).scalar_one_or_none()
-    if rnd is None:
-        return []
+
+
+def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
+    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
     # spec R23: delegation results in ascending execution id. They take the delegation slots
     # of the round in that order; inline results keep their own slots.
@@ -198,61 +207,61 @@ def _deliver_open_round(s: Session, parent_id: int, pending: list[SubagentExecut
             results.append(ToolResult(call_id, result))
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
-    delivered = []
-    for member in sorted(members.values(), key=lambda m: m.id):
-        call_id = str(member.parent_tool_call_id)
-        mark_delivered(s, member.id, assistant_message_id=assistant_id, tool_message_id=tool_ids[call_id])
-        delivered.append(member.id)
-        log.info(
-            "event=subagent_result_delivered executionId=%s parent=%s toolCallId=%s", member.id, parent_id, call_id
+    ordered = sorted(members.values(), key=lambda m: m.id)
+    marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
+    mark_all_delivered(s, marked, assistant_message_id=assistant_id)
+    for member in ordered:
+        log_event(
+            log,
+            "subagent_result_delivered",
+            execution_id=member.id,
+            parent_id=parent_id,
+            tool_call_id=member.parent_tool_call_id,
         )
     rnd.closed_at = utcnow()
-    return delivered
+    return [m.id for m in ordered]
 
 
-def _has_open_round(s: Session, parent_id: int) -> bool:
-    return (
-        s.execute(
-            select(PendingRound.id).where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
-        ).first()
-        is not None
-    )
-
-
-def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | None:
-    """Lock the parent; None when this delivery may go on. A stale epoch stops it; a stopped
-    parent has its pending results suppressed (and is never resumed)."""
+def _check_parent(s: Session, parent_id: int, epoch: int, delivered: Sequence[int]) -> DeliveryOutcome | Any:
+    """Lock the parent; its row when this delivery may go on, else how it stopped: a stale
+    epoch stops it; a stopped parent has its pending results suppressed (never resumed)."""
     parent = _lock_parent(s, parent_id)
     if parent is None or parent.epoch != epoch:
-        log.info("event=deliver_round_skipped parent=%s epoch=%s reason=stale", parent_id, epoch)
+        log_event(log, "deliver_round_skipped", parent_id=parent_id, epoch=epoch, reason="stale")
         return DeliveryOutcome(DeliveryKind.STALE, delivered=tuple(delivered))
     if parent.lease_owner is not None:
         # NOTE: a loop holds the parent (it has not yielded yet, or it runs again): a parent
         # waiting for its children holds no lease. The last child or the scan asks again.
-        log.info("event=deliver_round_skipped parent=%s epoch=%s reason=parent_busy", parent_id, epoch)
+        log_event(log, "deliver_round_skipped", parent_id=parent_id, epoch=epoch, reason="parent_busy")
         return DeliveryOutcome(DeliveryKind.PARENT_BUSY, delivered=tuple(delivered))
     if parent.phase in STOPPED_PHASES:
         suppressed = suppress_parent(s, parent_id)
         return DeliveryOutcome(DeliveryKind.SUPPRESSED, delivered=tuple(delivered) or tuple(suppressed))
-    return None
+    return parent
 
 
-def _close_round_and_hand_over(s: Session, parent_id: int, epoch: int, delivered: list[int]) -> DeliveryOutcome:
+def _close_round_and_hand_over(
+    s: Session, parent_id: int, epoch: int, delivered: list[int], pending: list[SubagentExecution] | None = None
+) -> DeliveryOutcome:
     """In the caller's transaction (parent locked and checked): write the open round, then hand
-    the parent a new epoch — unless something is still PENDING."""
-    had_round = _has_open_round(s, parent_id)
-    delivered += _deliver_open_round(s, parent_id, _pending(s, parent_id))
-    if not delivered and not had_round:
+    the parent a new epoch — unless something is still PENDING. ``pending`` is the parent's
+    PENDING executions when this transaction has read (and locked) them already."""
+    if pending is None:
+        pending = _pending(s, parent_id)
+    rnd = _open_round(s, parent_id)
+    if rnd is not None:
+        delivered += _deliver_open_round(s, parent_id, rnd, pending)
+    if not delivered and rnd is None:
         # Nothing was waiting: a settled parent is never handed over (spec §7.1.5).
-        log.info("event=deliver_round_skipped parent=%s reason=nothing_pending", parent_id)
+        log_event(log, "deliver_round_skipped", parent_id=parent_id, reason="nothing_pending")
         return DeliveryOutcome(DeliveryKind.NOTHING)
-    left = (
-        s.execute(select(E.id).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING))
-        .scalars()
-        .all()
-    )
+    # NOTE: what is left PENDING is known without another read: the PENDING rows are locked
+    # (FOR UPDATE) and no execution of this parent can be created while its row is locked
+    # (creation runs under the parent's fence, which updates that row).
+    done = set(delivered)
+    left = [r.id for r in pending if r.id not in done]
     if left:
-        log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, left)))
+        log_event(log, "parent_recovery_wait", parent_id=parent_id, execution_ids=left)
         return DeliveryOutcome(DeliveryKind.WAITING, delivered=tuple(delivered))
     new_epoch = hand_over(
         s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
@@ -267,7 +276,7 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     try:
         return _deliver_round(parent_id, epoch)
     except BoundaryInvalid:
-        log.error("event=parent_stopped parent=%s reason=invalid_compaction_boundary", parent_id)
+        log_event(log, "parent_stopped", logging.ERROR, parent_id=parent_id, reason="invalid_compaction_boundary")
         with transaction() as s:
             parent = _lock_parent(s, parent_id)
             if parent is None or not stop_session(s, parent_id, epoch=epoch, to_phase=Phase.FAILED):
@@ -285,23 +294,22 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     tail cleanup, the whole round, the markers and the hand-over."""
     delivered: list[int] = []
     with transaction() as s:
-        stop = _check_parent(s, parent_id, epoch, ())
-        if stop is not None:
-            return stop
+        parent = _check_parent(s, parent_id, epoch, ())
+        if isinstance(parent, DeliveryOutcome):
+            return parent
         pending = _pending(s, parent_id)
         active = [r.id for r in pending if r.status in ACTIVE_EXECUTION]
         if active:
-            log.info("event=parent_recovery_wait parent=%s childExecutions=%s", parent_id, ",".join(map(str, active)))
+            log_event(log, "parent_recovery_wait", parent_id=parent_id, execution_ids=active)
             return DeliveryOutcome(DeliveryKind.WAITING)
-        cleanup_incomplete_tail(
-            s, parent_id, validated_boundary(s, parent_id), protected=_delivered_rows(s, parent_id, -1)
-        )
+        boundary = parent.compaction_boundary_message_id  # validated by the tail's own read
+        cleanup_incomplete_tail(s, parent_id, boundary, protected=lambda: _delivered_rows(s, parent_id, -1))
         legacy = [r.id for r in pending if r.pending_round_id is None]
-        outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered)
+        outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered, pending)
     for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
-            if stop is not None:
+            if isinstance(stop, DeliveryOutcome):
                 return stop
             row = s.execute(select(E).where(E.id == eid).with_for_update()).scalar_one()
             if deliver_one(s, row, parent_id):
@@ -309,14 +317,12 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
     if outcome is None:
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
-            if stop is not None:
+            if isinstance(stop, DeliveryOutcome):
                 return stop
             outcome = _close_round_and_hand_over(s, parent_id, epoch, delivered)
     if outcome.kind == DeliveryKind.RESUME:
         crash_point("deliver.before_resume")
-        log.info(
-            "event=parent_recovery_start parent=%s epoch=%s delivered=%s", parent_id, outcome.new_epoch, len(delivered)
-        )
+        log_event(log, "parent_recovery_start", parent_id=parent_id, epoch=outcome.new_epoch, delivered=len(delivered))
     return outcome
 
 
@@ -329,5 +335,5 @@ def deliver_and_resume(parent_id: int, epoch: int, scheduler: Scheduler) -> Deli
         try:
             scheduler.resume_parent(parent_id, outcome.new_epoch)
         except Exception as exc:
-            log.warning("event=parent_resume_not_enqueued parent=%s error=%s", parent_id, type(exc).__name__)
+            log_event(log, "parent_resume_not_enqueued", logging.WARNING, parent_id=parent_id, error=type(exc).__name__)
     return outcome

@@ -40,10 +40,11 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from fieldrecovery.tables import InvocationStatus
+from logfmt import log_event
 from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine
 from settings import get_settings
 
-log = logging.getLogger("recovery.metrics")
+log = logging.getLogger(__name__)
 
 PREFIX = "agent_recovery"
 #: How long the counted settled rows are reused before the next O(history) count.
@@ -159,7 +160,7 @@ class RecoveryCollector(Collector):
             with self._lock:
                 metrics = self._read()
         except SQLAlchemyError:
-            log.warning("metrics_scrape_failed", exc_info=True)
+            log_event(log, "metrics_scrape_failed", logging.WARNING, exc_info=True)
             yield GaugeMetricFamily(_name("database_up"), "1 when the last scrape read the database", value=0)
             return
         yield GaugeMetricFamily(_name("database_up"), "1 when the last scrape read the database", value=1)

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from harness.scheduler import Scheduler
+from logfmt import log_event
 from models import (
     ACTIVE_EXECUTION,
     STOPPED_PHASES,
@@ -24,7 +25,7 @@ from recovery.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
 from settings import get_settings
 
-log = logging.getLogger("recovery.ops")
+log = logging.getLogger(__name__)
 E = SubagentExecution
 
 
@@ -48,7 +49,7 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
             select(func.count()).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
         ).scalar_one()
         if not pending:
-            log.info("event=redeliver parent=%s outcome=nothing_pending", parent_id)
+            log_event(log, "redeliver", parent_id=parent_id, outcome="nothing_pending")
             return "nothing_pending"
         epochs = release_dead_parents(s, [parent_id])
     outcome = deliver_round(parent_id, epochs[parent_id])
@@ -57,7 +58,7 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
     # NOTE: STALE here is the epoch moving between release_dead_parents and the delivery: a
     # loop took the parent meanwhile, which the operator sees as a busy parent too.
     kind = DeliveryKind.PARENT_BUSY if outcome.kind == DeliveryKind.STALE else outcome.kind
-    log.info("event=redeliver parent=%s outcome=%s delivered=%d", parent_id, kind, len(outcome.delivered))
+    log_event(log, "redeliver", parent_id=parent_id, outcome=kind, delivered=len(outcome.delivered))
     return kind
 
 
@@ -84,7 +85,7 @@ def _stale_field_keys() -> int | None:
     try:
         return stale_count()
     except Exception:
-        log.warning("event=status_field_unavailable", exc_info=True)
+        log_event(log, "status_field_unavailable", logging.WARNING, exc_info=True)
         return None
 
 

@@ -1,4 +1,4 @@
-"""Agent tasks: thin adapters over harness.parent, recovery.child and recovery.delivery."""
+"""Agent tasks: thin adapters over harness.parent, harness.child and recovery.delivery."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from harness.child import ChildOutcome
+from harness.child import ChildOutcome, start_child
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
-from recovery.child import start_child
+from logfmt import log_event
 from recovery.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 
-log = logging.getLogger("tasks.agent")
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1)
@@ -25,7 +25,7 @@ def _model() -> ModelClient:
 
 
 def deps() -> LoopDeps:
-    return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
+    return LoopDeps(scheduler=CeleryScheduler(app), model=_model(), deliver=deliver_and_resume)
 
 
 @app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write
@@ -39,7 +39,7 @@ def run_child_task(execution_id: int, epoch: int) -> str:
     try:
         return start_child(int(execution_id), int(epoch), deps())
     except Exception:
-        log.error("event=run_child_error execution=%s", execution_id, exc_info=True)
+        log_event(log, "run_child_error", logging.ERROR, exc_info=True, execution_id=execution_id)
         return ChildOutcome.ERROR
 
 

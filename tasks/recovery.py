@@ -6,6 +6,7 @@ import logging
 
 from celery.signals import worker_ready
 
+from logfmt import log_event
 from recovery.child import recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
@@ -13,7 +14,7 @@ from tasks import app
 from tasks.agent import deps
 from tasks.scheduler import CeleryScheduler
 
-log = logging.getLogger("tasks.recovery")
+log = logging.getLogger(__name__)
 
 
 @app.task(name="recovery.scan")
@@ -57,4 +58,4 @@ def _boot_scan(sender: object = None, **_: object) -> None:
     try:
         scan_task.apply_async()
     except Exception:
-        log.error("event=boot_scan_not_enqueued", exc_info=True)
+        log_event(log, "boot_scan_not_enqueued", logging.ERROR, exc_info=True)

@@ -39,7 +39,7 @@ class CeleryScheduler:
 
     def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
         """One recover_child message per execution; the last of a round to end asks for its
-        delivery (recovery.child), so no chord has to survive the next crash.
+        delivery (harness.child after_end), so no chord has to survive the next crash.
 
         A large pass (after a big crash) sends ``recovery.fan_out`` batches instead: the scan
         hands them over at once and the workers publish the per-execution messages in parallel."""

@@ -11,9 +11,10 @@ from typing import Any
 from celery.signals import setup_logging as setup_logging_signal
 from celery.signals import worker_init, worker_process_init, worker_ready
 
+from logfmt import log_event
 from models.db import dispose_engines
 
-log = logging.getLogger("tasks.signals")
+log = logging.getLogger(__name__)
 
 
 @worker_init.connect
@@ -30,11 +31,11 @@ def _boot_generation(sender: object = None, **_: object) -> None:
     try:
         generation = boot(name)
     except Exception:
-        log.warning("event=worker_boot_not_recorded worker=%s", name, exc_info=True)
+        log_event(log, "worker_boot_not_recorded", logging.WARNING, exc_info=True, worker=name)
         return
     finally:
         dispose_engines()  # never hand the main process's sockets to the forked pool
-    log.info("event=worker_boot worker=%s generation=%s", name, generation)
+    log_event(log, "worker_boot", worker=name, generation=generation)
 
 
 @worker_process_init.connect
@@ -57,7 +58,7 @@ def _logging(**_: object) -> None:
 
 @worker_ready.connect
 def _ready(sender: object = None, **_: object) -> None:
-    logging.getLogger("tasks.signals").warning("event=worker_ready")
+    log_event(log, "worker_ready", logging.WARNING)
     _start_name_watcher(sender)
 
 
@@ -100,18 +101,20 @@ class NameWatcher:
         try:
             newer = check_name(self.name, self.generation)
         except Exception:  # a DB blip: check again next tick
-            log.warning("event=worker_name_check_failed worker=%s", self.name, exc_info=True)
+            log_event(log, "worker_name_check_failed", logging.WARNING, exc_info=True, worker=self.name)
             return None
         if newer is not None and self.superseded_by is None:
             self.superseded_by = newer
-            log.error(
-                "event=worker_name_conflict worker=%s generation=%s newer_generation=%s hostname=%s pid=%s "
-                "action=stopped_consuming",
-                self.name,
-                self.generation,
-                newer,
-                getattr(self.consumer, "hostname", ""),
-                os.getpid(),
+            log_event(
+                log,
+                "worker_name_conflict",
+                logging.ERROR,
+                worker=self.name,
+                generation=self.generation,
+                newer_generation=newer,
+                hostname=getattr(self.consumer, "hostname", None),
+                pid=os.getpid(),
+                action="stopped_consuming",
             )
             self._stop_consuming()
         return newer
@@ -131,7 +134,7 @@ def _cancel_all_queues(consumer: Any) -> None:
         queues.deselect(name)  # a reconnect must not consume it again
         if consumer.task_consumer is not None:
             consumer.task_consumer.cancel_by_queue(name)
-    log.error("event=worker_stopped_consuming queues=%s", ",".join(names))
+    log_event(log, "worker_stopped_consuming", logging.ERROR, queues=names)
 
 
 #: The running watcher of this process (tests read it).

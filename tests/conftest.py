@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from typing import Any
 
     from sqlalchemy.engine import Engine
+    from xdist.remote import Producer
+    from xdist.scheduler import LoadScopeScheduling
 
     from demo.stack import Beat, Service, Worker
     from doubles.scripted_model import Script, ScriptedModelServer
@@ -73,7 +75,7 @@ def rabbitmq_scope(nodeid: str) -> bool:
     return RABBITMQ_GROUP in path.rsplit("/", 1)[-1] or "amqp" in params
 
 
-def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadScopeScheduling | None:
     """--dist loadgroup as it is meant to work: each test its own scope, except that the
     RabbitMQ tests form one scope (one worker, one after another)."""
     if config.getvalue("dist") != "loadgroup":
@@ -87,7 +89,7 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
     return RabbitMQGroupScheduling(config, log)
 
 
-def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         marked = any(m.args[:1] == (RABBITMQ_GROUP,) for m in item.iter_markers("xdist_group"))
         if marked != rabbitmq_scope(item.nodeid):

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from crashpoints import armed_fault
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -90,7 +91,7 @@ def add_message(session_id: int, role: Role, content: str | None = "", **kw: Any
     from harness.history import append_message
 
     with transaction() as s:
-        return append_message(s, session_id, role, content, **kw).id
+        return append_message(s, session_id, role, content, **kw)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
@@ -134,9 +135,16 @@ class RecordingScheduler:
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
     from harness.loop import LoopDeps
     from harness.model import ModelClient
+    from recovery.delivery import deliver_and_resume
 
     model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
-    return LoopDeps(scheduler=scheduler or RecordingScheduler(), model=model, owner="test", lease_seconds=lease_seconds)
+    return LoopDeps(
+        scheduler=scheduler or RecordingScheduler(),
+        model=model,
+        owner="test",
+        lease_seconds=lease_seconds,
+        deliver=deliver_and_resume,
+    )
 
 
 def messages_of(session_id: int) -> list[Any]:
@@ -194,8 +202,9 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     """Run recovery and the normal path in-process until nothing is left to do: scan ->
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
     loop (-> its own chords) -> ..."""
+    from harness.child import start_child
     from harness.parent import run_agent
-    from recovery.child import recover_child, start_child
+    from recovery.child import recover_child
     from recovery.delivery import deliver_and_resume
     from recovery.scan import scan
 
@@ -227,18 +236,30 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
 
 
 def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, int]:
-    """A parent that delegated and whose children all completed, but whose chord callback
-    never ran: returns (parent id, the epoch its deliver_round was handed)."""
+    """A parent that delegated and whose children all completed, but whose round was never
+    delivered: the last child's worker died right after its final commit (child.after_final,
+    before it could deliver the round itself) and the chord callback never ran. Returns
+    (parent id, the epoch its deliver_round was handed)."""
+    from crashpoints import InjectedKill
+    from harness.child import start_child
     from harness.parent import run_agent
     from harness.views import create_session
-    from recovery.child import start_child
 
     deps = loop_deps(model_url, RecordingScheduler())
     sid = create_session("main", text)
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = deps.scheduler.children.pop()
-    for eid, e in children:
+    *first, (last, last_epoch) = children
+    for eid, e in first:
         assert start_child(eid, e, deps) == "completed"
+    with armed_fault("child.after_final", kill=True):
+        try:
+            start_child(last, last_epoch, deps)
+        except InjectedKill:
+            pass
+        else:
+            raise AssertionError("the last child did not reach child.after_final")
+    assert not deps.scheduler.resumed  # nothing delivered
     return sid, epoch
 
 

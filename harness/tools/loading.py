@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 
 from harness.errors import AgentConfigError
 from harness.tools.registry import ToolDefinitionError
+from logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -64,5 +65,5 @@ def load_tool_modules(modules: tuple[str, ...] | None = None) -> tuple[str, ...]
             ) from exc
         loaded.append(name)
     if loaded:
-        log.info("event=tool_modules_loaded modules=%s", ",".join(loaded))
+        log_event(log, "tool_modules_loaded", modules=loaded)
     return tuple(loaded)

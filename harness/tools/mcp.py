@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
 from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message
+from logfmt import log_event
 
 if TYPE_CHECKING:
     from harness.agents import McpServer
@@ -135,10 +136,10 @@ def _listing(server: McpServer) -> _Listing:
     try:
         listed = _run(lambda: _list_tools(server), server.timeout_seconds)
         listing = _Listing({t.name: t for t in listed}, now, None)
-        log.info("event=mcp_tools_listed server=%s tools=%d", server.name, len(listed))
+        log_event(log, "mcp_tools_listed", server=server.name, tools=len(listed))
     except Exception as exc:
         kind = _leaf_name(exc)
-        log.warning("event=mcp_list_failed server=%s error=%s", server.name, kind)
+        log_event(log, "mcp_list_failed", logging.WARNING, server=server.name, error=kind)
         listing = _Listing({}, now, f"MCP server {server.name!r} is unreachable: {kind}")
     with _lock:
         _listings[server.name] = listing
@@ -165,7 +166,7 @@ async def _list_tools(server: McpServer) -> list[Tool]:
 def _tool_of(server: McpServer, remote: Any) -> Tool | None:
     name = f"{server.name}{MCP_SEPARATOR}{remote.name}"
     if len(name) > _MAX_NAME or not all(c.isalnum() or c in "_-" for c in name):
-        log.warning("event=mcp_tool_skipped server=%s reason=name_not_allowed", server.name)
+        log_event(log, "mcp_tool_skipped", logging.WARNING, server=server.name, reason="name_not_allowed")
         return None
     annotations = remote.annotations
     remote_name = str(remote.name)
@@ -202,7 +203,7 @@ def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: Tool
         if left is not None and time.monotonic() - started >= left:
             raise DeadlineExceeded() from None
         kind = _leaf_name(exc)
-        log.warning("event=mcp_call_failed server=%s tool=%s error=%s", server.name, tool_name, kind)
+        log_event(log, "mcp_call_failed", logging.WARNING, server=server.name, tool=tool_name, error=kind)
         raise McpUnavailable(f"MCP server {server.name!r} failed the call: {kind}") from None
     text = _text_of(result)
     if result.is_error:

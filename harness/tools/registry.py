@@ -33,6 +33,7 @@ from pydantic_core import to_json
 
 from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
+from logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -290,12 +291,14 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
 
         if isinstance(exc, ModelError) or is_infrastructure_error(exc):
             raise
-        log.warning(
-            "event=tool_failed session=%s tool=%s tool_call_id=%s error=%s",
-            ctx.session_id,
-            name,
-            ctx.tool_call_id,
-            type(exc).__name__,
+        log_event(
+            log,
+            "tool_failed",
+            logging.WARNING,
+            session_id=ctx.session_id,
+            tool=name,
+            tool_call_id=ctx.tool_call_id,
+            error=type(exc).__name__,
         )
         message = safe_message(exc)
         return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"

@@ -98,8 +98,8 @@ SHAPES = {
 }
 
 #: Shapes only the round journal's points use (issue 17 item 2), beside the matrix's own. The
-#: parent's reply is journaled first: the child's reply is the second occurrence in one pool
-#: process (concurrency 1).
+#: parent's delegating reply is committed first (with its children: its pending round is its
+#: journal entry): the child's reply is the second occurrence in one pool process (concurrency 1).
 JOURNAL_SHAPES = {
     "child_reply": Shape(
         "child_reply", _parent([delegate("reviewer", "review A")]), 1, 1, 1, occurrence=2, asked_once=(0, 2)
@@ -161,7 +161,7 @@ SHAPED_POINTS = [
     ("parent.before_yield", "mixed_inline"),
     ("child.after_take", "two_children"),
     ("child.after_round", "one_child"),
-    ("journal.after_reply", "mixed_inline"),  # the parent's delegating reply: children created once
+    ("journal.after_reply", "mixed_inline"),  # the parent's delegating reply, committed with its children
     ("journal.after_reply", "child_reply"),  # a child's reply: its round continues, no model call
     ("journal.after_tool_start", "one_child"),  # the child's ``wait`` (not idempotent) started
     ("journal.after_tool_result", "child_two_tools"),  # the child's first result journaled

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import select, update
 
 from crashpoints import InjectedFault, armed_fault
+from harness.child import start_child
 from harness.parent import run_agent
 from models import (
     AgentSession,
@@ -35,7 +36,7 @@ from models.execution import (
     mark_delivered,
     set_delivery_status,
 )
-from recovery.child import recover_child, start_child
+from recovery.child import recover_child
 from recovery.delivery import deliver_round
 from recovery.ops import redeliver_parent
 from recovery.scan import scan
@@ -326,10 +327,10 @@ def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFacto
     model = model_factory(TWO)
     sid, epoch, children, deps = yielded_with_children(model.base_url)
     for child in children:
-        start_child(*child, deps)
-    out = deliver_round(sid, epoch)
-    assert out.kind == "resume"
-    assert run_agent(sid, out.new_epoch, deps) == "waiting_user"  # type: ignore[arg-type]
+        start_child(*child, deps)  # the last one delivers the round and resumes the parent
+    (resumed, new_epoch), *more = deps.scheduler.resumed
+    assert resumed == sid and not more and deliver_round(sid, epoch).kind == "stale"
+    assert run_agent(sid, new_epoch, deps) == "waiting_user"
     calls = len(model.journal())
     with transaction() as s:
         before = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import event, select, text, update
 from sqlalchemy.exc import OperationalError
 
+from harness.child import start_child
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -30,11 +31,12 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from recovery.child import recover_child, start_child
+from recovery.child import recover_child
 from recovery.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,
+    children_done_callback_lost,
     drive,
     executions_of,
     expire_leases,
@@ -176,9 +178,7 @@ def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: Mo
 
 def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
-    sid, epoch, children, deps = yielded_with_children(model.base_url)
-    for child in children:
-        start_child(*child, deps)
+    sid, epoch = children_done_callback_lost(model.base_url)
     with transaction() as s:
         s.execute(update(AgentSession).where(AgentSession.id == sid).values(compaction_boundary_message_id=10**9))
     assert deliver_round(sid, epoch).kind == "stopped"
@@ -253,15 +253,16 @@ def test_a_followup_cleans_the_childs_incomplete_tail_before_its_instruction(mod
             {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
         ]
     )
-    sid, epoch, children, deps = yielded_with_children(model.base_url)
+    sid, _epoch, children, deps = yielded_with_children(model.base_url)
     for child in children:
-        start_child(*child, deps)
-    out = deliver_round(sid, epoch)
+        start_child(*child, deps)  # the last one delivers the round and resumes the parent
+    ((resumed, new_epoch),) = deps.scheduler.resumed
+    assert resumed == sid
     child = executions_of(sid)[0].child_session_id
     with transaction() as s:  # an incomplete trailing tool round left in the child
         calls = '[{"id": "t1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}]'
         s.add(Message(session_id=child, role=Role.ASSISTANT, content="", tool_calls=calls))
-    assert run_agent(sid, out.new_epoch, deps) == "yielded"  # type: ignore[arg-type]
+    assert run_agent(sid, new_epoch, deps) == "yielded"
     rows = messages_of(child)
     assert [m.role for m in rows][-2:] == ["ASSISTANT", "USER"] and rows[-1].content == "again"
     assert not any(m.tool_calls for m in rows)

@@ -30,6 +30,7 @@ from tests.helpers import (
     RecordingScheduler,
     execution_row,
     executions_of,
+    expire_leases,
     loop_deps,
     make_execution,
     make_session,
@@ -98,6 +99,7 @@ def test_a_stale_execution_epochs_write_raises_lease_lost_and_rolls_back_its_tok
             take_execution(s, eid, expected_epoch=0, to_status=ExecutionStatus.RECOVERING, owner="w1", lease_seconds=30)
             == 1
         )
+    expire_leases()  # w1 stalls past its lease
     with transaction() as s:  # a newer recovery takes it over: epoch 2
         assert (
             take_execution(s, eid, expected_epoch=1, to_status=ExecutionStatus.RECOVERING, owner="w2", lease_seconds=30)

@@ -11,11 +11,11 @@ from sqlalchemy import select
 
 from crashpoints import InjectedFault, armed_fault
 from harness.agents import DELEGATION_TOOLS, get_agent
+from harness.child import start_child as run_child
 from harness.parent import run_agent
 from harness.tools import TOOL_NAMES
 from harness.views import create_session
 from models import AgentSession, PendingRound, Phase, transaction
-from recovery.child import start_child as run_child
 from recovery.delivery import deliver_round
 from tests.helpers import (
     TWO_CHILDREN,
@@ -42,10 +42,11 @@ def _drive(model_url: str, sid: int, sched: RecordingScheduler) -> None:
         parent, parent_epoch, children = sched.children[-1]
         for eid, e in children:
             run_child(eid, e, deps)
-        result = deliver_round(parent, parent_epoch)
-        assert result.kind == "resume"
-        assert result.new_epoch is not None
-        epoch = result.new_epoch
+        # The last child delivered the round itself and enqueued the parent's run (DESIGN §6);
+        # the chord callback that follows finds the parent handed over and does nothing.
+        resumed, epoch = sched.resumed.pop()
+        assert resumed == parent and not sched.resumed
+        assert deliver_round(parent, parent_epoch).kind == "stale"
     raise AssertionError("the parent did not finish")
 
 
@@ -256,3 +257,11 @@ def test_a_failure_inside_delegation_creation_leaves_no_orphan_row(model_factory
         assert s.execute(select(PendingRound.id)).all() == []
         assert [m.role for m in s.execute(select(Message)).scalars()] == ["USER"]
     assert deps.scheduler.children == []
+
+
+def test_a_run_message_for_a_session_that_no_longer_exists_is_stale_not_an_error(db: str) -> None:
+    """A late ``agent.run`` whose session was deleted (retention, an operator) does nothing."""
+    from harness.parent import RunOutcome, run_agent
+    from tests.helpers import loop_deps
+
+    assert run_agent(987654, 0, loop_deps("http://127.0.0.1:9/v1")) == RunOutcome.STALE

@@ -13,6 +13,7 @@ import json
 import pytest
 from sqlalchemy import select
 
+from harness.child import start_child as run_child
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -23,7 +24,6 @@ from models import (
     transaction,
 )
 from recovery.child import recover_child
-from recovery.child import start_child as run_child
 from recovery.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
@@ -95,9 +95,10 @@ def test_r2_restart_while_a_followup_runs_reuses_child_and_execution(model_facto
     sid = create_session("main", "go")
     assert run_agent(sid, 0, deps) == "yielded"
     _, epoch, children = deps.scheduler.children.pop()
-    run_child(*children[0], deps)
-    out = deliver_round(sid, epoch)
-    assert run_agent(sid, out.new_epoch, deps) == "yielded"  # type: ignore[arg-type]
+    run_child(*children[0], deps)  # the only child: it delivers the round and resumes the parent
+    resumed, new_epoch = deps.scheduler.resumed.pop()
+    assert resumed == sid and deliver_round(sid, epoch).kind == "stale"  # the chord callback: nothing left
+    assert run_agent(sid, new_epoch, deps) == "yielded"
     deps.scheduler.children.clear()  # the worker died: the followup's chord is lost
     followup_before = executions_of(sid)[1]
     assert followup_before.invocation_type == "FOLLOWUP" and followup_before.status == "RUNNING"
@@ -247,9 +248,15 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
     ):
         assert f"event={event}" in text, event
     assert secret_task not in text and secret_answer not in text
+    (e,) = executions_of(sid)
+    # One spelling per field (logfmt): the ids are execution_id/parent_id/tool_call_id.
+    assert f"event=subagent_result_delivered execution_id={e.id} parent_id={sid} tool_call_id=" in text
+    assert f"event=parent_recovery_start parent_id={sid} epoch=" in text
+    start = f"event=subagent_recovery_start execution_id={e.id} parent_id={sid} child_session_id={e.child_session_id} "
+    assert start + "invocation=DELEGATE" in text
+    assert f"event=subagent_recovery_complete execution_id={e.id} outcome=completed duration_ms=" in text
     # ... and a second delivery attempt logs the skip with its reason.
     caplog.clear()
-    (e,) = executions_of(sid)
     from recovery.ops import redeliver
 
     assert redeliver(e.id, RecordingScheduler()) == "already_delivered"
@@ -258,5 +265,5 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
 
         row = s.execute(select(SubagentExecution).where(SubagentExecution.id == e.id)).scalar_one()
         assert deliver_one(s, row, sid) is False
-    assert "event=subagent_result_delivery_skipped" in caplog.text and "reason=already_delivered" in caplog.text
+    assert f"event=subagent_result_delivery_skipped execution_id={e.id} reason=already_delivered" in caplog.text
     assert invariants() == []

@@ -16,11 +16,12 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 
 import harness.journal
+import harness.parent
+from harness.child import start_child
 from harness.parent import run_agent
 from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
-from models import CallStatus, JournalStatus, RoundJournal, RoundJournalCall, transaction
-from recovery.child import start_child
+from models import CallStatus, JournalStatus, Phase, RoundJournal, RoundJournalCall, transaction
 from tests.helpers import RecordingScheduler, drive, executions_of, invariants, loop_deps, messages_of
 from tests.types import ModelFactory
 
@@ -93,7 +94,9 @@ def recorder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Recorde
 
 
 def crash_at(monkeypatch: pytest.MonkeyPatch, point: str, *, on_hit: int = 1) -> None:
-    """The on_hit-th time ``point`` is reached, the run ends as a killed worker's would."""
+    """The on_hit-th time ``point`` is reached, the run ends as a killed worker's would (in the
+    journal's own steps, and in the parent's delegating round, whose reply is committed with
+    its children)."""
     real = harness.journal.crash_point
     hits = {"n": 0}
 
@@ -105,6 +108,7 @@ def crash_at(monkeypatch: pytest.MonkeyPatch, point: str, *, on_hit: int = 1) ->
         real(name)
 
     monkeypatch.setattr(harness.journal, "crash_point", fake)
+    monkeypatch.setattr(harness.parent, "crash_point", fake)
 
 
 def call(name: str, **args: Any) -> dict[str, Any]:
@@ -157,7 +161,7 @@ def test_a_child_that_crashed_after_its_reply_was_journaled_finishes_the_round_w
     model_factory: ModelFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = model_factory(child_script(call("refresh", amount=1)))
-    crash_at(monkeypatch, "journal.after_reply", on_hit=2)  # the parent's reply is the first
+    crash_at(monkeypatch, "journal.after_reply", on_hit=2)  # the parent's reply (with its children) is the first
     sid = crashed_child(model.base_url)
     assert recorder.starts == []  # no tool ran before the crash
     drive(model.base_url)
@@ -166,8 +170,8 @@ def test_a_child_that_crashed_after_its_reply_was_journaled_finishes_the_round_w
     (e,) = executions_of(sid)
     assert (e.status, e.delivery_status) == ("COMPLETED", "DELIVERED")
     entries, _ = journal_rows()
-    assert [j.status for j in entries] == [JournalStatus.CLOSED] * 2
-    assert [j.replays for j in entries] == [0, 1]
+    # The child's entry only: the parent's delegating reply is its pending round.
+    assert [(j.session_id, j.status, j.replays) for j in entries] == [(e.child_session_id, JournalStatus.CLOSED, 1)]
     assert messages_of(sid)[-1].content == "final"
     assert invariants() == []
 
@@ -243,26 +247,57 @@ def test_a_parent_inline_round_journaled_before_a_crash_continues_without_a_seco
     assert invariants() == []
 
 
-def test_a_journaled_delegating_reply_creates_its_children_once_after_a_crash(
+MIXED = (
+    call("delegate", agent_type="reviewer", task="a"),
+    call("echo", text="inline"),
+    call("delegate", agent_type="researcher", task="b"),
+)
+
+
+def test_a_delegating_reply_is_committed_with_its_children_and_a_crash_after_it_asks_nothing_again(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = model_factory(
-        parent_script(
-            call("delegate", agent_type="reviewer", task="a"),
-            call("echo", text="inline"),
-            call("delegate", agent_type="researcher", task="b"),
-        )
-    )
+    """A delegating reply's journal entry is its pending round, committed in the transaction
+    that creates its children (no journal transaction of its own): right after that commit
+    the children exist, and recovery neither asks the model again nor creates them twice."""
+    model = model_factory(parent_script(*MIXED))
     crash_at(monkeypatch, "journal.after_reply")
     sid = create_session("main", "go")
     assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
-    assert executions_of(sid) == []
+    assert len(executions_of(sid)) == 2  # committed with the reply
+    assert journal_rows() == ([], [])  # the pending round is the reply's journal
     drive(model.base_url)
     assert asked(model, 0) == 1
     execs = executions_of(sid)
     assert len(execs) == 2 and {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
+    tools = [m for m in messages_of(sid) if m.role == "TOOL"]
+    assert len(tools) == 3  # two delegations and the inline echo, interrupted or not: once each
+    assert invariants() == []
+
+
+def test_a_delegating_reply_journaled_before_the_upgrade_still_creates_its_children_once(
+    model_factory: ModelFactory,
+) -> None:
+    """An open entry of a delegating reply (journaled by a worker of the previous release,
+    which committed the reply before creating the children) is continued: no model call, the
+    children created once, the entry closed by their creation."""
+    from harness.fence import SessionFence
+    from harness.journal import journal_reply
+    from harness.model import ModelReply, ToolCall
+    from models.session import take_session
+
+    model = model_factory(parent_script(*MIXED))
+    sid = create_session("main", "go")
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="old", lease_seconds=30, to_phase=Phase.RUNNING) == 1
+    calls = tuple(ToolCall(f"call_{n}", c["name"], json.dumps(c["arguments"])) for n, c in enumerate(MIXED, start=1))
+    journal_reply(SessionFence(sid, 1, 30), sid, ModelReply(None, calls, 10, 5))
+    drive(model.base_url)  # the old worker died: its lease lapses, the scan resumes the parent
+    assert asked(model, 0) == 0
+    execs = executions_of(sid)
+    assert len(execs) == 2 and {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
     entries, _ = journal_rows()
-    assert entries[0].status == JournalStatus.CLOSED and entries[0].replays == 1
+    assert [(e.status, e.replays) for e in entries] == [(JournalStatus.CLOSED, 1)]
     assert invariants() == []
 
 

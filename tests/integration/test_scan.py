@@ -282,7 +282,7 @@ class _Interleave:
 def test_cancel_scan_and_a_finishing_child_racing_on_one_parent_never_deadlock(
     db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from harness.child import finish_child, load_child
+    from harness.child import Completed, finish_child, load_child
     from models import get_engine
 
     engine = get_engine()
@@ -311,7 +311,7 @@ def test_cancel_scan_and_a_finishing_child_racing_on_one_parent_never_deadlock(
             threading.Thread(target=run, args=("cancel", lambda p=parent: cancel_session(p))),
             threading.Thread(
                 target=run,
-                args=("finish", lambda i=info, e=epoch: finish_child(i, e, text="done", final_content="done")),
+                args=("finish", lambda i=info, e=epoch: finish_child(i, e, Completed("done"))),
             ),
         ]
         caplog.clear()
@@ -444,8 +444,6 @@ def test_an_overdue_execution_being_ended_by_its_recovery_is_not_taken_from_it_b
             to_status=ExecutionStatus.RECOVERING,
             owner="recoverer@host",
             lease_seconds=30,
-            require_expired=True,
-            free_when_unowned=True,
         )
     assert taken == epoch + 1
     second = RecordingScheduler()

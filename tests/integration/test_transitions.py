@@ -23,7 +23,7 @@ from models.execution import (
     take_execution,
 )
 from models.session import hand_over, release_session, request_cancel, set_phase, take_session
-from tests.helpers import make_execution, make_session
+from tests.helpers import expire_leases, make_execution, make_session
 
 pytestmark = pytest.mark.usefixtures("db")
 
@@ -111,11 +111,13 @@ def test_stale_epoch_loses_without_raising() -> None:
     assert _row(eid).status == ExecutionStatus.RECOVERING
 
 
-def test_live_lease_blocks_takeover_that_requires_expiry() -> None:
+def test_a_live_lease_blocks_a_takeover_and_its_expiry_frees_it() -> None:
     eid = make_execution(make_session())
     assert _take(eid, 0) == 1
-    assert _take(eid, 1, require_expired=True) is None
+    assert _take(eid, 1) is None
     assert _row(eid).epoch == 1
+    expire_leases()
+    assert _take(eid, 1) == 2
 
 
 def test_two_threads_racing_the_same_takeover_exactly_one_wins() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -43,8 +44,6 @@ def _take(eid: int, epoch: int, owner: str, to: ExecutionStatus = ExecutionStatu
             to_status=to,
             owner=owner,
             lease_seconds=30,
-            require_expired=True,
-            free_when_unowned=True,
         )
 
 
@@ -148,7 +147,10 @@ def test_the_name_watcher_logs_the_conflict_at_error_once(worker_name: str, capl
         assert watcher.tick() == newer
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "event=worker_name_conflict" in errors[0]
-    assert f"worker={worker_name} generation={older} newer_generation={newer}" in errors[0]
+    assert errors[0] == (
+        f"event=worker_name_conflict worker={worker_name} generation={older} newer_generation={newer} "
+        f"hostname=- pid={os.getpid()} action=stopped_consuming"
+    )
 
 
 def test_the_metrics_count_a_name_two_live_processes_share(worker_name: str) -> None:

@@ -246,3 +246,18 @@ def test_from_settings_reads_the_model_variables(monkeypatch: pytest.MonkeyPatch
         get_settings.cache_clear()
     assert (c.base_url, c.model, c.connect_timeout, c.read_timeout) == ("http://127.0.0.1:9/v1", "gpt-test", 1.5, 7.0)
     assert KEY_CANARY not in repr(c)
+
+
+def test_a_proxy_from_the_environment_is_read_once_when_the_client_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY at start still routes the model calls (a provider behind a proxy), but the
+    environment is not scanned at every request (issue 19): a later change does not matter."""
+    ok = json.dumps({"choices": [{"message": {"role": "assistant", "content": "via proxy"}}]})
+    with Canned(200, ok) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.httpd.server_address[1]}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        model = client("http://model.example.invalid/v1")
+        monkeypatch.delenv("HTTP_PROXY")
+        assert model.complete(MESSAGES).content == "via proxy"
+        headers, body = proxy.requests[0]
+        assert headers["Host"] == "model.example.invalid" and body["model"] == "scripted"

@@ -58,8 +58,8 @@ def test_429_with_retry_after_then_503_then_an_answer_is_one_reply_after_honouri
     assert 1.0 <= took < 5.0  # the Retry-After second was waited; backoffs are short
     retries = [r.getMessage() for r in caplog.records if "event=model_retry" in r.getMessage()]
     assert len(retries) == 3
-    assert "attempt=1 status=429 code=http_4xx wait_ms=1000" in retries[0]
-    assert "status=503 code=http_5xx" in retries[1]
+    assert retries[0] == "event=model_retry attempt=1 status=429 error_code=http_4xx wait_ms=1000"
+    assert retries[1].startswith("event=model_retry attempt=2 status=503 error_code=http_5xx wait_ms=")
     assert all(PROMPT_CANARY not in line and "fine" not in line for line in retries)
 
 

@@ -1,0 +1,259 @@
+"""A child execution's end: ONE transaction that commits the final ASSISTANT (when there is a
+new answer), final_message_id, the execution's terminal status, the result JSON (the one
+factory, harness.results), the counters and the child's phase, fenced by the execution's
+epoch; it returns the round's state as that transaction saw it, so the lifecycle
+(harness.child) knows whether this end completed the round.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from crashpoints import crash_point
+from harness.events import publish_status
+from harness.history import append_message
+from harness.results import failure_result, followup_fields, success_result
+from logfmt import log_event
+from models import (
+    AgentSession,
+    ExecutionStatus,
+    InvocationType,
+    Message,
+    Phase,
+    Role,
+    SubagentExecution,
+    transaction,
+)
+from models.execution import finish_execution
+from models.session import set_child_phase
+
+if TYPE_CHECKING:
+    from harness.child import ChildInfo
+
+log = logging.getLogger(__name__)
+
+
+def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
+    """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
+    q = select(Message.role, func.count()).where(Message.session_id == child_session_id, Message.deleted.is_(False))
+    if start_id is not None:
+        q = q.where(Message.id > start_id)
+    counts = dict(s.execute(q.group_by(Message.role)).all())
+    return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
+
+
+def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
+    if info.invocation_type != InvocationType.FOLLOWUP:
+        return None
+    E = SubagentExecution
+    earlier = (
+        s.execute(select(E.status).where(E.child_session_id == info.child_session_id, E.id <= info.execution_id))
+        .scalars()
+        .all()
+    )
+    completed = sum(1 for st in earlier if st == ExecutionStatus.COMPLETED) + 1
+    return followup_fields(len(earlier), completed)
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """The execution's round as its end left it (read in the finishing transaction): what the
+    lifecycle needs to decide whether to ask for the round's delivery, without another trip."""
+
+    parent_id: int
+    parent_epoch: int
+    parent_owner: str | None
+    pending: int  #: executions of the parent still PENDING delivery (this one included)
+    active: int  #: of those, still running
+    max_epoch: int  #: >= 2 when some went through recovery
+
+
+def _round_state(s: Any, parent: _Parent) -> RoundState:
+    """The round as the finishing transaction sees it, after the execution's end.
+
+    NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
+    finishing at the same moment serialize on it, so the later one counts the earlier one's
+    end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete."""
+    E = SubagentExecution
+    active, max_epoch, pending = s.execute(
+        select(
+            func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
+            func.max(E.epoch),
+            func.count(),
+        ).where(E.parent_session_id == parent.id, E.delivery_status == "PENDING")
+    ).one()
+    return RoundState(parent.id, parent.epoch, parent.owner, int(pending), int(active), int(max_epoch or 0))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of the model reply that ends the execution: the fence adds them to the
+    execution's counters in the finishing transaction."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The child answered: ``text`` is its result. ``final_message_id`` names its final
+    ASSISTANT when that is committed already (recovery found it, R20); without it the end
+    appends the final ASSISTANT with ``text`` as its content."""
+
+    text: str
+    final_message_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The child ended without an answer (a model or tool error, max_rounds, the deadline, an
+    unrecoverable history): ``reason`` is the result's error text."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The child session was cancelled."""
+
+    reason: str = "subagent cancelled"
+
+
+#: What an execution ends with: the one argument of ``finish_child``.
+ChildResult = Completed | Failed | Stopped
+
+
+@dataclass(frozen=True)
+class _End:
+    """The execution's end as its finishing transaction built it."""
+
+    status: ExecutionStatus
+    phase: Phase  #: the child session's phase that goes with the status
+    result: dict[str, Any]  #: the result JSON (harness.results, the one factory)
+    rounds: int
+    tool_calls: int
+    prompt_tokens: int  #: the execution's totals, this end's usage counted
+    completion_tokens: int
+
+
+def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usage = Usage()) -> RoundState | None:
+    """Commit the execution's end in ONE transaction, in three steps: lock the parent row (and
+    read the execution's token counters), build the end (the final ASSISTANT when it is new,
+    the result JSON with ``usage`` counted, the counters), then the execution's compare-and-set
+    to its terminal status (the epoch is the fence), with the child's phase.
+
+    Returns the round's state as that transaction saw it, or None when a newer owner holds
+    the execution (nothing written)."""
+    try:
+        with transaction() as s:
+            parent = _lock_parent(s, info)
+            final_id = _final_message(s, info, result)
+            end = _build_end(s, info, result, parent=parent, usage=usage)
+            _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+            state = _round_state(s, parent)
+    except _Lost:
+        return None
+    crash_point("child.after_final")
+    publish_status(info.child_session_id, end.phase)
+    log_event(log, "child_finished", execution_id=info.execution_id, status=end.status, rounds=end.rounds)
+    return state
+
+
+class _Lost(Exception):
+    """Raised inside ``finish_child``'s transaction when the execution's compare-and-set finds
+    a newer owner, to roll everything it wrote back (the final ASSISTANT, the phase); caught
+    there. Control flow, not an error."""
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """The parent row as the finishing transaction locked it, and the execution's counters."""
+
+    id: int
+    epoch: int
+    owner: str | None
+    prompt_tokens: int  #: the execution's, before this end's usage
+    completion_tokens: int
+
+
+def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
+    """Step 1. NOTE: the parent row first, as delivery and cancel lock it (parent, then its
+    executions): the same order everywhere, so a finishing child never deadlocks with them,
+    and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
+    The execution's token counters are read in the same statement (not locked: only the
+    epoch's owner adds to them, and the end's compare-and-set checks the epoch)."""
+    E, S = SubagentExecution, AgentSession
+    row = s.execute(
+        select(S.epoch, S.lease_owner, E.prompt_tokens, E.completion_tokens)
+        .join(E, E.parent_session_id == S.id)
+        .where(S.id == info.parent_session_id, E.id == info.execution_id)
+        .with_for_update(of=S)
+    ).one()
+    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
+
+
+def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:
+    """The final ASSISTANT's id: the committed one, or a new one for a new answer."""
+    if not isinstance(result, Completed):
+        return None
+    if result.final_message_id is not None:
+        return result.final_message_id
+    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
+
+
+def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage) -> _End:
+    """Step 2: the result JSON from what the transaction sees: the execution's token counters
+    with this end's usage, the child's rounds and tool calls."""
+    prompt = parent.prompt_tokens + usage.prompt_tokens
+    completion = parent.completion_tokens + usage.completion_tokens
+    rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
+    followup = _followup_info(s, info)
+    if isinstance(result, Completed):
+        success = success_result(
+            agent_type=info.agent_type,
+            child_session_id=info.child_session_id,
+            text=result.text,
+            rounds=rounds,
+            tool_calls=tool_calls,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            followup=followup,
+        )
+        return _End(ExecutionStatus.COMPLETED, Phase.COMPLETED, success, rounds, tool_calls, prompt, completion)
+    stopped = isinstance(result, Stopped)
+    failure = failure_result(
+        agent_type=info.agent_type,
+        child_session_id=info.child_session_id,
+        reason=result.reason,
+        cancelled=stopped,
+        followup=followup,
+    )
+    if stopped:
+        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion)
+    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls, prompt, completion)
+
+
+def _finish_with_phase(s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None) -> None:
+    """Step 3: the execution's compare-and-set to its terminal status (``_Lost`` when a newer
+    owner holds it), with the child's phase."""
+    landed = finish_execution(
+        s,
+        info.execution_id,
+        epoch=epoch,
+        status=end.status,
+        result=end.result,
+        error=None if end.status == ExecutionStatus.COMPLETED else end.result["error"],
+        final_message_id=final_message_id,
+        rounds=end.rounds,
+        total_tool_calls=end.tool_calls,
+        prompt_tokens=end.prompt_tokens,
+        completion_tokens=end.completion_tokens,
+    )
+    if not landed:
+        raise _Lost()
+    set_child_phase(s, info.child_session_id, end.phase)
