@@ -24,7 +24,9 @@ the real pipeline (``FieldRecoveryOrchestrator.process``) on a throwaway Postgre
    framed and parsed by ``fieldrecovery.sse.EventParser`` from 8 KiB reads; median of 5.
    ``--sse-only`` prints this figure alone (no database, no stand-in).
 
-Figures 1 and 2 are medians over ``--runs`` runs of each run's p50 (p99: over every call).
+Figures 1 and 2 are medians over ``--runs`` runs of each run's p50, printed with their spread:
+p10 and p90 (and p99) over every call, min .. max of the runs' p50s, and the load average.
+``--replay-only`` measures figure 1 alone (no fresh or stalled calls, no SSE figure).
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline-seconds", type=float, default=0.5, help="max_wait of the stalled calls (0.5)")
     parser.add_argument("--stalls", default=",".join(STALLS), help=f"comma-separated, of {', '.join(STALLS)}")
     parser.add_argument("--sse-only", action="store_true", help="print the SSE budget-sized event figure alone")
+    parser.add_argument("--replay-only", action="store_true", help="measure the replay figure alone")
     args = parser.parse_args(argv)
     args.stalls = [s.strip() for s in args.stalls.split(",") if s.strip()]
     if set(args.stalls) - set(STALLS):
@@ -278,14 +281,19 @@ def main(argv: list[str] | None = None) -> int:
         _print_sse_figure()
         return 0
     from bench._common import bench_database, percentile, progress
-    from bench._figures import median, system_load
+    from bench._figures import median, spread, system_load
 
     module = stand_in_module()
     stalls = [s for s in args.stalls if s != "slow_headers" or "slow_headers" in {b.value for b in module.Behaviour}]
     print(
         f"field: the stand-in {module.__name__}.SuperAgentStub on loopback, the pipeline in this process; "
-        f"{args.runs} runs x ({args.replays} replays + {args.calls} fresh calls); {args.calls} stalled calls per "
-        f"stall ({', '.join(stalls)}), max_wait {args.deadline_seconds:g} s; {system_load()}",
+        + (
+            f"{args.runs} runs x {args.replays} replays (--replay-only); "
+            if args.replay_only
+            else f"{args.runs} runs x ({args.replays} replays + {args.calls} fresh calls); {args.calls} stalled calls "
+            f"per stall ({', '.join(stalls)}), max_wait {args.deadline_seconds:g} s; "
+        )
+        + system_load(),
         flush=True,
     )
     runs: list[Run] = []
@@ -297,15 +305,20 @@ def main(argv: list[str] | None = None) -> int:
         if first.status.value != "SUCCEEDED" or first.provider_calls != 1:
             raise RuntimeError(f"the first recovery ended {first.status} ({first.error_code})")
         bench.fresh_calls(3, Run())  # warm-up: connections, imports, plans
+        bench.replay_calls(20)
         for r in range(1, args.runs + 1):
             run = Run(replay=bench.replay_calls(args.replays))
+            if args.replay_only:
+                runs.append(run)
+                progress(f"run {r}: replay p50 {_ms(run.p50('replay'))}; {system_load()}")
+                continue
             bench.fresh_calls(args.calls, run)
             runs.append(run)
             progress(
                 f"run {r}: replay p50 {_ms(run.p50('replay'))}; fresh call p50: minimal client {_ms(run.p50('raw'))}, "
                 f"our client {_ms(run.p50('client'))}, pipeline {_ms(run.p50('pipeline'))}; {system_load()}"
             )
-        for stall in stalls:
+        for stall in [] if args.replay_only else stalls:
             late[stall], found = bench.stalled_calls(stall, args.calls, args.deadline_seconds)
             problems += found
             progress(f"{stall}: p50 {_ms(statistics.median(late[stall]))} past the deadline; {system_load()}")
@@ -313,17 +326,28 @@ def main(argv: list[str] | None = None) -> int:
     def p50(name: str) -> float:
         return median([r.p50(name) for r in runs])
 
-    def p99(name: str) -> float:
-        return percentile([x for r in runs for x in getattr(r, name)], 99)
+    def p(name: str, q: float) -> float:
+        return percentile([x for r in runs for x in getattr(r, name)], q)
+
+    def spread_of(name: str) -> str:
+        run_p50s = [r.p50(name) for r in runs]
+        return (
+            f"p10 {_ms(p(name, 10))}  p90 {_ms(p(name, 90))}  p99 {_ms(p(name, 99))}; "
+            f"runs' p50 {spread(run_p50s, 1000, ' ms')}"
+        )
 
     print(
-        f"replay of a finished key: p50 {_ms(p50('replay'))}  p99 {_ms(p99('replay'))}  (whole process() call, "
-        f"no provider call; median of {args.runs} runs' p50, p99 over {args.runs * args.replays} calls)"
+        f"replay of a finished key: p50 {_ms(p50('replay'))}  {spread_of('replay')}  (whole process() call, "
+        f"no provider call; median of {args.runs} runs' p50, percentiles over {args.runs * args.replays} calls; "
+        f"{system_load()})"
     )
-    print(f"fresh call, minimal client (the stand-in's own time): p50 {_ms(p50('raw'))}  p99 {_ms(p99('raw'))}")
-    print(f"fresh call, our Open API client alone:                p50 {_ms(p50('client'))}  p99 {_ms(p99('client'))}")
+    if args.replay_only:
+        return 0
+    print(f"fresh call, minimal client (the stand-in's own time): p50 {_ms(p50('raw'))}  {spread_of('raw')}")
+    print(f"fresh call, our Open API client alone:                p50 {_ms(p50('client'))}  {spread_of('client')}")
     print(
-        f"fresh call, the whole pipeline:                       p50 {_ms(p50('pipeline'))}  p99 {_ms(p99('pipeline'))}"
+        f"fresh call, the whole pipeline:                       p50 {_ms(p50('pipeline'))}  {spread_of('pipeline')}  "
+        f"({system_load()})"
     )
     overhead = median([r.p50("pipeline") - r.p50("raw") for r in runs])
     client_overhead = median([r.p50("client") - r.p50("raw") for r in runs])

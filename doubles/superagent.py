@@ -30,7 +30,8 @@ Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front
   sets the platform's own ``csrf_token`` cookie and a ``route`` cookie; the CSRF check reads
   the FIRST ``csrf_token`` of the Cookie header, as Go and Spring servers do), gzip_bomb (the
   session response is a gzip body of ``bomb_bytes`` decoded bytes, with status ``bomb_status``,
-  whatever the request accepts);
+  whatever the request accepts; with ``bomb_on="stream"`` the message stream is the bomb: a
+  ``run.started``, then one ``data:`` line of ``bomb_bytes`` that never ends);
 * hostile values (issue 18): lone_surrogate (a lone surrogate inside the final answer, sent as a
   JSON escape), nul_model / nul_profile (a NUL in the run status's ``model`` or resolved
   profile), huge_tokens (token counts above int32), bare_end (the ``end`` event without a
@@ -220,6 +221,24 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
+    def _send_stream_bomb(self, run: _Run) -> None:
+        """The message stream as a small gzip body: ``run.started``, then a ``data:`` line of
+        ``bomb_bytes`` decoded bytes that never ends (whatever the request accepts)."""
+        compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+        parts = [compressor.compress(self._frame(1, "run.started", {"run_id": run.run_id}) + b"data: ")]
+        block = b"0" * 1_000_000
+        for _ in range(self.state.config.bomb_bytes // len(block)):
+            parts.append(compressor.compress(block))
+        data = b"".join(parts) + compressor.flush()
+        self.state.bump("gzip_responses")
+        headers = [("Content-Type", "text/event-stream"), ("Content-Encoding", "gzip")]
+        headers.append(("Content-Length", str(len(data))))
+        try:
+            self._head(200, headers)
+            self.wfile.write(data)
+        except OSError:
+            self.close_connection = True
+
     def _error(self, status: int, code: str) -> None:
         self._send_json(status, {"error": {"code": code}})
 
@@ -343,7 +362,7 @@ class _Handler(BaseHTTPRequestHandler):
         session_id = self.state.next_id("ses")
         with self.state.lock:
             self.state.sessions[session_id] = subject
-        if self.state.config.behaviour == Behaviour.GZIP_BOMB:
+        if self.state.config.behaviour == Behaviour.GZIP_BOMB and self.state.config.bomb_on == "session":
             self._send_bomb(session_id)
             return
         status = 201 if self.state.config.behaviour == Behaviour.CREATED_201 else 200
@@ -388,6 +407,9 @@ class _Handler(BaseHTTPRequestHandler):
             run.available_at = [now + i * config.replay_step_seconds for i in range(len(run.events))]
         with state.lock:
             state.runs[run.run_id] = run
+        if config.behaviour == Behaviour.GZIP_BOMB and config.bomb_on == "stream":
+            self._send_stream_bomb(run)
+            return
         cut_after: int | None = None
         if config.behaviour in (Behaviour.CUT_REPLAYABLE, Behaviour.CUT_UNRECOVERABLE):
             cut_after = config.cut_after

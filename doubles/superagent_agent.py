@@ -204,8 +204,11 @@ class StubConfig:
     header_drip_seconds: float = 0.5
     #: replay_in_progress: the run produces one more event every this many seconds.
     replay_step_seconds: float = 0.25
-    #: gzip_bomb: decoded size of the gzip body of the session response (zeros, ~1000:1).
+    #: gzip_bomb: decoded size of the gzip body of the bombed response (zeros, ~1000:1).
     bomb_bytes: int = 50_000_000
+    #: gzip_bomb: the endpoint whose response is the bomb: ``session`` (a JSON or error body) or
+    #: ``stream`` (the message stream: ``run.started``, then one data line that never ends).
+    bomb_on: str = "session"
     #: gzip_bomb: status of that response (401: an error body; 200: a JSON body padded with spaces).
     bomb_status: int = 401
 

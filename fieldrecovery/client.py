@@ -77,7 +77,9 @@ RUN_IN_PROGRESS = frozenset({"running", "queued", "pending", "in_progress", "cre
 ERROR_BODY_BYTES = 4096
 #: Decoded bytes allowed in a JSON answer (session, run status): far above any real one.
 JSON_BODY_BYTES = 1 << 20
-_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+#: A peer's id or code we store, log or put in a URL path. ``\Z``, not ``$``: ``$`` also matches
+#: before a final newline, so ``"run_1\n"`` would pass.
+_SAFE_TOKEN = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")
 
 
 @dataclass

@@ -9,6 +9,9 @@ RECOVERY_ASSEMBLY and EFFECTIVE_FACT_VIEW artifacts -> continue (``next_stage``)
 AGENTBUS sources and a disabled configuration never call the provider: they continue with the
 parser baseline. Every failure of the call fails closed: the invocation is FAILED with a safe
 code, the view is the parser baseline, and no part of the answer is used.
+
+A replay of an applied key is one read (the claim's SELECT) and writes nothing: the stored
+assembly is the result (``_replay_assembly`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -138,28 +141,40 @@ class FieldRecoveryOrchestrator:
         if isinstance(attempt, bool) or not isinstance(attempt, int) or not 1 <= attempt <= INT32_MAX:
             raise AttemptInvalid(f"the attempt must be an integer from 1 to {INT32_MAX}")
         facts = parse_eml(raw_eml, channel=source)
-        with self.store.transaction() as s:
-            draft = ArtifactDraft(ArtifactType.PARSED_FACT_SET, facts.source, facts.model_dump(mode="json"))
-            put_artifacts(s, [draft], retention=self.store.retention)
         run = self._recover(facts, source, attempt)
         if self._next_stage is not None:
             self._next_stage(run)
         return run
 
     def _recover(self, facts: ParsedFactSet, source: SourceKind, attempt: int) -> RecoveryRun:
+        """The PARSED_FACT_SET artifact is written in every case: alone when there is nothing to
+        call, else by the claim (with RECOVERY_REQUEST, each only if not stored yet), before any
+        provider call."""
+        parsed = ArtifactDraft(
+            ArtifactType.PARSED_FACT_SET,
+            facts.source,
+            facts.model_dump(mode="json"),
+            content_hash=facts.observation_hash,  # sha256 of the same canonical JSON
+        )
         if source != SourceKind.MANUAL_EML or not self.settings.enabled:
             reason = "source_not_allowed" if source != SourceKind.MANUAL_EML else "disabled"
+            self._put_artifacts(parsed)
             log_event(log, "recovery_skipped", source=source.value, reason=reason)
             return RecoveryRun(RecoveryStatus.SKIPPED, project(facts))
         request = build_request(facts, profile_version=self.settings.profile_version, attempt=attempt)
         if request is None:
+            self._put_artifacts(parsed)
             log_event(log, "recovery_not_needed", source=source.value)
             return RecoveryRun(RecoveryStatus.NO_TASKS, project(facts))
-        return self._invoke(facts, request)
+        return self._invoke(facts, request, parsed)
+
+    def _put_artifacts(self, *drafts: ArtifactDraft) -> None:
+        with self.store.connection() as conn:
+            put_artifacts(conn, drafts, retention=self.store.retention)
 
     # --- the invocation --------------------------------------------------------------------
 
-    def _invoke(self, facts: ParsedFactSet, request: RecoveryRequestSet) -> RecoveryRun:
+    def _invoke(self, facts: ParsedFactSet, request: RecoveryRequestSet, parsed: ArtifactDraft) -> RecoveryRun:
         deadline = Deadline(self.settings.max_wait)
         key = request.idempotency_key
         message = render_message(request)
@@ -173,16 +188,15 @@ class FieldRecoveryOrchestrator:
             profile_version=request.profile_version,
             request_hash=request_hash(message),
         )
-        with self.store.transaction() as s:
-            put_artifacts(
-                s,
-                [ArtifactDraft(ArtifactType.RECOVERY_REQUEST, facts.source, request.model_dump(mode="json"), key)],
-                retention=self.store.retention,
-            )
+        artifacts = [
+            parsed,
+            ArtifactDraft(ArtifactType.RECOVERY_REQUEST, facts.source, request.model_dump(mode="json"), key),
+        ]
         owner_id = new_owner_id()
         while True:
             claim_sent = time.monotonic()  # the lease runs from the claim: count from before it was sent
-            claim = self.store.claim(meta, owner_id, stale_takeover=self.settings.stale_takeover)
+            claim = self.store.claim(meta, owner_id, stale_takeover=self.settings.stale_takeover, artifacts=artifacts)
+            artifacts = []  # written (or already there) with the first claim
             if claim.owned:
                 break
             if claim.outcome in (ClaimOutcome.SUCCEEDED, ClaimOutcome.FAILED):
@@ -190,6 +204,10 @@ class FieldRecoveryOrchestrator:
                 log_event(log, "replay", key=key, request_id=request.request_id, status=claim.outcome.value)
                 if claim.outcome == ClaimOutcome.FAILED:
                     return self._failed(facts, key, claim.record.error_code or "failed", replayed=True)
+                if claim.record.assembly_result is not None:
+                    return self._replay_assembly(facts, key, claim.record.assembly_result)
+                # Succeeded but not assembled yet (its owner died between the two writes, or is
+                # between them now): assemble from the stored PatchSet, put-if-absent.
                 assert claim.record.patch_set is not None
                 patch_set = RecoveryPatchSet.model_validate(claim.record.patch_set)
                 return self._apply(facts, request, patch_set, replayed=True, provider_calls=0)
@@ -363,6 +381,35 @@ class FieldRecoveryOrchestrator:
             view,
             replayed=replayed,
             provider_calls=provider_calls,
+            assembly=assembly,
+            idempotency_key=key,
+        )
+
+    @staticmethod
+    def _replay_assembly(facts: ParsedFactSet, key: str, stored: dict[str, Any]) -> RecoveryRun:
+        """A replay of an applied invocation: the stored assembly is the result, as it was applied.
+
+        Nothing is validated, assembled or written again, and that is safe: the assembly was
+        made here by the local validator and resolver from a PatchSet that passed the strict
+        parse before it was stored, it is written once (put-if-absent, never changed after),
+        and it is deterministic in (request, PatchSet), both fixed by the idempotency key. A
+        re-assembly would be thrown away for the stored one anyway (apply-once).
+        """
+        assembly = AssemblyResult.model_validate(stored)
+        log_event(
+            log,
+            "assembly_replayed",
+            key=key,
+            accepted=len(assembly.accepted),
+            rejected=len(assembly.rejected),
+            unresolved=len(assembly.unresolved),
+            needs_review=bool(assembly.rejected),
+        )
+        return RecoveryRun(
+            RecoveryStatus.SUCCEEDED,
+            project(facts, assembly),
+            replayed=True,
+            provider_calls=0,
             assembly=assembly,
             idempotency_key=key,
         )

@@ -16,6 +16,7 @@ import json
 import re
 from datetime import date
 from enum import StrEnum
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -163,9 +164,12 @@ class ParsedFactSet(_Model):
     source: SourceRef
     facts: list[ParsedFact]
 
-    @property
+    @cached_property
     def observation_hash(self) -> str:
-        """Stable hash of what the parser observed (part of the idempotency key)."""
+        """Stable hash of what the parser observed (part of the idempotency key).
+
+        Computed once per instance (the model is frozen): the request, the view and the
+        PARSED_FACT_SET artifact's content hash all use it."""
         return sha256_hex(canonical_json(self.model_dump(mode="json")))
 
 

@@ -6,8 +6,10 @@ State machine of ``field_recovery_invocation.status``::
                         IN_PROGRESS --finish_failure--> FAILED
                         IN_PROGRESS --take over (expired lease, stale_takeover on)--> IN_PROGRESS, epoch+1
 
-* claim is ``INSERT ... ON CONFLICT (idempotency_key) DO NOTHING``: exactly one caller inserts and
-  owns the key; every other caller reads the row and replays (SUCCEEDED/FAILED) or waits (BUSY).
+* claim reads the row; when there is none it tries ``INSERT ... ON CONFLICT (idempotency_key) DO
+  NOTHING``: exactly one caller inserts and owns the key; every other caller reads the row and
+  replays (SUCCEEDED/FAILED) or waits (BUSY). The pipeline's artifacts written before the call
+  go in the claim's transaction.
 * finish_* are ONE conditional UPDATE from IN_PROGRESS naming the owner and the epoch it holds;
   rowcount 0 means a newer owner (or an earlier finish) won, and nothing is written.
 * The owner renews its lease while the provider call runs. Only with ``stale_takeover`` may an
@@ -38,14 +40,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, func, select, update
+from sqlalchemy import Connection, CursorResult, Engine, Row, Select, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from fieldrecovery.artifacts import ArtifactDraft, put_artifacts
+from fieldrecovery.artifacts import ArtifactDraft, put_artifacts, stored_markers, stored_markers_params
 from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable, ValueRejected
 from fieldrecovery.records import InvocationMeta, InvocationRecord, ProviderAudit, StaleInvocation
 from fieldrecovery.tables import (
@@ -103,7 +106,23 @@ def new_owner_id() -> str:
     return f"{socket.gethostname()[:60]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-def _record(row: FieldRecoveryInvocation) -> InvocationRecord:
+#: The columns of an InvocationRecord, read as plain columns (no ORM object is built).
+_RECORD_COLUMNS = (
+    Inv.idempotency_key,
+    Inv.request_id,
+    Inv.status,
+    Inv.owner_id,
+    Inv.epoch,
+    Inv.lease_expires_at,
+    Inv.error_code,
+    Inv.patch_set,
+    Inv.assembly_result,
+    Inv.provider_run_id,
+    Inv.duration_ms,
+)
+
+
+def _record(row: Row[Any]) -> InvocationRecord:
     return InvocationRecord(
         idempotency_key=row.idempotency_key,
         request_id=row.request_id,
@@ -116,6 +135,25 @@ def _record(row: FieldRecoveryInvocation) -> InvocationRecord:
         assembly_result=row.assembly_result,
         provider_run_id=row.provider_run_id,
         duration_ms=row.duration_ms,
+    )
+
+
+#: The row of one key (built once: the hot path only binds ``key``).
+_READ = select(*_RECORD_COLUMNS).where(Inv.idempotency_key == bindparam("key"))
+
+
+def _read(conn: Connection, key: str) -> InvocationRecord | None:
+    row = conn.execute(_READ, {"key": key}).one_or_none()
+    return None if row is None else _record(row)
+
+
+@lru_cache(maxsize=8)
+def _read_with_artifacts(count: int) -> Select[Any]:
+    """One row always: which of ``count`` artifacts are stored (an aggregate), with the
+    invocation of ``key`` left-joined to it (its columns NULL when there is none)."""
+    markers = select(stored_markers(count).label("stored_markers")).subquery("stored")
+    return select(markers.c.stored_markers, *_RECORD_COLUMNS).select_from(
+        markers.outerjoin(Inv, Inv.idempotency_key == bindparam("key"))
     )
 
 
@@ -151,10 +189,28 @@ class InvocationStore:
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        """One Session, one transaction; database errors become StoreUnavailable (safe text)."""
+        """One ORM Session, one transaction; database errors become StoreUnavailable (safe text)."""
+        with self._translated(), Session(self.engine(), expire_on_commit=False) as session, session.begin():
+            yield session
+
+    @contextmanager
+    def connection(self, *, autocommit: bool = False) -> Iterator[Connection]:
+        """One Core connection (the store's own statements: no ORM on the hot path), one
+        transaction, or with ``autocommit`` one per statement; database errors become
+        StoreUnavailable (safe text), as in ``transaction``."""
+        with self._translated():
+            if autocommit:
+                with self.engine().connect() as conn:
+                    yield conn.execution_options(isolation_level="AUTOCOMMIT")
+            else:
+                with self.engine().begin() as conn:
+                    yield conn
+
+    @staticmethod
+    @contextmanager
+    def _translated() -> Iterator[None]:
         try:
-            with Session(self.engine(), expire_on_commit=False) as session, session.begin():
-                yield session
+            yield
         except FieldRecoveryError:
             raise
         except SQLAlchemyError as exc:
@@ -175,50 +231,90 @@ class InvocationStore:
 
     # --- claim and ownership ---------------------------------------------------------------
 
-    def claim(self, meta: InvocationMeta, owner_id: str, *, stale_takeover: bool) -> Claim:
-        """Insert-on-conflict claim; see the module docstring for the outcomes."""
-        now = func.now()
-        with self.transaction() as s:
-            inserted = s.execute(
-                pg_insert(Inv)
-                .values(
-                    idempotency_key=meta.idempotency_key,
-                    request_id=meta.request_id,
-                    attempt=meta.attempt,
-                    source_message_id=meta.source_message_id,
-                    source_revision=meta.source_revision,
-                    observation_hash=meta.observation_hash,
-                    profile_version=meta.profile_version,
-                    request_hash=meta.request_hash,
-                    status=InvocationStatus.IN_PROGRESS.value,
-                    owner_id=owner_id,
-                    epoch=1,
-                    lease_expires_at=now + self.lease,
-                    created_at=now,
-                    started_at=now,
-                    updated_at=now,
-                    retention_until=now + self.retention,
-                )
-                .on_conflict_do_nothing(index_elements=[Inv.idempotency_key])
-                .returning(Inv.epoch)
-            ).scalar_one_or_none()
-            if inserted is not None:
-                claim = Claim(ClaimOutcome.CLAIMED, epoch=inserted)
-            else:
-                claim = self._existing(s, meta.idempotency_key, owner_id, stale_takeover)
+    def claim(
+        self,
+        meta: InvocationMeta,
+        owner_id: str,
+        *,
+        stale_takeover: bool,
+        artifacts: Sequence[ArtifactDraft] = (),
+    ) -> Claim:
+        """Read-or-insert claim; ``artifacts`` (the pipeline's, before any call) are written first
+        unless stored already.
+
+        ONE statement reads the row and which of the artifacts are stored: a replay or a
+        waiting caller (the row exists, the artifacts too) costs that one statement and writes
+        nothing. Only when no row is visible is the insert tried, and its ``ON CONFLICT DO
+        NOTHING`` still decides who owns the key: a caller that loses that race reads the
+        winner's row. Every statement here is its own transaction (autocommit): each one is
+        atomic alone, none depends on another's snapshot (under READ COMMITTED each statement
+        has its own anyway), and a replay saves the COMMIT round trip. See the module
+        docstring for the outcomes.
+        """
+        key = meta.idempotency_key
+        drafts = [d.hashed() for d in artifacts]
+        with self.connection(autocommit=True) as conn:
+            record, stored = self._read_for_claim(conn, key, drafts)
+            put_artifacts(conn, [d for d in drafts if d.marker not in stored], retention=self.retention)
+            if record is None:
+                inserted = conn.execute(self._insert(meta, owner_id)).scalar_one_or_none()
+                if inserted is not None:
+                    claim = Claim(ClaimOutcome.CLAIMED, epoch=inserted)
+                else:  # NOTE: a concurrent claim inserted and committed after our read
+                    record = _read(conn, key)
+                    if record is None:  # (and a purge removed it since: nothing to own or replay)
+                        raise StoreUnavailable("the invocation vanished during its claim", code="claim_raced")
+            if record is not None:
+                claim = self._existing(conn, record, owner_id, stale_takeover)
         log_event(
             log,
             "claim",
-            key=meta.idempotency_key,
+            key=key,
             request_id=meta.request_id,
             outcome=claim.outcome.value,
             epoch=claim.epoch if claim.owned else (claim.record.epoch if claim.record else None),
         )
         return claim
 
-    def _existing(self, s: Session, key: str, owner_id: str, stale_takeover: bool) -> Claim:
-        row = s.execute(select(Inv).where(Inv.idempotency_key == key)).scalar_one()
-        record = _record(row)
+    @staticmethod
+    def _read_for_claim(
+        conn: Connection, key: str, drafts: Sequence[ArtifactDraft]
+    ) -> tuple[InvocationRecord | None, set[str]]:
+        """(the row or None, markers of the drafts already stored), in one statement."""
+        if not drafts:
+            return _read(conn, key), set()
+        row = conn.execute(_read_with_artifacts(len(drafts)), {"key": key, **stored_markers_params(drafts)}).one()
+        record = None if row.idempotency_key is None else _record(row)
+        return record, set(row.stored_markers or ())
+
+    def _insert(self, meta: InvocationMeta, owner_id: str) -> Any:
+        now = func.now()
+        return (
+            pg_insert(Inv)
+            .values(
+                idempotency_key=meta.idempotency_key,
+                request_id=meta.request_id,
+                attempt=meta.attempt,
+                source_message_id=meta.source_message_id,
+                source_revision=meta.source_revision,
+                observation_hash=meta.observation_hash,
+                profile_version=meta.profile_version,
+                request_hash=meta.request_hash,
+                status=InvocationStatus.IN_PROGRESS.value,
+                owner_id=owner_id,
+                epoch=1,
+                lease_expires_at=now + self.lease,
+                created_at=now,
+                started_at=now,
+                updated_at=now,
+                retention_until=now + self.retention,
+            )
+            .on_conflict_do_nothing(index_elements=[Inv.idempotency_key])
+            .returning(Inv.epoch)
+        )
+
+    def _existing(self, conn: Connection, record: InvocationRecord, owner_id: str, stale_takeover: bool) -> Claim:
+        key = record.idempotency_key
         if record.status == InvocationStatus.SUCCEEDED:
             return Claim(ClaimOutcome.SUCCEEDED, record=record)
         if record.status == InvocationStatus.FAILED:
@@ -228,7 +324,7 @@ class InvocationStore:
         # NOTE: two takers that both saw this epoch race on the row lock; the second re-checks
         # the WHERE after the first committed, sees the new epoch and updates nothing.
         now = func.now()
-        taken = s.execute(
+        taken = conn.execute(
             update(Inv)
             .where(
                 Inv.idempotency_key == key,
@@ -244,7 +340,6 @@ class InvocationStore:
                 updated_at=now,
             )
             .returning(Inv.epoch)
-            .execution_options(synchronize_session=False)
         ).scalar_one_or_none()
         if taken is None:
             return Claim(ClaimOutcome.BUSY, record=record)
@@ -253,13 +348,12 @@ class InvocationStore:
 
     def renew_lease(self, key: str, owner_id: str, epoch: int) -> bool:
         """Extend the owner's lease; False when the owner lost the row (finished or fenced)."""
-        with self.transaction() as s:
+        with self.connection() as conn:
             rows = rowcount(
-                s.execute(
+                conn.execute(
                     update(Inv)
                     .where(*self._owned_by(key, owner_id, epoch))
                     .values(lease_expires_at=func.now() + self.lease, updated_at=func.now())
-                    .execution_options(synchronize_session=False)
                 )
             )
         return rows == 1
@@ -286,9 +380,9 @@ class InvocationStore:
 
     def _finish(self, key: str, owner_id: str, epoch: int, *, status: InvocationStatus, **values: Any) -> bool:
         audit: ProviderAudit = values.pop("audit")
-        with self.transaction() as s:
+        with self.connection() as conn:
             rows = rowcount(
-                s.execute(
+                conn.execute(
                     update(Inv)
                     .where(*self._owned_by(key, owner_id, epoch))
                     .values(
@@ -299,7 +393,6 @@ class InvocationStore:
                         **audit.columns(),
                         **values,
                     )
-                    .execution_options(synchronize_session=False)
                 )
             )
         landed = rows == 1
@@ -326,9 +419,9 @@ class InvocationStore:
         Returns (written, stored assembly). Raises FieldRecoveryError when the invocation has
         not succeeded (there is nothing to assemble).
         """
-        with self.transaction() as s:
+        with self.connection() as conn:
             rows = rowcount(
-                s.execute(
+                conn.execute(
                     update(Inv)
                     .where(
                         Inv.idempotency_key == key,
@@ -336,13 +429,14 @@ class InvocationStore:
                         Inv.assembly_result.is_(None),
                     )
                     .values(assembly_result=assembly, assembled_at=func.now(), updated_at=func.now())
-                    .execution_options(synchronize_session=False)
                 )
             )
             if rows == 1:
-                put_artifacts(s, artifacts, retention=self.retention)
+                put_artifacts(conn, artifacts, retention=self.retention)
                 return True, assembly
-            stored = s.execute(select(Inv.status, Inv.assembly_result).where(Inv.idempotency_key == key)).one_or_none()
+            stored = conn.execute(
+                select(Inv.status, Inv.assembly_result).where(Inv.idempotency_key == key)
+            ).one_or_none()
         if stored is None or stored.assembly_result is None:
             raise FieldRecoveryError("the invocation has not succeeded; nothing to assemble", code="not_succeeded")
         return False, stored.assembly_result
@@ -437,9 +531,8 @@ class InvocationStore:
     # --- reads -----------------------------------------------------------------------------
 
     def get(self, key: str) -> InvocationRecord | None:
-        with self.transaction() as s:
-            row = s.execute(select(Inv).where(Inv.idempotency_key == key)).scalar_one_or_none()
-            return None if row is None else _record(row)
+        with self.connection() as conn:
+            return _read(conn, key)
 
 
 def store_from_settings(url: str | None = None) -> InvocationStore:

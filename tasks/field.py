@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from fieldrecovery.errors import AttemptInvalid, EmlInvalid
-from fieldrecovery.orchestrator import recover_eml
+from fieldrecovery.orchestrator import RecoveryStatus, recover_eml
 from fieldrecovery.retention import purge_expired
 from fieldrecovery.schemas import SourceKind
 from fieldrecovery.store import store_from_settings
@@ -42,14 +42,20 @@ def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> 
     Bad input (an EML the parser refuses, an attempt or source out of range) is a FAILED
     summary with its code, like the CLI's exit 1/2, never a task failure with a traceback."""
     try:
-        kind = SourceKind(source)
-        return recover_eml(eml.encode("utf-8", "surrogateescape"), source=kind, attempt=int(attempt)).summary()
-    except (EmlInvalid, AttemptInvalid) as exc:
-        code = exc.code
+        # Parsed here, apart from the pipeline: a ValueError from inside it is not bad input.
+        kind, number = SourceKind(source), int(attempt)
     except (ValueError, TypeError):
-        code = "input_invalid"  # an unknown source kind, an attempt that is not a number
+        return _input_invalid("input_invalid")  # an unknown source kind, an attempt that is not a number
+    try:
+        return recover_eml(eml.encode("utf-8", "surrogateescape"), source=kind, attempt=number).summary()
+    except (EmlInvalid, AttemptInvalid) as exc:
+        return _input_invalid(exc.code)
+
+
+def _input_invalid(code: str) -> dict[str, Any]:
+    """The summary of bad input: FAILED like any failed run's summary, with the input's code."""
     log_event(log, "field_input_invalid", logging.WARNING, error_code=code)
-    return {"status": "failed", "needs_review": False, "error_code": code, "idempotency_key": None}
+    return {"status": RecoveryStatus.FAILED.value, "needs_review": False, "error_code": code, "idempotency_key": None}
 
 
 @app.task(name="field.purge_expired", time_limit=600)

@@ -109,4 +109,5 @@ def test_the_celery_task_answers_bad_input_with_a_failed_summary_not_a_traceback
     from tasks.field import recover_eml_task
 
     summary = recover_eml_task(eml, source, attempt)  # run in this process, as a worker would
-    assert summary == {"status": "failed", "needs_review": False, "error_code": code, "idempotency_key": None}
+    # The same status spelling as a failed run's summary (RecoveryRun.summary()).
+    assert summary == {"status": "FAILED", "needs_review": False, "error_code": code, "idempotency_key": None}

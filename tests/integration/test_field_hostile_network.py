@@ -1,5 +1,6 @@
-"""A hostile or misconfigured network (issue 18 items 1, 2 and 8): proxies from the environment,
-a dripping CONNECT proxy, a slow resolver, black-holed addresses, descriptors of long calls.
+"""A hostile or misconfigured network (issue 18 items 1, 2 and 8): proxies and .netrc from the
+environment (the call and its cancel), a dripping CONNECT proxy (its reply, or the platform's
+bytes through the tunnel), a slow resolver, black-holed addresses, descriptors of long calls.
 
 Every peer is a real loopback server started here: a proxy that drips its reply one byte at a
 time and records what it was sent, listeners whose accept queue is full (a connect to them
@@ -19,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from doubles.superagent import SuperAgentStub
+from doubles.superagent import Behaviour, SuperAgentStub
+from fieldrecovery.client import CallProgress
 from fieldrecovery.deadline import Deadline, Watchdog
 from fieldrecovery.errors import DeadlineExceeded
 from fieldrecovery.transport import watched_session
@@ -80,6 +82,75 @@ class DrippingProxy:
                 return
 
 
+class ForwardingProxy:
+    """A plain HTTP proxy on loopback: each connection's absolute-form requests go to the host
+    its first request line names; records the request lines and every byte it was sent."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.request_lines: list[bytes] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def __enter__(self) -> ForwardingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            while data := conn.recv(65536):
+                self.received += data
+                for line in data.split(b"\r\n"):
+                    if line.split(b" ", 1)[0] in (b"GET", b"POST", b"CONNECT"):
+                        self.request_lines.append(line)
+                if upstream is None:
+                    host_port = data.split(b" ", 2)[1].split(b"/")[2].decode()
+                    host, _, port = host_port.partition(":")
+                    upstream = socket.create_connection((host, int(port or 80)))
+                    threading.Thread(target=_pipe, args=(upstream, conn), daemon=True).start()
+                upstream.sendall(data)
+        except (OSError, IndexError, ValueError):
+            pass
+        finally:
+            for s in (conn, upstream):
+                if s is not None:
+                    s.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket, drip_seconds: float = 0.0) -> None:
+    """Copy ``src`` to ``dst`` until either side closes; one byte per ``drip_seconds`` if set."""
+    try:
+        while data := src.recv(1 if drip_seconds else 65536):
+            if drip_seconds:
+                time.sleep(drip_seconds)
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 @pytest.fixture
 def stub() -> Iterator[SuperAgentStub]:
     with SuperAgentStub(api_key=KEY) as server:
@@ -114,25 +185,51 @@ def _addresses(pairs: Sequence[tuple[str, int]]) -> list[tuple[Any, ...]]:
 # --- item 1: proxies -------------------------------------------------------------------------
 
 
-def test_proxy_variables_and_netrc_of_the_environment_are_never_used(
-    stub: SuperAgentStub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_proxy_variables_of_the_environment_are_never_used(
+    stub: SuperAgentStub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    netrc = tmp_path / "netrc"
-    netrc.write_text("machine 127.0.0.1 login intruder password from-netrc\n")
-    netrc.chmod(0o600)
     with DrippingProxy() as proxy:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
             monkeypatch.setenv(name, proxy.url)
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
-        monkeypatch.setenv("NETRC", str(netrc))
         started = time.monotonic()
         answer, _ = call_provider(open_api_client(stub.base_url, KEY), SampleCall(), seconds=1.5)
         elapsed = time.monotonic() - started
         assert proxy.connections == 0 and KEY.encode() not in proxy.received
     assert answer.content
-    assert stub.bearer_tokens_seen == {KEY}  # never replaced by .netrc Basic auth
     assert elapsed < 1.5
+
+
+def test_netrc_of_the_environment_never_replaces_the_bearer_key(
+    stub: SuperAgentStub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login intruder password from-netrc\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    answer, _ = call_provider(open_api_client(stub.base_url, KEY), SampleCall(), seconds=5)
+    assert answer.content
+    assert stub.bearer_tokens_seen == {KEY}  # every request carried the Bearer key, none Basic auth
+
+
+def test_the_run_cancel_after_a_deadline_never_goes_to_a_proxy_of_the_environment(
+    stub: SuperAgentStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A working HTTP proxy in the environment (it forwards to the stand-in): a client that used
+    # it would send the cancel, Bearer key in clear, through it.
+    stub.configure(behaviour=Behaviour.SLOW, stall_seconds=10)
+    with ForwardingProxy() as proxy:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        progress = CallProgress()
+        with pytest.raises(DeadlineExceeded):
+            call_provider(open_api_client(stub.base_url, KEY), SampleCall(), seconds=1.0, progress=progress)
+        assert progress.cancel_sent and stub.cancelled_runs, "the run was not cancelled"
+        assert proxy.request_lines == [], f"through the proxy: {proxy.request_lines}"
+        assert KEY.encode() not in proxy.received
 
 
 def test_a_configured_proxy_that_drips_its_connect_reply_is_cut_at_the_deadline_and_never_sees_the_key(
@@ -243,8 +340,10 @@ def test_a_long_call_holds_descriptors_for_its_live_connections_only(stub: Super
 class TunnellingProxy:
     """An HTTP CONNECT proxy on loopback that pipes bytes to ``routes[host:port]`` and records them."""
 
-    def __init__(self, routes: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, routes: dict[str, tuple[str, int]], drip_seconds: float = 0.0) -> None:
         self.routes = routes
+        #: > 0: what the platform sends reaches the client one byte per this many seconds.
+        self.drip_seconds = drip_seconds
         self.received = bytearray()
         self.connects: list[bytes] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -288,23 +387,19 @@ class TunnellingProxy:
         upstream = socket.create_connection(target)
         conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
 
-        def pipe(src: socket.socket, dst: socket.socket, record: bool) -> None:
-            try:
-                while data := src.recv(65536):
-                    if record:
-                        self.received += data
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                for s in (src, dst):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-        threading.Thread(target=pipe, args=(upstream, conn, False), daemon=True).start()
-        pipe(conn, upstream, True)
+        threading.Thread(target=_pipe, args=(upstream, conn, self.drip_seconds), daemon=True).start()
+        try:
+            while data := conn.recv(65536):
+                self.received += data
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (conn, upstream):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 @pytest.fixture(scope="module")
@@ -362,3 +457,21 @@ def test_requests_ca_bundle_of_the_environment_is_not_trusted(
             call_provider(client, SampleCall(), seconds=10)
     assert info.value.code == "tls"
     assert tls_stub.bearer_tokens_seen == set()
+
+
+def test_a_configured_proxy_that_drips_what_the_platform_sends_is_cut_at_the_deadline(
+    tls_stub: SuperAgentStub, platform_cert: tuple[Path, Path]
+) -> None:
+    # The CONNECT reply comes at once; then every byte from the platform (TLS handshake, status
+    # line, headers) one per 50 ms. The connect timeout (which also bounds the TLS handshake) is
+    # far above the deadline: only the watchdog on the tunnelled socket can stop the call in time.
+    base = f"https://platform.test:{tls_stub.port}"
+    routes = {f"platform.test:{tls_stub.port}": ("127.0.0.1", tls_stub.port)}
+    with TunnellingProxy(routes, drip_seconds=0.05) as proxy:
+        client = open_api_client(base, KEY, proxy=proxy.url, ca_bundle=str(platform_cert[0]), connect_timeout=10)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            call_provider(client, SampleCall(), seconds=1.5)
+        elapsed = time.monotonic() - started
+        assert proxy.connects, "the proxy was never asked"
+    assert elapsed < 2.2, f"{elapsed:.1f}s against a 1.5s deadline"

@@ -87,6 +87,15 @@ def test_a_nul_or_an_int32_overflow_in_the_run_status_does_not_lose_the_paid_ans
     assert row["provider_run_id"] is not None
 
 
+@pytest.mark.parametrize("value", ["run_1\n", "run_1\r\n", "", "r" * 65, "run 1", "run_\u00e9"])
+def test_a_peer_id_or_code_with_a_line_end_or_odd_characters_is_never_taken_as_safe(value: str) -> None:
+    # Ids and codes of the peer go into URL paths, the audit record and log lines.
+    from fieldrecovery.client import _SAFE_TOKEN, _safe
+
+    assert _SAFE_TOKEN.match(value) is None
+    assert _safe(value, "unknown") == "unknown"
+
+
 def test_an_answer_the_database_refuses_finishes_the_key_failed_not_in_progress(
     field_db: str, stub: SuperAgentStub
 ) -> None:
@@ -130,6 +139,29 @@ def test_a_gzip_bomb_body_is_refused_without_being_inflated(stub: SuperAgentStub
     assert elapsed < 3
 
 
+def test_a_gzip_bomb_event_stream_is_refused_within_its_byte_budget_and_the_run_cancelled(
+    stub: SuperAgentStub,
+) -> None:
+    # The message stream itself: a run.started, then one data line of 60 MB decoded bytes (a
+    # ~60 KB gzip body), sent gzip although the request asked for identity.
+    stub.configure(behaviour=Behaviour.GZIP_BOMB, bomb_on="stream", bomb_bytes=60_000_000)
+    client = open_api_client(stub.base_url, KEY)
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(FieldRecoveryError) as info:
+            call_provider(client, SampleCall(), seconds=10)
+        elapsed = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.code == "response_too_large"
+    # The budget is 8 x 200,000 + 64 KiB decoded bytes; the line held is at most that.
+    assert peak < 8_000_000, f"{peak / 1e6:.1f} MB held for a bomb stream"
+    assert elapsed < 3
+    assert stub.cancelled_runs, "the run was not cancelled"
+
+
 # --- item 7: an owner that cannot renew its lease stops and cancels --------------------------
 
 
@@ -163,12 +195,26 @@ def test_an_owner_whose_lease_renewals_fail_stops_and_cancels_before_its_lease_r
 # --- item 8: a purge racing a replay; a bare ``end`` ---------------------------------------
 
 
+def _forget_assembly(url: str) -> None:
+    """The state an owner leaves when it dies between storing the PatchSet and the assembly."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE th_hotel_booking.field_recovery_invocation SET assembly_result = NULL"))
+    finally:
+        engine.dispose()
+
+
 def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     field_db: str, stub: SuperAgentStub
 ) -> None:
+    # A replay assembles (and writes) only a succeeded invocation that has no assembly yet: here
+    # its owner died between the two writes. The purge deletes the row between the replay's
+    # read of the PatchSet and its put-if-absent of the assembly.
     settings = _settings(stub)
     first = _process(field_db, settings)
     assert first.status == RecoveryStatus.SUCCEEDED
+    _forget_assembly(field_db)
     engine = get_engine(field_db)
     other = create_engine(field_db)
     purged = threading.Event()
@@ -189,6 +235,37 @@ def test_a_purge_between_a_replays_read_and_its_assembly_is_a_failed_result(
     assert replay.status == RecoveryStatus.FAILED
     assert replay.error_code == "not_succeeded"
     assert replay.replayed
+    assert stub.stats()["sessions"] == 1  # the replay never called the provider
+
+
+def test_a_purge_after_a_replays_read_of_an_applied_assembly_replays_what_was_read(
+    field_db: str, stub: SuperAgentStub
+) -> None:
+    # The replay of an applied invocation reads the stored assembly in its claim and writes
+    # nothing after it: a purge right after that read changes nothing of the result.
+    settings = _settings(stub)
+    first = _process(field_db, settings)
+    assert first.status == RecoveryStatus.SUCCEEDED
+    engine = get_engine(field_db)
+    other = create_engine(field_db)
+    purged = threading.Event()
+
+    def purge_after_read(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.startswith("SELECT") and "assembly_result" in statement and not purged.is_set():
+            purged.set()
+            with other.begin() as c:
+                c.execute(text("DELETE FROM th_hotel_booking.field_recovery_invocation"))
+
+    event.listen(engine, "after_cursor_execute", purge_after_read)
+    try:
+        replay = _process(field_db, settings)
+    finally:
+        event.remove(engine, "after_cursor_execute", purge_after_read)
+        other.dispose()
+    assert purged.is_set()
+    assert replay.status == RecoveryStatus.SUCCEEDED and replay.replayed and replay.provider_calls == 0
+    assert replay.assembly == first.assembly and replay.view == first.view
+    assert _invocations(field_db) == []
 
 
 def test_a_bare_end_event_without_data_ends_the_stream(field_db: str, stub: SuperAgentStub) -> None:

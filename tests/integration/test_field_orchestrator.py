@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 
 from doubles.superagent import Behaviour, SuperAgentStub
 from doubles.superagent_agent import answer_for
@@ -24,6 +24,7 @@ from fieldrecovery.orchestrator import FieldRecoveryOrchestrator, RecoveryRun, R
 from fieldrecovery.request_builder import build_request, render_message, request_hash
 from fieldrecovery.schemas import Provenance, SourceKind
 from fieldrecovery.store import InvocationMeta, InvocationStore, ProviderAudit
+from models.db import get_engine
 from settings import FieldRecoverySettings
 from tests.field_helpers import clean_field_tables, sample_eml, wait_until
 
@@ -163,6 +164,50 @@ def test_replay_returns_the_stored_assembly_not_a_new_overlay(field_db: str, stu
     assert replay.replayed and replay.assembly is not None and replay.assembly.accepted == []
     assert _facts(replay)["room_type"] == (None, "PARSER")
     assert stub.stats()["streams"] == 1
+
+
+def test_a_replay_of_an_applied_key_is_one_read_and_writes_nothing(field_db: str, stub: SuperAgentStub) -> None:
+    first = _process(field_db, _settings(stub))
+    engine = get_engine(field_db)
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        replay = _process(field_db, _settings(stub))
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert (replay.status, replay.replayed, replay.provider_calls) == (RecoveryStatus.SUCCEEDED, True, 0)
+    assert replay.assembly == first.assembly and replay.view == first.view
+    # The invocation, its assembly and which artifacts are stored: one SELECT, nothing else.
+    assert len(statements) == 1 and statements[0].startswith("SELECT"), statements
+
+
+def test_a_succeeded_key_without_its_assembly_is_assembled_once_by_the_next_replay(
+    field_db: str, stub: SuperAgentStub
+) -> None:
+    first = _process(field_db, _settings(stub))
+    engine = create_engine(field_db)
+    with engine.begin() as conn:  # the owner died between storing the PatchSet and the assembly
+        conn.execute(text("UPDATE th_hotel_booking.field_recovery_invocation SET assembly_result = NULL"))
+        conn.execute(
+            text(
+                "DELETE FROM th_hotel_booking.field_recovery_artifact"
+                " WHERE artifact_type IN ('RECOVERY_ASSEMBLY', 'EFFECTIVE_FACT_VIEW')"
+            )
+        )
+    engine.dispose()
+    replays = [_process(field_db, _settings(stub)) for _ in range(2)]
+    assert all(r.status == RecoveryStatus.SUCCEEDED and r.replayed and r.provider_calls == 0 for r in replays)
+    assert replays[0].assembly == replays[1].assembly == first.assembly
+    [row] = _rows(field_db, "field_recovery_invocation")
+    assert first.assembly is not None and row["assembly_result"] == first.assembly.model_dump(mode="json")
+    assert sorted(_artifact_types(field_db)) == sorted(
+        ["PARSED_FACT_SET", "RECOVERY_REQUEST", "RECOVERY_ASSEMBLY", "EFFECTIVE_FACT_VIEW"]
+    )
+    assert stub.stats()["sessions"] == 1
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from fieldrecovery.errors import (
     ProviderUnavailable,
 )
 from settings import OpenApiSettings
-from tests.field_helpers import SampleCall, call_provider, open_api_client
+from tests.field_helpers import SampleCall, call_provider, open_api_client, wait_until
 
 KEY = "df_open_real_servers"
 SAMPLE = SampleCall()
@@ -188,10 +188,22 @@ def test_session_created_with_201_is_success(stub: SuperAgentStub) -> None:
 def test_a_lost_lease_stops_the_call_at_once_and_cancels_the_run(stub: SuperAgentStub) -> None:
     stub.configure(behaviour=Behaviour.SLOW, stall_seconds=20)
     lost = threading.Event()
-    threading.Timer(0.3, lost.set).start()
-    error, progress, elapsed = _fails(_client(stub), seconds=10.0, stop=lost)
+    progress = CallProgress()
+    lost_at: list[float] = []
+
+    def lose_once_the_run_started() -> None:
+        # Not a fixed delay: on a loaded machine run.started may take longer than any guess.
+        wait_until(lambda: progress.run_id is not None, timeout=8)
+        lost_at.append(time.monotonic())
+        lost.set()
+
+    threading.Thread(target=lose_once_the_run_started, daemon=True).start()
+    with pytest.raises(FieldRecoveryError) as info:
+        _call(_client(stub), 10.0, progress, lost)
+    elapsed = time.monotonic() - lost_at[0]
+    error = info.value
     assert isinstance(error, InvocationLost) and error.code == "invocation_lost"
-    assert elapsed < 1.0
+    assert elapsed < 1.0, f"the call went on {elapsed:.2f}s after its lease was lost"
     assert progress.run_id is not None and stub.cancelled_runs == [progress.run_id]
     assert stub.stats()["run_status"] == 0
 

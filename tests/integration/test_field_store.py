@@ -102,6 +102,32 @@ def test_concurrent_claims_of_one_key_have_exactly_one_owner(store: InvocationSt
         assert s.execute(text("SELECT count(*) FROM th_hotel_booking.field_recovery_invocation")).scalar_one() == 1
 
 
+def test_concurrent_claims_with_artifacts_write_each_artifact_once_and_have_one_owner(
+    store: InvocationStore,
+) -> None:
+    # Every caller reads before it writes: all 8 may see no row and no artifact, and then race
+    # on the inserts, whose ON CONFLICT decides.
+    barrier = threading.Barrier(8)
+    drafts = [
+        ArtifactDraft(ArtifactType.PARSED_FACT_SET, SOURCE, {"facts": [1, 2]}),
+        ArtifactDraft(ArtifactType.RECOVERY_REQUEST, SOURCE, {"request": "r"}, "k1"),
+    ]
+
+    def claim(i: int) -> ClaimOutcome:
+        barrier.wait()
+        return store.claim(_meta(), f"owner-{i}", stale_takeover=False, artifacts=drafts).outcome
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(claim, range(8)))
+    assert outcomes.count(ClaimOutcome.CLAIMED) == 1
+    assert outcomes.count(ClaimOutcome.BUSY) == 7
+    with store.transaction() as s:
+        assert list_artifacts(s, SOURCE) == [
+            (ArtifactType.PARSED_FACT_SET, {"facts": [1, 2]}),
+            (ArtifactType.RECOVERY_REQUEST, {"request": "r"}),
+        ]
+
+
 def test_claim_of_a_succeeded_key_replays_the_stored_patch_set(store: InvocationStore) -> None:
     claim = store.claim(_meta(), "owner-a", stale_takeover=False)
     assert store.finish_success("k1", "owner-a", 1, PATCH_SET, AUDIT)

@@ -25,7 +25,12 @@ def _response(body: bytes) -> requests.Response:
 
 
 def _budget_sized_event(line: bytes = b"data: x\n") -> bytes:
-    lines = (BUDGET - 200) // len(line)
+    return _budget_sized_event_of(BUDGET, line)
+
+
+def _budget_sized_event_of(size: int, line: bytes = b"data: x\n") -> bytes:
+    """One event of about ``size`` bytes of short data lines, then ``end``."""
+    lines = (size - 200) // len(line)
     return b"id: 1\nevent: message.delta\n" + line * lines + b"\n" + b"id: 2\nevent: end\ndata: {}\n\n"
 
 
@@ -48,11 +53,51 @@ def test_a_budget_sized_event_of_short_lines_is_framed_and_parsed_in_linear_time
     assert elapsed < 15, f"{elapsed:.1f}s for one {len(body)} byte event"
 
 
+def test_framing_time_grows_linearly_with_the_event_not_with_its_square() -> None:
+    # The budget-sized event against an eighth of it, in this thread's CPU time (other processes
+    # on a loaded machine do not count), best of a few runs each, interleaved: linear framing
+    # takes ~8x as long for 8x the bytes, the quadratic framing it replaced ~64x (27x measured
+    # here for 4x). 24x is the line between them.
+    def cpu_seconds(body: bytes) -> float:
+        started = time.thread_time()
+        events, _ = _read(body)
+        elapsed = time.thread_time() - started
+        assert events == [("end", {})]
+        return elapsed
+
+    full = _budget_sized_event()
+    eighth = _budget_sized_event_of(len(full) // 8)
+    small, large = [], []
+    for _ in range(3):
+        small += [cpu_seconds(eighth), cpu_seconds(eighth)]
+        large.append(cpu_seconds(full))
+    assert min(large) < 24 * min(small), f"{min(large):.3f}s for 8x the bytes of {min(small):.3f}s: not linear"
+
+
 def test_parsing_a_huge_event_stops_at_the_deadline() -> None:
     # An event of empty data lines (the cheapest lines to send) under a deadline already spent.
     deadline = Deadline(0.0)
     with pytest.raises(DeadlineExceeded):
         list(read_events(_response(_budget_sized_event(b"data:\n")), StreamState(), deadline, byte_budget=BUDGET))
+
+
+def test_one_huge_chunk_is_framed_with_a_deadline_check_every_few_thousand_lines() -> None:
+    # The whole event in ONE read: no per-read check can help; the framing and the event's
+    # parse must each ask the deadline at least once per CHECK_EVERY_LINES lines (the CPU work
+    # grows with the lines, and the watchdog cannot interrupt CPU work).
+    from fieldrecovery.sse import CHECK_EVERY_LINES, EventParser
+
+    class CountingDeadline(Deadline):
+        checks = 0
+
+        def check(self) -> None:
+            CountingDeadline.checks += 1
+            super().check()
+
+    body = _budget_sized_event()
+    lines = body.count(b"\n")
+    assert [e.name for e in EventParser(CountingDeadline(60)).events([body])] == ["message.delta", "end"]
+    assert CountingDeadline.checks >= 2 * (lines // CHECK_EVERY_LINES), (CountingDeadline.checks, lines)
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
