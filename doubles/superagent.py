@@ -64,7 +64,7 @@ from fieldrecovery.schemas import canonical_json
 
 __all__ = ["DEFAULT_API_KEY", "Behaviour", "StubConfig", "StubStats", "SuperAgentStub"]
 
-log = logging.getLogger("doubles.superagent")
+log = logging.getLogger(__name__)
 
 DEFAULT_API_KEY = "df_open_test"
 

@@ -380,7 +380,7 @@ class OpenApiClient:
                 if watchdog.fired.is_set() or deadline.expired:
                     raise DeadlineExceeded() from None
                 code = exc.code if isinstance(exc, StreamBroken) else _transport_code(exc)
-                log_event(log, "sse_recovery_failed", run_id=progress.run_id, attempt=replays, code=code)
+                log_event(log, "sse_recovery_failed", run_id=progress.run_id, attempt=replays, error_code=code)
                 failures += 1
                 continue
             try:
@@ -407,7 +407,7 @@ class OpenApiClient:
         if watchdog.fired.is_set() or deadline.expired:
             raise DeadlineExceeded() from None
         code = exc.code if isinstance(exc, StreamBroken) else _transport_code(exc)
-        log_event(log, "sse_broken", run_id=progress.run_id, code=code, last_event_id=state.last_event_id)
+        log_event(log, "sse_broken", run_id=progress.run_id, error_code=code, last_event_id=state.last_event_id)
 
     # --- HTTP plumbing ---------------------------------------------------------------------
 
