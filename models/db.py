@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy import exc as exc_mod
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from settings import get_settings
 
 _lock = threading.Lock()
+T = TypeVar("T")
 _engines: dict[str, Engine] = {}
 
 
@@ -118,7 +120,26 @@ def dialect_name(url: str | None = None) -> str:
     return get_engine(url).dialect.name
 
 
-def cas(s: Session, stmt: Executable) -> int:
-    """Run one conditional UPDATE (a compare-and-set); the rowcount says whether it landed."""
-    result = s.execute(stmt.execution_options(synchronize_session=False))
+def cas(s: Session, stmt: Executable, params: dict[str, Any] | None = None) -> int:
+    """Run one conditional UPDATE (a compare-and-set); the rowcount says whether it landed.
+    ``params``: the values of a statement built once with bind parameters (``built_once``)."""
+    if params is not None:
+        result = s.execute(stmt, params)
+    else:
+        result = s.execute(stmt.execution_options(synchronize_session=False))
     return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def built_once(fn: Callable[..., T]) -> Callable[..., T]:
+    """A statement builder whose statements are built ONCE per shape (its arguments: enums,
+    tuples, flags, a worker identity) with bind parameters for the values: building a
+    SQLAlchemy statement and its cache key costs more than a PostgreSQL round trip on the hot
+    path (about 0.3 ms a statement, issue 19). Statements built here carry
+    ``synchronize_session=False`` (they are Core compare-and-sets, never ORM bulk updates)."""
+
+    @functools.wraps(fn)
+    def build(*args: Any) -> T:
+        return cached(*args)
+
+    cached = functools.lru_cache(maxsize=256)(fn)
+    return build

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    bindparam,
     case,
     or_,
     select,
@@ -32,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import cas
+from models.db import built_once, cas
 from models.enums import (
     ACTIVE_EXECUTION,
     TERMINAL_EXECUTION,
@@ -41,7 +42,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_takeable, still_current, superseded
+from models.worker import generation_of, identity_for, lease_takeable, still_current_as, superseded
 
 
 class SubagentExecution(Base):
@@ -138,6 +139,35 @@ def _classify(s: Session, eid: int, epoch: int | None, what: str) -> None:
     )
 
 
+@built_once
+def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] | None) -> Any:
+    """take_execution's compare-and-set for one target status; ``creation``: handed epoch 0."""
+    takeable = lease_takeable(E, bindparam("now"))
+    if creation:
+        # The creation reservation names its creator but belongs to the epoch-0 message,
+        # whoever runs it.
+        takeable = or_(takeable, E.epoch == 0)
+    return (
+        update(E)
+        .where(
+            E.id == bindparam("eid"),
+            E.status.in_(STATUS_SOURCES[to_status]),
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.epoch == bindparam("epoch"),
+            *still_current_as(me),  # never taken by a process a newer boot of its name replaced
+            takeable,
+        )
+        .values(
+            status=to_status,
+            epoch=E.epoch + 1,
+            lease_owner=bindparam("owner"),
+            lease_generation=bindparam("generation"),
+            lease_expires_at=bindparam("until"),
+        )
+        .execution_options(synchronize_session=False)
+    )
+
+
 def take_execution(
     s: Session,
     eid: int,
@@ -156,32 +186,16 @@ def take_execution(
     terminal never goes back; only PENDING may be taken over).
     """
     sources = STATUS_SOURCES[to_status]
-    conditions = [
-        E.id == eid,
-        E.status.in_(sources),
-        E.delivery_status == DeliveryStatus.PENDING,
-        E.epoch == expected_epoch,
-        *still_current(owner),  # never taken by a process a newer boot of its name replaced
-    ]
     now = utcnow()
-    takeable = lease_takeable(E, now)
-    if expected_epoch == 0:
-        # The creation reservation names its creator but belongs to the epoch-0 message,
-        # whoever runs it.
-        takeable = or_(takeable, E.epoch == 0)
-    conditions.append(takeable)
-    rows = cas(
-        s,
-        update(E)
-        .where(*conditions)
-        .values(
-            status=to_status,
-            epoch=E.epoch + 1,
-            lease_owner=owner,
-            lease_generation=generation_of(owner),
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-        ),
-    )
+    params = {
+        "eid": eid,
+        "epoch": expected_epoch,
+        "now": now,
+        "owner": owner,
+        "generation": generation_of(owner),
+        "until": now + timedelta(seconds=lease_seconds),
+    }
+    rows = cas(s, _take_stmt(to_status, expected_epoch == 0, identity_for(owner)), params)
     if rows == 1:
         return expected_epoch + 1
     row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
@@ -189,6 +203,22 @@ def take_execution(
         return None  # a live lease: the owner is still working
     _classify(s, eid, expected_epoch, f"take as {to_status}")
     return None
+
+
+@built_once
+def _finish_stmt(status: ExecutionStatus, keys: tuple[str, ...], me: tuple[str, int] | None) -> Any:
+    """finish_execution's compare-and-set for one terminal status and set of written columns."""
+    return (
+        update(E)
+        .where(
+            E.id == bindparam("b_eid"),
+            E.epoch == bindparam("b_epoch"),
+            E.status.in_(STATUS_SOURCES[status]),
+            *still_current_as(me),
+        )
+        .values(status=status, lease_owner=None, lease_expires_at=None, **{k: bindparam(f"v_{k}") for k in keys})
+        .execution_options(synchronize_session=False)
+    )
 
 
 def finish_execution(
@@ -212,14 +242,7 @@ def finish_execution(
     """
     if status not in TERMINAL_EXECUTION:
         raise IllegalTransition(f"finish_execution needs a terminal status, got {status}")
-    values: dict[str, Any] = {
-        "status": status,
-        "result": result,
-        "error": error,
-        "completed_at": utcnow(),
-        "lease_owner": None,
-        "lease_expires_at": None,
-    }
+    values: dict[str, Any] = {"result": result, "error": error, "completed_at": utcnow()}
     for key, value in (
         ("final_message_id", final_message_id),
         ("rounds", rounds),
@@ -231,8 +254,8 @@ def finish_execution(
             values[key] = value
     if prompt_tokens is not None and completion_tokens is not None:
         values["total_tokens"] = prompt_tokens + completion_tokens
-    where = (E.id == eid, E.epoch == epoch, E.status.in_(STATUS_SOURCES[status]), *still_current())
-    rows = cas(s, update(E).where(*where).values(**values))
+    stmt = _finish_stmt(status, tuple(values), identity_for())
+    rows = cas(s, stmt, {**{f"v_{k}": v for k, v in values.items()}, "b_eid": eid, "b_epoch": epoch})
     if rows == 1:
         return True
     if superseded(s):
@@ -277,22 +300,31 @@ def mark_all_delivered(s: Session, tool_message_ids: dict[int, int], *, assistan
     a row already delivered or suppressed is left as it is)."""
     if not tool_message_ids:
         return
-    ids = list(tool_message_ids)
-    rows = cas(
-        s,
+    params: dict[str, Any] = {"assistant_id": assistant_message_id, "now": utcnow()}
+    for n, (eid, tool_id) in enumerate(tool_message_ids.items()):
+        params[f"e{n}"], params[f"t{n}"] = eid, tool_id
+    rows = cas(s, _mark_delivered_stmt(len(tool_message_ids)), params)
+    if rows == len(tool_message_ids):
+        return
+    for eid, tool_id in tool_message_ids.items():
+        mark_delivered(s, eid, assistant_message_id=assistant_message_id, tool_message_id=tool_id)
+
+
+@built_once
+def _mark_delivered_stmt(n: int) -> Any:
+    """mark_all_delivered's compare-and-set for a round of ``n`` executions."""
+    ids = [bindparam(f"e{i}", type_=BigInteger()) for i in range(n)]
+    return (
         update(E)
         .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
         .values(
             delivery_status=DeliveryStatus.DELIVERED,
-            parent_result_delivered_at=utcnow(),
-            parent_assistant_message_id=assistant_message_id,
-            parent_tool_message_id=case(tool_message_ids, value=E.id),
-        ),
+            parent_result_delivered_at=bindparam("now"),
+            parent_assistant_message_id=bindparam("assistant_id"),
+            parent_tool_message_id=case({ids[i]: bindparam(f"t{i}", type_=BigInteger()) for i in range(n)}, value=E.id),
+        )
+        .execution_options(synchronize_session=False)
     )
-    if rows == len(ids):
-        return
-    for eid, tool_id in tool_message_ids.items():
-        mark_delivered(s, eid, assistant_message_id=assistant_message_id, tool_message_id=tool_id)
 
 
 def suppress_execution(s: Session, eid: int) -> bool:
@@ -301,7 +333,6 @@ def suppress_execution(s: Session, eid: int) -> bool:
     Bumps the epoch so that a child still running under the old epoch can no longer write.
     Returns False when the row was already delivered or suppressed.
     """
-    from sqlalchemy import case
 
     rows = cas(
         s,

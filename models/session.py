@@ -13,6 +13,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     case,
     or_,
     select,
@@ -22,11 +23,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import cas
+from models.db import built_once, cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
-from models.worker import generation_of, lease_free, lease_takeable, still_current
+from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
 
 class AgentSession(Base):
@@ -100,10 +101,15 @@ def reservation_seconds() -> float:
 def set_child_phase(s: Session, child_id: int, to_phase: Phase) -> None:
     """Move a child session's phase as the holder of its execution's epoch (the caller's
     transaction carries the execution's compare-and-set); a cancelled child stays cancelled."""
-    s.execute(
+    cas(s, _child_phase_stmt(to_phase), {"b_sid": child_id, "b_now": utcnow()})
+
+
+@built_once
+def _child_phase_stmt(to_phase: Phase) -> Any:
+    return (
         update(S)
-        .where(S.id == child_id, child_not_cancelled())
-        .values(phase=to_phase, updated_at=utcnow())
+        .where(S.id == bindparam("b_sid"), child_not_cancelled())
+        .values(phase=to_phase, updated_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
     )
 
@@ -141,14 +147,23 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     session was stopped meanwhile (or this process was replaced under its name). The UPDATE
     locks the row, so a concurrent cancel lands either before it (False) or after the write.
     False, and nothing written, when the epoch moved on, the session is stopped or unowned."""
+    params = {"b_sid": sid, "b_epoch": epoch, "b_until": utcnow() + timedelta(seconds=lease_seconds)}
+    return cas(s, _fence_stmt(identity_for()), params) == 1
+
+
+@built_once
+def _fence_stmt(me: tuple[str, int] | None) -> Any:
     return (
-        cas(
-            s,
-            update(S)
-            .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None), not_stopped(), *still_current())
-            .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)),
+        update(S)
+        .where(
+            S.id == bindparam("b_sid"),
+            S.epoch == bindparam("b_epoch"),
+            S.lease_owner.is_not(None),
+            not_stopped(),
+            *still_current_as(me),
         )
-        == 1
+        .values(lease_expires_at=bindparam("b_until"))
+        .execution_options(synchronize_session=False)
     )
 
 
@@ -206,27 +221,39 @@ def take_session(
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
     now = utcnow()
-    conditions = [
-        S.id == sid,
-        S.epoch == expected_epoch,
-        _phase_in(from_phases),
-        *still_current(owner),
-        lease_takeable(S, now),
-    ]
-    rows = cas(
-        s,
+    params = {
+        "b_sid": sid,
+        "b_epoch": expected_epoch,
+        "b_now": now,
+        "b_owner": owner,
+        "b_generation": generation_of(owner),
+        "b_until": now + timedelta(seconds=lease_seconds),
+    }
+    rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner)), params)
+    return expected_epoch + 1 if rows == 1 else None
+
+
+@built_once
+def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None) -> Any:
+    return (
         update(S)
-        .where(*conditions)
+        .where(
+            S.id == bindparam("b_sid"),
+            S.epoch == bindparam("b_epoch"),
+            _phase_in(from_phases),
+            *still_current_as(me),
+            lease_takeable(S, bindparam("b_now")),
+        )
         .values(
             phase=to_phase,
             epoch=S.epoch + 1,
-            lease_owner=owner,
-            lease_generation=generation_of(owner),
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-            updated_at=now,
-        ),
+            lease_owner=bindparam("b_owner"),
+            lease_generation=bindparam("b_generation"),
+            lease_expires_at=bindparam("b_until"),
+            updated_at=bindparam("b_now"),
+        )
+        .execution_options(synchronize_session=False)
     )
-    return expected_epoch + 1 if rows == 1 else None
 
 
 def reserve_session(
@@ -312,21 +339,24 @@ def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
     moved in ONE compare-and-set that is also the fence (``fence_session``'s conditions: owned
     at this epoch, not stopped, this process not replaced under its name). False, nothing
     written, when any of them fails: the caller asks the fence why (cancelled or lost)."""
+    params = {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}
+    return cas(s, _end_run_stmt(to_phase, identity_for()), params) == 1
+
+
+@built_once
+def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None) -> Any:
     return (
-        cas(
-            s,
-            update(S)
-            .where(
-                S.id == sid,
-                S.epoch == epoch,
-                S.lease_owner.is_not(None),
-                not_stopped(),
-                _phase_in(STARTABLE_PHASES),
-                *still_current(),
-            )
-            .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=utcnow()),
+        update(S)
+        .where(
+            S.id == bindparam("b_sid"),
+            S.epoch == bindparam("b_epoch"),
+            S.lease_owner.is_not(None),
+            not_stopped(),
+            _phase_in(STARTABLE_PHASES),
+            *still_current_as(me),
         )
-        == 1
+        .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=bindparam("b_now"))
+        .execution_options(synchronize_session=False)
     )
 
 
@@ -335,19 +365,25 @@ def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seco
     task handed the new epoch takes the session (the scan waits for the reservation to
     expire). Returns the new epoch or None when we no longer hold it."""
     now = utcnow()
-    rows = cas(
-        s,
+    until = now + timedelta(seconds=reserve_seconds) if reserve_seconds else None
+    rows = cas(s, _hand_over_stmt(to_phase), {"b_sid": sid, "b_epoch": epoch, "b_now": now, "b_until": until})
+    return epoch + 1 if rows == 1 else None
+
+
+@built_once
+def _hand_over_stmt(to_phase: Phase) -> Any:
+    return (
         update(S)
-        .where(S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES))
+        .where(S.id == bindparam("b_sid"), S.epoch == bindparam("b_epoch"), _phase_in(STARTABLE_PHASES))
         .values(
             phase=to_phase,
             epoch=S.epoch + 1,
             lease_owner=None,
-            lease_expires_at=now + timedelta(seconds=reserve_seconds) if reserve_seconds else None,
-            updated_at=now,
-        ),
+            lease_expires_at=bindparam("b_until"),
+            updated_at=bindparam("b_now"),
+        )
+        .execution_options(synchronize_session=False)
     )
-    return epoch + 1 if rows == 1 else None
 
 
 def set_phase(
@@ -356,11 +392,21 @@ def set_phase(
     """One compare-and-set on the phase; stopped phases are never left."""
     if any(p in STOPPED_PHASES_ for p in from_phases):
         raise IllegalTransition(f"session {sid}: a stopped phase never goes back (to {to_phase})")
-    conditions = [S.id == sid, _phase_in(from_phases)]
-    if epoch is not None:
-        conditions.append(S.epoch == epoch)
-    rows = cas(s, update(S).where(*conditions).values(phase=to_phase, updated_at=utcnow()))
-    return rows == 1
+    stmt = _set_phase_stmt(to_phase, from_phases, epoch is not None)
+    return cas(s, stmt, {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}) == 1
+
+
+@built_once
+def _set_phase_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], at_epoch: bool) -> Any:
+    conditions = [S.id == bindparam("b_sid"), _phase_in(from_phases)]
+    if at_epoch:
+        conditions.append(S.epoch == bindparam("b_epoch"))
+    return (
+        update(S)
+        .where(*conditions)
+        .values(phase=to_phase, updated_at=bindparam("b_now"))
+        .execution_options(synchronize_session=False)
+    )
 
 
 def stop_session(

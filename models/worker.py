@@ -186,8 +186,21 @@ def still_current(owner: str | None = None) -> tuple[ColumnElement[bool], ...]:
     boot under its name can never write a lease after that boot committed; the scan takes
     each of its older leases back once (``lease_free``), and nothing of its ever becomes
     takeable again."""
+    return still_current_as(identity_for(owner))
+
+
+def identity_for(owner: str | None = None) -> tuple[str, int] | None:
+    """This process's boot identity when ``still_current(owner)`` applies to it, else None:
+    the shape key of a statement built once (models.db.built_once) that checks it."""
     me = _identity
     if me is None or (owner is not None and owner != me[0]):
+        return None
+    return me
+
+
+def still_current_as(me: tuple[str, int] | None) -> tuple[ColumnElement[bool], ...]:
+    """``still_current`` for the identity ``me`` (see ``identity_for``)."""
+    if me is None:
         return ()
     name, generation = me
     W = WorkerBoot
