@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -44,6 +44,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
+from models.db import built_once
 from models.execution import take_execution
 from models.session import set_phase
 from settings import get_settings
@@ -85,9 +86,30 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
     if s is None:
         with transaction() as own:
             return load_child(execution_id, own)
+    row = s.execute(_load_child_stmt(), {"b_eid": execution_id}).one()
+    return ChildInfo(
+        execution_id=row.id,
+        parent_session_id=row.parent_session_id,
+        child_session_id=row.child_session_id,
+        agent_type=row.agent_type,
+        invocation_type=row.invocation_type,
+        started_at=row.started_at,
+        execution_start_message_id=row.execution_start_message_id,
+        execution_mode=row.execution_mode,
+        user_id=row.user_id,
+        task_description=row.task_description,
+        compaction=Compaction(row.compaction_boundary_message_id, row.compaction_summary),
+        parent_tool_call_id=row.parent_tool_call_id,
+        final_message_id=row.final_message_id,
+        child_phase=row.phase,
+    )
+
+
+@built_once
+def _load_child_stmt() -> Any:
     E = SubagentExecution
     S = AgentSession
-    row = s.execute(
+    return (
         select(
             E.id,
             E.parent_session_id,
@@ -106,23 +128,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
             S.phase,
         )
         .join(S, S.id == E.child_session_id)
-        .where(E.id == execution_id)
-    ).one()
-    return ChildInfo(
-        execution_id=row.id,
-        parent_session_id=row.parent_session_id,
-        child_session_id=row.child_session_id,
-        agent_type=row.agent_type,
-        invocation_type=row.invocation_type,
-        started_at=row.started_at,
-        execution_start_message_id=row.execution_start_message_id,
-        execution_mode=row.execution_mode,
-        user_id=row.user_id,
-        task_description=row.task_description,
-        compaction=Compaction(row.compaction_boundary_message_id, row.compaction_summary),
-        parent_tool_call_id=row.parent_tool_call_id,
-        final_message_id=row.final_message_id,
-        child_phase=row.phase,
+        .where(E.id == bindparam("b_eid"))
     )
 
 

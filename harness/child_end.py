@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -29,6 +29,7 @@ from models import (
     SubagentExecution,
     transaction,
 )
+from models.db import built_once
 from models.execution import finish_execution
 from models.session import set_child_phase
 
@@ -40,11 +41,17 @@ log = logging.getLogger(__name__)
 
 def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
     """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
-    q = select(Message.role, func.count()).where(Message.session_id == child_session_id, Message.deleted.is_(False))
-    if start_id is not None:
-        q = q.where(Message.id > start_id)
-    counts = dict(s.execute(q.group_by(Message.role)).all())
+    counts = dict(s.execute(_counters_stmt(), {"b_sid": child_session_id, "b_after": start_id or 0}).all())
     return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
+
+
+@built_once
+def _counters_stmt() -> Any:
+    return (
+        select(Message.role, func.count())
+        .where(Message.session_id == bindparam("b_sid"), Message.deleted.is_(False), Message.id > bindparam("b_after"))
+        .group_by(Message.role)
+    )
 
 
 def _followup_info(s: Any, info: ChildInfo) -> dict[str, Any] | None:
@@ -79,15 +86,18 @@ def _round_state(s: Any, parent: _Parent) -> RoundState:
     NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
     finishing at the same moment serialize on it, so the later one counts the earlier one's
     end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete."""
-    E = SubagentExecution
-    active, max_epoch, pending = s.execute(
-        select(
-            func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
-            func.max(E.epoch),
-            func.count(),
-        ).where(E.parent_session_id == parent.id, E.delivery_status == "PENDING")
-    ).one()
+    active, max_epoch, pending = s.execute(_round_state_stmt(), {"b_parent": parent.id}).one()
     return RoundState(parent.id, parent.epoch, parent.owner, int(pending), int(active), int(max_epoch or 0))
+
+
+@built_once
+def _round_state_stmt() -> Any:
+    E = SubagentExecution
+    return select(
+        func.count().filter(E.status.in_((ExecutionStatus.RUNNING, ExecutionStatus.RECOVERING))),
+        func.max(E.epoch),
+        func.count(),
+    ).where(E.parent_session_id == bindparam("b_parent"), E.delivery_status == "PENDING")
 
 
 @dataclass(frozen=True)
@@ -187,14 +197,19 @@ def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
     and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
     The execution's token counters are read in the same statement (not locked: only the
     epoch's owner adds to them, and the end's compare-and-set checks the epoch)."""
+    row = s.execute(_lock_parent_stmt(), {"b_parent": info.parent_session_id, "b_eid": info.execution_id}).one()
+    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
+
+
+@built_once
+def _lock_parent_stmt() -> Any:
     E, S = SubagentExecution, AgentSession
-    row = s.execute(
+    return (
         select(S.epoch, S.lease_owner, E.prompt_tokens, E.completion_tokens)
         .join(E, E.parent_session_id == S.id)
-        .where(S.id == info.parent_session_id, E.id == info.execution_id)
+        .where(S.id == bindparam("b_parent"), E.id == bindparam("b_eid"))
         .with_for_update(of=S)
-    ).one()
-    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
+    )
 
 
 def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:

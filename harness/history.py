@@ -18,12 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from sqlalchemy import Table, insert, select, update
+from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from harness.errors import BoundaryInvalid
 from models import AgentSession, Message, Role
 from models.base import utcnow
+from models.db import built_once
 
 
 class Row(Protocol):
@@ -176,21 +177,32 @@ def validated_boundary(s: Session, session_id: int) -> int | None:
 def check_boundary(s: Session, session_id: int, boundary: int | None) -> None:
     if boundary is None:
         return
-    live = s.execute(
-        select(Message.id).where(Message.id == boundary, Message.session_id == session_id, Message.deleted.is_(False))
-    ).scalar_one_or_none()
+    live = s.execute(_boundary_stmt(), {"b_id": boundary, "b_sid": session_id}).scalar_one_or_none()
     if live is None:
         raise BoundaryInvalid(f"compaction boundary {boundary} is not a live message of session {session_id}")
+
+
+@built_once
+def _boundary_stmt() -> Any:
+    return select(Message.id).where(
+        Message.id == bindparam("b_id"), Message.session_id == bindparam("b_sid"), Message.deleted.is_(False)
+    )
 
 
 def load_raw(s: Session, session_id: int, boundary: int | None = None, *, validate: bool = True) -> list[Message]:
     """Live rows of a session after ``boundary`` (validated), in history order."""
     if validate:
         check_boundary(s, session_id, boundary)
-    q = select(Message).where(Message.session_id == session_id, Message.deleted.is_(False))
-    if boundary is not None:
-        q = q.where(Message.id > boundary)
-    return list(s.execute(q.order_by(Message.id)).scalars())
+    return list(s.execute(_raw_stmt(), {"b_sid": session_id, "b_after": boundary or 0}).scalars())
+
+
+@built_once
+def _raw_stmt() -> Any:
+    return (
+        select(Message)
+        .where(Message.session_id == bindparam("b_sid"), Message.deleted.is_(False), Message.id > bindparam("b_after"))
+        .order_by(Message.id)
+    )
 
 
 def tail_garbage(rows: Sequence[Row]) -> list[int]:
@@ -370,9 +382,13 @@ def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]])
         }
         for r in rows
     ]
+    return [int(i) for i in s.execute(_insert_stmt(), params).scalars()]
+
+
+@built_once
+def _insert_stmt() -> Any:
     table = cast(Table, Message.__table__)
-    stmt = insert(table).returning(table.c.id, sort_by_parameter_order=True)
-    return [int(i) for i in s.execute(stmt, params).scalars()]
+    return insert(table).returning(table.c.id, sort_by_parameter_order=True)
 
 
 def append_message(
@@ -425,11 +441,23 @@ class Compaction:
 
 
 def compaction_of(s: Session, session_id: int) -> Compaction:
-    S = AgentSession
-    found = s.execute(
-        select(S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
-    ).one_or_none()
+    found = s.execute(_compaction_stmt(), {"b_sid": session_id}).one_or_none()
     return Compaction(*found) if found is not None else Compaction()
+
+
+@built_once
+def _compaction_stmt() -> Any:
+    S = AgentSession
+    return select(S.compaction_boundary_message_id, S.compaction_summary).where(S.id == bindparam("b_sid"))
+
+
+@built_once
+def _view_stmt() -> Any:
+    return (
+        select(*_VIEW_COLUMNS)
+        .where(Message.session_id == bindparam("b_sid"), Message.deleted.is_(False), Message.id > bindparam("b_after"))
+        .order_by(Message.id)
+    )
 
 
 def model_view(s: Session, session_id: int, compaction: Compaction | None = None) -> list[dict[str, Any]]:
@@ -439,10 +467,8 @@ def model_view(s: Session, session_id: int, compaction: Compaction | None = None
     compaction = compaction if compaction is not None else compaction_of(s, session_id)
     boundary, summary = compaction.boundary, compaction.summary
     check_boundary(s, session_id, boundary)
-    q = select(*_VIEW_COLUMNS).where(Message.session_id == session_id, Message.deleted.is_(False))
-    if boundary is not None:
-        q = q.where(Message.id > boundary)
-    messages = to_openai(normalize(list(s.execute(q.order_by(Message.id)).all())))
+    rows = s.execute(_view_stmt(), {"b_sid": session_id, "b_after": boundary or 0}).all()
+    messages = to_openai(normalize(list(rows)))
     if boundary is not None and summary:
         messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation: {summary}"})
     return messages

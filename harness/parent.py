@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select, union
+from sqlalchemy import bindparam, select, union
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -38,6 +38,7 @@ from harness.scheduler import Handed
 from harness.tools import ToolContext, run_inline, tool_names
 from logfmt import log_event
 from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
+from models.db import built_once
 from models.session import end_run, release_session, take_session
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         agent_type: str | None = None
         in_flight = first_view = None
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
-            S = AgentSession
-            row = s.execute(
-                select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary).where(S.id == session_id)
-            ).one()
+            row = s.execute(_run_facts_stmt(), {"b_sid": session_id}).one()
             agent_type = row.agent_type
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there.
@@ -110,6 +108,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         )
         _release(fence, Phase.FAILED)
         return RunOutcome.FAILED
+
+
+@built_once
+def _run_facts_stmt() -> Any:
+    S = AgentSession
+    return select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary).where(
+        S.id == bindparam("b_sid")
+    )
 
 
 def _release(fence: Fence, phase: Phase | None) -> None:

@@ -31,6 +31,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    bindparam,
     func,
     insert,
     select,
@@ -40,7 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import cas
+from models.db import built_once, cas
 from models.message import Message
 
 
@@ -133,11 +134,16 @@ def last_live_message_id(s: Session, session_id: int) -> int | None:
 
 def open_entry(s: Session, session_id: int) -> RoundJournal | None:
     """The session's open entry, locked (FOR UPDATE), or None."""
-    return s.execute(
+    return s.execute(_open_entry_stmt(), {"b_sid": session_id}).scalar_one_or_none()
+
+
+@built_once
+def _open_entry_stmt() -> Any:
+    return (
         select(RoundJournal)
-        .where(RoundJournal.session_id == session_id, RoundJournal.closed_at.is_(None))
+        .where(RoundJournal.session_id == bindparam("b_sid"), RoundJournal.closed_at.is_(None))
         .with_for_update()
-    ).scalar_one_or_none()
+    )
 
 
 def write_reply(

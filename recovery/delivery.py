@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -47,6 +47,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
+from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.session import cancel_child, hand_over, stop_session
 from recovery.legacy import infer_and_store
@@ -80,22 +81,30 @@ class DeliveryOutcome:
 def _lock_parent(s: Session, parent_id: int) -> Any:
     """The parent's epoch, lease owner, phase and compaction boundary, its row locked (first,
     in every path)."""
+    return s.execute(_lock_parent_stmt(), {"b_parent": parent_id}).one_or_none()
+
+
+@built_once
+def _lock_parent_stmt() -> Any:
     S = AgentSession
-    return s.execute(
+    return (
         select(S.id, S.epoch, S.lease_owner, S.phase, S.compaction_boundary_message_id)
-        .where(S.id == parent_id)
+        .where(S.id == bindparam("b_parent"))
         .with_for_update()
-    ).one_or_none()
+    )
 
 
 def _pending(s: Session, parent_id: int) -> list[SubagentExecution]:
-    return list(
-        s.execute(
-            select(E)
-            .where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
-            .order_by(E.id)
-            .with_for_update()
-        ).scalars()
+    return list(s.execute(_pending_stmt(), {"b_parent": parent_id}).scalars())
+
+
+@built_once
+def _pending_stmt() -> Any:
+    return (
+        select(E)
+        .where(E.parent_session_id == bindparam("b_parent"), E.delivery_status == DeliveryStatus.PENDING)
+        .order_by(E.id)
+        .with_for_update()
     )
 
 
@@ -177,11 +186,16 @@ def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
 
 
 def _open_round(s: Session, parent_id: int) -> PendingRound | None:
-    return s.execute(
+    return s.execute(_open_round_stmt(), {"b_parent": parent_id}).scalar_one_or_none()
+
+
+@built_once
+def _open_round_stmt() -> Any:
+    return (
         select(PendingRound)
-        .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
+        .where(PendingRound.session_id == bindparam("b_parent"), PendingRound.closed_at.is_(None))
         .with_for_update()
-    ).scalar_one_or_none()
+    )
 
 
 def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
