@@ -11,10 +11,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from types import TracebackType
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from harness.errors import Cancelled
@@ -28,10 +27,8 @@ from models import (
     SubagentExecution,
     transaction,
 )
-from models.base import utcnow
-from models.db import cas
+from models.execution import fence_execution
 from models.session import fence_session, renew_session_lease
-from models.worker import still_current
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +120,14 @@ class ExecutionFence(Fence):
     execution_id: int = 0
 
     def _update(self, s: Session, prompt_tokens: int, completion_tokens: int) -> bool:
-        E = SubagentExecution
-        rows = cas(
+        return fence_execution(
             s,
-            update(E)
-            .where(E.id == self.execution_id, E.epoch == self.epoch, E.status.in_(ACTIVE_EXECUTION), *still_current())
-            .values(
-                lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds),
-                prompt_tokens=E.prompt_tokens + prompt_tokens,
-                completion_tokens=E.completion_tokens + completion_tokens,
-                total_tokens=E.total_tokens + prompt_tokens + completion_tokens,
-            ),
+            self.execution_id,
+            epoch=self.epoch,
+            lease_seconds=self.lease_seconds,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
-        return rows == 1
 
     def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         if not self._update(s, prompt_tokens, completion_tokens):

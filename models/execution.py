@@ -264,6 +264,61 @@ def finish_execution(
     return False
 
 
+def fence_execution(
+    s: Session, eid: int, *, epoch: int, lease_seconds: float, prompt_tokens: int = 0, completion_tokens: int = 0
+) -> bool:
+    """Inside a child loop's write transaction (or its heartbeat): renew the lease of the
+    epoch's owner and add a reply's token usage. False, nothing written, when the epoch moved
+    on, the execution is no longer active, or this process was replaced under its name."""
+    params = {
+        "b_eid": eid,
+        "b_epoch": epoch,
+        "b_until": utcnow() + timedelta(seconds=lease_seconds),
+        "b_prompt": prompt_tokens,
+        "b_completion": completion_tokens,
+    }
+    return cas(s, _fence_stmt(identity_for()), params) == 1
+
+
+@built_once
+def _fence_stmt(me: tuple[str, int] | None) -> Any:
+    return (
+        update(E)
+        .where(
+            E.id == bindparam("b_eid"),
+            E.epoch == bindparam("b_epoch"),
+            E.status.in_(ACTIVE_EXECUTION),
+            *still_current_as(me),
+        )
+        .values(
+            lease_expires_at=bindparam("b_until"),
+            prompt_tokens=E.prompt_tokens + bindparam("b_prompt"),
+            completion_tokens=E.completion_tokens + bindparam("b_completion"),
+            total_tokens=E.total_tokens + bindparam("b_prompt") + bindparam("b_completion"),
+        )
+        .execution_options(synchronize_session=False)
+    )
+
+
+def store_inferred(s: Session, eid: int, *, invocation: InvocationType | None, tool_call_id: str | None) -> None:
+    """Write back what the legacy inference found (spec §6.3) where the row still has NULL, so
+    a concurrent writer is never overwritten (``None``: nothing to write for that column)."""
+    if invocation is not None:
+        s.execute(
+            update(E)
+            .where(E.id == eid, E.invocation_type.is_(None))
+            .values(invocation_type=invocation)
+            .execution_options(synchronize_session=False)
+        )
+    if tool_call_id is not None:
+        s.execute(
+            update(E)
+            .where(E.id == eid, E.parent_tool_call_id.is_(None))
+            .values(parent_tool_call_id=tool_call_id)
+            .execution_options(synchronize_session=False)
+        )
+
+
 def mark_delivered(s: Session, eid: int, *, assistant_message_id: int | None, tool_message_id: int | None) -> bool:
     """PENDING -> DELIVERED for a terminal execution. False when already delivered/suppressed.
 

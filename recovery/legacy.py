@@ -8,10 +8,11 @@ sees the same values.
 
 from __future__ import annotations
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models import InvocationType, SubagentExecution
+from models.execution import store_inferred
 
 SYNTHETIC_PREFIX = "recovered_subagent_execution_"
 
@@ -28,21 +29,11 @@ def infer_and_store(s: Session, execution_id: int) -> tuple[InvocationType, str]
         select(E.invocation_type, E.parent_tool_call_id, E.child_session_id).where(E.id == execution_id)
     ).one()
     invocation, call_id = row.invocation_type, row.parent_tool_call_id
+    inferred_invocation = inferred_call = None
     if invocation is None:
         first = s.execute(select(func.min(E.id)).where(E.child_session_id == row.child_session_id)).scalar_one()
-        invocation = InvocationType.DELEGATE if first == execution_id else InvocationType.FOLLOWUP
-        s.execute(
-            update(E)
-            .where(E.id == execution_id, E.invocation_type.is_(None))
-            .values(invocation_type=invocation)
-            .execution_options(synchronize_session=False)
-        )
+        invocation = inferred_invocation = InvocationType.DELEGATE if first == execution_id else InvocationType.FOLLOWUP
     if call_id is None:
-        call_id = synthetic_tool_call_id(execution_id)
-        s.execute(
-            update(E)
-            .where(E.id == execution_id, E.parent_tool_call_id.is_(None))
-            .values(parent_tool_call_id=call_id)
-            .execution_options(synchronize_session=False)
-        )
+        call_id = inferred_call = synthetic_tool_call_id(execution_id)
+    store_inferred(s, execution_id, invocation=inferred_invocation, tool_call_id=inferred_call)
     return InvocationType(invocation), call_id
