@@ -579,28 +579,49 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     n = f"median of {args.trials}"
+
+    def spread(values: list[float], digits: int = 1) -> str:
+        return f"trials {min(values):.{digits}f} .. {max(values):.{digits}f}"
+
+    def ratios(ours_values: list[float], theirs: list[float]) -> str:
+        each = [o / t for o, t in zip(ours_values, theirs, strict=True) if t]
+        return f"per trial {min(each):.2f} .. {max(each):.2f}" if each else "no trial"
+
     if "crash" in args.modes:
         ours_rate, dbos_rate = median(ours_rates), median(dbos_rates)
-        print(f"ours: {ours_rate:.1f} deliveries/s ({n})")
-        print(f"DBOS: {dbos_rate:.1f} deliveries/s ({n})")
-        print(f"ratio ours/DBOS: {ours_rate / dbos_rate:.2f} (crash and recover, deliveries/s; {system_load()})")
-    if "restart" in args.modes:
-        ours_s, dbos_s = median([r.seconds for r in ours_restart]), median(dbos_restart)
+        print(f"ours: {ours_rate:.1f} deliveries/s ({n}; {spread(ours_rates)})")
+        print(f"DBOS: {dbos_rate:.1f} deliveries/s ({n}; {spread(dbos_rates)})")
         print(
-            f"restart -> every parent resumed, ours: {ours_s:.2f} s ({n}; LEASE_SECONDS {args.lease_seconds:g}, "
-            f"SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, broker {args.restart_broker}, worker ready after "
-            f"{median([r.ready_s for r in ours_restart]):.2f} s)"
+            f"ratio ours/DBOS: {ours_rate / dbos_rate:.2f} ({ratios(ours_rates, dbos_rates)}; crash and recover, "
+            f"deliveries/s; {system_load()})"
         )
-        print(f"process start -> every workflow done, DBOS: {dbos_s:.2f} s ({n})")
-        print(f"restart ratio ours/DBOS (seconds, lower is better): {ours_s / dbos_s:.2f} ({system_load()})")
+    if "restart" in args.modes:
+        ours_seconds = [r.seconds for r in ours_restart]
+        ours_s, dbos_s = median(ours_seconds), median(dbos_restart)
+        print(
+            f"restart -> every parent resumed, ours: {ours_s:.2f} s ({n}; {spread(ours_seconds, 2)}; LEASE_SECONDS "
+            f"{args.lease_seconds:g}, SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, broker "
+            f"{args.restart_broker}, worker ready after {median([r.ready_s for r in ours_restart]):.2f} s)"
+        )
+        print(f"process start -> every workflow done, DBOS: {dbos_s:.2f} s ({n}; {spread(dbos_restart, 2)})")
+        print(
+            f"restart ratio ours/DBOS (seconds, lower is better): {ours_s / dbos_s:.2f} "
+            f"({ratios(ours_seconds, dbos_restart)}; {system_load()})"
+        )
     if "normal" in args.modes:
         ours_pps, dbos_pps = median(ours_normal), median(dbos_normal)
-        print(f"normal path, ours: {ours_pps:.1f} parents/s ({n}; 1 worker x {args.concurrency} pool processes)")
         print(
-            f"normal path, DBOS: {dbos_pps:.1f} parents/s ({n}; {args.dbos_processes} processes x "
-            f"{max(1, args.concurrency // args.dbos_processes)} child workflows at once)"
+            f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; 1 worker x "
+            f"{args.concurrency} pool processes)"
         )
-        print(f"normal path ratio ours/DBOS (parents/s): {ours_pps / dbos_pps:.2f} ({system_load()})")
+        print(
+            f"normal path, DBOS: {dbos_pps:.1f} parents/s ({n}; {spread(dbos_normal)}; {args.dbos_processes} "
+            f"processes x {max(1, args.concurrency // args.dbos_processes)} child workflows at once)"
+        )
+        print(
+            f"normal path ratio ours/DBOS (parents/s): {ours_pps / dbos_pps:.2f} "
+            f"({ratios(ours_normal, dbos_normal)}; {system_load()})"
+        )
     if problems:
         print(f"exactly-once checks: VIOLATED ({len(problems)})")
         for problem in problems:

@@ -525,15 +525,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  scan -> first delivery:       {first:8.3f} s (median of {args.runs})")
     print(f"  scan -> all delivered:        {delivered:8.3f} s")
     print(f"  scan -> every parent resumed: {resumed:8.3f} s")
+    rates = [o.deliveries_per_second for o, _ in runs]
+    each = [o.deliveries_per_second / c.per_second for o, c in runs]
     print(
         f"{label}deliveries/s: {rate:.1f} ({ours.executions} executions, scan -> every parent resumed; "
-        f"median of {args.runs})"
+        f"median of {args.runs}; runs {min(rates):.1f} .. {max(rates):.1f})"
     )
     print(
         f"commit ceiling: {ceiling_rate:.0f} tx/s (2 message inserts + 1 execution update per transaction, "
         f"{ceiling.connections} connections, {ceiling.seconds:.2f} s per run; median of {args.runs})"
     )
-    print(f"{label}ratio ours/ceiling: {ratio:.4f} (median of the runs' ratios; {system_load()})")
+    print(
+        f"{label}ratio ours/ceiling: {ratio:.4f} (median of the runs' ratios, {min(each):.4f} .. {max(each):.4f}; "
+        f"{system_load()})"
+    )
     problems = [f"run {n}: {p}" for n, (o, _) in enumerate(runs, start=1) for p in o.invariants]
     if problems:
         print(f"invariants I1-I5: VIOLATED ({len(problems)})")
