@@ -40,6 +40,7 @@ from harness.errors import BoundaryInvalid
 from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, validated_boundary
 from harness.scheduler import Handed, Scheduler
+from logfmt import log_event
 from models import (
     ACTIVE_EXECUTION,
     ACTIVE_PHASES,
@@ -60,7 +61,7 @@ from recovery.delivery import suppress_parent
 from recovery.errors import RecoveryError
 from settings import get_settings
 
-log = logging.getLogger("recovery.scan")
+log = logging.getLogger(__name__)
 
 #: Rows reserved per statement.
 BATCH = 1000
@@ -127,7 +128,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
     started, started_at = time.monotonic(), utcnow()
     right = ScanRight()
     if not right.take():
-        log.info("event=subagent_recovery_scan skipped=another_scan_running")
+        log_event(log, "subagent_recovery_scan", skipped="another_scan_running")
         return ScanReport(ran=False)
     report = ScanReport()
     try:
@@ -138,22 +139,23 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
         _step("resume", right, _resume_plain_sessions, scheduler, report)
     except ScanRightLost:
         report.right_lost = True
-        log.warning("event=subagent_recovery_scan stopped=scan_right_lost")
+        log_event(log, "subagent_recovery_scan", logging.WARNING, stopped="scan_right_lost")
     finally:
         if not report.right_lost:
             try:
                 right.release()
             except Exception:
-                log.warning("event=scan_right_not_released", exc_info=True)
+                log_event(log, "scan_right_not_released", logging.WARNING, exc_info=True)
     duration_ms = int((time.monotonic() - started) * 1000)
-    log.info(
-        "event=subagent_recovery_scan executions=%d parents=%d suppressed=%d waiting=%d resumed=%d durationMs=%d",
-        len(report.recovering) + len(report.delivering),
-        len(report.parents),
-        len(report.suppressed),
-        len(report.waiting),
-        len(report.resumed_sessions),
-        duration_ms,
+    log_event(
+        log,
+        "subagent_recovery_scan",
+        executions=len(report.recovering) + len(report.delivering),
+        parents=len(report.parents),
+        suppressed=len(report.suppressed),
+        waiting=len(report.waiting),
+        resumed=len(report.resumed_sessions),
+        duration_ms=duration_ms,
     )
     try:
         with transaction() as s:
@@ -165,7 +167,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
                 executions=len(report.recovering) + len(report.delivering),
             )
     except Exception:
-        log.warning("event=scan_record_failed", exc_info=True)
+        log_event(log, "scan_record_failed", logging.WARNING, exc_info=True)
     return report
 
 
@@ -178,7 +180,7 @@ def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
     except ScanRightLost:
         raise
     except Exception:
-        log.error("event=scan_step_failed step=%s", name, exc_info=True)
+        log_event(log, "scan_step_failed", logging.ERROR, exc_info=True, step=name)
 
 
 def _suppress_stopped_parents(report: ScanReport) -> None:
@@ -200,7 +202,7 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
                 if phase in STOPPED_PHASES:  # re-checked under the lock
                     report.suppressed += suppress_parent(s, parent_id)
         except Exception:
-            log.error("event=scan_suppress_failed parent=%s", parent_id, exc_info=True)
+            log_event(log, "scan_suppress_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
 
 
 def _dead(pass_started: datetime) -> Any:
@@ -315,11 +317,7 @@ def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: Sc
             for pid, _, children in rounds:
                 report.parents.append(pid)
                 report.recovering += [eid for eid, _ in children]
-                log.info(
-                    "event=parent_recovery_wait parent=%s childExecutions=%s",
-                    pid,
-                    ",".join(str(eid) for eid, _ in children),
-                )
+                log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
             scheduler.recover_many(rounds)
         if not batch.full:
             return
@@ -388,11 +386,11 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
         try:
             new_epoch = _take_plain(sid, epoch)
         except Exception:
-            log.error("event=scan_session_failed session=%s", sid, exc_info=True)
+            log_event(log, "scan_session_failed", logging.ERROR, exc_info=True, session_id=sid)
             continue
         if new_epoch is not None:
             report.resumed_sessions.append(sid)
-            log.info("event=session_recovery_start session=%s epoch=%s", sid, new_epoch)
+            log_event(log, "session_recovery_start", session_id=sid, epoch=new_epoch)
             scheduler.resume_parent(sid, new_epoch)
 
 
@@ -418,6 +416,6 @@ def _take_plain(sid: int, epoch: int) -> int | None:
         with transaction() as s:
             stopped = stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED, require_free=True)
         if stopped:
-            log.error("event=session_stopped session_id=%s reason=invalid_compaction_boundary", sid)
+            log_event(log, "session_stopped", logging.ERROR, session_id=sid, reason="invalid_compaction_boundary")
             publish_status(sid, Phase.FAILED)
         return None
