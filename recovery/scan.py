@@ -1,18 +1,21 @@
 """The recovery scan (DESIGN §6 recovery path): worker boot (worker_ready) and beat.
 
-One scan at a time across all workers (PostgreSQL advisory lock); every row decision is still
-a compare-and-set, so two concurrent scans (or two beats) are harmless. In order:
+One scan at a time across all workers (the right to scan: a row with an expiry in the
+database's clock, models.worker); every row decision is still a compare-and-set, so two
+concurrent scans (or two beats) are harmless. In order:
 1. PENDING executions of cancelled/terminal parents -> SUPPRESSED with the children cancelled;
    such parents are never resumed (spec §7.1.5, §7.7).
 2. Dead executions, each on its own (spec §7.1, issue 9): active + PENDING whose lease lapsed
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
-   the barrier is delivery's (I3). Set-based: one ``UPDATE … WHERE id IN (SELECT … FOR
-   UPDATE SKIP LOCKED LIMIT n) RETURNING`` per batch reserves them (RECOVERING, epoch + 1,
-   no owner, a reservation of two leases) — except an unclaimed reservation of an earlier
-   scan, which keeps its epoch: its message may just be late in a long queue, and bumping
-   would make it stale over and over. A parent whose own lease lapsed (it died before
-   yielding) is released the same way (epoch + 1, RESUMING, no owner).
+   the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards:
+   on PostgreSQL each batch is ONE statement (``WITH`` candidates, their parents locked
+   ``FOR UPDATE SKIP LOCKED``, then their executions, ``UPDATE … RETURNING``) that reserves
+   them (RECOVERING, epoch + 1, no owner, a reservation of two leases) — except an unclaimed
+   reservation of an earlier scan, which keeps its epoch: its message may just be late in a
+   long queue, and bumping would make it stale over and over — and releases their parents in
+   the same statement: a parent whose own lease lapsed (it died before yielding) the same way
+   (epoch + 1, RESUMING, no owner), a waiting one shown RESUMING.
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
@@ -30,9 +33,12 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import and_, case, exists, func, or_, select, update
+from sqlalchemy import BigInteger, DateTime, and_, bindparam, case, exists, func, or_, select, update
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -55,7 +61,14 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.session import not_stopped, release_dead_parents, reservation_seconds, reserve_session, stop_session
+from models.session import (
+    not_stopped,
+    parent_release,
+    release_dead_parents,
+    reservation_seconds,
+    reserve_session,
+    stop_session,
+)
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
 from recovery.delivery import suppress_parent
 from recovery.errors import RecoveryError
@@ -235,90 +248,197 @@ def _dead(pass_started: datetime) -> Any:
 
 @dataclass(frozen=True)
 class _Batch:
-    rows: list[Any]  #: (id, epoch, parent_session_id) of the executions reserved
+    rounds: list[tuple[int, int, list[Handed]]]  #: (parent, parent epoch, its executions reserved), by id
     cursor: int  #: the highest execution id this batch looked at
     full: bool  #: the batch was full: more candidates may follow the cursor
 
 
-def _reserve_batch(s: Session, reserve_seconds: float, pass_started: datetime, after_id: int) -> _Batch:
-    """Reserve up to BATCH dead executions with ids above ``after_id`` (RECOVERING, epoch + 1,
-    no owner; an unclaimed reservation keeps its epoch).
-
-    The pass walks the execution ids upwards (keyset), so it visits each row at most once,
-    whatever the backlog (issue 15 item 3). Rows are locked in the one order every path uses:
-    the parent row first, then its executions (issue 15 item 5). A parent locked by a cancel,
-    a delivery or a finishing child is skipped for this pass, never waited for."""
+def _candidates(dead: Any, after_id: Any) -> Any:
+    """SQL: up to BATCH dead executions with ids above ``after_id`` whose parent is not stopped,
+    by id (read without locks: every rule is checked again under them)."""
     Parent = S.__table__.alias("parent")
-    dead = _dead(pass_started)
-    candidates = s.execute(
+    return (
         select(E.id, E.parent_session_id)
         .join(Parent, Parent.c.id == E.parent_session_id)
         .where(E.id > after_id, dead, not_stopped(Parent))
         .order_by(E.id)
         .limit(BATCH)
-    ).all()
+    )
+
+
+def _reservation(now: Any, reserve_seconds: float) -> dict[str, Any]:
+    """The values a reservation writes: RECOVERING, epoch + 1, no owner, a reservation of
+    ``reserve_seconds``; an unclaimed reservation of an earlier pass keeps its epoch and is
+    re-sent with a reservation twice as long as its last one."""
+    unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
+    # NOTE: a re-sent reservation lasts twice as long as the last one (2, 4, ... 64 leases):
+    # its message may just wait in a queue longer than the workers drain in two leases, and
+    # re-sending the whole backlog every two leases would multiply that queue.
+    windows = [(E.resends == k, now + timedelta(seconds=reserve_seconds * 2 ** (k + 1))) for k in range(5)]
+    return {
+        "status": ExecutionStatus.RECOVERING,
+        "epoch": case((unclaimed, E.epoch), else_=E.epoch + 1),
+        "resends": case((unclaimed, E.resends + 1), else_=0),
+        "lease_owner": None,
+        "lease_generation": None,
+        "lease_expires_at": case(
+            (~unclaimed, now + timedelta(seconds=reserve_seconds)),
+            *windows,
+            else_=now + timedelta(seconds=reserve_seconds * 2**6),
+        ),
+    }
+
+
+class _Reserver:
+    """Reserves the batches of one pass: up to BATCH dead executions at a time with ids above
+    a cursor (RECOVERING, epoch + 1, no owner; an unclaimed reservation keeps its epoch), and
+    hands their parents over (models.session.parent_release), in the caller's transaction.
+
+    The pass walks the execution ids upwards (keyset), so it visits each row at most once,
+    whatever the backlog (issue 15 item 3). Rows are locked in the one order every path uses:
+    the parent row first, then its executions (issue 15 item 5). A parent locked by a cancel,
+    a delivery or a finishing child is skipped for this pass, never waited for; so is an
+    execution locked by its own finishing child."""
+
+    def __init__(self, pass_started: datetime, reserve_seconds: float) -> None:
+        self.pass_started = pass_started
+        self.reserve_seconds = reserve_seconds
+        self._statement: Any = None
+
+    def batch(self, s: Session, after_id: int) -> _Batch:
+        if not _pg(s):
+            return _reserve_batch_in_steps(s, self.reserve_seconds, self.pass_started, after_id)
+        if self._statement is None:
+            self._statement = self._one_statement()
+        row = s.execute(self._statement, {"after_id": after_id, "now": utcnow()}).one()
+        cursor, seen, parents, ids, epochs, locked_ids, locked_epochs, bumped_ids, bumped_epochs = row
+        if cursor is None:
+            return _Batch([], after_id, False)
+        parent_epoch = dict(zip(locked_ids or (), locked_epochs or (), strict=True))
+        parent_epoch.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
+        rounds = [
+            (parent_id, parent_epoch[parent_id], [Handed(eid, epoch) for _, eid, epoch in group])
+            for parent_id, group in groupby(zip(parents or (), ids or (), epochs or (), strict=True), key=itemgetter(0))
+        ]
+        return _Batch(rounds, int(cursor), seen == BATCH)
+
+    def _one_statement(self) -> Any:
+        """PostgreSQL: a whole batch as ONE statement (one round trip, one row back), built once
+        per pass (its parameters: ``after_id``, ``now``): candidates -> their parents locked
+        (SKIP LOCKED) -> the candidates of the locked parents locked (SKIP LOCKED) -> the
+        reservation, an UPDATE whose WHERE states the dead rule again under the locks, RETURNING
+        -> the parents handed over (models.session.parent_release), UPDATEs whose WHERE states
+        their rules, RETURNING the epochs they wrote. The row: the batch's cursor and size, the
+        reserved executions (parent, id, epoch: three arrays in one order), the locked parents'
+        epochs and the released parents' new epochs.
+
+        NOTE: lock order inside the one statement: the executions' lock takes only executions
+        found in ``locked_parent``, whose rows exist only once their parent is locked, and it
+        takes them after a sort on the execution id, which reads all of its input before it
+        yields a row: every parent is locked before any execution of it. Every part of the WITH sees
+        one snapshot; a row changed after it and before its lock is re-read at the lock (READ
+        COMMITTED re-checks the WHERE on the newest version), so the epochs returned are the
+        ones in the rows now: the reservation's and the released parents' from RETURNING, the
+        epoch of a parent that neither release matched from its lock.
+
+        NOTE: every join reads a WITH part against a table's index, never two WITH parts against
+        each other: the planner knows nothing of a WITH part's size (after an upgrade day it
+        guessed one row for a thousand) and joins two of them by a nested loop, quadratic in the
+        batch. The result is therefore arrays, put together in Python."""
+        pass_started, reserve_seconds = self.pass_started, self.reserve_seconds
+        now = bindparam("now", type_=DateTime(timezone=True))
+        dead = _dead(pass_started)
+        candidate = _candidates(dead, bindparam("after_id", type_=BigInteger())).cte("candidate")
+        parent = (
+            select(candidate.c.id.label("execution_id"), S.id, S.epoch)
+            .select_from(candidate.join(S, S.id == candidate.c.parent_session_id))
+            .where(not_stopped())
+            .order_by(S.id)
+            .with_for_update(of=S, skip_locked=True)
+            .cte("locked_parent")
+        )
+        free = (
+            select(E.id)
+            .where(E.id.in_(select(parent.c.execution_id)))
+            .order_by(E.id)
+            .with_for_update(skip_locked=True)
+            .cte("free_execution")
+        )
+        reserved = (
+            update(E)
+            .where(E.id.in_(select(free.c.id)), dead)  # re-checked under the locks
+            .values(**_reservation(now, reserve_seconds))
+            .returning(E.id, E.epoch, E.parent_session_id)
+            .cte("reserved")
+        )
+        lapsed, waiting = parent_release(select(reserved.c.parent_session_id), now)
+        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
+        shown = waiting.returning(S.id).cte("shown_parent")
+
+        def array(column: Any, *order: Any) -> Any:
+            return select(func.array_agg(aggregate_order_by(column, *order))).scalar_subquery()
+
+        by_parent = (reserved.c.parent_session_id, reserved.c.id)
+        return select(
+            select(func.max(candidate.c.id)).scalar_subquery(),
+            select(func.count()).select_from(candidate).scalar_subquery(),
+            array(reserved.c.parent_session_id, *by_parent),
+            array(reserved.c.id, *by_parent),
+            array(reserved.c.epoch, *by_parent),
+            array(parent.c.id, parent.c.id),
+            array(parent.c.epoch, parent.c.id),
+            array(bumped.c.id, bumped.c.id),
+            array(bumped.c.epoch, bumped.c.id),
+        ).add_cte(shown)  # written, though nothing reads it
+
+
+def _reserve_batch_in_steps(s: Session, reserve_seconds: float, pass_started: datetime, after_id: int) -> _Batch:
+    """SQLite (the embedded default) has no UPDATE inside WITH: the same steps, one statement
+    each. (SQLite takes its write lock at BEGIN: nothing interleaves with them.)"""
+    dead = _dead(pass_started)
+    candidates = s.execute(_candidates(dead, after_id)).all()
     if not candidates:
         return _Batch([], after_id, False)
     cursor = int(candidates[-1][0])
     parents = sorted({int(p) for _, p in candidates})
-    locked = list(
+    locked = set(
         s.execute(select(S.id).where(S.id.in_(parents), not_stopped()).order_by(S.id).with_for_update(skip_locked=True))
         .scalars()
         .all()
     )
-    rows: list[Any] = []
+    by_parent: dict[int, list[Handed]] = defaultdict(list)
     if locked:
         ids = [int(i) for i, p in candidates if int(p) in locked]
         free = select(E.id).where(E.id.in_(ids)).with_for_update(skip_locked=True)
-        unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
-        now = utcnow()
-        # NOTE: a re-sent reservation lasts twice as long as the last one (2, 4, ... 64 leases):
-        # its message may just wait in a queue longer than the workers drain in two leases, and
-        # re-sending the whole backlog every two leases would multiply that queue.
-        windows = [(E.resends == k, now + timedelta(seconds=reserve_seconds * 2 ** (k + 1))) for k in range(5)]
-        rows = list(
-            s.execute(
-                update(E)
-                .where(E.id.in_(free.scalar_subquery()), dead)  # re-checked under the locks
-                .values(
-                    status=ExecutionStatus.RECOVERING,
-                    epoch=case((unclaimed, E.epoch), else_=E.epoch + 1),
-                    resends=case((unclaimed, E.resends + 1), else_=0),
-                    lease_owner=None,
-                    lease_generation=None,
-                    lease_expires_at=case(
-                        (~unclaimed, now + timedelta(seconds=reserve_seconds)),
-                        *windows,
-                        else_=now + timedelta(seconds=reserve_seconds * 2**6),
-                    ),
-                )
-                .returning(E.id, E.epoch, E.parent_session_id)
-                .execution_options(synchronize_session=False)
-            ).all()
-        )
-    return _Batch(rows, cursor, len(candidates) == BATCH)
+        for eid, epoch, parent_id in s.execute(
+            update(E)
+            .where(E.id.in_(free.scalar_subquery()), dead)  # re-checked under the locks
+            .values(**_reservation(utcnow(), reserve_seconds))
+            .returning(E.id, E.epoch, E.parent_session_id)
+            .execution_options(synchronize_session=False)
+        ).all():
+            by_parent[int(parent_id)].append(Handed(int(eid), int(epoch)))
+    epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
+    rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
+    return _Batch(rounds, cursor, len(candidates) == BATCH)
 
 
 def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
-    reserve_seconds = reservation_seconds()
-    pass_started = utcnow()
+    reserver = _Reserver(utcnow(), reservation_seconds())
     cursor = 0
     while True:
         with transaction() as s:
-            batch = _reserve_batch(s, reserve_seconds, pass_started, cursor)
-            by_parent: dict[int, list[Handed]] = defaultdict(list)
-            for eid, epoch, parent_id in batch.rows:
-                by_parent[int(parent_id)].append(Handed(int(eid), int(epoch)))
-            epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
+            batch = reserver.batch(s, cursor)
         cursor = batch.cursor
-        if batch.rows:
+        if batch.rounds:
             crash_point("scan.after_take_parent")
-            rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
-            for pid, _, children in rounds:
+            logging_waits = log.isEnabledFor(logging.INFO)
+            for pid, _, children in batch.rounds:
                 report.parents.append(pid)
                 report.recovering += [eid for eid, _ in children]
-                log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
-            scheduler.recover_many(rounds)
+                if logging_waits:
+                    log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
+            scheduler.recover_many(batch.rounds)
         if not batch.full:
             return
         right.renew()

@@ -329,6 +329,86 @@ def test_cancel_scan_and_a_finishing_child_racing_on_one_parent_never_deadlock(
     assert invariants(settled=False) == []
 
 
+def _locked_elsewhere(statement: str) -> Any:
+    """A transaction of another connection holding the row locks ``statement`` takes (as a
+    cancel, a delivery or a finishing child would), until the returned connection is closed."""
+    from models import get_engine
+
+    conn = get_engine().connect()
+    conn.begin()
+    conn.execute(text(statement))
+    return conn
+
+
+def test_a_parent_locked_elsewhere_is_skipped_not_waited_for_and_the_pass_goes_on_past_it(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+
+    busy, free = make_session(), make_session()
+    busy_rows = [make_execution(busy) for _ in range(2)]
+    free_row = make_execution(free)
+    monkeypatch.setattr(scan_module, "BATCH", 1)  # the busy parent fills whole batches
+    conn = _locked_elsewhere(f"SELECT id FROM agent_session WHERE id = {busy} FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass waited for the busy parent's lock"
+    finally:
+        conn.close()  # a waiting pass goes on now
+        scanner.join(10)
+    assert _sent(sched) == [free_row], "the cursor passed the busy parent's rows, visiting each once"
+    untouched = {e.id: (e.status, e.epoch) for e in executions_of(busy)}
+    assert untouched == {eid: (ExecutionStatus.RUNNING, 0) for eid in busy_rows}
+    later = RecordingScheduler()
+    scan(later, callback_grace_seconds=0)
+    assert sorted(_sent(later)) == busy_rows, "the next pass takes them"
+
+
+def test_an_execution_locked_elsewhere_is_skipped_while_its_siblings_are_reserved(db: str) -> None:
+    parent = make_session()
+    locked, sibling = make_execution(parent), make_execution(parent)
+    conn = _locked_elsewhere(f"SELECT id FROM subagent_execution WHERE id = {locked} FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass waited for the execution's lock"
+    finally:
+        conn.close()
+        scanner.join(10)
+    assert _sent(sched) == [sibling]
+    assert {e.id: e.epoch for e in executions_of(parent)} == {locked: 0, sibling: 1}
+
+
+def test_the_epochs_a_batch_hands_over_are_the_ones_it_wrote(db: str) -> None:
+    """One statement reserves and releases: every epoch handed to the scheduler is the row's."""
+    lapsed = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=3)
+    waiting = make_session(epoch=7)  # yielded: no owner, RUNNING
+    live = make_session(lease_owner="live@host", lease_expires_at=utcnow() + timedelta(seconds=60), epoch=5)
+    for parent in (lapsed, waiting, live):
+        make_execution(parent, lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=2)
+        make_execution(parent)  # never taken: epoch 0, no lease
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    with transaction() as s:
+        parents = {r.id: (r.epoch, r.phase, r.lease_owner) for r in s.execute(select(AgentSession)).scalars()}
+    assert parents[lapsed] == (4, Phase.RESUMING, None), "its own lease lapsed: fenced out"
+    assert parents[waiting] == (7, Phase.RESUMING, None), "its callback's epoch stays valid"
+    assert parents[live] == (5, Phase.RUNNING, "live@host"), "its live loop yields with its epoch"
+    handed = {pid: (epoch, dict(children)) for pid, epoch, children in sched.recoveries}
+    assert set(handed) == {lapsed, waiting, live}
+    for pid, (epoch, children) in handed.items():
+        assert epoch == parents[pid][0]
+        rows = {e.id: e for e in executions_of(pid)}
+        assert children == {eid: row.epoch for eid, row in rows.items()}
+        assert sorted(row.epoch for row in rows.values()) == [1, 3]
+        assert {(row.status, row.lease_owner) for row in rows.values()} == {(ExecutionStatus.RECOVERING, None)}
+
+
 # --- item 6: a queued run keeps its epoch ---------------------------------------------------
 
 
