@@ -409,6 +409,22 @@ def test_the_epochs_a_batch_hands_over_are_the_ones_it_wrote(db: str) -> None:
         assert {(row.status, row.lease_owner) for row in rows.values()} == {(ExecutionStatus.RECOVERING, None)}
 
 
+def test_a_rounds_delivery_is_asked_for_only_once_every_execution_of_it_is_terminal(db: str) -> None:
+    live = {"lease_owner": "w@h", "lease_expires_at": utcnow() + timedelta(seconds=60)}
+    done = {"status": ExecutionStatus.COMPLETED, "completed_at": utcnow() - timedelta(seconds=5)}
+    finished, half, running = make_session(epoch=2), make_session(), make_session()
+    for _ in range(2):
+        make_execution(finished, **done)
+        make_execution(running, **live)
+    make_execution(half, **done)
+    make_execution(half, **live)
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert sched.deliveries == [(finished, 2)]
+    assert sorted(report.delivering) == sorted(e.id for e in executions_of(finished))
+    assert sched.recoveries == []
+
+
 # --- item 6: a queued run keeps its epoch ---------------------------------------------------
 
 
