@@ -115,11 +115,14 @@ def upgrade_day_db(fresh_db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 @pytest.mark.timeout(600)
 def test_an_upgrade_day_backlog_of_overdue_executions_ends_in_one_pass_and_each_is_delivered_timed_out_once(
-    upgrade_day_db: str,
+    upgrade_day_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import recovery.scan as scan_module
+
+    monkeypatch.setattr(scan_module, "BATCH", 1000)
     with transaction() as s:
         total = s.execute(select(E.id).where(E.delivery_status == DeliveryStatus.PENDING)).all()
-    assert len(total) == 1500  # more than one batch (BATCH = 1000)
+    assert len(total) == 1500  # more than one batch: the first one is full of overdue rows
     first = RecordingScheduler()
     started = time.monotonic()
     report = scan(first, callback_grace_seconds=0)
