@@ -254,11 +254,11 @@ def _dead(pass_started: datetime) -> Any:
 @dataclass(frozen=True)
 class _Batch:
     rounds: list[tuple[int, int, list[Handed]]]  #: (parent, parent epoch, its executions reserved), by id
-    cursor: int  #: the highest execution id this batch looked at
+    cursor: int  #: the last execution id of the batch: the next one starts after it
     full: bool  #: the batch was full: more candidates may follow the cursor
 
 
-def _candidates(dead: Any, after_id: Any) -> Any:
+def _candidates(dead: Any, after_id: int) -> Any:
     """SQL: up to BATCH dead executions with ids above ``after_id`` whose parent is not stopped,
     by id (read without locks: every rule is checked again under them)."""
     Parent = S.__table__.alias("parent")
@@ -330,13 +330,14 @@ class _Reserver:
 
     def _one_statement(self) -> Any:
         """PostgreSQL: a whole batch as ONE statement (one round trip, one row back), built once
-        per pass (its parameters: ``after_id``, ``now``): candidates -> their parents locked
-        (SKIP LOCKED) -> the candidates of the locked parents locked (SKIP LOCKED) -> the
-        reservation, an UPDATE whose WHERE states the dead rule again under the locks, RETURNING
-        -> the parents handed over (models.session.parent_release), UPDATEs whose WHERE states
-        their rules, RETURNING the epochs they wrote. The row: the batch's cursor and size, the
-        reserved executions (parent, id, epoch: three arrays in one order), the locked parents'
-        epochs and the released parents' new epochs.
+        per pass (its parameters: ``after_id``, ``now``): the dead executions above the cursor
+        whose parent is not stopped, by id, each with its parent row locked (SKIP LOCKED), up to
+        BATCH -> those executions locked (SKIP LOCKED) -> the reservation, an UPDATE whose WHERE
+        states the dead rule again under the locks, RETURNING -> the parents handed over
+        (models.session.parent_release), UPDATEs whose WHERE states their rules, RETURNING the
+        epochs they wrote. The row: the batch's cursor and size, the reserved executions
+        (parent, id, epoch: three arrays in one order), the locked parents' epochs and the
+        released parents' new epochs.
 
         NOTE: lock order inside the one statement: the executions' lock takes only executions
         found in ``locked_parent``, whose rows exist only once their parent is locked, and it
@@ -354,12 +355,15 @@ class _Reserver:
         pass_started, reserve_seconds = self.pass_started, self.reserve_seconds
         now = bindparam("now", type_=DateTime(timezone=True))
         dead = _dead(pass_started)
-        candidate = _candidates(dead, bindparam("after_id", type_=BigInteger())).cte("candidate")
+        # The LIMIT counts rows whose parent this statement locked: a row whose parent is locked
+        # elsewhere is passed over (visited once), and the next batch starts after the last row
+        # taken here.
         parent = (
-            select(candidate.c.id.label("execution_id"), S.id, S.epoch)
-            .select_from(candidate.join(S, S.id == candidate.c.parent_session_id))
-            .where(not_stopped())
-            .order_by(S.id)
+            select(E.id.label("execution_id"), S.id, S.epoch)
+            .join(S, S.id == E.parent_session_id)
+            .where(E.id > bindparam("after_id", type_=BigInteger()), dead, not_stopped())
+            .order_by(E.id)
+            .limit(BATCH)
             .with_for_update(of=S, skip_locked=True)
             .cte("locked_parent")
         )
@@ -386,8 +390,8 @@ class _Reserver:
 
         by_parent = (reserved.c.parent_session_id, reserved.c.id)
         return select(
-            select(func.max(candidate.c.id)).scalar_subquery(),
-            select(func.count()).select_from(candidate).scalar_subquery(),
+            select(func.max(parent.c.execution_id)).scalar_subquery(),
+            select(func.count()).select_from(parent).scalar_subquery(),
             array(reserved.c.parent_session_id, *by_parent),
             array(reserved.c.id, *by_parent),
             array(reserved.c.epoch, *by_parent),

@@ -370,6 +370,29 @@ def test_a_parent_locked_elsewhere_is_skipped_not_waited_for_and_the_pass_goes_o
     assert sorted(_sent(later)) == busy_rows, "the next pass takes them"
 
 
+def test_a_pass_whose_every_dead_row_has_its_parent_locked_elsewhere_ends_having_taken_none(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+
+    parents = [make_session() for _ in range(3)]
+    for parent in parents:
+        make_execution(parent)
+    monkeypatch.setattr(scan_module, "BATCH", 1)
+    ids = ", ".join(map(str, parents))
+    conn = _locked_elsewhere(f"SELECT id FROM agent_session WHERE id IN ({ids}) FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass ended"
+    finally:
+        conn.close()
+        scanner.join(10)
+    assert sched.recoveries == []
+
+
 def test_an_execution_locked_elsewhere_is_skipped_while_its_siblings_are_reserved(db: str) -> None:
     parent = make_session()
     locked, sibling = make_execution(parent), make_execution(parent)
