@@ -153,20 +153,20 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     )
 
 
-def parent_release(parent_ids: Any, now: Any) -> tuple[Update, Update]:
-    """The scan's hand-over of parents as its two compare-and-sets, over ``parent_ids`` (a list
-    of ids, or a SELECT of them; ``now``: the database's time, a value or a bound parameter):
-    ``lapsed`` gives a parent whose own lease lapsed (it died
-    before yielding) epoch + 1, RESUMING and an unowned reservation of
+def parent_release(which: Any, now: Any) -> tuple[Update, Update]:
+    """The scan's hand-over of parents as its two compare-and-sets, over the parents ``which``
+    names (SQL on agent_session, e.g. ``AgentSession.id.in_(ids)``; ``now``: the database's
+    time, a value or a bound parameter): ``lapsed`` gives a parent whose own lease lapsed (it
+    died before yielding) epoch + 1, RESUMING and an unowned reservation of
     :func:`reservation_seconds`; ``waiting`` shows a waiting parent (no owner, RUNNING) as
     RESUMING and keeps its epoch (the callback it was handed stays valid). A parent still leased
     by a live loop matches neither and keeps its epoch (its loop yields with it). The two never
     match the same row (an owner or none). Returned as statements, so that
-    :func:`release_dead_parents` runs them and the scan nests them in its reservation's WITH
-    (recovery.scan), one rule in one place."""
+    :func:`release_dead_parents` runs them and the scan runs them in one WITH (recovery.scan),
+    one rule in one place."""
     lapsed = (
         update(S)
-        .where(S.id.in_(parent_ids), S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
+        .where(which, S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
         .values(
             phase=Phase.RESUMING,
             epoch=S.epoch + 1,
@@ -178,7 +178,7 @@ def parent_release(parent_ids: Any, now: Any) -> tuple[Update, Update]:
     )
     waiting = (
         update(S)
-        .where(S.id.in_(parent_ids), S.lease_owner.is_(None), S.phase == Phase.RUNNING)
+        .where(which, S.lease_owner.is_(None), S.phase == Phase.RUNNING)
         .values(phase=Phase.RESUMING, updated_at=now)
     )
     return lapsed, waiting
@@ -188,7 +188,7 @@ def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
     """The scan's hand-over of parents whose rounds it recovers or delivers (the rules of
     :func:`parent_release`). Returns every given parent's current epoch; a parent still leased
     by a live loop keeps its epoch (its loop yields with it)."""
-    for stmt in parent_release(parent_ids, utcnow()):
+    for stmt in parent_release(S.id.in_(parent_ids), utcnow()):
         s.execute(stmt.execution_options(synchronize_session=False))
     return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 

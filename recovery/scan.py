@@ -8,14 +8,14 @@ concurrent scans (or two beats) are harmless. In order:
 2. Dead executions, each on its own (spec §7.1, issue 9): active + PENDING whose lease lapsed
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
-   the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards:
-   on PostgreSQL each batch is ONE statement (``WITH`` candidates, their parents locked
-   ``FOR UPDATE SKIP LOCKED``, then their executions, ``UPDATE … RETURNING``) that reserves
-   them (RECOVERING, epoch + 1, no owner, a reservation of two leases) — except an unclaimed
-   reservation of an earlier scan, which keeps its epoch: its message may just be late in a
-   long queue, and bumping would make it stale over and over — and releases their parents in
-   the same statement: a parent whose own lease lapsed (it died before yielding) the same way
-   (epoch + 1, RESUMING, no owner), a waiting one shown RESUMING.
+   the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards,
+   each batch one transaction of three statements on PostgreSQL: lock (the dead executions
+   with their parents ``FOR UPDATE SKIP LOCKED``, then the executions), reserve (``UPDATE …
+   RETURNING``: RECOVERING, epoch + 1, no owner, a reservation of two leases — except an
+   unclaimed reservation of an earlier scan, which keeps its epoch: its message may just be
+   late in a long queue, and bumping would make it stale over and over), release their
+   parents (``UPDATE … RETURNING``: a parent whose own lease lapsed — it died before yielding —
+   the same way, epoch + 1, RESUMING, no owner; a waiting one shown RESUMING).
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
@@ -37,8 +37,8 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, and_, bindparam, case, exists, func, or_, select, text, update
-from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy import BigInteger, DateTime, and_, any_, bindparam, case, exists, func, or_, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
 from sqlalchemy.orm import Session, aliased
 
 from crashpoints import crash_point
@@ -308,56 +308,49 @@ class _Reserver:
     def __init__(self, pass_started: datetime, reserve_seconds: float) -> None:
         self.pass_started = pass_started
         self.reserve_seconds = reserve_seconds
-        self._statement: Any = None
+        self._statements: tuple[Any, Any, Any] | None = None
 
     def batch(self, s: Session, after_id: int) -> _Batch:
+        """PostgreSQL: three statements, each set-based and one round trip, built once per pass:
+        lock (:meth:`_lock`), reserve (:meth:`_reserve`), release (:meth:`_release`)."""
         if not _pg(s):
             return _reserve_batch_in_steps(s, self.reserve_seconds, self.pass_started, after_id)
-        if self._statement is None:
-            self._statement = self._one_statement()
+        if self._statements is None:
+            self._statements = (self._lock(), self._reserve(), self._release())
+        lock, reserve, release = self._statements
         _without_jit(s)
-        row = s.execute(self._statement, {"after_id": after_id, "now": utcnow()}).one()
-        cursor, seen, parents, ids, epochs, locked_ids, locked_epochs, bumped_ids, bumped_epochs = row
+        cursor, seen, free, locked_ids, locked_epochs = s.execute(lock, {"after_id": after_id}).one()
         if cursor is None:
             return _Batch([], after_id, False)
-        parent_epoch = dict(zip(locked_ids or (), locked_epochs or (), strict=True))
-        parent_epoch.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
-        rounds = [
-            (parent_id, parent_epoch[parent_id], [Handed(eid, epoch) for _, eid, epoch in group])
-            for parent_id, group in groupby(zip(parents or (), ids or (), epochs or (), strict=True), key=itemgetter(0))
-        ]
+        rounds: list[tuple[int, int, list[Handed]]] = []
+        if free:
+            now = utcnow()
+            parents, ids, epochs = s.execute(reserve, {"ids": free, "now": now}).one()
+            if parents:
+                parent_epoch = dict(zip(locked_ids, locked_epochs, strict=True))
+                bumped_ids, bumped_epochs = s.execute(release, {"parent_ids": sorted(set(parents)), "now": now}).one()
+                parent_epoch.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
+                rounds = [
+                    (parent_id, parent_epoch[parent_id], [Handed(eid, epoch) for _, eid, epoch in group])
+                    for parent_id, group in groupby(zip(parents, ids, epochs, strict=True), key=itemgetter(0))
+                ]
         return _Batch(rounds, int(cursor), seen == BATCH)
 
-    def _one_statement(self) -> Any:
-        """PostgreSQL: a whole batch as ONE statement (one round trip, one row back), built once
-        per pass (its parameters: ``after_id``, ``now``): the dead executions above the cursor
-        whose parent is not stopped, by id, each with its parent row locked (SKIP LOCKED), up to
-        BATCH -> those executions locked (SKIP LOCKED) -> the reservation, an UPDATE whose WHERE
-        states the dead rule again under the locks, RETURNING -> the parents handed over
-        (models.session.parent_release), UPDATEs whose WHERE states their rules, RETURNING the
-        epochs they wrote. The row: the batch's cursor and size, the reserved executions
-        (parent, id, epoch: three arrays in one order), the locked parents' epochs and the
-        released parents' new epochs.
+    def _lock(self) -> Any:
+        """The dead executions above the cursor (``after_id``) whose parent is not stopped, by
+        id, each with its parent row locked (SKIP LOCKED), up to BATCH; then those executions
+        locked (SKIP LOCKED). The row: the batch's cursor and size, the executions locked, the
+        locked parents and their epochs (arrays).
 
-        NOTE: lock order inside the one statement: the executions' lock takes only executions
-        found in ``locked_parent``, whose rows exist only once their parent is locked, and it
-        takes them after a sort on the execution id, which reads all of its input before it
-        yields a row: every parent is locked before any execution of it. Every part of the WITH sees
-        one snapshot; a row changed after it and before its lock is re-read at the lock (READ
-        COMMITTED re-checks the WHERE on the newest version), so the epochs returned are the
-        ones in the rows now: the reservation's and the released parents' from RETURNING, the
-        epoch of a parent that neither release matched from its lock.
-
-        NOTE: every join reads a WITH part against a table's index, never two WITH parts against
-        each other: the planner knows nothing of a WITH part's size (after an upgrade day it
-        guessed one row for a thousand) and joins two of them by a nested loop, quadratic in the
-        batch. The result is therefore arrays, put together in Python."""
-        pass_started, reserve_seconds = self.pass_started, self.reserve_seconds
-        now = bindparam("now", type_=DateTime(timezone=True))
-        dead = _dead(pass_started)
-        # The LIMIT counts rows whose parent this statement locked: a row whose parent is locked
-        # elsewhere is passed over (visited once), and the next batch starts after the last row
-        # taken here.
+        NOTE: the LIMIT counts rows whose parent this statement locked: a row whose parent is
+        locked elsewhere is passed over (visited once), and the next batch starts after the
+        last row taken here. Lock order: the executions' lock takes only executions found in
+        ``locked_parent``, whose rows exist only once their parent is locked, and it takes them
+        after a sort on the execution id, which reads all of its input before it yields a row:
+        every parent is locked before any execution of it. A row changed after the statement's
+        snapshot and before its lock is re-read at the lock (READ COMMITTED), so the parent
+        epochs returned are the ones in the locked rows."""
+        dead = _dead(self.pass_started)
         parent = (
             select(E.id.label("execution_id"), S.id, S.epoch)
             .join(S, S.id == E.parent_session_id)
@@ -367,6 +360,8 @@ class _Reserver:
             .with_for_update(of=S, skip_locked=True)
             .cte("locked_parent")
         )
+        # No condition on the execution here but its id: nothing but the ids found above can
+        # drive this read (see _reserve's NOTE).
         free = (
             select(E.id)
             .where(E.id.in_(select(parent.c.execution_id)))
@@ -374,32 +369,55 @@ class _Reserver:
             .with_for_update(skip_locked=True)
             .cte("free_execution")
         )
-        reserved = (
-            update(E)
-            .where(E.id.in_(select(free.c.id)), dead)  # re-checked under the locks
-            .values(**_reservation(now, reserve_seconds))
-            .returning(E.id, E.epoch, E.parent_session_id)
-            .cte("reserved")
-        )
-        lapsed, waiting = parent_release(select(reserved.c.parent_session_id), now)
-        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
-        shown = waiting.returning(S.id).cte("shown_parent")
-
-        def array(column: Any, *order: Any) -> Any:
-            return select(func.array_agg(aggregate_order_by(column, *order))).scalar_subquery()
-
-        by_parent = (reserved.c.parent_session_id, reserved.c.id)
         return select(
             select(func.max(parent.c.execution_id)).scalar_subquery(),
             select(func.count()).select_from(parent).scalar_subquery(),
-            array(reserved.c.parent_session_id, *by_parent),
-            array(reserved.c.id, *by_parent),
-            array(reserved.c.epoch, *by_parent),
-            array(parent.c.id, parent.c.id),
-            array(parent.c.epoch, parent.c.id),
-            array(bumped.c.id, bumped.c.id),
-            array(bumped.c.epoch, bumped.c.id),
-        ).add_cte(shown)  # written, though nothing reads it
+            _array(free.c.id, free.c.id),
+            _array(parent.c.id, parent.c.id),
+            _array(parent.c.epoch, parent.c.id),
+        )
+
+    def _reserve(self) -> Any:
+        """The reservation of the executions the lock took (``ids``): an UPDATE whose WHERE
+        states the dead rule again under the locks, RETURNING; the row: the executions
+        reserved as (parent, id, epoch), three arrays in one order.
+
+        NOTE: the ids come from Python as one array constant, never from a WITH part of the
+        same statement. The planner knows nothing of a WITH part's size (after an upgrade day it
+        guessed one row for a thousand): it joined the executions found by the dead rule's index
+        to a WITH part of the ids in a nested loop, quadratic in the batch (a batch of 1,000:
+        half a million comparisons, 100 ms). Against a constant it knows the size, drives the
+        read by the primary key or hashes the constant: linear whatever it guesses."""
+        ids = bindparam("ids", type_=ARRAY(BigInteger()))
+        now = bindparam("now", type_=DateTime(timezone=True))
+        reserved = (
+            update(E)
+            .where(E.id == any_(ids), _dead(self.pass_started))  # re-checked under the locks
+            .values(**_reservation(now, self.reserve_seconds))
+            .returning(E.id, E.epoch, E.parent_session_id)
+            .cte("reserved")
+        )
+        order = (reserved.c.parent_session_id, reserved.c.id)
+        return select(
+            _array(reserved.c.parent_session_id, *order),
+            _array(reserved.c.id, *order),
+            _array(reserved.c.epoch, *order),
+        )
+
+    def _release(self) -> Any:
+        """The hand-over of the parents with an execution reserved (``parent_ids``, all locked
+        by :meth:`_lock`): models.session.parent_release, UPDATEs whose WHERE states their
+        rules; the row: the parents whose epoch moved and their new epochs (arrays)."""
+        which = S.id == any_(bindparam("parent_ids", type_=ARRAY(BigInteger())))
+        lapsed, waiting = parent_release(which, bindparam("now", type_=DateTime(timezone=True)))
+        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
+        shown = waiting.returning(S.id).cte("shown_parent")
+        return select(_array(bumped.c.id, bumped.c.id), _array(bumped.c.epoch, bumped.c.id)).add_cte(shown)
+
+
+def _array(column: Any, *order: Any) -> Any:
+    """SQL: ``(SELECT array_agg(column ORDER BY order...) FROM its WITH part)``: NULL when empty."""
+    return select(func.array_agg(aggregate_order_by(column, *order))).scalar_subquery()
 
 
 def _reserve_batch_in_steps(s: Session, reserve_seconds: float, pass_started: datetime, after_id: int) -> _Batch:

@@ -411,7 +411,7 @@ def test_an_execution_locked_elsewhere_is_skipped_while_its_siblings_are_reserve
 
 
 def test_the_epochs_a_batch_hands_over_are_the_ones_it_wrote(db: str) -> None:
-    """One statement reserves and releases: every epoch handed to the scheduler is the row's."""
+    """A batch reserves and releases in one transaction: every epoch handed over is the row's."""
     lapsed = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=3)
     waiting = make_session(epoch=7)  # yielded: no owner, RUNNING
     live = make_session(lease_owner="live@host", lease_expires_at=utcnow() + timedelta(seconds=60), epoch=5)
