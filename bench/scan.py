@@ -313,6 +313,19 @@ def _index_verdict(plans: list[Plan]) -> str:
     return f"yes ({uses} of {len(plans)} statements; no sequential scan of subagent_execution)"
 
 
+def _join_filter_verdict(plans: list[Plan]) -> str:
+    """The most rows one join of a statement compared and threw away: a nested loop joining two
+    row sets the planner misjudged compares every pair (an upgrade day's backlog: quadratic)."""
+    worst, where = 0, ""
+    for p in plans:
+        for line in p.lines:
+            if "Rows Removed by Join Filter:" in line:
+                removed = int(line.rsplit(":", 1)[1])
+                if removed > worst:
+                    worst, where = removed, p.statement
+    return f"{worst} rows" + (f" ({where}...)" if where else "")
+
+
 def _execution_ms(plan: list[str]) -> float:
     line = next((line for line in plan if line.strip().startswith("Execution Time:")), "Execution Time: nan ms")
     return float(line.split(":", 1)[1].split()[0])
@@ -549,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in costliest.lines:
         print(f"  {line}")
     print(f"plan uses idx_sae_pending: {_index_verdict(plans)}")
+    print(f"most rows a join of the scan compared and dropped: {_join_filter_verdict(plans)}")
     return 0
 
 
