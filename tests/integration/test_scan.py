@@ -240,6 +240,30 @@ def test_a_failing_step_never_leaves_the_right_held(db: str, monkeypatch: pytest
         assert take_scan_right(s, "next", 5.0)
 
 
+def test_a_renewal_that_meets_another_scanners_take_in_flight_keeps_the_right(db: str) -> None:
+    """Two boot scans at once: the second one's take locks the right's row for an instant; the
+    first one's renewal skips the lock and must not take that for a lost right (it stopped its
+    pass and left the right held by nobody scanning until it lapsed)."""
+    from models import get_engine
+
+    right = ScanRight()
+    assert right.take()
+    conn = get_engine().connect()
+    trans = conn.begin()
+    conn.execute(text("SELECT id FROM recovery_scan WHERE id = 1 FOR UPDATE"))  # the take in flight
+    try:
+        right.renew()  # no ScanRightLost
+    finally:
+        trans.rollback()
+        conn.close()
+    assert _right()[0] == right.holder
+    with transaction() as s:  # once the right has lapsed and passed on, the renewal says so
+        s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow() - timedelta(seconds=1)))
+    assert ScanRight().take()
+    with pytest.raises(ScanRightLost):
+        right.renew()
+
+
 def test_a_right_locked_by_a_frozen_transaction_is_skipped_not_waited_for(db: str) -> None:
     """A scanner frozen INSIDE its right's transaction holds the row lock: others skip, never wait."""
     from models import get_engine
