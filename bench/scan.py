@@ -15,10 +15,15 @@ crashed execution, so the crashed state is put back between passes, outside the 
 
 ``--parents N`` measures the scan at scale instead: N crashed parents with ``--per-parent``
 executions each (RUNNING, PENDING, every lease expired), taken by the real scan with the real
-Celery scheduler (chords sent to the bench's own Redis broker; no worker consumes them). Timed
-from the scan's start until every parent is taken and the broker holds every recover_child
-message; prints parents taken per second (median of ``--repeat`` passes; the crashed state is
-put back and the broker flushed between passes, outside the timing).
+Celery scheduler (messages sent to the bench's own Redis broker; no worker consumes them). Timed
+from the scan's start until every parent is taken and the broker holds every message the
+scheduler sends for it; prints parents taken per second: the median of ``--repeat`` passes with
+the slowest and the fastest beside it, and the load average before and after. Between passes,
+outside the timing, the crashed state is put back, the broker flushed and both tables vacuumed:
+a pass rewrites every crashed execution and parent and the put-back rewrites them again, so
+without the vacuum pass n would wade through the dead row versions of the n passes before it
+(which no real crash meets: autovacuum keeps a live table near its live size), and autovacuum
+waking at random moments would make the passes differ by more than the figure moves.
 """
 
 from __future__ import annotations
@@ -216,13 +221,18 @@ def vacuum_analyze() -> None:
 
 @dataclass
 class Timing:
-    scan_s: float
+    scan_s: float  #: the median pass
     parents: int
     executions: int
+    passes: list[float]  #: every timed pass, in seconds
+
+    @property
+    def spread_ms(self) -> str:
+        return f"{min(self.passes) * 1000:.1f} .. {max(self.passes) * 1000:.1f} ms"
 
 
 def time_scan(repeat: int) -> Timing:
-    """Median of ``repeat`` full scan passes, after one warm-up."""
+    """Median of ``repeat`` full scan passes (and each of them), after one warm-up."""
     from recovery.scan import scan
 
     scans = []
@@ -237,7 +247,7 @@ def time_scan(repeat: int) -> Timing:
             raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
         if n:
             scans.append(elapsed)
-    return Timing(statistics.median(scans), sched.parents, sched.executions)
+    return Timing(statistics.median(scans), sched.parents, sched.executions, scans)
 
 
 @dataclass
@@ -280,6 +290,7 @@ def explain_scan() -> list[Plan]:
         cursor = raw.cursor()
         for statement, parameters in captured:
             sql = cursor.mogrify(statement, parameters).decode()
+            cursor.execute("SET LOCAL jit = off")  # as the scan runs them (recovery.scan._without_jit)
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql)
             plans.append(Plan(" ".join(statement.split())[:60], [r[0] for r in cursor.fetchall()]))
             raw.rollback()
@@ -300,6 +311,19 @@ def _index_verdict(plans: list[Plan]) -> str:
     if seq or not uses:
         return f"NO ({uses} of {len(plans)} statements use it; sequential scans in: {seq})"
     return f"yes ({uses} of {len(plans)} statements; no sequential scan of subagent_execution)"
+
+
+def _join_filter_verdict(plans: list[Plan]) -> str:
+    """The most rows one join of a statement compared and threw away: a nested loop joining two
+    row sets the planner misjudged compares every pair (an upgrade day's backlog: quadratic)."""
+    worst, where = 0, ""
+    for p in plans:
+        for line in p.lines:
+            if "Rows Removed by Join Filter:" in line:
+                removed = int(line.rsplit(":", 1)[1])
+                if removed > worst:
+                    worst, where = removed, p.statement
+    return f"{worst} rows" + (f" ({where}...)" if where else "")
 
 
 def _execution_ms(plan: list[str]) -> float:
@@ -341,6 +365,7 @@ def time_counting_pass() -> tuple[float, int]:
     from recovery.scan import scan
 
     put_parents_back()
+    vacuum_analyze()
     scheduler = CountingScheduler()
     started = time.perf_counter()
     report = scan(scheduler, callback_grace_seconds=0)
@@ -371,6 +396,7 @@ def time_scale_pass(parents: int, executions: int) -> ScalePass:
     from tasks.scheduler import CeleryScheduler
 
     put_parents_back()
+    vacuum_analyze()
     flush_redis()
     scheduler = CeleryScheduler(tasks.app)
     started = time.perf_counter()
@@ -392,7 +418,7 @@ def time_scale_pass(parents: int, executions: int) -> ScalePass:
 
 def run_scale(args: argparse.Namespace) -> int:
     from bench._common import bench_database, flush_redis, progress
-    from bench._figures import system_load
+    from bench._figures import median, system_load
     from demo.stack import apply_env
 
     executions = args.parents * args.per_parent
@@ -404,10 +430,11 @@ def run_scale(args: argparse.Namespace) -> int:
         apply_env(bench_env(url, "http://127.0.0.1:9/v1", LEASE_SECONDS="30", SCAN_INTERVAL_SECONDS="30"))
         insert_pending(executions, args.per_parent)
         vacuum_analyze()
+        load_before = system_load()
         print(
             f"scan at scale: {args.parents} crashed parents x {args.per_parent} executions (every lease expired), "
             f"real scan + Celery scheduler (broker only, no worker); {args.repeat} passes + 1 warm-up, "
-            f"{system_load()}",
+            f"{load_before}",
             flush=True,
         )
         passes = []
@@ -433,20 +460,30 @@ def run_scale(args: argparse.Namespace) -> int:
             if n:
                 alone.append(seconds)
         progress(f"without the broker: {statistics.median(alone):.2f} s per pass")
-    enqueued = statistics.median(p.enqueued_s for p in passes)
-    scan_s = statistics.median(p.scan_s for p in passes)
+    load = system_load()
+    enqueued = [p.enqueued_s for p in passes]
+    scan_s = [p.scan_s for p in passes]
     print(
-        f"scan start -> every parent's recovery enqueued: {enqueued:.3f} s "
-        f"(median of {args.repeat}; the scan call itself {scan_s:.3f} s)"
+        f"scan start -> every parent's recovery enqueued: {median(enqueued):.3f} s "
+        f"({_seconds_spread(enqueued)}, median of {args.repeat}; the scan call itself {median(scan_s):.3f} s, "
+        f"{_seconds_spread(scan_s)})"
     )
-    print(f"parents taken per second: {args.parents / enqueued:.0f} (median of {args.repeat}, {system_load()})")
-    db = statistics.median(alone)
+    rates = [args.parents / s for s in enqueued]
     print(
-        f"the scan without the broker (a scheduler that only counts): {db:.3f} s, {args.parents / db:.0f} parents/s "
-        f"(median of {args.repeat}): the rest is sending {expected_messages(executions)} messages "
+        f"parents taken per second: {args.parents / median(enqueued):.0f} "
+        f"(passes {min(rates):.0f} .. {max(rates):.0f}, median of {args.repeat}; {load_before} before, {load} after)"
+    )
+    print(
+        f"the scan without the broker (a scheduler that only counts): {median(alone):.3f} s "
+        f"({_seconds_spread(alone)}), {args.parents / median(alone):.0f} parents/s (median of {args.repeat}): "
+        f"the rest is sending {expected_messages(executions)} messages "
         f"(recovery.fan_out batches for {executions} executions)"
     )
     return 0
+
+
+def _seconds_spread(values: list[float]) -> str:
+    return f"{min(values):.3f} .. {max(values):.3f} s"
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -485,9 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         del url
         parents = insert_pending(args.pending, args.per_parent)
         vacuum_analyze()
+        load_before = system_load()
         print(
             f"scan: {args.pending} pending executions under {parents} crashed parents; median of {args.repeat} "
-            f"passes; {system_load()}",
+            f"passes; {load_before}",
             flush=True,
         )
         empty = time_scan(args.repeat)
@@ -503,9 +541,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"each pass should hand over {args.pending} executions: {empty} vs {full}")
         return 1
     print(f"  each pass takes {full.parents} parents and hands over {full.executions} executions")
-    print(f"scan over 0 historic rows: {empty.scan_s * 1000:.1f} ms (median of {args.repeat})")
-    print(f"scan over {args.history} historic rows: {full.scan_s * 1000:.1f} ms (median of {args.repeat})")
-    print(f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f} ({system_load()})")
+    print(f"scan over 0 historic rows: {empty.scan_s * 1000:.1f} ms ({empty.spread_ms}, median of {args.repeat})")
+    print(
+        f"scan over {args.history} historic rows: {full.scan_s * 1000:.1f} ms "
+        f"({full.spread_ms}, median of {args.repeat})"
+    )
+    print(
+        f"ratio history/empty: scan {full.scan_s / empty.scan_s:.2f} "
+        f"(at the extremes of the passes {min(full.passes) / max(empty.passes):.2f} .. "
+        f"{max(full.passes) / min(empty.passes):.2f}; "
+        f"{load_before} before, {system_load()} after)"
+    )
     print(
         f"the scan's {len(plans)} statements on subagent_execution inside PostgreSQL (EXPLAIN ANALYZE execution "
         f"time, summed): {_total_ms(empty_plans):.3f} ms over 0 rows, {_total_ms(plans):.3f} ms over "
@@ -516,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in costliest.lines:
         print(f"  {line}")
     print(f"plan uses idx_sae_pending: {_index_verdict(plans)}")
+    print(f"most rows a join of the scan compared and dropped: {_join_filter_verdict(plans)}")
     return 0
 
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.sql.dml import Update
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
@@ -167,16 +168,20 @@ def _fence_stmt(me: tuple[str, int] | None) -> Any:
     )
 
 
-def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
-    """The scan's hand-over of parents whose rounds it recovers or delivers: a parent whose own
-    lease lapsed (it died before yielding) gets epoch + 1, RESUMING and an unowned reservation
-    of :func:`reservation_seconds`; a waiting parent (no owner) keeps its epoch (the callback it
-    was handed stays valid) and shows RESUMING. Returns every given parent's current epoch; a
-    parent still leased by a live loop keeps its epoch (its loop yields with it)."""
-    now = utcnow()
-    s.execute(
+def parent_release(which: Any, now: Any) -> tuple[Update, Update]:
+    """The scan's hand-over of parents as its two compare-and-sets, over the parents ``which``
+    names (SQL on agent_session, e.g. ``AgentSession.id.in_(ids)``; ``now``: the database's
+    time, a value or a bound parameter): ``lapsed`` gives a parent whose own lease lapsed (it
+    died before yielding) epoch + 1, RESUMING and an unowned reservation of
+    :func:`reservation_seconds`; ``waiting`` shows a waiting parent (no owner, RUNNING) as
+    RESUMING and keeps its epoch (the callback it was handed stays valid). A parent still leased
+    by a live loop matches neither and keeps its epoch (its loop yields with it). The two never
+    match the same row (an owner or none). Returned as statements, so that
+    :func:`release_dead_parents` runs them and the scan runs them in one WITH (recovery.scan),
+    one rule in one place."""
+    lapsed = (
         update(S)
-        .where(S.id.in_(parent_ids), S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
+        .where(which, S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
         .values(
             phase=Phase.RESUMING,
             epoch=S.epoch + 1,
@@ -185,14 +190,21 @@ def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
             lease_expires_at=now + timedelta(seconds=reservation_seconds()),
             updated_at=now,
         )
-        .execution_options(synchronize_session=False)
     )
-    s.execute(
+    waiting = (
         update(S)
-        .where(S.id.in_(parent_ids), S.lease_owner.is_(None), S.phase == Phase.RUNNING)
+        .where(which, S.lease_owner.is_(None), S.phase == Phase.RUNNING)
         .values(phase=Phase.RESUMING, updated_at=now)
-        .execution_options(synchronize_session=False)
     )
+    return lapsed, waiting
+
+
+def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
+    """The scan's hand-over of parents whose rounds it recovers or delivers (the rules of
+    :func:`parent_release`). Returns every given parent's current epoch; a parent still leased
+    by a live loop keeps its epoch (its loop yields with it)."""
+    for stmt in parent_release(S.id.in_(parent_ids), utcnow()):
+        s.execute(stmt.execution_options(synchronize_session=False))
     return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
 
 

@@ -115,11 +115,14 @@ def upgrade_day_db(fresh_db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 @pytest.mark.timeout(600)
 def test_an_upgrade_day_backlog_of_overdue_executions_ends_in_one_pass_and_each_is_delivered_timed_out_once(
-    upgrade_day_db: str,
+    upgrade_day_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import recovery.scan as scan_module
+
+    monkeypatch.setattr(scan_module, "BATCH", 1000)
     with transaction() as s:
         total = s.execute(select(E.id).where(E.delivery_status == DeliveryStatus.PENDING)).all()
-    assert len(total) == 1500  # more than one batch (BATCH = 1000)
+    assert len(total) == 1500  # more than one batch: the first one is full of overdue rows
     first = RecordingScheduler()
     started = time.monotonic()
     report = scan(first, callback_grace_seconds=0)
@@ -237,6 +240,30 @@ def test_a_failing_step_never_leaves_the_right_held(db: str, monkeypatch: pytest
         assert take_scan_right(s, "next", 5.0)
 
 
+def test_a_renewal_that_meets_another_scanners_take_in_flight_keeps_the_right(db: str) -> None:
+    """Two boot scans at once: the second one's take locks the right's row for an instant; the
+    first one's renewal skips the lock and must not take that for a lost right (it stopped its
+    pass and left the right held by nobody scanning until it lapsed)."""
+    from models import get_engine
+
+    right = ScanRight()
+    assert right.take()
+    conn = get_engine().connect()
+    trans = conn.begin()
+    conn.execute(text("SELECT id FROM recovery_scan WHERE id = 1 FOR UPDATE"))  # the take in flight
+    try:
+        right.renew()  # no ScanRightLost
+    finally:
+        trans.rollback()
+        conn.close()
+    assert _right()[0] == right.holder
+    with transaction() as s:  # once the right has lapsed and passed on, the renewal says so
+        s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow() - timedelta(seconds=1)))
+    assert ScanRight().take()
+    with pytest.raises(ScanRightLost):
+        right.renew()
+
+
 def test_a_right_locked_by_a_frozen_transaction_is_skipped_not_waited_for(db: str) -> None:
     """A scanner frozen INSIDE its right's transaction holds the row lock: others skip, never wait."""
     from models import get_engine
@@ -327,6 +354,125 @@ def test_cancel_scan_and_a_finishing_child_racing_on_one_parent_never_deadlock(
         assert phase == Phase.CANCELLED
         assert {e.delivery_status for e in executions_of(parent)} == {DeliveryStatus.SUPPRESSED}
     assert invariants(settled=False) == []
+
+
+def _locked_elsewhere(statement: str) -> Any:
+    """A transaction of another connection holding the row locks ``statement`` takes (as a
+    cancel, a delivery or a finishing child would), until the returned connection is closed."""
+    from models import get_engine
+
+    conn = get_engine().connect()
+    conn.begin()
+    conn.execute(text(statement))
+    return conn
+
+
+def test_a_parent_locked_elsewhere_is_skipped_not_waited_for_and_the_pass_goes_on_past_it(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+
+    busy, free = make_session(), make_session()
+    busy_rows = [make_execution(busy) for _ in range(2)]
+    free_row = make_execution(free)
+    monkeypatch.setattr(scan_module, "BATCH", 1)  # the busy parent fills whole batches
+    conn = _locked_elsewhere(f"SELECT id FROM agent_session WHERE id = {busy} FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass waited for the busy parent's lock"
+    finally:
+        conn.close()  # a waiting pass goes on now
+        scanner.join(10)
+    assert _sent(sched) == [free_row], "the cursor passed the busy parent's rows, visiting each once"
+    untouched = {e.id: (e.status, e.epoch) for e in executions_of(busy)}
+    assert untouched == {eid: (ExecutionStatus.RUNNING, 0) for eid in busy_rows}
+    later = RecordingScheduler()
+    scan(later, callback_grace_seconds=0)
+    assert sorted(_sent(later)) == busy_rows, "the next pass takes them"
+
+
+def test_a_pass_whose_every_dead_row_has_its_parent_locked_elsewhere_ends_having_taken_none(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+
+    parents = [make_session() for _ in range(3)]
+    for parent in parents:
+        make_execution(parent)
+    monkeypatch.setattr(scan_module, "BATCH", 1)
+    ids = ", ".join(map(str, parents))
+    conn = _locked_elsewhere(f"SELECT id FROM agent_session WHERE id IN ({ids}) FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass ended"
+    finally:
+        conn.close()
+        scanner.join(10)
+    assert sched.recoveries == []
+
+
+def test_an_execution_locked_elsewhere_is_skipped_while_its_siblings_are_reserved(db: str) -> None:
+    parent = make_session()
+    locked, sibling = make_execution(parent), make_execution(parent)
+    conn = _locked_elsewhere(f"SELECT id FROM subagent_execution WHERE id = {locked} FOR UPDATE")
+    sched = RecordingScheduler()
+    scanner = threading.Thread(target=scan, args=(sched,), kwargs={"callback_grace_seconds": 0})
+    try:
+        scanner.start()
+        scanner.join(10)
+        assert not scanner.is_alive(), "the pass waited for the execution's lock"
+    finally:
+        conn.close()
+        scanner.join(10)
+    assert _sent(sched) == [sibling]
+    assert {e.id: e.epoch for e in executions_of(parent)} == {locked: 0, sibling: 1}
+
+
+def test_the_epochs_a_batch_hands_over_are_the_ones_it_wrote(db: str) -> None:
+    """A batch reserves and releases in one transaction: every epoch handed over is the row's."""
+    lapsed = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=3)
+    waiting = make_session(epoch=7)  # yielded: no owner, RUNNING
+    live = make_session(lease_owner="live@host", lease_expires_at=utcnow() + timedelta(seconds=60), epoch=5)
+    for parent in (lapsed, waiting, live):
+        make_execution(parent, lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=2)
+        make_execution(parent)  # never taken: epoch 0, no lease
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    with transaction() as s:
+        parents = {r.id: (r.epoch, r.phase, r.lease_owner) for r in s.execute(select(AgentSession)).scalars()}
+    assert parents[lapsed] == (4, Phase.RESUMING, None), "its own lease lapsed: fenced out"
+    assert parents[waiting] == (7, Phase.RESUMING, None), "its callback's epoch stays valid"
+    assert parents[live] == (5, Phase.RUNNING, "live@host"), "its live loop yields with its epoch"
+    handed = {pid: (epoch, dict(children)) for pid, epoch, children in sched.recoveries}
+    assert set(handed) == {lapsed, waiting, live}
+    for pid, (epoch, children) in handed.items():
+        assert epoch == parents[pid][0]
+        rows = {e.id: e for e in executions_of(pid)}
+        assert children == {eid: row.epoch for eid, row in rows.items()}
+        assert sorted(row.epoch for row in rows.values()) == [1, 3]
+        assert {(row.status, row.lease_owner) for row in rows.values()} == {(ExecutionStatus.RECOVERING, None)}
+
+
+def test_a_rounds_delivery_is_asked_for_only_once_every_execution_of_it_is_terminal(db: str) -> None:
+    live = {"lease_owner": "w@h", "lease_expires_at": utcnow() + timedelta(seconds=60)}
+    done = {"status": ExecutionStatus.COMPLETED, "completed_at": utcnow() - timedelta(seconds=5)}
+    finished, half, running = make_session(epoch=2), make_session(), make_session()
+    for _ in range(2):
+        make_execution(finished, **done)
+        make_execution(running, **live)
+    make_execution(half, **done)
+    make_execution(half, **live)
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert sched.deliveries == [(finished, 2)]
+    assert sorted(report.delivering) == sorted(e.id for e in executions_of(finished))
+    assert sched.recoveries == []
 
 
 # --- item 6: a queued run keeps its epoch ---------------------------------------------------
