@@ -66,8 +66,15 @@ system_prompt = "You are the researcher subagent."
 tools = ["echo", "wait", "charge", "stamp"]
 max_rounds = 10
 """
-#: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH).
-LEGACY_PARENTS, LEGACY_PER_PARENT = 201, 5
+#: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH, 5,000
+#: since issue 19: a backlog of 5,005).
+LEGACY_PER_PARENT = 5
+
+
+def legacy_parents() -> int:
+    from recovery.scan import BATCH
+
+    return BATCH // LEGACY_PER_PARENT + 1
 
 
 def script() -> list[dict[str, Any]]:
@@ -204,7 +211,7 @@ class Soak:
             parents.append(sid)
         time.sleep(rng.uniform(0.1, 2.5))
         getattr(self, fault)(rng)
-        # A legacy backlog is a thousand recoveries more: on a loaded 2-core machine they take minutes.
+        # A legacy backlog is five thousand recoveries more: on a loaded 2-core machine, minutes.
         deadline = time.monotonic() + (900 if fault == "legacy_backlog" else 240)
         while time.monotonic() < deadline:
             with transaction() as s:
@@ -291,7 +298,7 @@ class Soak:
 
         old = utcnow() - timedelta(days=2)
         with transaction() as s:
-            for _ in range(LEGACY_PARENTS):
+            for _ in range(legacy_parents()):
                 parent = AgentSession(
                     user_id="u1",
                     session_type="NORMAL",
@@ -365,7 +372,7 @@ def _legacy_problems(s: Any) -> list[str]:
     timed_out = s.execute(
         select(func.count()).where(old, E.status == "FAILED", E.error.contains("timed out"))
     ).scalar_one()
-    if total != LEGACY_PARENTS * LEGACY_PER_PARENT or timed_out != total:
+    if total != legacy_parents() * LEGACY_PER_PARENT or timed_out != total:
         return [f"legacy backlog: {timed_out} of {total} executions ended as timed out"]
     return []
 
