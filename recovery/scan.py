@@ -478,8 +478,41 @@ def _reserve_batch_in_steps(s: Session, reserve_seconds: float, pass_started: da
     return _Batch(rounds, cursor, len(candidates) == BATCH)
 
 
+#: Follow-up walks of a pass over the dead rows it passed over because another path held their
+#: parent (a finishing sibling, a delivery, a cancel: short transactions), and the wait before
+#: each. Without them such a round waited for the next scan (SCAN_INTERVAL_SECONDS): a worker
+#: restarted under its name, whose boot scan met a child of a round finishing, left the rest of
+#: that round to the beat, 30 s later (bench/peer_dbos.py --modes restart).
+FOLLOW_UP_WALKS = 3
+FOLLOW_UP_WAIT_SECONDS = 0.2
+
+
 def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
+    """Walk the dead executions by id, batch by batch; then, while some row is still dead (its
+    parent was locked elsewhere), walk again after a short wait, at most FOLLOW_UP_WALKS times.
+    NOTE: every walk judges "dead" at the pass's start, like the first: a row an earlier walk
+    reserved is not dead then (its reservation lapses after the start), so no execution is
+    reserved twice by one pass, however long it runs."""
     reserver = _Reserver(utcnow(), reservation_seconds())
+    for walk in range(1 + FOLLOW_UP_WALKS):
+        if walk:
+            if not _any_dead(reserver.pass_started):
+                return
+            time.sleep(FOLLOW_UP_WAIT_SECONDS)
+            right.renew()
+        _walk(scheduler, report, right, reserver)
+
+
+def _any_dead(pass_started: datetime) -> bool:
+    """True when an execution of a parent that is not stopped was dead at ``pass_started``."""
+    with transaction() as s:
+        found = s.execute(
+            select(E.id).join(S, S.id == E.parent_session_id).where(_dead(pass_started), not_stopped()).limit(1)
+        ).first()
+    return found is not None
+
+
+def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: _Reserver) -> None:
     cursor = 0
     while True:
         with transaction() as s:
