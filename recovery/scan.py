@@ -271,6 +271,8 @@ class _Batch:
     rounds: list[tuple[int, int, list[Handed]]]  #: (parent, parent epoch, its executions reserved), by id
     cursor: int  #: the last execution id of the batch: the next one starts after it
     full: bool  #: the batch was full: more candidates may follow the cursor
+    #: Dead rows up to the cursor passed over because another path held their parent's lock.
+    passed_over: int = 0
 
 
 def _candidates(dead: Any, after_id: int) -> Any:
@@ -334,9 +336,10 @@ class _Reserver:
             self._statements = (self._lock(), self._reserve(), self._release())
         lock, reserve, release = self._statements
         _without_jit(s)
-        cursor, seen, free, locked_ids, locked_epochs = s.execute(lock, {"after_id": after_id}).one()
+        cursor, seen, free, locked_ids, locked_epochs, window = s.execute(lock, {"after_id": after_id}).one()
+        passed_over = max(0, int(window or 0) - int(seen or 0))
         if cursor is None:
-            return _Batch([], after_id, False)
+            return _Batch([], after_id, False, passed_over)
         rounds: list[tuple[int, int, list[Handed]]] = []
         if free:
             now = utcnow()
@@ -350,7 +353,7 @@ class _Reserver:
                     (parent_id, parent_epoch[parent_id], [Handed(eid, epoch) for _, eid, epoch in group])
                     for parent_id, group in groupby(zip(parents, ids, epochs, strict=True), key=itemgetter(0))
                 ]
-        return _Batch(rounds, int(cursor), seen == BATCH)
+        return _Batch(rounds, int(cursor), seen == BATCH, passed_over)
 
     def _lock(self) -> Any:
         """The dead executions above the cursor (``after_id``) whose parent is not stopped, by
@@ -385,12 +388,30 @@ class _Reserver:
             .with_for_update(skip_locked=True)
             .cte("free_execution")
         )
+        cursor = select(func.max(parent.c.execution_id)).scalar_subquery()
+        # The same rule without locks, up to the cursor (or, when nothing could be locked, the
+        # next BATCH rows): with the rows locked, what SKIP LOCKED passed over.
+        unlocked = (
+            select(E.id)
+            .join(S, S.id == E.parent_session_id)
+            .where(
+                E.id > bindparam("after_id", type_=BigInteger()),
+                or_(cursor.is_(None), E.id <= cursor),
+                dead,
+                not_stopped(),
+            )
+            .order_by(E.id)
+            .limit(BATCH)
+            .subquery()
+        )
+        window = select(func.count()).select_from(unlocked).scalar_subquery()
         return select(
-            select(func.max(parent.c.execution_id)).scalar_subquery(),
+            cursor,
             select(func.count()).select_from(parent).scalar_subquery(),
             _array(free.c.id, free.c.id),
             _array(parent.c.id, parent.c.id),
             _array(parent.c.epoch, parent.c.id),
+            window,
         )
 
     def _reserve(self) -> Any:
@@ -488,7 +509,7 @@ FOLLOW_UP_WAIT_SECONDS = 0.2
 
 
 def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
-    """Walk the dead executions by id, batch by batch; then, while some row is still dead (its
+    """Walk the dead executions by id, batch by batch; then, while a walk passed rows over (their
     parent was locked elsewhere), walk again after a short wait, at most FOLLOW_UP_WALKS times.
     NOTE: every walk judges "dead" at the pass's start, like the first: a row an earlier walk
     reserved is not dead then (its reservation lapses after the start), so no execution is
@@ -496,28 +517,22 @@ def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: Sc
     reserver = _Reserver(utcnow(), reservation_seconds())
     for walk in range(1 + FOLLOW_UP_WALKS):
         if walk:
-            if not _any_dead(reserver.pass_started):
-                return
             time.sleep(FOLLOW_UP_WAIT_SECONDS)
             right.renew()
-        _walk(scheduler, report, right, reserver)
+        if not _walk(scheduler, report, right, reserver):
+            return
 
 
-def _any_dead(pass_started: datetime) -> bool:
-    """True when an execution of a parent that is not stopped was dead at ``pass_started``."""
-    with transaction() as s:
-        found = s.execute(
-            select(E.id).join(S, S.id == E.parent_session_id).where(_dead(pass_started), not_stopped()).limit(1)
-        ).first()
-    return found is not None
-
-
-def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: _Reserver) -> None:
+def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: _Reserver) -> int:
+    """One walk by id over the dead executions; returns how many it passed over (a parent
+    locked elsewhere)."""
     cursor = 0
+    passed_over = 0
     while True:
         with transaction() as s:
             batch = reserver.batch(s, cursor)
         cursor = batch.cursor
+        passed_over += batch.passed_over
         if batch.rounds:
             crash_point("scan.after_take_parent")
             logging_waits = log.isEnabledFor(logging.INFO)
@@ -528,7 +543,7 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
                     log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
             scheduler.recover_many(batch.rounds)
         if not batch.full:
-            return
+            return passed_over
         right.renew()
 
 

@@ -394,15 +394,17 @@ def test_a_parent_locked_elsewhere_is_skipped_not_waited_for_and_the_pass_goes_o
     assert sorted(_sent(later)) == busy_rows, "the next pass takes them"
 
 
-def test_rows_passed_over_for_a_parent_locked_for_a_moment_are_taken_by_the_same_pass(db: str) -> None:
+@pytest.mark.parametrize("others", [1, 0], ids=["beside_a_free_parent", "alone"])
+def test_rows_passed_over_for_a_parent_locked_for_a_moment_are_taken_by_the_same_pass(db: str, others: int) -> None:
     """A sibling finishing (or a delivery) holds the parent for a moment while the boot scan
     walks: the pass comes back for that round after a short wait instead of leaving it to the
-    next scan interval (a restarted worker's round then waited 30 s)."""
+    next scan interval (a restarted worker's round then waited 30 s); also when nothing else
+    was dead (the walk could lock no row at all)."""
     import recovery.scan as scan_module
 
-    busy, free = make_session(), make_session()
+    busy = make_session()
     busy_rows = sorted(make_execution(busy) for _ in range(2))
-    free_row = make_execution(free)
+    free_rows = [make_execution(make_session()) for _ in range(others)]
     conn = _locked_elsewhere(f"SELECT id FROM agent_session WHERE id = {busy} FOR UPDATE")
     release = threading.Timer(scan_module.FOLLOW_UP_WAIT_SECONDS / 2, conn.close)
     sched = RecordingScheduler()
@@ -411,7 +413,7 @@ def test_rows_passed_over_for_a_parent_locked_for_a_moment_are_taken_by_the_same
         scan(sched, callback_grace_seconds=0)
     finally:
         release.join()
-    assert sorted(_sent(sched)) == sorted([*busy_rows, free_row]), "one pass took every dead row, each once"
+    assert sorted(_sent(sched)) == sorted([*busy_rows, *free_rows]), "one pass took every dead row, each once"
     assert {e.id: e.epoch for e in executions_of(busy)} == dict.fromkeys(busy_rows, 1)
 
 
