@@ -51,6 +51,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
@@ -336,8 +337,8 @@ class _Reserver:
             self._statements = (self._lock(), self._reserve(), self._release())
         lock, reserve, release = self._statements
         _without_jit(s)
-        cursor, seen, free, locked_ids, locked_epochs, window = s.execute(lock, {"after_id": after_id}).one()
-        passed_over = max(0, int(window or 0) - int(seen or 0))
+        cursor, seen, free, locked_ids, locked_epochs, locked = s.execute(lock, {"after_id": after_id}).one()
+        passed_over = int(seen or 0) - int(locked or 0)
         if cursor is None:
             return _Batch([], after_id, False, passed_over)
         rounds: list[tuple[int, int, list[Handed]]] = []
@@ -356,27 +357,42 @@ class _Reserver:
         return _Batch(rounds, int(cursor), seen == BATCH, passed_over)
 
     def _lock(self) -> Any:
-        """The dead executions above the cursor (``after_id``) whose parent is not stopped, by
-        id, each with its parent row locked (SKIP LOCKED), up to BATCH; then those executions
-        locked (SKIP LOCKED). The row: the batch's cursor and size, the executions locked, the
-        locked parents and their epochs (arrays).
+        """Up to BATCH dead executions above the cursor (``after_id``) whose parent is not
+        stopped, by id (the candidates, read without locks); their parent rows locked (SKIP
+        LOCKED, the rule re-checked under the lock); then the executions of the parents locked
+        (SKIP LOCKED). The row: the batch's cursor and size (the last candidate, how many), the
+        executions locked, the locked parents and their epochs (arrays), and how many
+        candidates had their parent locked.
 
-        NOTE: the LIMIT counts rows whose parent this statement locked: a row whose parent is
-        locked elsewhere is passed over (visited once), and the next batch starts after the
-        last row taken here. Lock order: the executions' lock takes only executions found in
-        ``locked_parent``, whose rows exist only once their parent is locked, and it takes them
+        NOTE: a candidate whose parent is locked elsewhere is passed over (visited once) and
+        counted: the next batch starts after the last candidate, and the pass walks again for
+        what it passed over (:func:`_recover_dead_executions`). Lock order: the executions'
+        lock takes only executions found in ``locked_parent``, whose rows exist only once their
+        parent is locked, and it takes them
         after a sort on the execution id, which reads all of its input before it yields a row:
         every parent is locked before any execution of it. A row changed after the statement's
         snapshot and before its lock is re-read at the lock (READ COMMITTED), so the parent
         epochs returned are the ones in the locked rows."""
         dead = _dead(self.pass_started)
-        parent = (
-            select(E.id.label("execution_id"), S.id, S.epoch)
+        candidate = (
+            select(E.id, E.parent_session_id)
             .join(S, S.id == E.parent_session_id)
             .where(E.id > bindparam("after_id", type_=BigInteger()), dead, not_stopped())
             .order_by(E.id)
             .limit(BATCH)
-            .with_for_update(of=S, skip_locked=True)
+            .cte("candidate")
+        )
+        # Each candidate's parent by its primary key (LATERAL): a join the planner chose from
+        # its guess of the WITH part's size hashed every session of the table instead.
+        locked_session = (
+            select(S.id, S.epoch)
+            .where(S.id == candidate.c.parent_session_id, not_stopped())
+            .with_for_update(skip_locked=True)
+            .lateral("locked_session")
+        )
+        parent = (
+            select(candidate.c.id.label("execution_id"), locked_session.c.id, locked_session.c.epoch)
+            .select_from(candidate.join(locked_session, true()))
             .cte("locked_parent")
         )
         # No condition on the execution here but its id: nothing but the ids found above can
@@ -388,30 +404,13 @@ class _Reserver:
             .with_for_update(skip_locked=True)
             .cte("free_execution")
         )
-        cursor = select(func.max(parent.c.execution_id)).scalar_subquery()
-        # The same rule without locks, up to the cursor (or, when nothing could be locked, the
-        # next BATCH rows): with the rows locked, what SKIP LOCKED passed over.
-        unlocked = (
-            select(E.id)
-            .join(S, S.id == E.parent_session_id)
-            .where(
-                E.id > bindparam("after_id", type_=BigInteger()),
-                or_(cursor.is_(None), E.id <= cursor),
-                dead,
-                not_stopped(),
-            )
-            .order_by(E.id)
-            .limit(BATCH)
-            .subquery()
-        )
-        window = select(func.count()).select_from(unlocked).scalar_subquery()
         return select(
-            cursor,
-            select(func.count()).select_from(parent).scalar_subquery(),
+            select(func.max(candidate.c.id)).scalar_subquery(),
+            select(func.count()).select_from(candidate).scalar_subquery(),
             _array(free.c.id, free.c.id),
             _array(parent.c.id, parent.c.id),
             _array(parent.c.epoch, parent.c.id),
-            window,
+            select(func.count()).select_from(parent).scalar_subquery(),
         )
 
     def _reserve(self) -> Any:
