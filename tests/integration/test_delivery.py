@@ -360,3 +360,27 @@ def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_no
     assert [m.role for m in messages_of(sid)][-1] == "ASSISTANT"
     assert len(messages_of(sid)) == count + 1
     assert invariants() == []
+
+
+def test_a_delivery_to_a_parent_whose_loop_holds_its_lease_is_parent_busy_and_writes_nothing(
+    model_factory: ModelFactory,
+) -> None:
+    """A loop holds the parent (it has not yielded yet): the delivery says PARENT_BUSY, not
+    STALE (the epoch is right), writes nothing, and the same delivery lands once the lease is
+    gone."""
+    from recovery.delivery import DeliveryKind
+
+    model = model_factory(TWO_CHILDREN)
+    sid, epoch = children_done_callback_lost(model.base_url)
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == sid).values(lease_owner="busy-loop"))
+    busy = deliver_round(sid, epoch)
+    assert busy.kind == DeliveryKind.PARENT_BUSY and busy.kind != DeliveryKind.STALE
+    assert [m.role for m in messages_of(sid)] == ["USER"]
+    assert {e.delivery_status for e in executions_of(sid)} == {"PENDING"}
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == sid).values(lease_owner=None))
+    landed = deliver_round(sid, epoch)
+    assert landed.kind == DeliveryKind.RESUME and landed.new_epoch == epoch + 1
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    assert invariants(settled=False) == []

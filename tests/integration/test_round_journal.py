@@ -63,8 +63,8 @@ system_prompt = "You are the researcher subagent."
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Recorder]:
-    """Two user tools: ``charge`` (neither read-only nor idempotent) and ``refresh``
-    (idempotent), offered to every agent."""
+    """Three user tools: ``charge`` (neither read-only nor idempotent), ``refresh``
+    (idempotent) and ``lookup`` (read-only), offered to every agent."""
     from harness.agents import _load
     from settings import get_settings
 
@@ -85,9 +85,15 @@ def recorder(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Recorde
         """Refresh a cache (safe to repeat)."""
         return rec.started("refresh", ctx, amount)
 
+    @tool(read_only=True)
+    def lookup(ctx: ToolContext, amount: int) -> str:
+        """Look an order up (reads only)."""
+        return rec.started("lookup", ctx, amount)
+
     yield rec
     unregister("charge")
     unregister("refresh")
+    unregister("lookup")
     monkeypatch.undo()
     get_settings.cache_clear()
     _load.cache_clear()
@@ -197,19 +203,20 @@ def test_an_interrupted_tool_that_is_neither_read_only_nor_idempotent_is_not_run
     assert invariants() == []
 
 
-def test_an_interrupted_idempotent_tool_runs_again_for_the_same_call(
-    model_factory: ModelFactory, recorder: Recorder
+@pytest.mark.parametrize("name", ["refresh", "lookup"], ids=["idempotent", "read_only"])
+def test_an_interrupted_read_only_or_idempotent_tool_runs_again_for_the_same_call(
+    model_factory: ModelFactory, recorder: Recorder, name: str
 ) -> None:
-    model = model_factory(child_script(call("refresh", amount=2)))
-    recorder.crash_first.add("refresh")
+    model = model_factory(child_script(call(name, amount=2)))
+    recorder.crash_first.add(name)
     sid = crashed_child(model.base_url)
     drive(model.base_url)
-    assert [s[0] for s in recorder.starts] == ["refresh", "refresh"]
+    assert [s[0] for s in recorder.starts] == [name, name]
     assert recorder.starts[0] == recorder.starts[1]  # the same session and idempotency key
     assert asked(model, 2) == 1
     child = executions_of(sid)[0].child_session_id
     tool_row = next(m for m in messages_of(child) if m.role == "TOOL")
-    assert tool_row.content == 'refresh did {"amount": 2}'
+    assert tool_row.content == f'{name} did {{"amount": 2}}'
     assert invariants() == []
 
 
