@@ -232,9 +232,7 @@ def test_the_run_cancel_after_a_deadline_never_goes_to_a_proxy_of_the_environmen
         assert KEY.encode() not in proxy.received
 
 
-def test_a_configured_proxy_that_drips_its_connect_reply_is_cut_at_the_deadline_and_never_sees_the_key(
-    black_holes: list[tuple[str, int]],
-) -> None:
+def test_a_configured_proxy_that_drips_its_connect_reply_is_cut_at_the_deadline_and_never_sees_the_key() -> None:
     with DrippingProxy() as proxy:
         client = open_api_client("https://platform.test", KEY, proxy=proxy.url, connect_timeout=1.2)
         started = time.monotonic()
