@@ -58,7 +58,14 @@ class SubagentExecution(Base):
             name="delivered_is_terminal",
         ),
         UniqueConstraint("parent_session_id", "parent_tool_call_id", name="uq_sae_parent_tool_call"),
-        Index("idx_sae_recovery", "status", "delivery_status"),
+        # NOTE: no index names ``status`` (as a key or in its WHERE): every state change of an
+        # execution then updates the row in place (HOT, migration 0010), writing no index.
+        Index(
+            "ix_sae_settled_unfinished",
+            "id",
+            postgresql_where=text("delivery_status <> 'PENDING' AND completed_at IS NULL"),
+            sqlite_where=text("delivery_status <> 'PENDING' AND completed_at IS NULL"),
+        ),
         Index(
             "idx_sae_pending",
             "parent_session_id",

@@ -7,8 +7,9 @@ follows the work in flight, not the history:
 1. Unsettled executions (delivery PENDING, or a suppressed child still active) by status,
    parents waiting, the oldest PENDING execution's age and the executions whose lease expired
    more than one scan interval ago: the partial index ``idx_sae_pending``
-   (``WHERE delivery_status = 'PENDING'``), plus a range of ``idx_sae_recovery`` on the two
-   active statuses. O(pending).
+   (``WHERE delivery_status = 'PENDING'``), plus ``ix_sae_settled_unfinished`` (``WHERE
+   delivery_status <> 'PENDING' AND completed_at IS NULL``) for the executions settled while
+   still active. O(pending).
 2. Open pending rounds: the partial unique index ``uq_pending_round_open``.
 3. Field invocations IN_PROGRESS and the stale ones (lease expired): the partial index
    ``ix_field_recovery_invocation_in_progress``.
@@ -17,7 +18,8 @@ follows the work in flight, not the history:
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
-is O(history) (an index-only scan of ``idx_sae_recovery``, ~50 ms at a million rows), so they
+is O(history) (a sequential scan: no index names ``status``, so that every state change of an
+execution is an in-place update, migration 0010), so they
 are recounted at most every ``settled_refresh_seconds`` and served from the last count in
 between: a counter that lags by that much is still right for ``rate()``.
 
@@ -81,7 +83,7 @@ SELECT count(DISTINCT parent_session_id) FROM subagent_execution WHERE delivery_
 ACTIVE_SETTLED_SQL = """
 SELECT status, delivery_status, count(*)
 FROM subagent_execution
-WHERE status IN ('RUNNING', 'RECOVERING') AND delivery_status <> 'PENDING'
+WHERE status IN ('RUNNING', 'RECOVERING') AND delivery_status <> 'PENDING' AND completed_at IS NULL
 GROUP BY status, delivery_status
 """
 OPEN_ROUNDS_SQL = "SELECT count(*) FROM pending_round WHERE closed_at IS NULL"
@@ -103,7 +105,7 @@ SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
        EXTRACT(EPOCH FROM now() - started_at)
 FROM recovery_scan WHERE id = 1 AND started_at IS NOT NULL
 """
-#: Settled executions (O(history): index-only scan of idx_sae_recovery), recounted now and then.
+#: Settled executions (O(history): a sequential scan), recounted now and then.
 SETTLED_SQL = """
 SELECT status, delivery_status, count(*)
 FROM subagent_execution

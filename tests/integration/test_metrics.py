@@ -336,7 +336,7 @@ def test_a_scrape_reads_only_live_rows_through_the_partial_indexes_beside_a_mill
     live = {
         "PENDING_SQL": (metrics.PENDING_SQL, {"scan_interval": 30.0}, "idx_sae_pending"),
         "PARENTS_SQL": (metrics.PARENTS_SQL, {}, "idx_sae_pending"),
-        "ACTIVE_SETTLED_SQL": (metrics.ACTIVE_SETTLED_SQL, {}, "idx_sae_recovery"),
+        "ACTIVE_SETTLED_SQL": (metrics.ACTIVE_SETTLED_SQL, {}, "ix_sae_settled_unfinished"),
         "OPEN_ROUNDS_SQL": (metrics.OPEN_ROUNDS_SQL, {}, "uq_pending_round_open"),
         "FIELD_LIVE_SQL": (
             metrics.FIELD_LIVE_SQL.format(schema=schema),

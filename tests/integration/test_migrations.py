@@ -83,13 +83,17 @@ def test_upgrade_backfills_running_as_pending_and_terminal_as_legacy(fresh_db_ur
     ):
         assert name in cols, name
     indexes = {i["name"]: i for i in insp.get_indexes("subagent_execution")}
-    assert indexes["idx_sae_recovery"]["column_names"] == ["status", "delivery_status"]
+    assert "idx_sae_recovery" not in indexes, "no index names status (0010: in-place updates)"
+    assert not [name for name, i in indexes.items() if "status" in i["column_names"]]
+    assert indexes["ix_sae_settled_unfinished"]["column_names"] == ["id"]
     assert "idx_sae_pending" in indexes
     uniques = {u["name"]: u["column_names"] for u in insp.get_unique_constraints("subagent_execution")}
     assert uniques["uq_sae_parent_tool_call"] == ["parent_session_id", "parent_tool_call_id"]
     with engine.connect() as conn:
         partial = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = 'idx_sae_pending'")).scalar_one()
         assert "WHERE" in partial and "PENDING" in partial
+        options = conn.execute(text("SELECT reloptions FROM pg_class WHERE relname = 'subagent_execution'")).scalar()
+        assert "fillfactor=70" in (options or []), options
         # A new row that names no delivery_status gets the default PENDING.
         parent = conn.execute(text("SELECT parent_session_id, child_session_id FROM subagent_execution")).first()
         assert parent is not None
