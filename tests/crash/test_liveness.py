@@ -2,7 +2,8 @@
 start them: a bare ``celery -A tasks worker`` serves every queue; with the Procfile's topology
 (a worker for ``celery``, a dedicated 2-slot worker for ``recovery``) recovered hour-long
 children never hold up another parent's delivery; a scanner frozen (SIGSTOP) while it holds the
-right to scan stops no recovery."""
+right to scan stops no recovery; a child whose compaction boundary is invalid ends FAILED and
+is delivered once; a queued parent run keeps its epoch through the scans while it waits."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select, update
 
 from demo.stack import ROOT, procfile_commands
-from models import Phase, Role, SessionType
+from models import AgentSession, Phase, Role, SessionType, transaction
 from models.base import utcnow
 from tests.helpers import add_message, executions_of, make_execution, make_session, wait_until
 
@@ -186,4 +188,53 @@ def test_a_scanner_frozen_while_it_holds_the_right_to_scan_stops_no_recovery(sta
         timeout=20,
         what="the thawed scanner noticed it lost the right",
     )
+    assert stack.invariants() == []
+
+
+def _epoch(sid: int) -> int:
+    with transaction() as s:
+        return int(s.execute(select(AgentSession.epoch).where(AgentSession.id == sid)).scalar_one())
+
+
+def test_a_dead_child_whose_boundary_is_invalid_ends_failed_is_delivered_once_and_never_re_sent(
+    stack_factory: Any,
+) -> None:
+    """Issue 15 item 7 through a bare worker and the beat: the child's history can never be
+    made legal, so its recovery ends it FAILED with the reason and the failure is delivered;
+    the scans after it send nothing again (it used to be re-sent every two leases, forever)."""
+    stack = stack_factory(script())
+    parent, _ = _dead_child()
+    child = executions_of(parent)[0].child_session_id
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == child).values(compaction_boundary_message_id=999999))
+    stack.worker("bare", argv=["-A", "tasks", "worker"])
+    stack.beat()
+    stack.wait_phase(parent, timeout=60)
+    (row,) = executions_of(parent)
+    assert (row.status, row.delivery_status) == ("FAILED", "DELIVERED")
+    assert "compaction boundary" in (row.error or "")
+    settled = (row.epoch, _epoch(parent))
+    time.sleep(3 * 2 + 1)  # three beat scans (SCAN_INTERVAL_SECONDS=2 in the stack)
+    (later,) = executions_of(parent)
+    assert (later.epoch, _epoch(parent)) == settled, "nothing is re-sent once the failure is delivered"
+    assert stack.invariants() == []
+
+
+def test_a_queued_parent_run_keeps_its_epoch_through_the_scans_and_runs_from_its_first_message(
+    stack_factory: Any,
+) -> None:
+    """Issue 15 item 6 through real workers: nobody consumes ``celery`` yet (only a recovery
+    worker and the beat run), so a submitted parent's ``agent.run`` waits while scans pass over
+    its lapsed reservation: they re-send it with the SAME epoch, so the first message stays valid.
+    When a worker for ``celery`` starts, the parent runs its round once."""
+    stack = stack_factory(script())
+    stack.worker("rec", queues="recovery")
+    stack.beat()
+    sid = stack.submit("plain")
+    submitted = _epoch(sid)
+    time.sleep(4 * 3 + 1)  # past two reservations (2 x LEASE_SECONDS=3) and six beat scans
+    assert _epoch(sid) == submitted, "a scan moved a queued parent's epoch: its message went stale"
+    stack.worker("runner", queues="celery")
+    snap = stack.wait_phase(sid, timeout=60)
+    assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert stack.invariants() == []
