@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -30,13 +30,11 @@ from tests.field_helpers import SampleCall, call_provider, open_api_client
 KEY = "df_open_hostile_network_test"
 
 
-class DrippingProxy:
-    """An HTTP proxy on loopback that reads a request head, then drips a reply one byte at a time."""
+class LoopbackProxy:
+    """What the proxies below share: a listener on loopback, a thread that accepts, one thread
+    per connection running ``_handle``, and every byte the proxy was sent in ``received``."""
 
-    REPLY = b"HTTP/1.1 200 Connection established\r\nProxy-Agent: drip\r\nX-Pad: " + b"p" * 40 + b"\r\n\r\n"
-
-    def __init__(self, drip_seconds: float = 0.25) -> None:
-        self.drip_seconds = drip_seconds
+    def __init__(self) -> None:
         self.received = bytearray()
         self.connections = 0
         self._stop = threading.Event()
@@ -47,7 +45,7 @@ class DrippingProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
 
-    def __enter__(self) -> DrippingProxy:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -66,6 +64,19 @@ class DrippingProxy:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class DrippingProxy(LoopbackProxy):
+    """An HTTP proxy on loopback that reads a request head, then drips a reply one byte at a time."""
+
+    REPLY = b"HTTP/1.1 200 Connection established\r\nProxy-Agent: drip\r\nX-Pad: " + b"p" * 40 + b"\r\n\r\n"
+
+    def __init__(self, drip_seconds: float = 0.25) -> None:
+        super().__init__()
+        self.drip_seconds = drip_seconds
+
+    def _handle(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(5)
             try:
@@ -82,35 +93,13 @@ class DrippingProxy:
                 return
 
 
-class ForwardingProxy:
+class ForwardingProxy(LoopbackProxy):
     """A plain HTTP proxy on loopback: each connection's absolute-form requests go to the host
     its first request line names; records the request lines and every byte it was sent."""
 
     def __init__(self) -> None:
-        self.received = bytearray()
+        super().__init__()
         self.request_lines: list[bytes] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-
-    def __enter__(self) -> ForwardingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._listener.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
         upstream: socket.socket | None = None
@@ -335,37 +324,15 @@ def test_a_long_call_holds_descriptors_for_its_live_connections_only(stub: Super
 # --- item 1: a working CONNECT tunnel to a TLS platform, verified with the configured CA ------
 
 
-class TunnellingProxy:
+class TunnellingProxy(LoopbackProxy):
     """An HTTP CONNECT proxy on loopback that pipes bytes to ``routes[host:port]`` and records them."""
 
     def __init__(self, routes: dict[str, tuple[str, int]], drip_seconds: float = 0.0) -> None:
+        super().__init__()
         self.routes = routes
         #: > 0: what the platform sends reaches the client one byte per this many seconds.
         self.drip_seconds = drip_seconds
-        self.received = bytearray()
         self.connects: list[bytes] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-
-    def __enter__(self) -> TunnellingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._listener.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
         head = b""
