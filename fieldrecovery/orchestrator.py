@@ -367,22 +367,13 @@ class FieldRecoveryOrchestrator:
         if not written:  # replay: the stored assembly is the one that counts
             assembly = AssemblyResult.model_validate(stored)
             view = project(facts, assembly)
-        log_event(
-            log,
-            "assembly_applied" if written else "assembly_replayed",
-            key=key,
-            accepted=len(assembly.accepted),
-            rejected=len(assembly.rejected),
-            unresolved=len(assembly.unresolved),
-            needs_review=bool(assembly.rejected),
-        )
-        return RecoveryRun(
-            RecoveryStatus.SUCCEEDED,
+        return self._succeeded(
+            key,
+            assembly,
             view,
+            event="assembly_applied" if written else "assembly_replayed",
             replayed=replayed,
             provider_calls=provider_calls,
-            assembly=assembly,
-            idempotency_key=key,
         )
 
     @staticmethod
@@ -396,9 +387,18 @@ class FieldRecoveryOrchestrator:
         re-assembly would be thrown away for the stored one anyway (apply-once).
         """
         assembly = AssemblyResult.model_validate(stored)
+        return FieldRecoveryOrchestrator._succeeded(
+            key, assembly, project(facts, assembly), event="assembly_replayed", replayed=True, provider_calls=0
+        )
+
+    @staticmethod
+    def _succeeded(
+        key: str, assembly: AssemblyResult, view: EffectiveFactView, *, event: str, replayed: bool, provider_calls: int
+    ) -> RecoveryRun:
+        """The SUCCEEDED result of an assembly applied now (or replayed), with its log line."""
         log_event(
             log,
-            "assembly_replayed",
+            event,
             key=key,
             accepted=len(assembly.accepted),
             rejected=len(assembly.rejected),
@@ -407,9 +407,9 @@ class FieldRecoveryOrchestrator:
         )
         return RecoveryRun(
             RecoveryStatus.SUCCEEDED,
-            project(facts, assembly),
-            replayed=True,
-            provider_calls=0,
+            view,
+            replayed=replayed,
+            provider_calls=provider_calls,
             assembly=assembly,
             idempotency_key=key,
         )
