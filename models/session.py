@@ -152,17 +152,23 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     return cas(s, _fence_stmt(identity_for()), params) == 1
 
 
+def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
+    """SQL: session ``b_sid`` is held at epoch ``b_epoch`` by a live owner, is not stopped, and
+    this process (``me``) was not replaced under its worker name."""
+    return (
+        S.id == bindparam("b_sid"),
+        S.epoch == bindparam("b_epoch"),
+        S.lease_owner.is_not(None),
+        not_stopped(),
+        *still_current_as(me),
+    )
+
+
 @built_once
 def _fence_stmt(me: tuple[str, int] | None) -> Any:
     return (
         update(S)
-        .where(
-            S.id == bindparam("b_sid"),
-            S.epoch == bindparam("b_epoch"),
-            S.lease_owner.is_not(None),
-            not_stopped(),
-            *still_current_as(me),
-        )
+        .where(*_held_by(me))
         .values(lease_expires_at=bindparam("b_until"))
         .execution_options(synchronize_session=False)
     )
@@ -359,14 +365,7 @@ def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
 def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None) -> Any:
     return (
         update(S)
-        .where(
-            S.id == bindparam("b_sid"),
-            S.epoch == bindparam("b_epoch"),
-            S.lease_owner.is_not(None),
-            not_stopped(),
-            _phase_in(STARTABLE_PHASES),
-            *still_current_as(me),
-        )
+        .where(*_held_by(me), _phase_in(STARTABLE_PHASES))
         .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
     )
