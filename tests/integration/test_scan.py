@@ -634,4 +634,6 @@ def test_the_scans_reservation_is_an_in_place_update(db: str) -> None:
             text("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'subagent_execution'")
         ).one()
     assert sorted(eid for _, _, kids in batch.rounds for eid, _ in kids) == sorted(rows)
-    assert updated == len(rows) and in_place == updated, f"{in_place} of {updated} reservations in place"
+    # NOTE: at least the reservations (the pass's transaction may update more rows: what the
+    # count says is that every update in it was in place).
+    assert updated >= len(rows) and in_place == updated, f"{in_place} of {updated} updates in place"
