@@ -30,9 +30,9 @@ E = SubagentExecution
 
 
 def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
-    """Run the same delivery as the chord callback for the parent, idempotently: a parent
+    """Run the same delivery as the last child or the scan for the parent, idempotently: a parent
     with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
-    asked again, spec §7.1.5); a stopped one has its pending results suppressed; a parent
+    asked again); a stopped one has its pending results suppressed; a parent
     whose loop holds a live lease is busy. Returns what happened."""
     with transaction() as s:
         row = s.execute(
@@ -142,7 +142,7 @@ def status_report() -> dict[str, Any]:
 
 
 def worker_name_conflicts() -> list[dict[str, Any]]:
-    """Worker names under which an older process saw a newer one boot (issue 15 item 8). ``live``:
+    """Worker names under which an older process saw a newer one boot. ``live``:
     the older process still reported it within the last lease (its watcher refreshes it every
     third of a lease), so two processes run under that name right now."""
     from models.worker import name_conflicts

@@ -1,4 +1,4 @@
-"""Delivery (spec §7.6): a parent's results are delivered in one transaction, exactly once.
+"""Delivery (docs/tasks.md, "Delivery"): a parent's results are delivered in one transaction, exactly once.
 
 First the end-to-end cases (R3, R9, R10, R23, R24 and duplicate messages), driven in-process on
 real PostgreSQL + Redis with the scripted model: a "crash" is what a dead worker leaves in the
