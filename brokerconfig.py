@@ -1,4 +1,4 @@
-"""Broker-specific Celery options (issue 12): what changes when the broker is RabbitMQ.
+"""Broker-specific Celery options: what changes when the broker is RabbitMQ.
 
 ``celeryconfig.build()`` merges ``options_for(broker_url)`` last, so these override the Redis
 defaults. Nothing here reads the environment (``settings`` does).

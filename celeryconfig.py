@@ -1,4 +1,4 @@
-"""Celery settings built from ``settings`` (DESIGN §2, CELERY-NOTES)."""
+"""Celery settings built from ``settings`` (docs/tasks.md: tasks, queues, routes, beat)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ def build() -> dict[str, Any]:
         "result_backend_transport_options": {"visibility_timeout": int(s.SUBAGENT_TIMEOUT_SECONDS + 2 * 3600)},
         "beat_schedule": {
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
-            # Field invocations and artifacts past retention_until, in batches (issue 10).
+            # Field invocations and artifacts past retention_until, in batches.
             "field-purge-expired": {"task": "field.purge_expired", "schedule": 3600.0},
         },
         "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field"),
         # Short work (scans, fan-out, deliveries, redeliveries) never waits behind hour-long
-        # children (issues 9, 15): it has a queue of its own. A recovered child IS a child and
+        # children: it has a queue of its own. A recovered child IS a child and
         # runs where children run (an exact name wins over the pattern in Celery's router).
         "task_default_queue": DEFAULT_QUEUE,
         "task_routes": {
@@ -61,7 +61,7 @@ def build() -> dict[str, Any]:
     # RabbitMQ: publisher confirms, quorum queues (README "RabbitMQ as the broker").
     conf.update(brokerconfig.options_for(s.CELERY_BROKER_URL))
     # Every queue a task is routed to is DECLARED, so a bare `celery -A tasks worker` consumes
-    # them all (CELERY-NOTES "Queues and routing"); `-Q` still narrows a worker to some of them.
+    # them all (only declared queues are consumed by default); `-Q` still narrows a worker to some of them.
     conf["task_queues"] = queues(s.RECOVERY_QUEUE, conf.get("task_default_queue_type", "classic"))
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
         conf["broker_transport_options"] = {

@@ -1,4 +1,4 @@
-"""Named crash points (DESIGN §7).
+"""Named crash points (docs/crash-points.md: every point, its commit boundary, its test).
 
 ``crash_point("deliver.mid_round")`` does nothing unless armed:
 - by environment: ``CRASH_POINT=deliver.mid_round`` (optionally ``CRASH_POINT_AFTER=N``: die on
@@ -7,7 +7,7 @@
   ``CRASH_POINT_MODE=stop`` the process instead SIGSTOPs itself there (frozen, as a paused VM
   or a debugger would leave it; the test sends SIGCONT or SIGKILL);
 - in-process, by a test: ``with armed_fault("round.after_assistant"): ...`` -> raises
-  ``InjectedFault`` at that point (transaction rollback tests, spec R25).
+  ``InjectedFault`` at that point (transaction rollback tests, docs/fault-model.md R25).
 
 Unarmed it costs one dict lookup. This module imports nothing from the project.
 """

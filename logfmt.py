@@ -1,4 +1,4 @@
-"""Structured ``key=value`` log lines (DESIGN §9): the one helper every package logs through.
+"""Structured ``key=value`` log lines (docs/invariants.md, I8): the one helper every package logs through.
 
 ``log_event(log, "subagent_recovery_start", execution_id=7, parent_id=3)`` writes
 ``event=subagent_recovery_start execution_id=7 parent_id=3``. Only safe values go in: event
@@ -6,7 +6,7 @@ names, ids, counts, durations, reasons, error types and codes. Never an API key,
 a task text, a prompt or a model answer (invariant I8): callers pass every field explicitly,
 nothing is logged by reflection.
 
-One spelling per field everywhere, snake_case (spec §11's camelCase names are mapped in the
+One spelling per field everywhere, snake_case (the recovery specification's camelCase names are mapped in the
 README); a field that means the same thing has the same name in every package:
 
 - ids: ``execution_id``, ``session_id`` (the session the line is about), ``parent_id`` (a

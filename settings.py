@@ -1,4 +1,4 @@
-"""The one place environment variables are read (DESIGN §2).
+"""The one place environment variables are read (docs/architecture.md).
 
 Every name below is a public interface: operators and scripts set these variables. Invalid
 values fail at start with a message that names the variable (``SettingsError``).
@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-#: Upper bound of booking.field-recovery.max-wait (field spec §5: "> 0 and capped").
+#: Upper bound of booking.field-recovery.max-wait: it must be > 0 and capped (docs/field-recovery.md).
 FIELD_RECOVERY_MAX_WAIT_CAP_SECONDS = 600.0
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -102,7 +102,7 @@ class OpenApiSettings(BaseModel):
 
 
 class FieldRecoverySettings(BaseModel):
-    """booking.field-recovery.* (DESIGN §8, field spec §5)."""
+    """booking.field-recovery.* (docs/field-recovery.md, "Configuration")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -115,7 +115,7 @@ class FieldRecoverySettings(BaseModel):
     max_response_chars: int = Field(default=200_000, gt=0)
     #: PostgreSQL schema that holds the invocation and artifact tables.
     db_schema: str = Field(default="th_hotel_booking", pattern=r"^[a-z_][a-z0-9_]*$")
-    #: Beyond the field spec: an expired IN_PROGRESS owner may be taken over with a fencing epoch.
+    #: Off by default: an expired IN_PROGRESS owner may be taken over with a fencing epoch.
     stale_takeover: bool = False
     #: Lease of an invocation owner; renewed while the provider call runs.
     lease_seconds: Duration = 30.0

@@ -12,7 +12,7 @@ the same questions (the same system prompts, tool specs and history).
 The round lives in the chord's messages, as a naive implementation keeps it: the parent's
 assistant tool calls travel in the callback's arguments, the children's TOOL contents come
 back as the header results. A crash anywhere in between loses the round (the problem our
-design solves; DESIGN §1).
+design solves; docs/architecture.md).
 """
 
 from __future__ import annotations

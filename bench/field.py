@@ -20,7 +20,7 @@ the real pipeline (``FieldRecoveryOrchestrator.process``) on a throwaway Postgre
    ``deadline_exceeded``.
 
 4. SSE: one event as large as the client's default byte budget (8 x max_response_chars +
-   64 KiB), made of short ``data:`` lines (the worst case of a quadratic framer: issue 18 item 5),
+   64 KiB), made of short ``data:`` lines (the worst case of a quadratic framer),
    framed and parsed by ``fieldrecovery.sse.EventParser`` from 8 KiB reads; median of 5.
    ``--sse-only`` prints this figure alone (no database, no stand-in).
 

@@ -1,6 +1,6 @@
 """Model calls per recovered round: ``python bench/journal.py [--parents P] [--wait-seconds S]``.
 
-Issue 17 item 2: a crash inside a round must not pay for the same model answer twice.
+The round journal (docs/invariants.md, J2): a crash inside a round must not pay for the same model answer twice.
 
 1. Crash: one real prefork worker runs P parents; each delegates one child; each child's
    model answers with one tool call (``wait S``) and the child runs it. Once the model has

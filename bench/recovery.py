@@ -16,7 +16,7 @@ Prints deliveries/s, the ceiling and the ratio ours/ceiling (medians of ``--runs
 on a fresh database); checks invariants I1–I5 over the whole database and exits 1 when one is
 violated.
 
-``--delivered-only`` (spec R16): instead of a crash, P parents delegate K children through the
+``--delivered-only`` (docs/fault-model.md, R16): instead of a crash, P parents delegate K children through the
 real loop in this process, every child COMPLETES, and no chord callback is ever sent (the state
 a crash between the last child and ``deliver_round`` leaves). The children's completion and
 the leases are then dated in the past, and ``recovery.scan`` is sent: the scan hands each

@@ -1,7 +1,7 @@
 """Scan cost against history: ``python bench/scan.py [--pending 1000] [--history 1000000]``;
 scan at scale: ``python bench/scan.py --parents 10000 [--per-parent 3]``.
 
-The recovery scan must cost O(pending), not O(history) (DESIGN §3: the partial index
+The recovery scan must cost O(pending), not O(history) (docs/tables.md: the partial index
 ``idx_sae_pending ... WHERE delivery_status = 'PENDING'``). This benchmark times the scan with
 ``--pending`` crashed executions (RUNNING, PENDING, lease expired) over an empty history, then
 over ``--history`` finished rows (DELIVERED and LEGACY, bulk-inserted with generate_series and

@@ -3,11 +3,11 @@ trial invariants I1–I7 are checked over the whole database.
 
     python bench/soak.py --trials 1000 --seed 1 [--workers 3]
 
-Fault kinds (issue 9): ``kill_one`` SIGKILLs one of several workers (not all) and restarts it,
+Fault kinds (docs/fault-model.md): ``kill_one`` SIGKILLs one of several workers (not all) and restarts it,
 under its own name half the time (boot generation) or as a new worker; ``kill_in_recovery``
 kills a worker, then kills the worker that is recovering its work; ``redis_restart`` kills the
 private redis-server and starts it EMPTY; ``pg_cuts`` resets every PostgreSQL connection of the
-workers (through a fault proxy) every 300 ms for 3 s. Issue 15 adds: ``freeze_scanner`` SIGSTOPs
+workers (through a fault proxy) every 300 ms for 3 s. Then the liveness faults: ``freeze_scanner`` SIGSTOPs
 one worker (its pool included, so a scan it runs keeps its right to scan, and its children
 keep their leases) for three scan intervals, then lets it go on (SIGCONT): its leases lapse
 meanwhile and another worker takes its work, so the thawed process must find itself fenced;
@@ -67,7 +67,7 @@ tools = ["echo", "wait", "charge", "stamp"]
 max_rounds = 10
 """
 #: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH, 5,000
-#: since issue 19: a backlog of 5,005).
+#: today: a backlog of 5,005).
 LEGACY_PER_PARENT = 5
 
 

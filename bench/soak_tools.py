@@ -1,4 +1,4 @@
-"""Tools the soak's children call (issue 17: rounds with Python tools of both kinds).
+"""Tools the soak's children call: rounds with Python tools of both kinds (repeatable or not).
 
 ``charge`` is neither read-only nor idempotent: it appends its call's idempotency key to the
 file named by ``SOAK_TOOL_LOG`` before it returns, as a payment service would record a charge.

@@ -10,7 +10,7 @@
 
 Exit status: 0 when the pipeline continued with a recovered or baseline view, 1 when the
 recovery failed closed (or the EML/database could not be used), 2 on invalid settings, 3 when
-it succeeded but needs review (the validator rejected at least one patch, field spec §8).
+it succeeded but needs review (the validator rejected at least one patch).
 
 ``field stale [--json]`` lists the invocations IN_PROGRESS past their lease (a dead owner), with
 their age; ``field release KEY [--reason TEXT] [--epoch N]`` fails one of them (fenced by its

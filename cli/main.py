@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked (issue 17)
+        load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked
         return int(handler(args) or 0)
     except AgentConfigError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)

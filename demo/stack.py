@@ -1,5 +1,5 @@
 """Real Celery worker subprocesses for the demo, the crash tests, the soak and the benchmarks
-(CELERY-NOTES: no Docker; prefork workers killed by process group with SIGKILL)."""
+(no Docker; prefork workers killed by process group with SIGKILL)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A real MCP server (streamable HTTP) on loopback, built with the official ``mcp`` SDK, for the
-tests and the demo of MCP tools (issue 17 item 4).
+tests and the demo of MCP tools.
 
 Tools: ``lookup_city`` (readOnlyHint), ``book_room`` (idempotentHint), ``charge_card`` (no
 hint: neither) and ``always_fails`` (raises: an ``isError`` result). ``calls`` records each

@@ -32,7 +32,7 @@ Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front
   session response is a gzip body of ``bomb_bytes`` decoded bytes, with status ``bomb_status``,
   whatever the request accepts; with ``bomb_on="stream"`` the message stream is the bomb: a
   ``run.started``, then one ``data:`` line of ``bomb_bytes`` that never ends);
-* hostile values (issue 18): lone_surrogate (a lone surrogate inside the final answer, sent as a
+* hostile values: lone_surrogate (a lone surrogate inside the final answer, sent as a
   JSON escape), nul_model / nul_profile (a NUL in the run status's ``model`` or resolved
   profile), huge_tokens (token counts above int32), bare_end (the ``end`` event without a
   ``data:`` line, which the SSE specification never dispatches).

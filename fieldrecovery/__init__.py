@@ -1,4 +1,4 @@
-"""SuperAgent field recovery (DESIGN §8, field spec): bounded call, persistent idempotency, apply-once.
+"""SuperAgent field recovery (docs/field-recovery.md): bounded call, persistent idempotency, apply-once.
 
 Modules, one concept each: schemas (contracts), eml (deterministic parser), request_builder,
 answer (strict PatchSet parsing), validator, resolver, assembly, projector, client (Open API on

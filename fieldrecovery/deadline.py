@@ -1,7 +1,7 @@
 """The one total deadline of a field recovery, and the watchdog that enforces it on a stream.
 
 Checking the clock between SSE events does not stop a read that is blocked in ``recv``, and
-closing the response from another thread does not wake it (CELERY-NOTES, SSE section). What
+closing the response from another thread does not wake it (a socket read ignores both). What
 does: per-read socket timeouts capped at the time left, plus a watchdog that shuts down
 (``SHUT_RDWR``) every socket of the call, from the moment each is connected, and closes the
 response at the deadline. The same watchdog stops the call early when its owner loses the

@@ -2,7 +2,7 @@
 
 A ``code`` is a short stable token (``deadline_exceeded``, ``output_fenced``) that may be logged,
 stored in ``error_code`` and printed. Messages are fixed texts chosen here, never built from the
-provider's answer, the request, a header or a key (field spec §6, DESIGN I8): foreign errors are
+provider's answer, the request, a header or a key (docs/invariants.md, I8): foreign errors are
 translated at the boundary and chained with ``from None`` when their text could carry data.
 """
 

@@ -1,4 +1,4 @@
-"""The MANUAL_EML field-recovery pipeline (DESIGN §8, field spec §4).
+"""The MANUAL_EML field-recovery pipeline (docs/field-recovery.md).
 
 EML -> deterministic parser -> PARSED_FACT_SET -> RecoveryRequestBuilder -> no task: parser
 baseline, no provider call -> otherwise, under ONE deadline from the claim on: claim the
@@ -75,7 +75,7 @@ class RecoveryRun:
 
     @property
     def needs_review(self) -> bool:
-        """The validator rejected at least one patch: a person must look (field spec §8).
+        """The validator rejected at least one patch: a person must look.
 
         The accepted patches are applied; the rejected ones never touch a fact. An answer whose
         every patch was rejected recovers nothing and is the plainest case.

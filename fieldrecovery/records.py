@@ -1,5 +1,5 @@
 """Value records of the invocation store: what a claim records, what an audit writes, what a
-read or an operator listing returns. All of it is safe to store, log and print (field spec §6):
+read or an operator listing returns. All of it is safe to store, log and print (I8):
 ids, hashes, counts, times and codes, never a request, an answer, a key or a header.
 """
 

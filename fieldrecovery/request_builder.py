@@ -1,6 +1,6 @@
 """RecoveryRequestBuilder: the minimal RecoveryRequestSet for exact UNRESOLVED + RECOVERABLE facts.
 
-Minimal means (field spec §3, §6): per task only its own evidence lines, candidates and value
+Minimal means (docs/field-recovery.md): per task only its own evidence lines, candidates and value
 schema; never the mail body, an attachment, a URL or the parser's full object. The request id
 and the idempotency key are derived from the source and the observation, so every caller that
 parses the same EML builds the same request (a concurrent caller or a replay compares equal).
@@ -22,7 +22,7 @@ from fieldrecovery.schemas import (
     sha256_hex,
 )
 
-#: The only text added to the JSON: a stable protocol hint, no business rules (field spec §6).
+#: The only text added to the JSON: a stable protocol hint, no business rules.
 PROTOCOL_HINT = (
     "Field recovery protocol v1. Answer with exactly one JSON object: a RecoveryPatchSet for the "
     "RecoveryRequestSet below. No Markdown, no text before or after the object."

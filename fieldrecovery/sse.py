@@ -8,7 +8,7 @@ right after the last event that really counted.
 
 Framing and parsing are ours (the WHATWG rules sseclient-py follows), in one linear pass:
 sseclient-py's reader yields the unterminated rest of a body as if it were a whole event
-(CELERY-NOTES), and both its reader and its parser concatenate ``data += line``, quadratic in
+(a cut stream looks complete), and both its reader and its parser concatenate ``data += line``, quadratic in
 the lines of one event (a budget-sized event of short lines took 36 s of pure CPU, which no
 watchdog can interrupt). Here the lines of an event are collected in a list, the byte buffer is
 scanned once, and the deadline is checked per chunk, per event and every ``CHECK_EVERY_LINES``

@@ -1,4 +1,4 @@
-"""Invocation store: one persistent owner per idempotency key, replay, apply-once (field spec §7).
+"""Invocation store: one persistent owner per idempotency key, replay, apply-once (docs/state-machines.md).
 
 State machine of ``field_recovery_invocation.status``::
 

@@ -1,4 +1,4 @@
-"""Field-recovery tables: the invocation record and the artifacts (field spec §7).
+"""Field-recovery tables: the invocation record and the artifacts (docs/tables.md).
 
 They use their own DeclarativeBase and MetaData, in the PostgreSQL schema named by
 ``booking.field-recovery.db-schema`` (default ``th_hotel_booking``): the tables are declared in

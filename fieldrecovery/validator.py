@@ -1,6 +1,6 @@
 """RecoveryPatchValidator: a provider answer never becomes a fact without passing here.
 
-Checks (field spec §6, §8): the patch set's identity (schema version, request id, attempt,
+Checks (docs/field-recovery.md, step 6): the patch set's identity (schema version, request id, attempt,
 idempotency key) equals the request's; each patch names a task of the request, at most once,
 with the task's field and path; its evidence refs are non-empty and all among the task's; its
 candidate ref is among the task's candidates and that candidate's value equals the patch value;

@@ -6,7 +6,7 @@ tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``de
 ``max_tokens`` (sent as the chat-completions API names them; unset means the endpoint's default,
 and ``model`` defaults to MODEL_NAME), and ``mcp_servers`` (a list of ``{name, url}`` tables:
 streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``). A subagent's tools
-never include ``delegate`` / ``delegate_followup`` (no recursive delegation, spec §5.1).
+never include ``delegate`` / ``delegate_followup`` (no recursive delegation: a child never delegates).
 
 ``load_at_start`` is what every process calls at start: it imports the tool modules and checks
 every agent's tools, so that a configuration error stops the process before it takes work.

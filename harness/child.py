@@ -209,8 +209,8 @@ def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
 def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound | None = None) -> ChildEnd:
     """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
     COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
-    database/Redis fault: nothing written, the lease lapses and the scan resumes it — DESIGN
-    §6). Never raises: a chord header never breaks its callback."""
+    database/Redis fault: nothing written, the lease lapses and the scan resumes it:
+    docs/fault-model.md). Never raises: a failure becomes a FAILED execution."""
     execution_id = info.execution_id
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
@@ -267,7 +267,7 @@ def _child_rounds(
 ) -> ModelReply:
     """Rounds until the model answers without tool calls; returns that final reply (uncommitted).
     A LOCAL child waits for its desktop client before every round: a client that disconnects
-    mid-run is noticed at the next round, and the wait consumes the same deadline (spec §7.4).
+    mid-run is noticed at the next round, and the wait consumes the same deadline (docs/invariants.md, I5).
 
     A recovered execution (epoch >= 2: the normal path takes epoch 1) first continues the
     round its crashed run journaled, without asking the model again (harness.journal).
@@ -332,7 +332,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
 
 def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
     """The last execution of a round to end delivers the round, in the normal path and in
-    recovery alike (DESIGN §6). The round's state comes from the finishing transaction itself
+    recovery alike (docs/tasks.md). The round's state comes from the finishing transaction itself
     (no extra trip). In the normal path the chord callback that follows finds the parent
     handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
     and the scan is the one behind it."""

@@ -1,4 +1,4 @@
-"""`delegate` / `delegate_followup`: atomic creation of a child execution (spec §7.2).
+"""`delegate` / `delegate_followup`: atomic creation of a child execution (docs/tasks.md, "The normal path").
 
 Each call runs inside the parent's round transaction: child session (first delegate), child
 USER message, execution row (RUNNING, PENDING, invocation_type, parent_tool_call_id,
@@ -53,7 +53,7 @@ class CreatedExecution:
 def delegate_arguments(
     invocation: InvocationType, *, agent_type: str, child_session_id: int, task: str
 ) -> dict[str, Any]:
-    """The tool arguments of a delegation, rebuilt the same way everywhere (spec §6.3)."""
+    """The tool arguments of a delegation, rebuilt the same way everywhere (legacy rows too)."""
     if invocation == InvocationType.DELEGATE:
         return {"agent_type": agent_type, "task": task}
     return {"child_session_id": child_session_id, "task": task}
@@ -145,7 +145,7 @@ def _delegate(
                 parent_session_id=parent.id,
                 agent_type=agent.name,
                 execution_mode=agent.execution_mode,
-                phase=None,  # set to RUNNING by the task that runs it (spec §3.4: recovery copes with NULL)
+                phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
                 started_at=now,
                 updated_at=now,
             )
@@ -195,7 +195,7 @@ def _followup(
     # The child's phase is taken by compare-and-set: a busy (or cancelled) child refuses.
     if not reopen_child_for_followup(s, child_id):
         raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
-    # spec §7.2: the child's incomplete tail goes before the new instruction is added.
+    # The child's incomplete tail goes before the new instruction is added.
     cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))
     start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")

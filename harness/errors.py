@@ -89,7 +89,7 @@ def infrastructure_boundary(
 ) -> Iterator[InfrastructureFault]:
     """The one place an infrastructure error ends a task: it is logged as ``event`` (with
     ``fields`` and the error's type) and recorded in the yielded fault, never re-raised and
-    never a result: the lease lapses and the scan resumes the work (DESIGN §6). Every other
+    never a result: the lease lapses and the scan resumes the work (docs/fault-model.md). Every other
     exception passes through, so a handler around the block sees only results and facts."""
     fault = InfrastructureFault()
     try:

@@ -1,4 +1,4 @@
-"""session_status events on Redis pub/sub and the external phase view (spec §8.3).
+"""session_status events on Redis pub/sub and the external phase view (docs/state-machines.md, "Session phase").
 
 RESUMING means "recovery owns this session" inside; everywhere a client can see a phase it is
 shown as RUNNING.

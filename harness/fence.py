@@ -1,4 +1,4 @@
-"""Fencing (DESIGN I6): every write of a running loop carries the epoch it was handed.
+"""Fencing (docs/invariants.md, I6): every write of a running loop carries the epoch it was handed.
 
 A fence is checked INSIDE each write transaction with one conditional UPDATE that also renews
 the lease; when it does not land, LeaseLost is raised and the transaction rolls back, so a

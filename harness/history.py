@@ -1,4 +1,4 @@
-"""Message history rules that everything else relies on (DESIGN I2, spec §5.3, §7.3, §7.6).
+"""Message history rules that everything else relies on (docs/invariants.md, I2).
 
 Two views of a session's history:
 - RAW rows (``deleted = false``, after a validated compaction boundary): what recovery and
@@ -125,7 +125,7 @@ def normalize(rows: Sequence[Row]) -> list[Row]:
 
 
 def check_legal(rows: Sequence[Row]) -> list[str]:
-    """Violations of DESIGN I2 in ``rows`` (live, in order); empty when the history is legal."""
+    """Violations of I2 (docs/invariants.md) in ``rows`` (live, in order); empty when the history is legal."""
     problems: list[str] = []
     i, n = 0, len(rows)
     while i < n:

@@ -1,4 +1,4 @@
-"""The round journal as the loops use it (issue 17 item 2, DESIGN §6 "Inside a round").
+"""The round journal as the loops use it (docs/state-machines.md, "Journal entry"; J1 and J2).
 
 One round, in the order its commits happen:
 

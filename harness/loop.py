@@ -7,7 +7,7 @@ between a result and an infrastructure fault.
 - Every write carries the epoch the loop was handed (harness.fence); cancellation is a phase
   change any process can request, honoured between rounds, inside ``wait`` and by the fence.
 - An infrastructure error (database, broker, Redis) is never a result: the loop stops without
-  writing, the lease lapses, and the scan resumes the work (DESIGN §6). Only the model, the
+  writing, the lease lapses, and the scan resumes the work (docs/fault-model.md). Only the model, the
   tools and the deadline produce failure results.
 """
 

@@ -95,7 +95,7 @@ def _session_for(url: str) -> requests.Session:
     """A keep-alive session whose environment settings (proxy variables, ``REQUESTS_CA_BUNDLE``
     / ``CURL_CA_BUNDLE``) are read ONCE, here, instead of at every request: requests'
     ``trust_env`` scans the environment (and ``~/.netrc``) on each call, a measurable part of a
-    short model call (issue 19). A provider behind a proxy still goes through it."""
+    short model call. A provider behind a proxy still goes through it."""
     session = requests.Session()
     session.proxies.update(requests.utils.get_environ_proxies(url))
     bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")

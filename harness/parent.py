@@ -1,4 +1,4 @@
-"""The parent (NORMAL / SIDE_TASK) loop (DESIGN §6, normal path).
+"""The parent (NORMAL / SIDE_TASK) loop (docs/tasks.md, "The normal path").
 
 - A round without delegates commits one ASSISTANT + every TOOL in one transaction.
 - A round with delegates commits pending_round + child sessions + executions + child USER
@@ -154,7 +154,7 @@ def _parent_rounds(
             if _delegates(reply, allowed, {}):
                 # NOTE: a delegating reply's journal entry is its pending round, committed with
                 # its children before any of its tools (children or inline ones) runs: no
-                # journal transaction of its own (issue 19). It is journaled only when none of
+                # journal transaction of its own (one commit fewer). It is journaled only when none of
                 # its delegations creates a child and it becomes an ordinary round.
                 rnd = RoundInFlight(None, reply)
             else:
@@ -349,7 +349,7 @@ def _delegating_round(
         deps.scheduler.start_children(session_id, fence.epoch, [Handed(c.execution_id, 0) for c in made.executions])
     except Exception as exc:
         # NOTE: the broker is down longer than its publish retries. Everything is committed:
-        # the executions' creation reservations lapse and the scan starts them (DESIGN §6).
+        # the executions' creation reservations lapse and the scan starts them (docs/fault-model.md).
         log_event(log, "children_handoff_failed", logging.WARNING, session_id=session_id, error=type(exc).__name__)
     return True
 

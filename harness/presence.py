@@ -1,4 +1,4 @@
-"""LOCAL client presence (spec §7.4): a gateway marks a user's desktop client connected.
+"""LOCAL client presence (docs/invariants.md, I5): a gateway marks a user's desktop client connected.
 
 Stored in Redis under ``local_client:<user_id>``; `agent-recovery local-client connect USER_ID`
 sets it for operators and tests. A LOCAL child waits for it within its absolute deadline.

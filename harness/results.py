@@ -1,4 +1,4 @@
-"""The ONE result factory (spec §7.5): the same JSON for the normal path and recovery."""
+"""The ONE result factory: the same JSON for the normal path and recovery."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Writing one complete tool round: one ASSISTANT with tool_calls + every TOOL, in tool-call
-order, in the caller's transaction (spec §5.4). The named crash points inside let tests prove
-the whole round rolls back (spec R25)."""
+order, in the caller's transaction (docs/invariants.md, I1 and I2). The named crash points inside let tests prove
+the whole round rolls back (docs/fault-model.md, R25)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the loops, the scan and delivery ask of the task layer: ONE protocol.
 
 Celery implements it in production (tasks.scheduler.CeleryScheduler); tests record instead
-(tests.helpers.RecordingScheduler). Domain code never imports Celery (DESIGN §2).
+(tests.helpers.RecordingScheduler). Domain code never imports Celery (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What clients see: session snapshots and lists, with the external phase (RESUMING shown as
-RUNNING, spec §8.3). The `session show --json` shape is a public interface."""
+RUNNING, docs/state-machines.md). The `session show --json` shape is a public interface."""
 
 from __future__ import annotations
 

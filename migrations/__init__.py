@@ -1,4 +1,4 @@
-"""Alembic environment and versions (DESIGN §3: 0001 pre-upgrade, 0002 the upgrade, 0003+ ours)."""
+"""Alembic environment and versions (docs/tables.md, "Migrations": 0001 pre-upgrade, 0002 the upgrade, 0003+ ours)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The database's clock, read cheaply (DESIGN §6: "time in leases and deadlines is the
-database's now(), never a worker's clock").
+"""The database's clock, read cheaply: time in leases and deadlines is the database's
+now(), never a worker's clock (docs/glossary.md, "Database time").
 
 Workers on several machines disagree about the time. Every lease and deadline is written and
 compared in the database's time: SQL statements use ``now()`` where they compare, and values
 computed in Python use :func:`db_utcnow`: the database's ``clock_timestamp()`` read at the
 last sync, plus the time elapsed since on this process's MONOTONIC clock. A step of the
 worker's wall clock (NTP, an operator's ``date -s``) therefore never moves it, between syncs
-or across one (issue 15 item 9); only the rate of the monotonic clock matters, and it is
+or across one; only the rate of the monotonic clock matters, and it is
 re-anchored every ``RESYNC_SECONDS``. The measurement error is half a round trip (well under
 a millisecond on a LAN), far below any lease.
 

@@ -53,8 +53,8 @@ def _ping_when_idle(engine: Engine) -> None:
     """Pessimistic disconnect handling with a bypass window (as HikariCP's 500 ms
     ``aliveBypassWindowMs``): a connection is pinged at checkout only when it sat idle in the
     pool for ``PING_AFTER_IDLE_SECONDS``. A task's transactions follow each other within
-    milliseconds; ``pool_pre_ping`` paid a round trip for every one of them (13 a delegating
-    round, issue 19). A dead connection found by the ping is replaced (``DisconnectionError``:
+    milliseconds; ``pool_pre_ping`` paid a round trip for every one of them (13 for a delegating
+    round). A dead connection found by the ping is replaced (``DisconnectionError``:
     the pool reconnects); one that died inside the window fails its statement, which is an
     infrastructure error like any cut mid-statement (the task stops without writing a result,
     and the pool drops the invalidated connection)."""
@@ -134,7 +134,7 @@ def built_once(fn: Callable[..., T]) -> Callable[..., T]:
     """A statement builder whose statements are built ONCE per shape (its arguments: enums,
     tuples, flags, a worker identity) with bind parameters for the values: building a
     SQLAlchemy statement and its cache key costs more than a PostgreSQL round trip on the hot
-    path (about 0.3 ms a statement, issue 19). Statements built here carry
+    path (about 0.3 ms a statement). Statements built here carry
     ``synchronize_session=False`` (they are Core compare-and-sets, never ORM bulk updates)."""
 
     @functools.wraps(fn)

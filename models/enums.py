@@ -1,4 +1,4 @@
-"""Status enums, one StrEnum each, with the meaning of every value (DESIGN §3, §4)."""
+"""Status enums, one StrEnum each, with the meaning of every value (docs/state-machines.md)."""
 
 from __future__ import annotations
 

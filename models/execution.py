@@ -1,4 +1,4 @@
-"""subagent_execution and its state machine as compare-and-set updates (DESIGN §3, §4).
+"""subagent_execution and its state machine as compare-and-set updates (docs/state-machines.md).
 
 Execution status: RUNNING -> COMPLETED|FAILED|CANCELLED; RUNNING -> RECOVERING;
 RECOVERING -> COMPLETED|FAILED|CANCELLED. Delivery: PENDING -> DELIVERED|SUPPRESSED; LEGACY is
@@ -81,7 +81,7 @@ class SubagentExecution(Base):
     agent_type: Mapped[str] = mapped_column(String(64))
     task_description: Mapped[str] = mapped_column(Text)
     status: Mapped[ExecutionStatus] = mapped_column(StrEnumType(ExecutionStatus))
-    #: NULL on pre-upgrade rows (inferred and written back by recovery, spec §6.3).
+    #: NULL on pre-upgrade rows (inferred and written back by recovery.legacy).
     invocation_type: Mapped[InvocationType | None] = mapped_column(StrEnumType(InvocationType), nullable=True)
     #: The parent's tool_call id; NULL on pre-upgrade rows.
     parent_tool_call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
@@ -108,13 +108,13 @@ class SubagentExecution(Base):
     #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
     lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
-    #: Times the scan re-sent this unclaimed reservation (each doubles the reservation; issue 15).
+    #: Times the scan re-sent this unclaimed reservation (each doubles the reservation window).
     resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: The parent round this execution belongs to; NULL on pre-upgrade rows.
     pending_round_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("pending_round.id"), nullable=True)
 
 
-#: Legal sources of each target status (DESIGN §4). RUNNING -> RUNNING is the normal path's take
+#: Legal sources of each target status (docs/state-machines.md). RUNNING -> RUNNING is the normal path's take
 #: (the chord's run_child takes the execution it was created for: epoch + 1, same status); no
 #: other status ever goes back to RUNNING.
 STATUS_SOURCES: dict[ExecutionStatus, tuple[ExecutionStatus, ...]] = {
@@ -189,7 +189,7 @@ def take_execution(
     Returns the new epoch, or None when a newer owner holds it: the epoch moved, or a live
     lease (``models.worker.lease_takeable``: a reservation left for the epoch's holder, unowned
     as a scan's hand-over or naming its creator at epoch 0, counts as free). Raises
-    IllegalTransition for a terminal or non-PENDING row at the expected epoch (spec §6.2:
+    IllegalTransition for a terminal or non-PENDING row at the expected epoch (the rule:
     terminal never goes back; only PENDING may be taken over).
     """
     sources = STATUS_SOURCES[to_status]
@@ -308,7 +308,7 @@ def _fence_stmt(me: tuple[str, int] | None) -> Any:
 
 
 def store_inferred(s: Session, eid: int, *, invocation: InvocationType | None, tool_call_id: str | None) -> None:
-    """Write back what the legacy inference found (spec §6.3) where the row still has NULL, so
+    """Write back what the legacy inference found (recovery.legacy) where the row still has NULL, so
     a concurrent writer is never overwritten (``None``: nothing to write for that column)."""
     if invocation is not None:
         s.execute(
@@ -390,7 +390,7 @@ def _mark_delivered_stmt(n: int) -> Any:
 
 
 def suppress_execution(s: Session, eid: int) -> bool:
-    """PENDING -> SUPPRESSED; an active execution is cancelled in the same UPDATE (spec §7.7).
+    """PENDING -> SUPPRESSED; an active execution is cancelled in the same UPDATE (the parent is stopped).
 
     Bumps the epoch so that a child still running under the old epoch can no longer write.
     Returns False when the row was already delivered or suppressed.

@@ -1,5 +1,5 @@
 """round_journal: the model's reply of a round in flight, and its tools' starts and results
-(issue 17 item 2, DESIGN §6 "Inside a round").
+(docs/state-machines.md, "Journal entry"; docs/invariants.md, J1 and J2).
 
 A loop writes one OPEN entry per session right after the model answers with tool calls and
 before the first tool runs; each non-repeatable tool's start and each tool's result are

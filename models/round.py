@@ -1,4 +1,4 @@
-"""pending_round: a parent's assistant tool-call round that waits for its children (DESIGN §3)."""
+"""pending_round: a parent's assistant tool-call round that waits for its children (docs/tables.md)."""
 
 from __future__ import annotations
 

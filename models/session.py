@@ -1,4 +1,4 @@
-"""agent_session: one agent conversation; its lease, epoch and phase (DESIGN §3, §4)."""
+"""agent_session: one agent conversation; its lease, epoch and phase (docs/tables.md, docs/state-machines.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class AgentSession(Base):
     parent_session_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_session.id"), nullable=True)
     agent_type: Mapped[str] = mapped_column(String(64))
     execution_mode: Mapped[ExecutionMode] = mapped_column(StrEnumType(ExecutionMode), server_default=text("'CLOUD'"))
-    #: NULL right after a child is created and before anything ran (spec §3.4, R14).
+    #: NULL right after a child is created and before anything ran; recovery copes with it (R14).
     phase: Mapped[Phase | None] = mapped_column(StrEnumType(Phase), nullable=True)
     #: Messages with id <= boundary are summarized by compaction_summary.
     compaction_boundary_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -288,8 +288,8 @@ def reserve_session(
     reservation for the task it hands the epoch to. A session held by an owner gets a new
     epoch (its loop is fenced out); an unclaimed reservation (no owner: a queued run, a fresh
     submit or a hand-over after delivery) KEEPS its epoch, so the message already in the queue
-    stays valid and the parent is not sent to the back of the queue by every pass (issue 15
-    item 6). Returns the epoch to hand over, or None when the session moved on, is leased, or
+    stays valid and the parent is not sent to the back of the queue by every pass
+    (docs/glossary.md, "Reservation"). Returns the epoch to hand over, or None when the session moved on, is leased, or
     is not in ``from_phases``. ``extra`` conditions are checked in the same UPDATE (e.g.
     "nothing pending")."""
     now = utcnow()

@@ -1,12 +1,12 @@
-"""worker_boot and recovery_scan: who is alive, and when the scan last ran (DESIGN §6).
+"""worker_boot and recovery_scan: who is alive, and when the scan last ran (docs/tables.md).
 
 ``worker_boot`` holds one row per stable worker name (Celery's ``-n`` node name or the
 ``WORKER_ID`` setting) with a generation bumped at every boot. A lease written by an older
 generation of the same name is known dead: its process was replaced by a newer one, so its
-work is taken back at once, without waiting for the lease (issue 11).
+work is taken back at once, without waiting for the lease.
 
 Two LIVE processes under one name (a shared ``WORKER_ID``, two ``-n worker1@%h`` on one host)
-are a misconfiguration that must not cost more than one take-back (issue 15 item 8): every take
+are a misconfiguration that must not cost more than one take-back: every take
 of a lease by a booted process carries :func:`still_current` (no newer generation of my name
 exists), so a superseded process can never take a lease nor renew one, and the scan takes each
 of its leases once. Its watcher (``tasks.signals``) notices the newer generation within a third
@@ -37,7 +37,7 @@ class WorkerBoot(Base):
     generation: Mapped[int] = mapped_column(Integer)
     booted_at: Mapped[datetime] = mapped_column(UTCDateTime)
     #: Set by an OLDER live process that found this newer generation under its name (two
-    #: processes share one name): the generation it was, and when it noticed (issue 15 item 8).
+    #: processes share one name): the generation it was, and when it noticed.
     conflict_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
     conflict_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
@@ -51,7 +51,7 @@ class RecoveryScan(Base):
     duration_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
     parents: Mapped[int | None] = mapped_column(Integer, nullable=True)
     executions: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    #: The right to scan: who holds it and until when (the database's clock; issue 15 item 4).
+    #: The right to scan: who holds it and until when (the database's clock).
     holder: Mapped[str | None] = mapped_column(String(128), nullable=True)
     held_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
@@ -96,8 +96,8 @@ def take_scan_right(s: Session, holder: str, seconds: float) -> bool:
 
     NOTE: the right lives in a row with an expiry, not in a session-level advisory lock: a
     scanner that is SIGSTOPped, paused or cut off loses it when ``held_until`` passes, whatever
-    its connection does, so another worker scans within a couple of scan intervals (issue 15
-    item 4). Call it in a short transaction of its own."""
+    its connection does, so another worker scans within a couple of scan intervals.
+    Call it in a short transaction of its own."""
     from models.base import utcnow
 
     now = utcnow()

@@ -1,4 +1,4 @@
-"""Cancelling a session: a phase change any process can request (spec §7.7)."""
+"""Cancelling a session: a phase change any process can request (R15, R21)."""
 
 from __future__ import annotations
 

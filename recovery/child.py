@@ -1,4 +1,4 @@
-"""A child execution's recovery (spec §7.3): ``recover_child`` (task ``recovery.recover_child``).
+"""A child execution's recovery (docs/tasks.md): ``recover_child`` (task ``recovery.recover_child``).
 
 It differs from the normal path's start (harness.child ``start_child``, task
 ``agent.run_child``: RUNNING -> RUNNING, epoch + 1, child phase RUNNING) only in how it takes
@@ -63,7 +63,7 @@ from recovery.legacy import infer_and_store
 log = logging.getLogger(__name__)
 E = SubagentExecution
 
-#: Child phases that say its last answer was NOT a final result (old rows, spec §7.3.5).
+#: Child phases that say its last answer was NOT a final result (old rows).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
 
 
@@ -74,7 +74,7 @@ class FinalFound:
 
 
 def existing_final(s: Session, info: ChildInfo, rows: Sequence[Message] | None = None) -> FinalFound | None:
-    """The execution's final ASSISTANT if it was committed before the crash (spec §7.3.5):
+    """The execution's final ASSISTANT if it was committed before the crash (R20):
     ``final_message_id``, or for old rows the last live row after the execution's USER
     instruction when it is an ASSISTANT without tool calls and the child's phase does not say
     otherwise (a FAILED/CANCELLED child's last words are not its result). ``rows``: every

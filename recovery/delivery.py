@@ -1,6 +1,7 @@
-"""Exactly-once delivery of child results into the parent's history (spec §5.4, §7.6, §7.7).
+"""Exactly-once delivery of child results into the parent's history (docs/invariants.md, I1).
 
-``deliver_round(parent_id, epoch)`` is the chord callback of BOTH the normal path and recovery:
+``deliver_round(parent_id, epoch)`` runs in-process in the last execution of a round to end (in
+both paths), in the normal path's chord callback (a backstop), and when the scan asks for it:
 1. lock the parent; a stale epoch does nothing; a cancelled/terminal parent gets nothing (its
    PENDING executions become SUPPRESSED, its children are cancelled) and is never resumed;
 2. barrier (I3): while any PENDING execution of the parent is still active, nothing happens;
@@ -67,7 +68,7 @@ class DeliveryKind(StrEnum):
     WAITING = "waiting"  #: an execution of the parent is still active or PENDING: no hand-over yet (I3)
     SUPPRESSED = "suppressed"  #: the parent is stopped: its PENDING results became SUPPRESSED
     RESUME = "resume"  #: every result delivered; the parent was handed ``new_epoch`` to run
-    NOTHING = "nothing"  #: nothing was pending: a settled parent is left as it is (spec §7.1.5)
+    NOTHING = "nothing"  #: nothing was pending: a settled parent is left as it is
     STOPPED = "stopped"  #: the parent's history can never be legal: stopped FAILED, results suppressed
 
 
@@ -155,7 +156,7 @@ def _delivered_rows(s: Session, parent_id: int, execution_id: int) -> frozenset[
 
 
 def deliver_one(s: Session, row: SubagentExecution, parent_id: int) -> bool:
-    """Deliver one execution without a pending round as an assistant+TOOL pair (spec §7.6).
+    """Deliver one execution without a pending round as an assistant+TOOL pair (R11, R23).
 
     Caller holds the parent lock and has checked the parent. Returns True when it wrote or
     marked, False when already delivered/suppressed."""
@@ -201,7 +202,7 @@ def _open_round_stmt() -> Any:
 def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
     """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
-    # spec R23: delegation results in ascending execution id. They take the delegation slots
+    # R23: delegation results in ascending execution id. They take the delegation slots
     # of the round in that order; inline results keep their own slots.
     by_id = iter(sorted(members.values(), key=lambda m: m.id))
     results = []
@@ -213,7 +214,7 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
             results.append(ToolResult(member_call, result_content(member), member.child_session_id))
         else:
             # An inline call without a recorded result was interrupted (the parent died while
-            # running it, or before it started): never run again here (issue 17 item 2).
+            # running it, or before it started): never run again here (docs/state-machines.md, "Tool call").
             result = rnd.inline_results.get(call_id)
             if result is None:
                 fn = call.get("function") or {}
@@ -266,7 +267,7 @@ def _close_round_and_hand_over(
     if rnd is not None:
         delivered += _deliver_open_round(s, parent_id, rnd, pending)
     if not delivered and rnd is None:
-        # Nothing was waiting: a settled parent is never handed over (spec §7.1.5).
+        # Nothing was waiting: a settled parent is never handed over.
         log_event(log, "deliver_round_skipped", parent_id=parent_id, reason="nothing_pending")
         return DeliveryOutcome(DeliveryKind.NOTHING)
     # NOTE: what is left PENDING is known without another read: the PENDING rows are locked
@@ -301,7 +302,7 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
 
 
 def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
-    """The chord callback: deliver every finished child result of the parent exactly once,
+    """Deliver every finished child result of the parent exactly once,
     then hand the parent a new epoch (the caller enqueues its run). See the module doc.
 
     The common case (every result belongs to the open round) is ONE transaction: checks,
@@ -320,7 +321,7 @@ def _deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         cleanup_incomplete_tail(s, parent_id, boundary, protected=lambda: _delivered_rows(s, parent_id, -1))
         legacy = [r.id for r in pending if r.pending_round_id is None]
         outcome = None if legacy else _close_round_and_hand_over(s, parent_id, epoch, delivered, pending)
-    for eid in legacy:  # rows without a round: one transaction each, ascending id (spec §7.6)
+    for eid in legacy:  # rows without a round: one transaction each, ascending id (R23)
         with transaction() as s:
             stop = _check_parent(s, parent_id, epoch, delivered)
             if isinstance(stop, DeliveryOutcome):

@@ -1,5 +1,5 @@
-"""Checks of DESIGN invariants I1–I5 over the WHOLE database (tests, soak, demo), and the
-round journal's two rules (issue 17 item 2): J1 a tool call that is neither read-only nor
+"""Checks of invariants I1–I5 (docs/invariants.md) over the WHOLE database (tests, soak, demo), and the
+round journal's two rules: J1 a tool call that is neither read-only nor
 idempotent is started at most once; J2 a journaled reply is never asked for again.
 
 Each check returns human-readable violations; an empty list means it holds.

@@ -1,4 +1,4 @@
-"""Pre-upgrade rows (spec §6.3): infer what the upgrade did not record, stably.
+"""Pre-upgrade rows (docs/glossary.md, "Legacy row"): infer what the upgrade did not record, stably.
 
 For a row without ``invocation_type``: the earliest execution of its child session is
 DELEGATE, later ones FOLLOWUP. Its tool_call id is ``recovered_subagent_execution_<id>``. The

@@ -1,4 +1,4 @@
-"""Prometheus metrics read from PostgreSQL at scrape time (issue 12).
+"""Prometheus metrics read from PostgreSQL at scrape time.
 
 The values come from the tables, not from process memory, so they are right whichever worker
 did the work and survive every restart. A scrape is one short READ ONLY transaction whose cost
@@ -23,7 +23,7 @@ execution is an in-place update, migration 0010), so they
 are recounted at most every ``settled_refresh_seconds`` and served from the last count in
 between: a counter that lags by that much is still right for ``rate()``.
 
-Ages use the database's ``now()`` (DESIGN §6: time is the database's). Label values are lower
+Ages use the database's ``now()`` (docs/glossary.md, "Database time"). Label values are lower
 case. A database that does not answer makes the scrape expose ``agent_recovery_database_up 0``
 and nothing else, instead of failing the HTTP request.
 """

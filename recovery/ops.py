@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import func, select
@@ -29,10 +30,17 @@ log = logging.getLogger(__name__)
 E = SubagentExecution
 
 
+class RedeliverOutcome(StrEnum):
+    """How an operator's redelivery ended when it ran no delivery (otherwise: ``DeliveryKind``)."""
+
+    NOTHING_PENDING = "nothing_pending"  #: the parent has no PENDING execution: it is left exactly as it is
+    STILL_RUNNING = "still_running"  #: the execution is still active: nothing to deliver yet (the scan recovers it)
+
+
 def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
-    """Run the same delivery as the chord callback for the parent, idempotently: a parent
+    """Run the same delivery as the last child or the scan for the parent, idempotently: a parent
     with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
-    asked again, spec §7.1.5); a stopped one has its pending results suppressed; a parent
+    asked again); a stopped one has its pending results suppressed; a parent
     whose loop holds a live lease is busy. Returns what happened."""
     with transaction() as s:
         row = s.execute(
@@ -49,8 +57,8 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
             select(func.count()).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
         ).scalar_one()
         if not pending:
-            log_event(log, "redeliver", parent_id=parent_id, outcome="nothing_pending")
-            return "nothing_pending"
+            log_event(log, "redeliver", parent_id=parent_id, outcome=RedeliverOutcome.NOTHING_PENDING)
+            return RedeliverOutcome.NOTHING_PENDING
         epochs = release_dead_parents(s, [parent_id])
     outcome = deliver_round(parent_id, epochs[parent_id])
     if outcome.kind == DeliveryKind.RESUME and outcome.new_epoch is not None:
@@ -74,7 +82,7 @@ def redeliver(execution_id: int, scheduler: Scheduler) -> str:
     if row.delivery_status != DeliveryStatus.PENDING:
         return f"already_{str(row.delivery_status).lower()}"
     if row.status in ACTIVE_EXECUTION:
-        return "still_running"
+        return RedeliverOutcome.STILL_RUNNING
     return redeliver_parent(row.parent_session_id, scheduler)
 
 
@@ -142,7 +150,7 @@ def status_report() -> dict[str, Any]:
 
 
 def worker_name_conflicts() -> list[dict[str, Any]]:
-    """Worker names under which an older process saw a newer one boot (issue 15 item 8). ``live``:
+    """Worker names under which an older process saw a newer one boot. ``live``:
     the older process still reported it within the last lease (its watcher refreshes it every
     third of a lease), so two processes run under that name right now."""
     from models.worker import name_conflicts

@@ -1,11 +1,11 @@
-"""The recovery scan (DESIGN §6 recovery path): worker boot (worker_ready) and beat.
+"""The recovery scan (docs/tasks.md, "The recovery path"): worker boot (worker_ready) and beat.
 
 One scan at a time across all workers (the right to scan: a row with an expiry in the
 database's clock, models.worker); every row decision is still a compare-and-set, so two
 concurrent scans (or two beats) are harmless. In order:
 1. PENDING executions of cancelled/terminal parents -> SUPPRESSED with the children cancelled;
-   such parents are never resumed (spec §7.1.5, §7.7).
-2. Dead executions, each on its own (spec §7.1, issue 9): active + PENDING whose lease lapsed
+   such parents are never resumed (R15, R21).
+2. Dead executions, each on its own: active + PENDING whose lease lapsed
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
    the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards,
@@ -19,7 +19,7 @@ concurrent scans (or two beats) are harmless. In order:
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
-   tail cleaned and resumed (spec R18); "nothing pending" is re-checked in the take's UPDATE.
+   tail cleaned and resumed (R18); "nothing pending" is re-checked in the take's UPDATE.
    SUBAGENT sessions never take this path.
 The work is handed to the scheduler in batches (recover_many / deliver_many); duplicate or
 late messages lose their compare-and-set and do nothing.
@@ -318,8 +318,8 @@ class _Reserver:
     hands their parents over (models.session.parent_release), in the caller's transaction.
 
     The pass walks the execution ids upwards (keyset), so it visits each row at most once,
-    whatever the backlog (issue 15 item 3). Rows are locked in the one order every path uses:
-    the parent row first, then its executions (issue 15 item 5). A parent locked by a cancel,
+    whatever the backlog. Rows are locked in the one order every path uses:
+    the parent row first, then its executions (no deadlock). A parent locked by a cancel,
     a delivery or a finishing child is skipped for this pass, never waited for; so is an
     execution locked by its own finishing child."""
 
@@ -551,7 +551,7 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
     now = utcnow()
     grace = timedelta(seconds=settings.LEASE_SECONDS if grace_seconds is None else grace_seconds)
     # Only a parent with a terminal PENDING execution can have a round whose executions are all
-    # terminal: the (status, delivery_status) index finds those few, and the grouping below reads
+    # terminal: the subquery reads PENDING rows only (idx_sae_pending: no index names status); the grouping reads
     # their executions only, not every PENDING row (after a big crash, all of them are active).
     finished = aliased(E)
     some_finished = select(finished.parent_session_id).where(
@@ -639,7 +639,7 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
 def _take_plain(sid: int, epoch: int) -> int | None:
     """Take a plain session; "nothing pending" is part of the UPDATE (a delegation committed
     between the SELECT and here makes it miss). A session whose compaction boundary is invalid
-    can never get a legal history: it ends FAILED (issue 15 item 7) instead of a take that rolls
+    can never get a legal history: it ends FAILED instead of a take that rolls
     back on every pass."""
     try:
         with transaction() as s:

@@ -45,7 +45,8 @@ def run_child_task(execution_id: int, epoch: int) -> str:
 
 @app.task(name="agent.deliver_round", ignore_result=True)
 def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
-    """Chord callback (also sent alone by the scan and by the last recovered child)."""
+    """The normal path's chord callback (a backstop: the last child delivers in-process); also sent
+    alone by the scan."""
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 

@@ -1,7 +1,7 @@
 """Celery adapters for field recovery: `field.recover_eml` and the beat task `field.purge_expired`.
 
 The deadline (max_wait) is computed inside the domain call; the hard time limit is only a
-backstop just above it (it works on the prefork pool only, CELERY-NOTES).
+backstop just above it (Celery enforces time limits on the prefork pool only).
 
 ``field.recover_eml`` returns the run's summary only (status, needs_review, error code,
 idempotency key): Celery logs a task's return value at INFO and keeps it in the result backend,

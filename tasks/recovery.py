@@ -54,7 +54,7 @@ def redeliver_parent_task(parent_session_id: int) -> str:
 
 @worker_ready.connect
 def _boot_scan(sender: object = None, **_: object) -> None:
-    # N workers -> N boot scans: the advisory lock and the compare-and-sets serialize them.
+    # N workers -> N boot scans: the right to scan and the compare-and-sets serialize them.
     try:
         scan_task.apply_async()
     except Exception:

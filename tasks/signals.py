@@ -50,7 +50,7 @@ def setup_logging(level: str) -> None:
 
 @setup_logging_signal.connect
 def _logging(**_: object) -> None:
-    # Our own key=value lines (DESIGN §9); Celery then leaves logging alone.
+    # Our own key=value lines (logfmt); Celery then leaves logging alone.
     from settings import get_settings
 
     setup_logging(get_settings().LOG_LEVEL)
@@ -63,8 +63,8 @@ def _ready(sender: object = None, **_: object) -> None:
 
 
 class NameWatcher:
-    """Watches this worker's name in ``worker_boot`` from the worker's MAIN process (issue 15
-    item 8). When a newer process booted under the same name (a shared ``WORKER_ID``, two
+    """Watches this worker's name in ``worker_boot`` from the worker's MAIN process
+    (docs/fault-model.md). When a newer process booted under the same name (a shared ``WORKER_ID``, two
     ``-n worker1@%h`` on one host), this one is the older: it logs ``event=worker_name_conflict``
     at ERROR once, records the conflict at every tick (``agent-recovery status``, the metrics)
     and stops consuming from every queue, so it takes no new message.

@@ -263,7 +263,7 @@ def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, 
     return sid, epoch
 
 
-# --- Recovery cases (spec §10.1): scripts and probes shared by the test_recovery_* modules ---
+# --- Recovery cases (docs/fault-model.md, R1-R25): scripts and probes shared by the test_recovery_* modules ---
 
 MAIN = "main agent"
 

@@ -1,4 +1,4 @@
-"""The tool room (DESIGN §2): ``from harness.tools import tool, ToolContext``.
+"""The tool room (docs/architecture.md): ``from harness.tools import tool, ToolContext``.
 
 - ``registry``: the ``@tool`` decorator, the registry, schemas from type hints, ``run_inline``.
 - ``context``: ``ToolContext`` (session, call id, deadline, cancellation, idempotency key).

@@ -1,5 +1,5 @@
 """The built-in tools: ``delegate`` and ``delegate_followup`` (specs only: the loop turns their
-calls into child executions, DESIGN §6), and ``echo`` and ``wait``, ordinary tools."""
+calls into child executions, docs/tasks.md), and ``echo`` and ``wait``, ordinary tools."""
 
 from __future__ import annotations
 

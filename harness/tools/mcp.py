@@ -1,4 +1,4 @@
-"""Tools of MCP servers (streamable HTTP), through the official ``mcp`` SDK (issue 17 item 4).
+"""Tools of MCP servers (streamable HTTP), through the official ``mcp`` SDK.
 
 An agent lists servers in AGENTS_FILE (``mcp_servers = [{name = "files", url = "..."}]``); tool
 ``read`` of server ``files`` is offered to the model as ``files__read``, beside the Python tools.

@@ -57,7 +57,7 @@ class ToolDefinitionError(AgentConfigError):
 @dataclass(frozen=True)
 class Tool:
     """One tool as the loops see it. ``run`` is None for the delegation tools (the loop turns
-    their calls into child executions, DESIGN §6)."""
+    their calls into child executions, docs/tasks.md)."""
 
     name: str
     description: str

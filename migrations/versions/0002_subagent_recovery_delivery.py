@@ -1,6 +1,6 @@
-"""The upgrade (spec V075): delivery columns, backfill, recovery indexes.
+"""The upgrade: delivery columns, backfill, recovery indexes.
 
-Backfill order (spec §6.1, DESIGN §3): add delivery_status nullable -> RUNNING rows PENDING ->
+Backfill order (docs/tables.md, "Migrations"): add delivery_status nullable -> RUNNING rows PENDING ->
 terminal rows LEGACY -> assert no NULL -> NOT NULL DEFAULT 'PENDING'. Never derived from
 parent_result_delivered_at.
 

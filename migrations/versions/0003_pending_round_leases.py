@@ -1,4 +1,4 @@
-"""Ours: pending_round, leases and epochs (DESIGN §3, §5 I6).
+"""Ours: pending_round, leases and epochs (docs/tables.md; docs/invariants.md, I6).
 
 Revision ID: 0003
 Revises: 0002

@@ -1,4 +1,4 @@
-"""Field recovery: invocation and artifact tables in their own schema (field spec §7).
+"""Field recovery: invocation and artifact tables in their own schema (docs/tables.md).
 
 Additive. The schema is ``booking.field-recovery.db-schema`` (env
 BOOKING_FIELD_RECOVERY__DB_SCHEMA, default ``th_hotel_booking``) and is created here. The
@@ -119,7 +119,7 @@ def upgrade() -> None:
             "content_hash",
             name=op.f("uq_field_recovery_artifact_content"),
         ),
-        # The artifact-type whitelist (field spec §7).
+        # The artifact-type whitelist (fieldrecovery.tables.ArtifactType).
         sa.CheckConstraint(
             "artifact_type IN ('PARSED_FACT_SET', 'RECOVERY_REQUEST', 'RECOVERY_ASSEMBLY', 'EFFECTIVE_FACT_VIEW')",
             name=op.f("ck_field_recovery_artifact_artifact_type"),

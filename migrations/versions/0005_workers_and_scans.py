@@ -1,4 +1,4 @@
-"""Ours: worker boot generations, the last scan's record, lease generations (issues 9, 11, 12).
+"""Ours: worker boot generations, the last scan's record, lease generations.
 
 Revision ID: 0005
 Revises: 0004

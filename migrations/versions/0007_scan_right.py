@@ -1,4 +1,4 @@
-"""Ours: the right to scan is a row with an expiry in the database's clock (issue 15 item 4).
+"""Ours: the right to scan is a row with an expiry in the database's clock.
 
 ``recovery_scan`` (one row, id = 1) gains ``holder`` and ``held_until``: a scan takes the right
 with one conditional UPDATE when it is free or expired (``held_until < now()``), renews it per
@@ -7,7 +7,7 @@ batch, and gives it back at the end. A scanner that is frozen, paused or cut off
 the connection). ``started_at`` and the counters become nullable so that the right's row can
 exist before the first scan has finished.
 
-``worker_boot`` gains ``conflict_generation`` and ``conflict_seen_at`` (issue 15 item 8): a
+``worker_boot`` gains ``conflict_generation`` and ``conflict_seen_at``: a
 process that finds a NEWER generation booted under its own name while it still lives (two
 processes with one ``-n`` or ``WORKER_ID``) records what it saw there, for ``agent-recovery
 status`` and the metrics, and stops taking work.

@@ -1,4 +1,4 @@
-"""Ours: the round journal (issue 17 item 2).
+"""Ours: the round journal (docs/tables.md, round_journal).
 
 ``round_journal`` holds the model's reply of a round in flight (content, tool calls, tokens,
 the epoch that owns it, the history position it was asked from), one OPEN entry per session

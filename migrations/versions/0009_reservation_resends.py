@@ -1,4 +1,4 @@
-"""Ours: how many times the scan re-sent an unclaimed reservation (issue 15 item 3).
+"""Ours: how many times the scan re-sent an unclaimed reservation.
 
 ``subagent_execution.resends`` counts the passes that found the execution still reserved and
 unclaimed after its reservation lapsed, and sent its recovery again with the same epoch. Each

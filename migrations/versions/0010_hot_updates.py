@@ -1,5 +1,5 @@
 """Ours: the scan's reservation, a take, a heartbeat and a child's end update an execution in
-place (HOT), writing no index (issue 19, scan figure).
+place (HOT), writing no index (docs/tables.md, subagent_execution).
 
 PostgreSQL updates a row in place, without a new entry in every index of the table, only when
 no column that an index names (as a key, an INCLUDE column or in its WHERE) changed and the

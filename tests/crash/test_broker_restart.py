@@ -1,9 +1,9 @@
-"""A Redis restart under a busy worker (issue 9 item 2): the worker must outlive its broker.
+"""A Redis restart under a busy worker: the worker must outlive its broker.
 
 celery 5.7.0 closes the lost broker connection after collecting it; the close restores the
 in-flight ``acks_late`` message through a transport whose client is already gone, and the
 worker dies with ``Unrecoverable error: AttributeError("'NoneType' object has no attribute
-'hostname'")`` (CELERY-NOTES "Broker restarts"; pyproject pins celery below 5.7 for it). This
+'hostname'")`` (pyproject pins celery below 5.7 for it). This
 test keeps an upgrade that brings it back out of CI: a real prefork worker with one slot busy
 in a child's run and one slot free (polling Redis), its private redis-server killed with
 SIGKILL and started again EMPTY; the worker must still be alive and must run the next task.

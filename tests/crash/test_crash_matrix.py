@@ -1,4 +1,4 @@
-"""The crash matrix (issue 5): every named crash point × every delegation shape.
+"""The crash matrix: every named crash point × every delegation shape.
 
 Each trial runs a real 2-process worker with CRASH_POINT armed; the pool process that reaches
 the point exits with os._exit(137); the test then SIGKILLs the whole worker (main process and
@@ -52,7 +52,7 @@ class Shape:
     occurrence: int = 1  #: which occurrence of the point to crash at (followup: the second round)
     local: bool = False
     #: Rules (script indexes) with a tool-call reply that the model must answer exactly once:
-    #: a journaled reply is never asked for again (issue 17 item 2).
+    #: a journaled reply is never asked for again.
     asked_once: tuple[int, ...] = ()
 
 
@@ -97,7 +97,7 @@ SHAPES = {
     "local_child": Shape("local_child", _parent([delegate("desktop", "check the local files")]), 1, 1, 1, local=True),
 }
 
-#: Shapes only the round journal's points use (issue 17 item 2), beside the matrix's own. The
+#: Shapes only the round journal's points use, beside the matrix's own. The
 #: parent's delegating reply is committed first (with its children: its pending round is its
 #: journal entry): the child's reply is the second occurrence in one pool process (concurrency 1).
 JOURNAL_SHAPES = {
@@ -225,7 +225,7 @@ RECOVERY_POINTS = ["scan.after_take_parent", "recover.after_take", "child.after_
 def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(
     stack_factory: StackFactory, point: str
 ) -> None:
-    """spec §14.7: two restarts. The first worker dies mid-tool; the worker that recovers dies
+    """Two restarts. The first worker dies mid-tool; the worker that recovers dies
     at ``point`` inside the recovery; a third worker finishes it, exactly once."""
     shape = SHAPES["two_children"]
     stack = stack_factory(shape.script)

@@ -73,7 +73,7 @@ def test_a_sigkilled_owners_key_is_listed_as_stale_and_released_by_an_operator(
     field_env: dict[str, str],  # noqa: F811
     stub_process: str,  # noqa: F811
 ) -> None:
-    # Issue 10 item 10: takeover off, the owner dies after its claim; its key would block every
+    # Takeover off, the owner dies after its claim; its key would block every
     # redelivery for the whole wait. `field stale` shows it, `field release` ends it.
     crashed = _recover(field_env, CRASH_POINT="field.after_claim", BOOKING_FIELD_RECOVERY__LEASE_SECONDS="0.5")
     assert crashed.returncode == 137, crashed.stderr

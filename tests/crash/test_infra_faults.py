@@ -1,4 +1,4 @@
-"""Issue 9 with real workers: the broker and the database go away under running work.
+"""Infrastructure faults with real workers: the broker and the database go away under running work.
 
 (b) Redis stopped during the parent's delegating model call and restarted EMPTY (the hand-off of
     the children fails; every queued message is gone): the parent finishes, no row FAILED.

@@ -1,4 +1,4 @@
-"""Issue 15 through real workers started exactly as Celery's docs, our README and the Procfile
+"""Liveness through real workers started exactly as Celery's docs, our README and the Procfile
 start them: a bare ``celery -A tasks worker`` serves every queue; with the Procfile's topology
 (a worker for ``celery``, a dedicated 2-slot worker for ``recovery``) recovered hour-long
 children never hold up another parent's delivery; a scanner frozen (SIGSTOP) while it holds the
@@ -199,7 +199,7 @@ def _epoch(sid: int) -> int:
 def test_a_dead_child_whose_boundary_is_invalid_ends_failed_is_delivered_once_and_never_re_sent(
     stack_factory: Any,
 ) -> None:
-    """Issue 15 item 7 through a bare worker and the beat: the child's history can never be
+    """An invalid compaction boundary, through a bare worker and the beat: the child's history can never be
     made legal, so its recovery ends it FAILED with the reason and the failure is delivered;
     the scans after it send nothing again (it used to be re-sent every two leases, forever)."""
     stack = stack_factory(script())
@@ -223,7 +223,7 @@ def test_a_dead_child_whose_boundary_is_invalid_ends_failed_is_delivered_once_an
 def test_a_queued_parent_run_keeps_its_epoch_through_the_scans_and_runs_from_its_first_message(
     stack_factory: Any,
 ) -> None:
-    """Issue 15 item 6 through real workers: nobody consumes ``celery`` yet (only a recovery
+    """A queued run keeps its epoch, through real workers: nobody consumes ``celery`` yet (only a recovery
     worker and the beat run), so a submitted parent's ``agent.run`` waits while scans pass over
     its lapsed reservation: they re-send it with the SAME epoch, so the first message stays valid.
     When a worker for ``celery`` starts, the parent runs its round once."""

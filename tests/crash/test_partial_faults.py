@@ -1,4 +1,4 @@
-"""Issue 9 with real worker processes: one of several workers dies while the others run.
+"""Partial faults with real worker processes: one of several workers dies while the others run.
 
 The dead execution is recovered on its own, at once, while its sibling still runs elsewhere
 (the barrier is delivery's, I3), and a worker that restarts under its stable name takes back

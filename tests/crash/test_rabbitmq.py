@@ -1,4 +1,4 @@
-"""RabbitMQ as the broker, Redis as the result backend (issue 12): the normal delegation path, a
+"""RabbitMQ as the broker, Redis as the result backend: the normal delegation path, a
 worker SIGKILLed mid-flight and recovered, and the operator's `celery call recovery.redeliver`.
 
 On RabbitMQ an unacked message comes back as soon as the killed worker's connection closes (no

@@ -1,7 +1,7 @@
-"""Real worker processes SIGKILLed mid-flight (issue 4): a new worker's scan recovers; two
+"""Real worker processes SIGKILLed mid-flight: a new worker's scan recovers; two
 workers with two beats (concurrent scans) deliver exactly once; a Redis flush loses nothing.
 
-The worker-killing tests run on both brokers (issue 12): Redis, and RabbitMQ with Redis as the
+The worker-killing tests run on both brokers: Redis, and RabbitMQ with Redis as the
 result backend (real acks: the killed worker's messages come back at once, and meet the scan's
 compare-and-sets)."""
 

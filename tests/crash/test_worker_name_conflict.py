@@ -1,4 +1,4 @@
-"""Issue 15 item 8 with real worker processes: two live processes under one worker name.
+"""Real worker processes: two live processes under one worker name.
 
 Workers are started as an operator starts them (the bare `celery -A tasks worker -n NAME@%h`, or
 the Procfile's command), the second one while the first still runs a child: by a second `-n` with

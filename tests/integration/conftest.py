@@ -1,4 +1,4 @@
-"""Fixtures shared by the integration modules that recover children (spec §7.3, §7.4)."""
+"""Fixtures shared by the integration modules that recover children."""
 
 from __future__ import annotations
 

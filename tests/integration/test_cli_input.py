@@ -1,4 +1,4 @@
-"""Bad input at the CLI (issue 15 item 10): one line naming the problem on stderr and a
+"""Bad input at the CLI: one line naming the problem on stderr and a
 non-zero exit, never a traceback. Each command runs as an operator runs it, in a subprocess."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""models.clock: the database's time, carried between syncs by the monotonic clock (issue 15
-item 9). A step of the worker's wall clock must not move it."""
+"""models.clock: the database's time, carried between syncs by the monotonic clock. A step of
+the worker's wall clock must not move it."""
 
 from __future__ import annotations
 

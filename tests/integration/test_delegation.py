@@ -1,5 +1,5 @@
 """The normal delegation path on real PostgreSQL + Redis + a real 2-process Celery worker,
-with the scripted model over HTTP (issue 3)."""
+with the scripted model over HTTP."""
 
 from __future__ import annotations
 

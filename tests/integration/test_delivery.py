@@ -1,4 +1,4 @@
-"""Delivery (spec §7.6): a parent's results are delivered in one transaction, exactly once.
+"""Delivery (docs/tasks.md, "Delivery"): a parent's results are delivered in one transaction, exactly once.
 
 First the end-to-end cases (R3, R9, R10, R23, R24 and duplicate messages), driven in-process on
 real PostgreSQL + Redis with the scripted model: a "crash" is what a dead worker leaves in the
@@ -38,7 +38,7 @@ from models.execution import (
 )
 from recovery.child import recover_child
 from recovery.delivery import deliver_round
-from recovery.ops import redeliver_parent
+from recovery.ops import RedeliverOutcome, redeliver_parent
 from recovery.scan import scan
 from tests.helpers import (
     MAIN,
@@ -335,7 +335,9 @@ def test_redeliver_of_a_settled_parent_changes_nothing(model_factory: ModelFacto
     with transaction() as s:
         before = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
     sched = RecordingScheduler()
-    assert redeliver_parent(sid, sched) == "nothing_pending"
+    outcome = redeliver_parent(sid, sched)
+    assert outcome == "nothing_pending"
+    assert outcome is RedeliverOutcome.NOTHING_PENDING  # a member of the outcome enum, not a bare string
     with transaction() as s:
         after = s.execute(select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == sid)).one()
     assert tuple(after) == tuple(before) == (before.epoch, Phase.WAITING_USER)

@@ -1,4 +1,4 @@
-"""Issue 9, in-process: faults that must never become results, and the guards around them.
+"""In-process: faults that must never become results, and the guards around them.
 
 Each test drives the real loop and recovery code against real PostgreSQL; a fault is injected
 into the statement itself with a SQLAlchemy event (a connection cut mid-transaction looks the
@@ -369,7 +369,7 @@ def test_a_large_pass_is_handed_over_in_fan_out_batches_that_publish_every_recov
         for b in batches:
             (args, _, _) = json.loads(__import__("base64").b64decode(b["body"]))
             sched.fan_out([tuple(x) for x in args[0]])
-        # A recovered child is a child: it runs where children run (issue 15 item 2), never on
+        # A recovered child is a child: it runs where children run, never on
         # the recovery queue of short work.
         assert client.llen("recovery") == 0
         singles = [json.loads(m)["headers"] for m in client.lrange("celery", 0, -1)]

@@ -1,4 +1,4 @@
-"""Fencing (DESIGN I6, harness/fence.py): every write of a running loop carries its epoch.
+"""Fencing (docs/invariants.md I6, harness/fence.py): every write of a running loop carries its epoch.
 
 The fence is checked inside the write's own transaction: a stale epoch raises LeaseLost and a
 stopped session raises Cancelled, and either way the whole write rolls back. These tests write a

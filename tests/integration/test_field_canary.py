@@ -2,7 +2,7 @@
 
 The canary is the only key the stand-in accepts, so every request really carried it. Success,
 replay and failure paths run with every logger (ours, urllib3, sseclient, the stand-in) at
-DEBUG. The request and answer texts must not reach the logs either (field spec §6).
+DEBUG. The request and answer texts must not reach the logs either (docs/field-recovery.md).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_canary_key_is_in_no_log_record_no_exception_text_and_no_column(
             assert not [row for row in dumped if CANARY in row], table
     engine.dispose()
 
-    # Nor the request or the answer texts (field spec §6).
+    # Nor the request or the answer texts (docs/field-recovery.md).
     evidence_line = "Room Type: Deluxe King Room (non-smoking)"
     assert evidence_line in render_message(_request())
     for m in messages:

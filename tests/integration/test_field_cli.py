@@ -160,7 +160,7 @@ def test_celery_task_runs_the_same_pipeline(field_env: dict[str, str], stub_proc
 def test_celery_task_returns_no_booking_data_so_none_reaches_the_worker_log(
     field_env: dict[str, str], stub_process: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Issue 10 item 7. Celery logs "Task ... succeeded in ...: <return value>" at INFO and keeps
+    # Celery logs "Task ... succeeded in ...: <return value>" at INFO and keeps
     # the value in the result backend: it must hold status, error code and key, nothing else.
     from tasks.field import recover_eml_task
 
@@ -188,7 +188,7 @@ def test_cli_exits_three_when_every_patch_is_rejected_and_review_is_needed(
 
 
 def test_cli_recover_against_dripped_headers_ends_at_max_wait(field_env: dict[str, str], stub_process: str) -> None:
-    # Issue 10 item 1, as an operator tried it: headers one byte every half second.
+    # As an operator tried it: headers one byte every half second.
     config = {"behaviour": "slow_headers", "slow_headers_on": "session", "header_drip_seconds": 0.5}
     requests.post(stub_process + "/_config", json=config, timeout=5).raise_for_status()
     # The same interpreter's start-up, now (0.5 s quiet, several seconds on a busy machine).

@@ -1,4 +1,4 @@
-"""`agent-recovery field recover` on hostile input (issue 18 item 6): exit 1 or 2, no traceback,
+"""`agent-recovery field recover` on hostile input: exit 1 or 2, no traceback,
 nothing left IN_PROGRESS, even with recovery disabled (the parsed facts are written first)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SuperAgent Open API client against the stand-in over real loopback HTTP (field spec §9 adapter).
+"""SuperAgent Open API client against the stand-in over real loopback HTTP (docs/field-recovery.md).
 
 No database here: these tests exercise transport, SSE, deadline and cancel. The stand-in is a
 real threaded HTTP server; nothing is mocked.

@@ -1,4 +1,4 @@
-"""A hostile or misconfigured network (issue 18 items 1, 2 and 8): proxies and .netrc from the
+"""A hostile or misconfigured network: proxies and .netrc from the
 environment (the call and its cancel), a dripping CONNECT proxy (its reply, or the platform's
 bytes through the tunnel), a slow resolver, black-holed addresses, descriptors of long calls.
 
@@ -171,7 +171,7 @@ def _addresses(pairs: Sequence[tuple[str, int]]) -> list[tuple[Any, ...]]:
     return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", pair) for pair in pairs]
 
 
-# --- item 1: proxies -------------------------------------------------------------------------
+# --- proxies -------------------------------------------------------------------------
 
 
 def test_proxy_variables_of_the_environment_are_never_used(
@@ -238,7 +238,7 @@ def test_a_proxy_is_refused_for_an_http_base_url_where_the_key_would_travel_in_c
         open_api_client("http://127.0.0.1:8080", KEY, proxy="http://127.0.0.1:3128")
 
 
-# --- item 2: resolution and every address inside the deadline --------------------------------
+# --- resolution and every address inside the deadline --------------------------------
 
 
 def test_four_black_holed_addresses_end_at_the_deadline_not_after_four_connect_timeouts(
@@ -302,7 +302,7 @@ def test_a_refused_first_address_falls_through_to_the_next_one(stub: SuperAgentS
     assert answer.content
 
 
-# --- item 8: one descriptor per live connection, not per connection ever made ----------------
+# --- one descriptor per live connection, not per connection ever made ----------------
 
 
 def _open_fds() -> int:
@@ -321,7 +321,7 @@ def test_a_long_call_holds_descriptors_for_its_live_connections_only(stub: Super
     assert grown <= 3, f"{grown} descriptors kept for 40 closed connections"
 
 
-# --- item 1: a working CONNECT tunnel to a TLS platform, verified with the configured CA ------
+# --- a working CONNECT tunnel to a TLS platform, verified with the configured CA ------
 
 
 class TunnellingProxy(LoopbackProxy):

@@ -1,4 +1,4 @@
-"""A hostile platform (issue 18 items 3, 4, 7, 8): odd values, compression bombs, a lease that
+"""A hostile platform: odd values, compression bombs, a lease that
 cannot be renewed, a purge racing a replay, a bare ``end``. Real PostgreSQL, the stand-in over
 loopback HTTP; every outcome is a clean FAILED or SUCCEEDED result, never a key left IN_PROGRESS.
 """
@@ -58,7 +58,7 @@ def _invocations(url: str) -> list[dict[str, Any]]:
         engine.dispose()
 
 
-# --- item 3: every value from the peer is checked before hashing or the database ------------
+# --- every value from the peer is checked before hashing or the database ------------
 
 
 def test_a_lone_surrogate_in_the_final_answer_fails_closed_with_a_code_and_no_key_in_progress(
@@ -118,7 +118,7 @@ def test_an_answer_the_database_refuses_finishes_the_key_failed_not_in_progress(
     assert row["status"] == "FAILED" and row["error_code"] == "store_value_rejected"
 
 
-# --- item 4: every body read is capped in decoded bytes ------------------------------------
+# --- every body read is capped in decoded bytes ------------------------------------
 
 
 @pytest.mark.parametrize("status", [401, 200])
@@ -162,7 +162,7 @@ def test_a_gzip_bomb_event_stream_is_refused_within_its_byte_budget_and_the_run_
     assert stub.cancelled_runs, "the run was not cancelled"
 
 
-# --- item 7: an owner that cannot renew its lease stops and cancels --------------------------
+# --- an owner that cannot renew its lease stops and cancels --------------------------
 
 
 def test_an_owner_whose_lease_renewals_fail_stops_and_cancels_before_its_lease_runs_out(
@@ -192,7 +192,7 @@ def test_an_owner_whose_lease_renewals_fail_stops_and_cancels_before_its_lease_r
     assert stub.cancelled_runs, "the run was not cancelled"
 
 
-# --- item 8: a purge racing a replay; a bare ``end`` ---------------------------------------
+# --- a purge racing a replay; a bare ``end`` ---------------------------------------
 
 
 def _forget_assembly(url: str) -> None:

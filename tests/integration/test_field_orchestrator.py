@@ -1,4 +1,4 @@
-"""The MANUAL_EML pipeline end to end: real PostgreSQL + the stand-in over HTTP (field spec §9).
+"""The MANUAL_EML pipeline end to end: real PostgreSQL + the stand-in over HTTP (docs/field-recovery.md).
 
 Covers the orchestrator items (MANUAL_EML recovers before continuing, AGENTBUS does not call),
 the adapter failure modes as the pipeline records them, replay, the concurrent claim, the
@@ -97,7 +97,7 @@ def test_manual_eml_recovers_and_persists_everything_before_the_next_stage(field
     assert seen["artifacts"] == ["PARSED_FACT_SET", "RECOVERY_REQUEST", "RECOVERY_ASSEMBLY", "EFFECTIVE_FACT_VIEW"]
     [row] = seen["invocations"]
     assert row["status"] == "SUCCEEDED" and row["assembly_result"] is not None
-    # Metadata recorded for the audit (field spec §7).
+    # Metadata recorded for the audit (docs/field-recovery.md).
     assert row["idempotency_key"] == run.idempotency_key == _key()
     assert row["source_message_id"] == "<fc-20260305-0042@fixed-channel.example>" and row["source_revision"] == 1
     assert row["provider_session_id"].startswith("ses_") and row["provider_run_id"].startswith("run_")

@@ -1,7 +1,7 @@
-"""Pipeline outcomes from issue 10 on real PostgreSQL and the stand-in over HTTP: a hostile
-nesting depth fails closed (item 3), an answer whose patches are rejected needs review (item 8),
-a lost lease stops the owner's call (item 11), an invocation and its artifacts carry their
-retention (item 11)."""
+"""Pipeline outcomes on real PostgreSQL and the stand-in over HTTP: a hostile
+nesting depth fails closed, an answer whose patches are rejected needs review,
+a lost lease stops the owner's call, an invocation and its artifacts carry their
+retention."""
 
 from __future__ import annotations
 

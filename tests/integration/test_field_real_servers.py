@@ -1,4 +1,4 @@
-"""The Open API client against what real deployments send (issue 10): the stand-in's behaviours
+"""The Open API client against what real deployments send: the stand-in's behaviours
 for dripped headers, compression, platform cookies, heartbeats, unterminated events, runs still
 in progress, 201 Created, and the run cancel on every failure. Real loopback HTTP, no mocks.
 """
@@ -63,7 +63,7 @@ def _patches(answer: ProviderAnswer) -> dict[str, str]:
     return {p.field: p.value for p in parse_patch_set(answer.content, max_chars=200_000).patches}
 
 
-# --- item 1: the deadline bounds connect and the wait for the response headers --------------
+# --- the deadline bounds connect and the wait for the response headers --------------
 
 
 def test_headers_dripped_at_session_creation_are_cut_at_the_deadline(stub: SuperAgentStub) -> None:
@@ -101,7 +101,7 @@ def test_connect_to_a_blackhole_is_bounded_by_the_deadline_not_the_connect_timeo
     assert time.monotonic() - started < 1.5
 
 
-# --- item 2: compressed event streams -----------------------------------------------------
+# --- compressed event streams -----------------------------------------------------
 
 
 @pytest.mark.parametrize("behaviour", [Behaviour.GZIP, Behaviour.GZIP_ALWAYS], ids=["gzip-if-accepted", "gzip-always"])
@@ -119,11 +119,11 @@ def test_a_compressed_deployment_answers_the_same_patch_set(
 def test_every_request_asks_for_an_identity_body(stub: SuperAgentStub) -> None:
     stub.configure(behaviour=Behaviour.GZIP)
     _call(_client(stub))
-    # Every body is read capped in decoded bytes (issue 18 item 4): none is asked compressed.
+    # Every body is read capped in decoded bytes: none is asked compressed.
     assert stub.stats()["gzip_responses"] == 0
 
 
-# --- item 4: exactly one csrf_token cookie -------------------------------------------------
+# --- exactly one csrf_token cookie -------------------------------------------------
 
 
 def test_a_platform_csrf_cookie_is_never_sent_back_beside_ours(stub: SuperAgentStub) -> None:
@@ -135,7 +135,7 @@ def test_a_platform_csrf_cookie_is_never_sent_back_beside_ours(stub: SuperAgentS
     assert (stats["sessions"], stats["streams"], stats["run_status"]) == (1, 1, 1)
 
 
-# --- item 5: SSE edge cases ----------------------------------------------------------------
+# --- SSE edge cases ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "close-delimited"])
@@ -173,7 +173,7 @@ def test_following_a_run_in_progress_still_ends_at_the_deadline(stub: SuperAgent
     assert progress.run_id is not None and stub.cancelled_runs == [progress.run_id]
 
 
-# --- item 6: any 2xx creates the session -----------------------------------------------------
+# --- any 2xx creates the session -----------------------------------------------------
 
 
 def test_session_created_with_201_is_success(stub: SuperAgentStub) -> None:
@@ -182,7 +182,7 @@ def test_session_created_with_201_is_success(stub: SuperAgentStub) -> None:
     assert _patches(answer)["room_type"] == "Deluxe King"
 
 
-# --- item 11: a lost lease stops the call; every failure after the start cancels the run ----
+# --- a lost lease stops the call; every failure after the start cancels the run ----
 
 
 def test_a_lost_lease_stops_the_call_at_once_and_cancels_the_run(stub: SuperAgentStub) -> None:

@@ -1,4 +1,4 @@
-"""Stale IN_PROGRESS keys and retention on real PostgreSQL (issue 10 items 10 and 11).
+"""Stale IN_PROGRESS keys and retention on real PostgreSQL.
 
 A stale invocation is IN_PROGRESS past its lease: with takeover off nothing ever ends it, so
 operators list it (``stale``) and fail it (``release``, fenced by the epoch). Expired finished

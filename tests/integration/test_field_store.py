@@ -1,4 +1,4 @@
-"""Invocation store on real PostgreSQL (field spec §7, §9 persistent store; issue 6 takeover).
+"""Invocation store on real PostgreSQL (docs/field-recovery.md).
 
 Concurrency tests commit real rows and race real threads through a Barrier.
 """

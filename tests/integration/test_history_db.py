@@ -1,4 +1,4 @@
-"""Tail cleanup and pair lookup on RAW rows in PostgreSQL (spec §7.3, §7.6, R24)."""
+"""Tail cleanup and pair lookup on RAW rows in PostgreSQL (R24)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The loop, delegation and delivery driven step by step in-process (real PostgreSQL, real
-scripted model over HTTP): followups, busy children, refused recursion, fencing, spec R17/R25."""
+scripted model over HTTP): followups, busy children, refused recursion, fencing, R17/R25."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _drive(model_url: str, sid: int, sched: RecordingScheduler) -> None:
         parent, parent_epoch, children = sched.children[-1]
         for eid, e in children:
             run_child(eid, e, deps)
-        # The last child delivered the round itself and enqueued the parent's run (DESIGN §6);
+        # The last child delivered the round itself and enqueued the parent's run (docs/tasks.md);
         # the chord callback that follows finds the parent handed over and does nothing.
         resumed, epoch = sched.resumed.pop()
         assert resumed == parent and not sched.resumed

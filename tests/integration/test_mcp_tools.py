@@ -1,4 +1,4 @@
-"""Tools of MCP servers (issue 17 item 4), against a real MCP server on loopback built with the
+"""Tools of MCP servers, against a real MCP server on loopback built with the
 official SDK (doubles/mcp_server.py), in-process and through a REAL worker."""
 
 from __future__ import annotations

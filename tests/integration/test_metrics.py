@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 12): the real `agent-recovery metrics serve` over HTTP, parsed with
+"""Prometheus metrics: the real `agent-recovery metrics serve` over HTTP, parsed with
 prometheus_client's own parser and checked against rows the test created; and the plans of the
 scrape's queries against a million settled executions."""
 
@@ -160,7 +160,7 @@ def test_a_scrape_over_http_reports_the_rows_the_test_created(field_table: Any, 
     assert response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain")
     samples = parse(response.text)
-    print(response.text)  # the closing note of issue 12 pastes one real scrape
+    print(response.text)  # one real scrape, for a reader of the test log
 
     assert value(samples, "agent_recovery_database_up") == 1
     pending = {s.value.lower(): 0 for s in ExecutionStatus} | {"running": 2, "recovering": 1, "completed": 1}

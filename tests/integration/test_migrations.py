@@ -1,4 +1,4 @@
-"""Migrations on data shaped like production (spec R19) and models/migrations agreement."""
+"""Migrations on data shaped like production (docs/fault-model.md, R19) and models/migrations agreement."""
 
 from __future__ import annotations
 

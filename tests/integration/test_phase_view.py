@@ -1,4 +1,4 @@
-"""The external phase view never shows RESUMING (spec §8.3): snapshots, lists, events, CLI."""
+"""The external phase view never shows RESUMING (docs/state-machines.md): snapshots, lists, events, CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spec §7.7 with §10.1 R15 and R21: a cancelled parent is not recovered, its children end
+"""Cancellation with R15 and R21 (docs/fault-model.md): a cancelled parent is not recovered, its children end
 cancelled and nothing is delivered to it, however many restarts follow.
 """
 

@@ -1,4 +1,4 @@
-"""Spec §7.3 deadlines with §10.1 R6 and R22: a recovered child keeps its absolute deadline
+"""Deadlines with R6 and R22 (docs/fault-model.md): a recovered child keeps its absolute deadline
 across restarts and local waiting, and is cancelled and delivered as timed out past it.
 """
 

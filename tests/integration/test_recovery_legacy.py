@@ -1,4 +1,4 @@
-"""Spec §6.3 (history compatibility) with §10.1 R11–R14, R19, R20, R24: rows written before
+"""History compatibility with R11–R14, R19, R20, R24 (docs/fault-model.md): rows written before
 the upgrade (no invocation type, no tool call id, compacted or deleted history) are inferred,
 repaired or left alone, never run twice. Every test ends with invariants I1–I5.
 """
@@ -270,7 +270,7 @@ def test_a_legacy_followup_finished_without_a_model_call_has_its_followup_fields
 
 
 def test_an_old_rows_last_words_are_not_its_result_when_the_child_failed(model_factory: ModelFactory) -> None:
-    """spec §7.3.5: the child's phase is part of the judgement. A FAILED child session's last
+    """The child's phase is part of the judgement. A FAILED child session's last
     ASSISTANT (an error text) is not a final answer: the child is resumed, the model asked."""
     model = model_factory(
         [

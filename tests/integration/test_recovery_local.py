@@ -1,4 +1,4 @@
-"""Spec §7.4 (LOCAL client waiting) with §10.1 R7 and R8: a local child calls no model while
+"""LOCAL client waiting with R7 and R8 (docs/fault-model.md): a local child calls no model while
 its client is away, and fails when the client never connects.
 """
 
@@ -101,7 +101,7 @@ def test_r7_a_local_child_shows_running_and_calls_no_model_until_the_client_conn
 def test_a_local_client_that_disconnects_mid_run_is_waited_for_before_the_next_round(
     model_factory: ModelFactory, local_presence: None
 ) -> None:
-    """spec §7.4.1: the child notices the disconnect at its next round and calls no model until
+    """The child notices the disconnect at its next round and calls no model until
     the client is back (the wait consumes the same deadline)."""
     script = one_child_script({"tool_calls": [{"name": "wait", "arguments": {"seconds": 1.0}}]})
     script.insert(

@@ -1,5 +1,5 @@
-"""Spec §7.1 (start-up scan), §7.3 (resume from a safe point) and §7.7 (the parent's barrier)
-with §10.1 R1–R5, R16, R18, R20 and the §11 recovery log events.
+"""The start-up scan, resuming from a safe point and the parent's barrier (docs/tasks.md), with
+the regression cases R1–R5, R16, R18, R20 (docs/fault-model.md) and the recovery log events.
 
 A "crash" here is what a dead worker leaves in the database: the test stops driving at that
 point, lets every lease lapse, and runs the real scan -> recover_child -> deliver_round -> agent

@@ -1,4 +1,4 @@
-"""The round journal (issue 17 item 2), driven in-process on real PostgreSQL and the scripted
+"""The round journal, driven in-process on real PostgreSQL and the scripted
 model over HTTP: a crash inside a round (an infrastructure error at a journal crash point or
 inside a tool: the run ends without writing, as a killed worker's) is recovered by the scan,
 and the round continues from the journal. Real worker processes SIGKILLed at the same points

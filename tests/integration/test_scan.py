@@ -1,7 +1,7 @@
 """The recovery scan (recovery/scan.py) on real PostgreSQL: a pass visits each row at most once,
 the right to scan is bounded in time, rows are locked parent first, queued runs keep their
 epoch, and an invalid compaction boundary ends the work instead of a take that rolls back
-forever (issue 15 items 3-7)."""
+forever."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _sent(sched: RecordingScheduler) -> list[int]:
     return [eid for _, _, children in sched.recoveries for eid, _ in children]
 
 
-# --- item 3: a pass visits each row at most once ------------------------------------------
+# --- a pass visits each row at most once ------------------------------------------
 
 
 def _seed_legacy_backlog(url: str, parents: int, per_parent: int, started: datetime) -> None:
@@ -181,7 +181,7 @@ def test_an_overdue_execution_held_by_a_live_owner_is_taken_once_and_its_reserva
     assert _sent(first) == [eid] and _sent(second) == []
 
 
-# --- item 4: the right to scan is bounded in time -----------------------------------------
+# --- the right to scan is bounded in time -----------------------------------------
 
 
 def _right() -> tuple[str | None, datetime | None]:
@@ -280,7 +280,7 @@ def test_a_right_locked_by_a_frozen_transaction_is_skipped_not_waited_for(db: st
         conn.close()
 
 
-# --- item 5: one lock order (parent, then its executions) ---------------------------------
+# --- one lock order (parent, then its executions) ---------------------------------
 
 
 class _Interleave:
@@ -498,7 +498,7 @@ def test_a_rounds_delivery_is_asked_for_only_once_every_execution_of_it_is_termi
     assert sched.recoveries == []
 
 
-# --- item 6: a queued run keeps its epoch ---------------------------------------------------
+# --- a queued run keeps its epoch ---------------------------------------------------
 
 
 def test_a_queued_parent_run_keeps_its_epoch_through_every_scan_pass(model_factory: Any) -> None:
@@ -522,7 +522,7 @@ def test_a_dead_loops_session_still_gets_a_new_epoch_from_the_scan(db: str) -> N
     assert sched.resumed == [(sid, 5)]
 
 
-# --- item 7: an invalid compaction boundary ends the work -----------------------------------
+# --- an invalid compaction boundary ends the work -----------------------------------
 
 
 def test_a_recovered_child_with_an_invalid_boundary_ends_failed_and_is_delivered_as_a_failure(db: str) -> None:

@@ -1,4 +1,4 @@
-"""Every state transition of DESIGN §4 as a compare-and-set: legal land, illegal raise."""
+"""Every state transition of docs/state-machines.md as a compare-and-set: legal land, illegal raise."""
 
 from __future__ import annotations
 

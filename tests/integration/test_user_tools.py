@@ -1,6 +1,6 @@
 """A user's tools module outside the product packages, run by a REAL worker (`celery -A tasks
 worker` subprocesses) with TOOL_MODULES and AGENTS_FILE, behind a model that answers 429 and
-503 first (issue 17 items 1 and 3)."""
+503 first."""
 
 from __future__ import annotations
 

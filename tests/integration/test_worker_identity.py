@@ -1,4 +1,4 @@
-"""Two live processes under one worker name (issue 15 item 8), in-process: the older process is
+"""Two live processes under one worker name, in-process: the older process is
 still alive while a newer one boots under its name. Its leases are taken back once, it can take
 or renew nothing any more, and the conflict is recorded for status and the metrics."""
 

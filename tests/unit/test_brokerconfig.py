@@ -1,4 +1,4 @@
-"""brokerconfig: what changes for Celery when the broker is RabbitMQ (issue 12)."""
+"""brokerconfig: what changes for Celery when the broker is RabbitMQ."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Strict answer parsing: one JSON object, nothing else (field spec §6, §9 adapter cases)."""
+"""Strict answer parsing: one JSON object, nothing else (docs/field-recovery.md)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_error_text_never_quotes_the_answer() -> None:
 
 @pytest.mark.parametrize("depth", [2_000, 50_000], ids=["past-the-recursion-limit", "far-past-it"])
 def test_deeply_nested_json_under_the_size_cap_is_output_not_json(depth: int) -> None:
-    # Issue 10 item 3: RecursionError is not a ValueError; it must not escape the parser.
+    # RecursionError is not a ValueError; it must not escape the parser.
     answer = '{"x":' + "[" * depth + "]" * depth + "}"
     assert len(answer) < 200_000
     with pytest.raises(ProviderOutputInvalid) as exc:

@@ -1,4 +1,4 @@
-"""The deterministic EML parser (issue 6: fixed-channel booking-confirmation format)."""
+"""The deterministic EML parser."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile EML files are EmlInvalid, never another exception (issue 18 item 6)."""
+"""Hostile EML files are EmlInvalid, never another exception."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration gate (field spec §5, §9 config): default off, own key required, wait cap."""
+"""Configuration gate (docs/field-recovery.md): default off, own key required, wait cap."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_worker_configuration_stops_at_start_on_incomplete_settings(monkeypatch:
     assert "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY" in str(exc.value)
 
 
-# --- issue 10 item 9: the key is a secret, the URL is https (or loopback), timings are > 0 ---
+# --- the key is a secret, the URL is https (or loopback), timings are > 0 ---
 
 
 def test_api_key_is_in_no_repr_and_no_model_dump(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""SSE framing and parsing are linear and bounded by the deadline (issue 18 items 5 and 8)."""
+"""SSE framing and parsing are linear and bounded by the deadline."""
 
 from __future__ import annotations
 

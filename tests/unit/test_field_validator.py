@@ -1,4 +1,4 @@
-"""RecoveryPatchValidator, dependency resolver, projector and assembly (field spec §6, §8)."""
+"""RecoveryPatchValidator, dependency resolver, projector and assembly (docs/field-recovery.md)."""
 
 from __future__ import annotations
 

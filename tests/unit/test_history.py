@@ -1,4 +1,4 @@
-"""History rules (spec R24, partly): normalize() satisfies I2 for any history; tail cleanup."""
+"""History rules (R24, partly): normalize() satisfies I2 for any history; tail cleanup."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one structured-event helper (DESIGN §9, issue 16 item 5): how values are written, and
+"""The one structured-event helper (docs/invariants.md, I8): how values are written, and
 the rule that every package logs through it with loggers named by ``__name__``."""
 
 from __future__ import annotations

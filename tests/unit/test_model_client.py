@@ -250,7 +250,7 @@ def test_from_settings_reads_the_model_variables(monkeypatch: pytest.MonkeyPatch
 
 def test_a_proxy_from_the_environment_is_read_once_when_the_client_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
     """HTTP_PROXY at start still routes the model calls (a provider behind a proxy), but the
-    environment is not scanned at every request (issue 19): a later change does not matter."""
+    environment is not scanned at every request: a later change does not matter."""
     ok = json.dumps({"choices": [{"message": {"role": "assistant", "content": "via proxy"}}]})
     with Canned(200, ok) as proxy:
         monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.httpd.server_address[1]}")

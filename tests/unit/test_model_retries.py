@@ -1,4 +1,4 @@
-"""The model client retries like a real provider's client (issue 17 item 3), against the scripted
+"""The model client retries like a real provider's client, against the scripted
 model server on loopback answering 429 with Retry-After, 503 and dropped connections."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tool room (issue 17 items 1 and 5): the decorator, schemas from type hints, validation,
+"""The tool room: the decorator, schemas from type hints, validation,
 the ToolContext, what a failing tool becomes, user modules and the checks at start."""
 
 from __future__ import annotations
