@@ -29,11 +29,16 @@ log = logging.getLogger(__name__)
 E = SubagentExecution
 
 
-def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
+#: Who asked for a redelivery when the caller does not say (the Celery task, a script).
+SYSTEM_ACTOR = "system"
+
+
+def redeliver_parent(parent_id: int, scheduler: Scheduler, *, actor: str = SYSTEM_ACTOR) -> str:
     """Run the same delivery as the chord callback for the parent, idempotently: a parent
     with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
     asked again, spec §7.1.5); a stopped one has its pending results suppressed; a parent
-    whose loop holds a live lease is busy. Returns what happened."""
+    whose loop holds a live lease is busy. Returns what happened; the log line names ``actor``
+    (who asked: ``cli:<user>``, ``console:<operator>``, ``system``)."""
     with transaction() as s:
         row = s.execute(
             select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)
@@ -44,12 +49,15 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
             from recovery.delivery import suppress_parent
 
             suppressed = suppress_parent(s, parent_id)
+            log_event(
+                log, "redeliver", parent_id=parent_id, actor=actor, outcome="suppressed", executions=len(suppressed)
+            )
             return f"suppressed:{len(suppressed)}"
         pending = s.execute(
             select(func.count()).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
         ).scalar_one()
         if not pending:
-            log_event(log, "redeliver", parent_id=parent_id, outcome="nothing_pending")
+            log_event(log, "redeliver", parent_id=parent_id, actor=actor, outcome="nothing_pending")
             return "nothing_pending"
         epochs = release_dead_parents(s, [parent_id])
     outcome = deliver_round(parent_id, epochs[parent_id])
@@ -58,11 +66,11 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
     # NOTE: STALE here is the epoch moving between release_dead_parents and the delivery: a
     # loop took the parent meanwhile, which the operator sees as a busy parent too.
     kind = DeliveryKind.PARENT_BUSY if outcome.kind == DeliveryKind.STALE else outcome.kind
-    log_event(log, "redeliver", parent_id=parent_id, outcome=kind, delivered=len(outcome.delivered))
+    log_event(log, "redeliver", parent_id=parent_id, actor=actor, outcome=kind, delivered=len(outcome.delivered))
     return kind
 
 
-def redeliver(execution_id: int, scheduler: Scheduler) -> str:
+def redeliver(execution_id: int, scheduler: Scheduler, *, actor: str = SYSTEM_ACTOR) -> str:
     """Re-run delivery for one execution. Already delivered/suppressed/legacy: nothing happens.
     Still running: nothing to deliver yet (the scan recovers it when its lease expires)."""
     with transaction() as s:
@@ -72,10 +80,13 @@ def redeliver(execution_id: int, scheduler: Scheduler) -> str:
     if row is None:
         raise ExecutionNotFound(f"no execution {execution_id}")
     if row.delivery_status != DeliveryStatus.PENDING:
-        return f"already_{str(row.delivery_status).lower()}"
-    if row.status in ACTIVE_EXECUTION:
-        return "still_running"
-    return redeliver_parent(row.parent_session_id, scheduler)
+        outcome = f"already_{str(row.delivery_status).lower()}"
+    elif row.status in ACTIVE_EXECUTION:
+        outcome = "still_running"
+    else:
+        return redeliver_parent(row.parent_session_id, scheduler, actor=actor)
+    log_event(log, "redeliver", execution_id=execution_id, actor=actor, outcome=outcome)
+    return outcome
 
 
 def _stale_field_keys() -> int | None:
