@@ -169,7 +169,7 @@ def list_sessions(
 # --- one session: the tree -----------------------------------------------------------------
 
 
-def _execution(e: SubagentExecution, now: datetime) -> dict[str, Any]:
+def _execution(e: Any, now: datetime) -> dict[str, Any]:
     from harness.child import child_deadline
 
     return {
@@ -197,7 +197,7 @@ def _execution(e: SubagentExecution, now: datetime) -> dict[str, Any]:
     }
 
 
-def _node(row: AgentSession, executions: list[dict[str, Any]], rounds: int, now: datetime) -> dict[str, Any]:
+def _node(row: Any, executions: list[dict[str, Any]], rounds: int, now: datetime) -> dict[str, Any]:
     tokens = None
     if executions:  # a child's counters live on its executions (a follow-up adds one)
         tokens = sum(e["tokens"]["total"] for e in executions)
@@ -220,35 +220,38 @@ def _node(row: AgentSession, executions: list[dict[str, Any]], rounds: int, now:
     }
 
 
-def _assistant_rounds(s: Session, ids: list[int]) -> dict[int, int]:
-    if not ids:
-        return {}
-    rows = s.execute(
-        select(Message.session_id, func.count())
-        .where(Message.session_id.in_(ids), Message.role == Role.ASSISTANT, Message.deleted.is_(False))
-        .group_by(Message.session_id)
-    ).all()
-    return {int(sid): int(n) for sid, n in rows}
+def _assistant_rounds(s: Session, session_id: int) -> int:
+    """Model replies in the session's history (one per round)."""
+    return int(
+        s.execute(
+            select(func.count()).where(
+                Message.session_id == session_id, Message.role == Role.ASSISTANT, Message.deleted.is_(False)
+            )
+        ).scalar_one()
+    )
 
 
 def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
-    """The session and its descendants, level by level (one query per level and table, so a
-    parent with 200 children costs the same few statements as one with two)."""
-    root = s.get(S, session_id)
+    """The session and its descendants, level by level: one query per level and table, so a
+    parent with 200 children costs the same few statements as one with two. Rows are read as
+    Core rows (no ORM identity map: the console never writes them). A child's rounds are its
+    executions' counters; the top session's are its model replies in the history."""
+    root = s.execute(select(S.__table__).where(S.id == session_id)).one_or_none()
     if root is None:
         return None
     now = utcnow()
-    mine = s.execute(select(E).where(E.child_session_id == session_id).order_by(E.id)).scalars()
+    mine = s.execute(select(E.__table__).where(E.child_session_id == session_id).order_by(E.id)).all()
     own = [_execution(e, now) for e in mine]
-    top = _node(root, own, _assistant_rounds(s, [session_id]).get(session_id, 0), now)
+    top = _node(root, own, _assistant_rounds(s, session_id), now)
     level = {session_id: top}
     for _ in range(MAX_TREE_DEPTH):
         if not level:
             break
-        execs = list(s.execute(select(E).where(E.parent_session_id.in_(list(level))).order_by(E.id)).scalars())
+        execs = s.execute(select(E.__table__).where(E.parent_session_id.in_(list(level))).order_by(E.id)).all()
         child_ids = list(dict.fromkeys(e.child_session_id for e in execs))
-        sessions = {r.id: r for r in s.execute(select(S).where(S.id.in_(child_ids))).scalars()} if child_ids else {}
-        rounds = _assistant_rounds(s, child_ids)
+        sessions = (
+            {r.id: r for r in s.execute(select(S.__table__).where(S.id.in_(child_ids))).all()} if child_ids else {}
+        )
         by_child: dict[int, list[dict[str, Any]]] = {}
         for e in execs:
             by_child.setdefault(e.child_session_id, []).append(_execution(e, now))
@@ -257,7 +260,8 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
             cid = e.child_session_id
             if cid in next_level or cid not in sessions:
                 continue
-            node = _node(sessions[cid], by_child[cid], rounds.get(cid, 0), now)
+            rounds = sum(x["rounds"] for x in by_child[cid])
+            node = _node(sessions[cid], by_child[cid], rounds, now)
             level[e.parent_session_id]["children"].append(node)
             next_level[cid] = node
         level = next_level
@@ -330,7 +334,7 @@ def _call(call: dict[str, Any], show_content: bool) -> dict[str, Any]:
     return out
 
 
-def _message_entry(m: Message, show_content: bool) -> dict[str, Any]:
+def _message_entry(m: Any, show_content: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "message_id": m.id,
         "role": str(m.role),
@@ -350,8 +354,10 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
     out: list[dict[str, Any]] = []
     calls_by_id: dict[str, dict[str, Any]] = {}
     messages = s.execute(
-        select(Message).where(Message.session_id == session_id, Message.deleted.is_(False)).order_by(Message.id)
-    ).scalars()
+        select(Message.__table__)
+        .where(Message.session_id == session_id, Message.deleted.is_(False))
+        .order_by(Message.id)
+    ).all()
     for m in messages:
         entry = _message_entry(m, show_content)
         if m.role == Role.ASSISTANT:

@@ -252,7 +252,8 @@ def test_one_session_shows_its_tree_executions_and_timeline_without_content(cons
     assert ex["id"] == e1 and ex["status"] == "RECOVERING" and ex["delivery_status"] == "PENDING"
     assert ex["epoch"] == 3 and ex["recoveries"] == 1 and ex["lease_owner"] == "w2@host"
     assert ex["lease_expires_at"] and ex["deadline"] and ex["lease_expired"] is False
-    assert first["rounds"] == 0 and first["tokens"] == 15 and first["age_seconds"] >= 0
+    assert first["rounds"] == 2 and first["tokens"] == 15  # its execution's counters
+    assert first["age_seconds"] >= 0
     assert tree["children"][1]["executions"][0]["id"] == e2
     assert tree["children"][1]["executions"][0]["recoveries"] == 0
     assert [g["executions"][0]["id"] for g in first["children"]] == [e3]  # the grandchild
@@ -450,3 +451,23 @@ def test_redeliver_of_a_running_execution_is_409_still_running(console: Serve) -
     r = http.post(f"{base}/api/executions/{eid}/redeliver", timeout=10)
     assert r.status_code == 409 and r.json() == {"outcome": "still_running"}
     assert executions_of(parent)[0].delivery_status == DeliveryStatus.PENDING
+
+
+def test_the_console_command_refuses_to_listen_beyond_loopback_without_a_token() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "console", "--host", "0.0.0.0", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("agent-recovery: console: the console listens on 0.0.0.0, beyond loopback")
+    assert "CONSOLE_TOKEN" in line
