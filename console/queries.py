@@ -90,7 +90,12 @@ def _phase_clause(phase: str) -> Any:
 
 
 def _recovered_clause() -> Any:
-    return exists().where(or_(E.child_session_id == S.id, E.parent_session_id == S.id), E.epoch >= RECOVERED_EPOCH)
+    """SQL over ``agent_session``: the session is a child whose execution recovery took back,
+    or the parent of one. One pass over the executions (no index names the epoch) hashed once,
+    rather than a probe of two indexes for every session the list walks past."""
+    taken_back = E.epoch >= RECOVERED_EPOCH
+    ids = select(E.child_session_id).where(taken_back).union(select(E.parent_session_id).where(taken_back))
+    return S.id.in_(ids)
 
 
 def _failed_clause() -> Any:
