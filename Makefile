@@ -32,7 +32,7 @@ test: $(STAMP) ## the whole suite (unit, integration, crash, browser) in TEST_WO
 lint: $(STAMP) ## ruff lint + format check, mypy on the domain packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy models harness recovery fieldrecovery
+	$(BIN)/mypy models harness recovery fieldrecovery console
 
 demo: $(STAMP) ## a parent delegates, a worker is SIGKILLed mid-flight, a new worker recovers
 	$(BIN)/python -m demo

@@ -471,3 +471,16 @@ def test_the_console_command_refuses_to_listen_beyond_loopback_without_a_token()
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("agent-recovery: console: the console listens on 0.0.0.0, beyond loopback")
     assert "CONSOLE_TOKEN" in line
+
+
+def test_a_session_cookie_made_without_the_token_or_for_another_name_is_answered_401(console: Serve) -> None:
+    from console.auth import session_value
+
+    base = console()
+    forged = session_value("not-the-token", "mallory")
+    renamed = session_value(TOKEN, "alice").replace("alice.", "mallory.", 1)
+    for cookie in (forged, renamed, "mallory", ""):
+        r = requests.get(f"{base}/api/sessions", cookies={"console_session": cookie}, timeout=10)
+        assert r.status_code == 401, cookie
+    good = requests.get(f"{base}/api/sessions", cookies={"console_session": session_value(TOKEN, "alice")}, timeout=10)
+    assert good.status_code == 200
