@@ -428,6 +428,7 @@ def test_redeliver_of_a_parent_whose_callback_was_lost_delivers_once_then_has_no
     assert execution.status == ExecutionStatus.COMPLETED and execution.delivery_status == DeliveryStatus.PENDING
     base = console()
     http = client(base, operator="dave")
+    assert 'class="redeliver-execution"' in http.get(f"{base}/sessions/{sid}", timeout=10).text
     r = http.post(f"{base}/api/executions/{execution.id}/redeliver", timeout=10)
     assert r.status_code == 200 and r.json() == {"outcome": "resume"}
     assert executions_of(sid)[0].delivery_status == DeliveryStatus.DELIVERED
@@ -448,6 +449,7 @@ def test_redeliver_of_a_running_execution_is_409_still_running(console: Serve) -
     http = client(base)
     parent = make_session()
     eid = make_execution(parent)
+    assert 'class="redeliver-execution"' not in http.get(f"{base}/sessions/{parent}", timeout=10).text
     r = http.post(f"{base}/api/executions/{eid}/redeliver", timeout=10)
     assert r.status_code == 409 and r.json() == {"outcome": "still_running"}
     assert executions_of(parent)[0].delivery_status == DeliveryStatus.PENDING
