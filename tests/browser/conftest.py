@@ -38,10 +38,9 @@ def chromium_path() -> str | None:
 def browser_page() -> Iterator[Any]:
     path = chromium_path()
     if path is None:
-        reason = "no Chromium found (apt-get install chromium): the console's browser tests were skipped"
         if IN_CI:
-            pytest.fail(f"{reason} (CI=true: .ci/run installs it)", pytrace=False)
-        pytest.skip(reason)
+            pytest.fail("no Chromium found: CI=true needs it for the console's browser tests (.ci/run installs it)")
+        pytest.skip("no Chromium found (apt-get install chromium): the console's browser tests were skipped")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
