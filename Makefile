@@ -24,13 +24,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install the project with its dev extras
 
-test: $(STAMP) ## the whole suite (unit, integration, crash) in TEST_WORKERS processes, a throwaway PostgreSQL database each
+test: $(STAMP) ## the whole suite (unit, integration, crash, browser) in TEST_WORKERS processes, a throwaway PostgreSQL database each
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || [ -x "$$CHROMIUM" ] || \
+	  echo "make test: no Chromium found (apt-get install chromium): the console's browser tests (tests/browser) are SKIPPED"
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff lint + format check, mypy on the domain packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy models harness recovery fieldrecovery
+	$(BIN)/mypy models harness recovery fieldrecovery console
 
 demo: $(STAMP) ## a parent delegates, a worker is SIGKILLed mid-flight, a new worker recovers
 	$(BIN)/python -m demo

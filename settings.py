@@ -187,6 +187,14 @@ class Settings(BaseSettings):
     #: Named crash point to die at (tests, soak, demo); empty in production.
     CRASH_POINT: str = ""
     LOG_LEVEL: str = "INFO"
+    #: `agent-recovery console`: the operators' token (also accepted as ``Authorization: Bearer``).
+    #: Required unless the console listens on loopback only. CONSOLE_TOKEN_FILE: a file holding it.
+    CONSOLE_TOKEN: SecretStr = SecretStr("")
+    CONSOLE_TOKEN_FILE: str = ""
+    #: The console shows and accepts no action (cancel, redeliver, approve, deny).
+    CONSOLE_READ_ONLY: bool = False
+    #: The console shows message content (the users' data); otherwise roles, tool names and sizes.
+    CONSOLE_SHOW_CONTENT: bool = False
 
     #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
     booking_field_recovery: FieldRecoverySettings = Field(default_factory=FieldRecoverySettings)

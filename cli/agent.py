@@ -150,12 +150,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from models import AgentSession, transaction
-    from recovery.cancel import cancel_session
+    from recovery.cancel import CancelOutcome, cancel
 
-    with transaction() as s:
-        if s.get(AgentSession, args.id) is None:
-            return fail(f"cancel: no session {args.id}")
-    changed, suppressed = cancel_session(args.id)
-    print(f"session {args.id}: {'cancelled' if changed else 'already stopped'}; suppressed executions {suppressed}")
+    result = cancel(args.id, actor=cli_actor())
+    if result.outcome == CancelOutcome.NOT_FOUND:
+        return fail(f"cancel: no session {args.id}")
+    done = "cancelled" if result.outcome == CancelOutcome.CANCELLED else "already stopped"
+    print(f"session {args.id}: {done}; suppressed executions {result.suppressed}")
     return 0
+
+
+def cli_actor() -> str:
+    """Who runs an operator command from the CLI, for the action's log line: ``cli:<login>``."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no login name (a container without a passwd entry)
+        return "cli"

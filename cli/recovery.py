@@ -59,6 +59,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _redeliver(args: argparse.Namespace) -> int:
+    from cli.agent import cli_actor
     from recovery.errors import ExecutionNotFound
     from recovery.ops import redeliver, redeliver_parent
     from tasks import app
@@ -66,7 +67,7 @@ def _redeliver(args: argparse.Namespace) -> int:
 
     try:
         fn = redeliver_parent if args.parent else redeliver
-        outcome = fn(args.id, CeleryScheduler(app))
+        outcome = fn(args.id, CeleryScheduler(app), actor=cli_actor())
     except ExecutionNotFound as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 1

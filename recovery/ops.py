@@ -35,13 +35,19 @@ class RedeliverOutcome(StrEnum):
 
     NOTHING_PENDING = "nothing_pending"  #: the parent has no PENDING execution: it is left exactly as it is
     STILL_RUNNING = "still_running"  #: the execution is still active: nothing to deliver yet (the scan recovers it)
+    SUPPRESSED = "suppressed"  #: the parent is stopped: its pending results were suppressed (printed as suppressed:N)
 
 
-def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
+#: Who asked for a redelivery when the caller does not say (the Celery task, a script).
+SYSTEM_ACTOR = "system"
+
+
+def redeliver_parent(parent_id: int, scheduler: Scheduler, *, actor: str = SYSTEM_ACTOR) -> str:
     """Run the same delivery as the last child or the scan for the parent, idempotently: a parent
     with nothing PENDING is left exactly as it is (a settled WAITING_USER parent is never
     asked again); a stopped one has its pending results suppressed; a parent
-    whose loop holds a live lease is busy. Returns what happened."""
+    whose loop holds a live lease is busy. Returns what happened; the log line names ``actor``
+    (who asked: ``cli:<user>``, ``console:<operator>``, ``system``)."""
     with transaction() as s:
         row = s.execute(
             select(AgentSession.epoch, AgentSession.phase).where(AgentSession.id == parent_id)
@@ -52,12 +58,20 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
             from recovery.delivery import suppress_parent
 
             suppressed = suppress_parent(s, parent_id)
-            return f"suppressed:{len(suppressed)}"
+            log_event(
+                log,
+                "redeliver",
+                parent_id=parent_id,
+                actor=actor,
+                outcome=RedeliverOutcome.SUPPRESSED,
+                executions=len(suppressed),
+            )
+            return f"{RedeliverOutcome.SUPPRESSED}:{len(suppressed)}"
         pending = s.execute(
             select(func.count()).where(E.parent_session_id == parent_id, E.delivery_status == DeliveryStatus.PENDING)
         ).scalar_one()
         if not pending:
-            log_event(log, "redeliver", parent_id=parent_id, outcome=RedeliverOutcome.NOTHING_PENDING)
+            log_event(log, "redeliver", parent_id=parent_id, actor=actor, outcome=RedeliverOutcome.NOTHING_PENDING)
             return RedeliverOutcome.NOTHING_PENDING
         epochs = release_dead_parents(s, [parent_id])
     outcome = deliver_round(parent_id, epochs[parent_id])
@@ -66,11 +80,11 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler) -> str:
     # NOTE: STALE here is the epoch moving between release_dead_parents and the delivery: a
     # loop took the parent meanwhile, which the operator sees as a busy parent too.
     kind = DeliveryKind.PARENT_BUSY if outcome.kind == DeliveryKind.STALE else outcome.kind
-    log_event(log, "redeliver", parent_id=parent_id, outcome=kind, delivered=len(outcome.delivered))
+    log_event(log, "redeliver", parent_id=parent_id, actor=actor, outcome=kind, delivered=len(outcome.delivered))
     return kind
 
 
-def redeliver(execution_id: int, scheduler: Scheduler) -> str:
+def redeliver(execution_id: int, scheduler: Scheduler, *, actor: str = SYSTEM_ACTOR) -> str:
     """Re-run delivery for one execution. Already delivered/suppressed/legacy: nothing happens.
     Still running: nothing to deliver yet (the scan recovers it when its lease expires)."""
     with transaction() as s:
@@ -80,10 +94,13 @@ def redeliver(execution_id: int, scheduler: Scheduler) -> str:
     if row is None:
         raise ExecutionNotFound(f"no execution {execution_id}")
     if row.delivery_status != DeliveryStatus.PENDING:
-        return f"already_{str(row.delivery_status).lower()}"
-    if row.status in ACTIVE_EXECUTION:
-        return RedeliverOutcome.STILL_RUNNING
-    return redeliver_parent(row.parent_session_id, scheduler)
+        outcome: str = f"already_{str(row.delivery_status).lower()}"
+    elif row.status in ACTIVE_EXECUTION:
+        outcome = RedeliverOutcome.STILL_RUNNING
+    else:
+        return redeliver_parent(row.parent_session_id, scheduler, actor=actor)
+    log_event(log, "redeliver", execution_id=execution_id, actor=actor, outcome=outcome)
+    return outcome
 
 
 def _stale_field_keys() -> int | None:

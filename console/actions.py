@@ -1,0 +1,79 @@
+"""The console's actions, each a call of the one domain function the CLI and the Celery tasks
+call too (``recovery.cancel.cancel``, ``recovery.ops.redeliver`` and ``redeliver_parent``, the
+approvals' decision), with ``actor`` naming the operator: the domain function's log line says
+who did it. Here only the outcome becomes an HTTP status: 200 when something was done, 409
+when nothing was (the compare-and-set did not land, or there was nothing to do), 404 when the
+row does not exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from console import approvals
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    status: int  #: the HTTP status
+    outcome: str  #: the domain outcome's value
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, **self.detail}
+
+
+#: Redelivery outcomes that did something (the rest: nothing was pending, or not yet).
+_REDELIVERED = ("resume", "suppressed", "stopped")
+
+
+def _scheduler() -> Any:
+    from tasks import app
+    from tasks.scheduler import CeleryScheduler
+
+    return CeleryScheduler(app)
+
+
+def cancel(session_id: int, actor: str) -> ActionResult:
+    from recovery.cancel import CancelOutcome
+    from recovery.cancel import cancel as cancel_session
+
+    result = cancel_session(session_id, actor=actor)
+    status = {CancelOutcome.CANCELLED: 200, CancelOutcome.ALREADY_STOPPED: 409, CancelOutcome.NOT_FOUND: 404}
+    return ActionResult(status[result.outcome], str(result.outcome), {"suppressed": result.suppressed})
+
+
+def _redelivered(outcome: str) -> ActionResult:
+    done = outcome.split(":", 1)[0] in _REDELIVERED
+    return ActionResult(200 if done else 409, outcome)
+
+
+def redeliver_execution(execution_id: int, actor: str) -> ActionResult:
+    from recovery.errors import ExecutionNotFound
+    from recovery.ops import redeliver
+
+    try:
+        return _redelivered(str(redeliver(execution_id, _scheduler(), actor=actor)))
+    except ExecutionNotFound:
+        return ActionResult(404, "not_found")
+
+
+def redeliver_parent(session_id: int, actor: str) -> ActionResult:
+    from recovery.errors import ExecutionNotFound
+    from recovery.ops import redeliver_parent as redeliver_all
+
+    try:
+        return _redelivered(str(redeliver_all(session_id, _scheduler(), actor=actor)))
+    except ExecutionNotFound:
+        return ActionResult(404, "not_found")
+
+
+def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> ActionResult:
+    """Approve or deny; a denial needs a reason (400 without one)."""
+    if not approve and not reason.strip():
+        return ActionResult(400, "reason_required")
+    try:
+        outcome = approvals.decide(request_id, approve=approve, reason=reason.strip(), actor=actor)
+    except approvals.ApprovalsNotInstalled:
+        return ActionResult(501, "approvals_not_installed")
+    return ActionResult(200 if outcome in ("approved", "denied") else 409, outcome)

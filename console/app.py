@@ -1,0 +1,422 @@
+"""The console's HTTP application (starlette): pages under ``/``, the JSON API under ``/api``.
+
+The API paths are a public interface:
+
+- ``GET /api/sessions``: filters ``phase``, ``agent``, ``user``, ``waiting_approval``,
+  ``recovered``, ``failed`` (true/false), ``since``, ``until`` (ISO 8601, on started_at);
+  paging ``limit`` and ``before`` (the ``next_before`` of the previous page); newest first.
+- ``GET /api/sessions/{id}``: the tree, its executions, the rounds as a timeline.
+- ``GET /api/approvals``, ``GET /api/health``, ``GET /api/csrf``.
+- ``POST /api/sessions/{id}/cancel``, ``POST /api/sessions/{id}/redeliver`` (every pending
+  result of a parent), ``POST /api/executions/{id}/redeliver``,
+  ``POST /api/approvals/{id}/approve``, ``POST /api/approvals/{id}/deny`` (``reason``).
+
+Every POST needs the CSRF token; CONSOLE_READ_ONLY refuses them all (403) and the pages show
+no action. The pages post the same actions as forms and are sent back to where they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from console import actions, approvals, auth, queries
+from console.auth import ConsoleConfig
+from logfmt import log_event
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+
+
+class _Environment(jinja2.Environment):
+    """``row.status`` on the API's dicts looks the key up first (jinja2 tries the attribute
+    first, a failed getattr per field: a third of a 200-child page's render time)."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute in obj:
+            return obj[attribute]
+        return super().getattr(obj, attribute)
+
+
+templates = Jinja2Templates(
+    env=_Environment(
+        loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=jinja2.select_autoescape(("html",))
+    )
+)
+#: Paths served without the token: the login form and the static files.
+OPEN_PATHS = ("/login", "/static/")
+
+
+class BadRequest(ValueError):
+    """Raised when a query parameter cannot be read; answered 400 naming the parameter."""
+
+
+def _config(request: Request) -> ConsoleConfig:
+    config: ConsoleConfig = request.app.state.config
+    return config
+
+
+# --- who is asking --------------------------------------------------------------------------
+
+
+class Gate(BaseHTTPMiddleware):
+    """The token (401 without it), the CSRF cookie, and one log line per request (method, path
+    without its query, status, duration: never a header, a cookie or a parameter)."""
+
+    async def dispatch(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.monotonic()
+        config = _config(request)
+        path = request.url.path
+        operator = self._operator(request, config)
+        csrf = request.cookies.get(auth.CSRF_COOKIE)
+        request.state.csrf = csrf or auth.new_csrf()
+        if operator is None and not path.startswith(OPEN_PATHS):
+            response: Response = _unauthorized(request)
+        else:
+            request.state.operator = operator or "anonymous"
+            response = await call_next(request)
+        if csrf is None:
+            response.set_cookie(
+                auth.CSRF_COOKIE, request.state.csrf, httponly=True, samesite="strict", secure=config.secure_cookies
+            )
+        log_event(
+            log,
+            "console_request",
+            method=request.method,
+            path=path,
+            status=response.status_code,
+            duration_ms=round((time.monotonic() - started) * 1000),
+        )
+        return response
+
+    @staticmethod
+    def _operator(request: Request, config: ConsoleConfig) -> str | None:
+        """The operator's name, or None when a token is required and not shown."""
+        named = request.headers.get(auth.OPERATOR_HEADER)
+        if not config.needs_token:
+            cookie = request.cookies.get(auth.SESSION_COOKIE)
+            return auth.clean_operator(named or (cookie.rsplit(".", 1)[0] if cookie else None) or "local")
+        if auth.bearer_ok(config.token, request.headers.get("authorization")):
+            return auth.clean_operator(named or "api")
+        return auth.operator_of_session(config.token, request.cookies.get(auth.SESSION_COOKIE))
+
+
+def _unauthorized(request: Request) -> Response:
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": "unauthorized"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return templates.TemplateResponse(
+        request, "login.html", _context(request, next_path=request.url.path, failed=False), status_code=401
+    )
+
+
+def _context(request: Request, **extra: Any) -> dict[str, Any]:
+    config = _config(request)
+    return {
+        "csrf": request.state.csrf,
+        "operator": getattr(request.state, "operator", None),
+        "read_only": config.read_only,
+        "show_content": config.show_content,
+        "needs_token": config.needs_token,
+        "approvals_installed": approvals.installed(),
+        **extra,
+    }
+
+
+def _actor(request: Request) -> str:
+    return f"console:{request.state.operator}"
+
+
+# --- reading parameters -----------------------------------------------------------------------
+
+
+def _flag(request: Request, name: str) -> bool | None:
+    raw = request.query_params.get(name, "").strip().lower()
+    if raw in ("", "any"):
+        return None
+    if raw in ("true", "1", "yes", "on"):
+        return True
+    if raw in ("false", "0", "no", "off"):
+        return False
+    raise BadRequest(f"{name} must be true or false")
+
+
+def _when(request: Request, name: str) -> datetime | None:
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise BadRequest(f"{name} must be an ISO 8601 time") from None
+    if value.tzinfo is None:
+        from datetime import UTC
+
+        value = value.replace(tzinfo=UTC)
+    return value
+
+
+def _int(request: Request, name: str, default: int | None = None) -> int | None:
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer") from None
+
+
+def _text(request: Request, name: str) -> str | None:
+    return request.query_params.get(name, "").strip() or None
+
+
+def _filter(request: Request) -> queries.SessionFilter:
+    return queries.SessionFilter(
+        phase=_text(request, "phase"),
+        agent=_text(request, "agent"),
+        user=_text(request, "user"),
+        waiting_approval=_flag(request, "waiting_approval"),
+        recovered=_flag(request, "recovered"),
+        failed=_flag(request, "failed"),
+        since=_when(request, "since"),
+        until=_when(request, "until"),
+    )
+
+
+def _page(request: Request) -> dict[str, Any]:
+    f = _filter(request)
+    with queries.read_only() as s:
+        limit = _int(request, "limit") or queries.DEFAULT_PAGE
+        return queries.list_sessions(s, f, limit=limit, before=_int(request, "before"))
+
+
+def _detail(request: Request, session_id: int) -> dict[str, Any] | None:
+    with queries.read_only() as s:
+        return queries.session_detail(s, session_id, show_content=_config(request).show_content)
+
+
+def _health() -> dict[str, Any]:
+    from console.health import health
+
+    with queries.read_only() as s:
+        return health(s)
+
+
+def _approvals() -> dict[str, Any]:
+    with queries.read_only() as s:
+        return {"installed": approvals.installed(), "approvals": approvals.pending(s)}
+
+
+# --- the JSON API -----------------------------------------------------------------------------
+
+
+def api_sessions(request: Request) -> Response:
+    return JSONResponse(_page(request))
+
+
+def api_session(request: Request) -> Response:
+    detail = _detail(request, int(request.path_params["id"]))
+    if detail is None:
+        return JSONResponse({"error": "not_found"}, status_code=404)
+    return JSONResponse(detail)
+
+
+def api_approvals(request: Request) -> Response:
+    return JSONResponse(_approvals())
+
+
+def api_health(request: Request) -> Response:
+    return JSONResponse(_health())
+
+
+def api_csrf(request: Request) -> Response:
+    """The CSRF token of this client (the cookie is set beside it when it had none)."""
+    return JSONResponse({"csrf": request.state.csrf})
+
+
+async def _refused(request: Request) -> tuple[Response | None, dict[str, str]]:
+    """Read-only mode and the CSRF check, for every action; returns the refusal (or None) and
+    the form fields."""
+    form: dict[str, str] = {}
+    if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded", "multipart/")):
+        form = {k: str(v) for k, v in (await request.form()).items()}
+    elif request.headers.get("content-type", "").startswith("application/json"):
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict):
+            form = {k: str(v) for k, v in body.items()}
+    if _config(request).read_only:
+        return _action_error(request, 403, "read_only"), form
+    sent = request.headers.get(auth.CSRF_HEADER) or form.get(auth.CSRF_FIELD)
+    if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), sent):
+        return _action_error(request, 403, "csrf"), form
+    return None, form
+
+
+def _action_error(request: Request, status: int, error: str) -> Response:
+    log_event(log, "console_action_refused", path=request.url.path, reason=error, actor=_actor(request))
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def _respond(request: Request, result: actions.ActionResult, back: str) -> Response:
+    """JSON for the API; for a page's form, back to the page with the outcome shown."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse(result.body(), status_code=result.status)
+    return RedirectResponse(f"{back}?outcome={result.outcome}", status_code=303)
+
+
+def _action(run: Callable[[Request, dict[str, str]], actions.ActionResult], back: Callable[[Request], str]) -> Any:
+    async def endpoint(request: Request) -> Response:
+        from starlette.concurrency import run_in_threadpool
+
+        refusal, form = await _refused(request)
+        if refusal is not None:
+            return refusal
+        result = await run_in_threadpool(run, request, form)
+        return _respond(request, result, back(request))
+
+    return endpoint
+
+
+def _id(request: Request) -> int:
+    return int(request.path_params["id"])
+
+
+def _session_page(request: Request) -> str:
+    return f"/sessions/{_id(request)}"
+
+
+def _execution_back(request: Request) -> str:
+    back = request.query_params.get("back", "")
+    return back if back.startswith("/sessions/") else "/"
+
+
+cancel = _action(lambda r, f: actions.cancel(_id(r), _actor(r)), _session_page)
+redeliver_parent = _action(lambda r, f: actions.redeliver_parent(_id(r), _actor(r)), _session_page)
+redeliver_execution = _action(lambda r, f: actions.redeliver_execution(_id(r), _actor(r)), _execution_back)
+approve = _action(
+    lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=_actor(r)),
+    lambda r: "/approvals",
+)
+deny = _action(
+    lambda r, f: actions.decide(_id(r), approve=False, reason=f.get("reason", ""), actor=_actor(r)),
+    lambda r: "/approvals",
+)
+
+
+# --- pages ------------------------------------------------------------------------------------
+
+
+def page_sessions(request: Request) -> Response:
+    page = _page(request)
+    query = {k: v for k, v in request.query_params.items() if k != "before"}
+    return templates.TemplateResponse(request, "sessions.html", _context(request, page=page, query=query))
+
+
+def page_session(request: Request) -> Response:
+    detail = _detail(request, _id(request))
+    if detail is None:
+        return templates.TemplateResponse(request, "missing.html", _context(request, what="session"), status_code=404)
+    outcome = request.query_params.get("outcome")
+    return templates.TemplateResponse(request, "session.html", _context(request, d=detail, outcome=outcome))
+
+
+def page_session_live(request: Request) -> Response:
+    """The live part of a session's page (tree and timeline), polled by static/console.js."""
+    detail = _detail(request, _id(request))
+    if detail is None:
+        return HTMLResponse("", status_code=404)
+    return templates.TemplateResponse(request, "_live.html", _context(request, d=detail))
+
+
+def page_health(request: Request) -> Response:
+    return templates.TemplateResponse(request, "health.html", _context(request, h=_health()))
+
+
+def page_approvals(request: Request) -> Response:
+    outcome = request.query_params.get("outcome")
+    return templates.TemplateResponse(request, "approvals.html", _context(request, a=_approvals(), outcome=outcome))
+
+
+async def login(request: Request) -> Response:
+    config = _config(request)
+    if request.method == "GET":
+        return templates.TemplateResponse(request, "login.html", _context(request, next_path="/", failed=False))
+    form = await request.form()
+    operator = auth.clean_operator(str(form.get("operator", "")))
+    token = str(form.get("token", ""))
+    nxt = str(form.get("next", "/"))
+    nxt = nxt if nxt.startswith("/") and not nxt.startswith("//") else "/"
+    if config.needs_token and not auth.bearer_ok(config.token, f"Bearer {token}"):
+        log_event(log, "console_login_refused", operator=operator)
+        return templates.TemplateResponse(
+            request, "login.html", _context(request, next_path=nxt, failed=True), status_code=401
+        )
+    response = RedirectResponse(nxt, status_code=303)
+    value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
+    response.set_cookie(auth.SESSION_COOKIE, value, httponly=True, samesite="strict", secure=config.secure_cookies)
+    log_event(log, "console_login", operator=operator)
+    return response
+
+
+# --- the application --------------------------------------------------------------------------
+
+
+def _bad_request(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": "bad_request", "detail": str(exc)}, status_code=400)
+
+
+def _database_down(request: Request, exc: Exception) -> Response:
+    log_event(log, "console_database_unavailable", logging.WARNING, error=type(exc).__name__)
+    return JSONResponse({"error": "database_unavailable"}, status_code=503)
+
+
+def create_app(config: ConsoleConfig) -> Starlette:
+    num = "{id:int}"
+    routes = [
+        Route("/", page_sessions),
+        Route("/login", login, methods=["GET", "POST"]),
+        Route(f"/sessions/{num}", page_session),
+        Route(f"/sessions/{num}/live", page_session_live),
+        Route("/health", page_health),
+        Route("/approvals", page_approvals),
+        Route(f"/sessions/{num}/cancel", cancel, methods=["POST"]),
+        Route(f"/sessions/{num}/redeliver", redeliver_parent, methods=["POST"]),
+        Route(f"/executions/{num}/redeliver", redeliver_execution, methods=["POST"]),
+        Route(f"/approvals/{num}/approve", approve, methods=["POST"]),
+        Route(f"/approvals/{num}/deny", deny, methods=["POST"]),
+        Route("/api/sessions", api_sessions),
+        Route(f"/api/sessions/{num}", api_session),
+        Route("/api/approvals", api_approvals),
+        Route("/api/health", api_health),
+        Route("/api/csrf", api_csrf),
+        Route(f"/api/sessions/{num}/cancel", cancel, methods=["POST"]),
+        Route(f"/api/sessions/{num}/redeliver", redeliver_parent, methods=["POST"]),
+        Route(f"/api/executions/{num}/redeliver", redeliver_execution, methods=["POST"]),
+        Route(f"/api/approvals/{num}/approve", approve, methods=["POST"]),
+        Route(f"/api/approvals/{num}/deny", deny, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(Gate)],
+        exception_handlers={BadRequest: _bad_request, SQLAlchemyError: _database_down},
+    )
+    app.state.config = config
+    return app

@@ -1,0 +1,57 @@
+"""A real browser for the console's tests: Debian's Chromium driven by Playwright, launched by
+its path (Playwright's own browser download is never used). Without a Chromium the tests skip
+with that reason on a developer's machine, and FAIL in CI (CI=true), where .ci/run installs it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import IN_CI
+
+#: Flags for a headless Chromium in a container, with no call home.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chromium_path() -> str | None:
+    """CHROMIUM (a path), else the system's chromium."""
+    named = os.environ.get("CHROMIUM", "")
+    if named and os.access(named, os.X_OK):
+        return named
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    path = chromium_path()
+    if path is None:
+        if IN_CI:
+            pytest.fail("no Chromium found: CI=true needs it for the console's browser tests (.ci/run installs it)")
+        pytest.skip("no Chromium found (apt-get install chromium): the console's browser tests were skipped")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (the dev extra has it): the browser tests were skipped")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        try:
+            yield page
+        finally:
+            context.close()
+            browser.close()
