@@ -87,8 +87,10 @@ def _recover(args: argparse.Namespace) -> int:
     from settings import get_settings
 
     settings = get_settings()  # invalid settings stop here, naming the variable (exit 2)
+    limit = settings.booking_field_recovery.eml.max_input_bytes
     try:
-        raw = args.file.read_bytes()
+        with args.file.open("rb") as handle:
+            raw = handle.read(limit + 1)  # one byte past the limit is enough to refuse the file
     except OSError as exc:
         print(f"agent-recovery: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 1

@@ -140,7 +140,7 @@ class FieldRecoveryOrchestrator:
         """
         if isinstance(attempt, bool) or not isinstance(attempt, int) or not 1 <= attempt <= INT32_MAX:
             raise AttemptInvalid(f"the attempt must be an integer from 1 to {INT32_MAX}")
-        facts = parse_eml(raw_eml, channel=source)
+        facts = parse_eml(raw_eml, channel=source, limits=self.settings.eml)
         run = self._recover(facts, source, attempt)
         if self._next_stage is not None:
             self._next_stage(run)
