@@ -137,15 +137,23 @@ def _stale(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
+    from fieldrecovery.client import client_for
     from fieldrecovery.errors import FieldRecoveryError
     from fieldrecovery.store import ReleaseOutcome, store_from_settings
+    from settings import get_settings
 
     try:
-        outcome = store_from_settings().release(args.key, reason=args.reason, epoch=args.epoch)
+        outcome, run_id = store_from_settings().release_run(args.key, reason=args.reason, epoch=args.epoch)
     except FieldRecoveryError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 1
     print(f"{args.key}: {outcome.value}")
+    if outcome == ReleaseOutcome.RELEASED and run_id is not None:
+        # The dead owner's platform run may still be running (and paid for): cancel it now.
+        settings = get_settings().booking_field_recovery
+        if settings.open_api.api_key.get_secret_value():
+            sent = client_for(settings).cancel(run_id)
+            print(f"run {run_id}: {'cancelled' if sent else 'cancel failed'}")
     return 0 if outcome == ReleaseOutcome.RELEASED else 1
 
 
