@@ -14,8 +14,12 @@ it succeeded but needs review (the validator rejected at least one patch, field 
 
 ``field stale [--json]`` lists the invocations IN_PROGRESS past their lease (a dead owner), with
 their age; ``field release KEY [--reason TEXT] [--epoch N]`` fails one of them (fenced by its
-epoch) so that its redeliveries stop waiting and a new attempt can run. Exit 0 when released,
+epoch) so that its redeliveries stop waiting and a new attempt can run, then cancels the dead
+owner's platform run when its id was recorded (``run RUN: cancelled``). Exit 0 when released,
 1 when not (not found, finished, lease still live, or a newer owner).
+
+An EML that passes a parser limit (``BOOKING_FIELD_RECOVERY__EML__*``) or cannot be parsed ends
+``field recover`` with ONE line on stderr (``[eml_too_large]`` / ``[eml_invalid]``) and exit 1.
 """
 
 from __future__ import annotations

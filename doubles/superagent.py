@@ -37,6 +37,13 @@ Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front
   profile), huge_tokens (token counts above int32), bare_end (the ``end`` event without a
   ``data:`` line, which the SSE specification never dispatches).
 
+Options of every behaviour (``StubConfig``): ``error_code`` (the ``error`` event's code under
+run_failed), ``reported_status`` (the status every run status answers with), ``informational``
+(1xx replies written before the response of ``informational_on``), ``event_id_suffix``
+(appended to every ``id:``, e.g. a NUL), ``session_id`` / ``run_id`` (handed out instead of
+generated ids, e.g. ``..``). Path segments are percent-decoded; ``not_found`` in ``/_stats``
+counts requests to a path it does not serve.
+
 Besides ``POST /open/v1/runs/{id}/cancel`` it serves ``POST /open/v1/sessions/{id}/cancel``
 (cancel the session's active run), which a client uses when it must stop before it learned the
 run id. ``GET /_stats`` returns counters; ``POST /_config`` changes the behaviour of a running
