@@ -101,6 +101,21 @@ class OpenApiSettings(BaseModel):
         return self
 
 
+class EmlLimitSettings(BaseModel):
+    """booking.field-recovery.eml.* — bounds of the EML parser; a file past one is ``eml_too_large``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Bytes of one EML file, read before anything is parsed.
+    max_input_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    #: MIME parts counted over the whole file (every part of every multipart).
+    max_parts: int = Field(default=100, gt=0, le=100_000)
+    #: Multiparts nested inside one another (the message itself is depth 0).
+    max_depth: int = Field(default=8, gt=0, le=1000)
+    #: Bytes of one header section (the message's or a part's).
+    max_header_bytes: int = Field(default=64 * 1024, gt=0)
+
+
 class FieldRecoverySettings(BaseModel):
     """booking.field-recovery.* (docs/field-recovery.md, "Configuration")."""
 
@@ -122,6 +137,8 @@ class FieldRecoverySettings(BaseModel):
     #: Days an invocation and its artifacts are kept (retention_until); then field.purge_expired
     #: deletes them.
     retention_days: int = Field(default=90, gt=0, le=3650)
+    #: Limits of the EML parser (input bytes, parts, nesting depth, header bytes).
+    eml: EmlLimitSettings = EmlLimitSettings()
 
     @model_validator(mode="after")
     def _check(self) -> FieldRecoverySettings:

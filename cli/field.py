@@ -14,8 +14,12 @@ it succeeded but needs review (the validator rejected at least one patch).
 
 ``field stale [--json]`` lists the invocations IN_PROGRESS past their lease (a dead owner), with
 their age; ``field release KEY [--reason TEXT] [--epoch N]`` fails one of them (fenced by its
-epoch) so that its redeliveries stop waiting and a new attempt can run. Exit 0 when released,
+epoch) so that its redeliveries stop waiting and a new attempt can run, then cancels the dead
+owner's platform run when its id was recorded (``run RUN: cancelled``). Exit 0 when released,
 1 when not (not found, finished, lease still live, or a newer owner).
+
+An EML that passes a parser limit (``BOOKING_FIELD_RECOVERY__EML__*``) or cannot be parsed ends
+``field recover`` with ONE line on stderr (``[eml_too_large]`` / ``[eml_invalid]``) and exit 1.
 """
 
 from __future__ import annotations
@@ -87,8 +91,10 @@ def _recover(args: argparse.Namespace) -> int:
     from settings import get_settings
 
     settings = get_settings()  # invalid settings stop here, naming the variable (exit 2)
+    limit = settings.booking_field_recovery.eml.max_input_bytes
     try:
-        raw = args.file.read_bytes()
+        with args.file.open("rb") as handle:
+            raw = handle.read(limit + 1)  # one byte past the limit is enough to refuse the file
     except OSError as exc:
         print(f"agent-recovery: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 1
@@ -135,15 +141,23 @@ def _stale(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
+    from fieldrecovery.client import client_for
     from fieldrecovery.errors import FieldRecoveryError
     from fieldrecovery.store import ReleaseOutcome, store_from_settings
+    from settings import get_settings
 
     try:
-        outcome = store_from_settings().release(args.key, reason=args.reason, epoch=args.epoch)
+        outcome, run_id = store_from_settings().release_run(args.key, reason=args.reason, epoch=args.epoch)
     except FieldRecoveryError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 1
     print(f"{args.key}: {outcome.value}")
+    if outcome == ReleaseOutcome.RELEASED and run_id is not None:
+        # The dead owner's platform run may still be running (and paid for): cancel it now.
+        settings = get_settings().booking_field_recovery
+        if settings.open_api.api_key.get_secret_value():
+            sent = client_for(settings).cancel(run_id)
+            print(f"run {run_id}: {'cancelled' if sent else 'cancel failed'}")
     return 0 if outcome == ReleaseOutcome.RELEASED else 1
 
 

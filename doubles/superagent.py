@@ -37,6 +37,13 @@ Behaviours (``Behaviour``), one per way a real deployment (or the proxy in front
   profile), huge_tokens (token counts above int32), bare_end (the ``end`` event without a
   ``data:`` line, which the SSE specification never dispatches).
 
+Options of every behaviour (``StubConfig``): ``error_code`` (the ``error`` event's code under
+run_failed), ``reported_status`` (the status every run status answers with), ``informational``
+(1xx replies written before the response of ``informational_on``), ``event_id_suffix``
+(appended to every ``id:``, e.g. a NUL), ``session_id`` / ``run_id`` (handed out instead of
+generated ids, e.g. ``..``). Path segments are percent-decoded; ``not_found`` in ``/_stats``
+counts requests to a path it does not serve.
+
 Besides ``POST /open/v1/runs/{id}/cancel`` it serves ``POST /open/v1/sessions/{id}/cancel``
 (cancel the session's active run), which a client uses when it must stop before it learned the
 run id. ``GET /_stats`` returns counters; ``POST /_config`` changes the behaviour of a running
@@ -57,7 +64,7 @@ from dataclasses import asdict, dataclass, field, replace
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from doubles.superagent_agent import Behaviour, StubConfig, answer_text
 from fieldrecovery.schemas import canonical_json
@@ -100,6 +107,8 @@ class StubStats:
     duplicate_csrf_cookies: int = 0
     include_trace_requests: int = 0
     gzip_responses: int = 0
+    #: Requests to a path the stand-in does not serve (answered 404 not_found).
+    not_found: int = 0
 
 
 class _State:
@@ -174,6 +183,10 @@ class _Handler(BaseHTTPRequestHandler):
         lines += [f"{name}: {value}" for name, value in headers]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self.log_request(status)
+        if config.informational and self.endpoint == config.informational_on:
+            for code in config.informational:
+                self.wfile.write(f"HTTP/1.1 {code} Informational\r\nLink: </style.css>; rel=preload\r\n\r\n".encode())
+            self.wfile.flush()
         if config.behaviour == Behaviour.SLOW_HEADERS and self.endpoint == config.slow_headers_on:
             for i in range(len(head)):
                 if self.state.stopping.wait(config.header_drip_seconds):
@@ -289,7 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
-        parts = url.path.strip("/").split("/")
+        parts = [unquote(part) for part in url.path.strip("/").split("/")]
         if url.path == "/_stats":
             with self.state.lock:
                 stats = asdict(self.state.stats)
@@ -308,11 +321,12 @@ class _Handler(BaseHTTPRequestHandler):
                 after = parse_qs(url.query).get("after", ["0"])[0]
                 self._replay(parts[3], int(after) if after.isdigit() else 0)
             return
+        self.state.bump("not_found")
         self._error(404, "not_found")
 
     def do_POST(self) -> None:
         url = urlsplit(self.path)
-        parts = url.path.strip("/").split("/")
+        parts = [unquote(part) for part in url.path.strip("/").split("/")]
         body = self._body()
         if url.path == "/_config":
             try:
@@ -350,6 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self._authorized():
                 self._cancel_session(parts[3])
             return
+        self.state.bump("not_found")
         self._error(404, "not_found")
 
     # --- endpoints -------------------------------------------------------------------------
@@ -359,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(subject, str) or len(subject) != 64:
             self._error(400, "invalid_external_subject_id")
             return
-        session_id = self.state.next_id("ses")
+        session_id = self.state.config.session_id or self.state.next_id("ses")
         with self.state.lock:
             self.state.sessions[session_id] = subject
         if self.state.config.behaviour == Behaviour.GZIP_BOMB and self.state.config.bomb_on == "session":
@@ -386,10 +401,10 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._error(400, "invalid_message")
             return
-        run = _Run(run_id=state.next_id("run"), session_id=session_id, events=[])
+        run = _Run(run_id=config.run_id or state.next_id("run"), session_id=session_id, events=[])
         events: list[tuple[str, dict[str, Any]]] = [("run.started", {"run_id": run.run_id})]
         if config.behaviour == Behaviour.RUN_FAILED:
-            events += [("error", {"code": "run_failed"}), ("end", {})]
+            events += [("error", {"code": config.error_code}), ("end", {})]
             run.final_status = "failed"
         else:
             half = len(answer) // 2
@@ -444,7 +459,7 @@ class _Handler(BaseHTTPRequestHandler):
             200,
             {
                 "run_id": run.run_id,
-                "status": run.status,
+                "status": self.state.config.reported_status or run.status,
                 "metadata": {
                     "resolved_profile_id": "prof_fixed\x00channel"
                     if behaviour == Behaviour.NUL_PROFILE
@@ -493,9 +508,10 @@ class _Handler(BaseHTTPRequestHandler):
             payload = json.dumps(data, sort_keys=True, separators=(",", ":"))  # the surrogate as an escape
         if self.state.config.behaviour == Behaviour.BARE_END and name == "end":
             return f"id: {event_id}\nevent: end\n\n".encode()
+        ident = f"{event_id}{self.state.config.event_id_suffix}"
         if self.state.config.behaviour == Behaviour.UNTERMINATED_AT_EOF:
-            return f"id: {event_id}\ndata: {payload}\nevent: {name}\n\n".encode()
-        return f"id: {event_id}\nevent: {name}\ndata: {payload}\n\n".encode()
+            return f"id: {ident}\ndata: {payload}\nevent: {name}\n\n".encode()
+        return f"id: {ident}\nevent: {name}\ndata: {payload}\n\n".encode()
 
     def _write_events(
         self,

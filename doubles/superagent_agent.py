@@ -211,6 +211,19 @@ class StubConfig:
     bomb_on: str = "session"
     #: gzip_bomb: status of that response (401: an error body; 200: a JSON body padded with spaces).
     bomb_status: int = 401
+    #: run_failed: the code of the ``error`` event (a hostile peer may put the key in it).
+    error_code: str = "run_failed"
+    #: The ``status`` every run status answers with instead of the run's own (empty: the run's).
+    reported_status: str = ""
+    #: Informational replies (e.g. 103 Early Hints, 102 Processing) written before the real
+    #: response of the ``informational_on`` endpoint (``session`` or ``stream``).
+    informational: tuple[int, ...] = ()
+    informational_on: str = "stream"
+    #: Appended to the value of every ``id:`` line (an id with a NUL or an escape).
+    event_id_suffix: str = ""
+    #: The session id and run id handed out instead of generated ones (empty: generated).
+    session_id: str = ""
+    run_id: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StubConfig:
@@ -218,6 +231,8 @@ class StubConfig:
         values = {k: v for k, v in data.items() if k in known}
         if "behaviour" in values:
             values["behaviour"] = Behaviour(values["behaviour"])
+        if "informational" in values:
+            values["informational"] = tuple(int(v) for v in values["informational"])
         return cls(**values)
 
 

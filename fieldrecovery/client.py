@@ -37,13 +37,16 @@ another agent's key.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import random
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import requests
 import urllib3.exceptions
@@ -80,6 +83,35 @@ JSON_BODY_BYTES = 1 << 20
 #: A peer's id or code we store, log or put in a URL path. ``\Z``, not ``$``: ``$`` also matches
 #: before a final newline, so ``"run_1\n"`` would pass.
 _SAFE_TOKEN = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")
+#: Characters of the configured key that, found in a row in a peer's string, mean it echoed the key.
+KEY_RUN_CHARS = 8
+#: What a peer's string that carries the key is replaced with in a log line.
+REDACTED = "redacted"
+
+
+class KeyGuard:
+    """Finds the configured key, or any KEY_RUN_CHARS-character run of it, in a peer's string.
+
+    A peer (or a proxy) may echo the Bearer key in an error code, a run status, an id or an
+    answer: such a string is never stored, logged or returned as it is. Linear in the string:
+    every run of the key is in one set, and each window of the string is looked up once.
+    """
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+        width = min(KEY_RUN_CHARS, len(key))
+        self._width = width
+        self._runs = frozenset(key[i : i + width] for i in range(len(key) - width + 1)) if key else frozenset()
+
+    def carries(self, text: str) -> bool:
+        if not self._runs:
+            return False
+        width = self._width
+        return any(text[i : i + width] in self._runs for i in range(len(text) - width + 1))
+
+
+#: ``on_run(session_id, run_id)``: called once the run id is known (the owner records it).
+RunListener = Callable[[str, str], None]
 
 
 @dataclass
@@ -97,6 +129,8 @@ class CallProgress:
     run_over: bool = False
     sse_recoveries: int = 0
     cancel_sent: bool = False
+    #: Told the run id as soon as ``run.started`` names it (so a dead owner's run can be cancelled).
+    on_run: RunListener | None = None
 
     @property
     def called(self) -> int:
@@ -117,13 +151,20 @@ class ProviderAnswer:
     total_tokens: int | None
 
 
+def is_token(value: Any) -> bool:
+    """A peer's id or code we may put in a URL path: the safe-token alphabet, not dots only
+    (``.`` and ``..`` are path segments that move the request elsewhere)."""
+    return isinstance(value, str) and bool(_SAFE_TOKEN.match(value)) and bool(value.strip("."))
+
+
 def _safe(value: Any, default: str) -> str:
-    return value if isinstance(value, str) and _SAFE_TOKEN.match(value) else default
+    """``value`` when it is a token (``is_token``), else ``default``; the key is checked by the client."""
+    return value if is_token(value) else default
 
 
-def _opt_str(value: Any) -> str | None:
-    """A run-status string for the audit record, or None when it could not be stored."""
-    return value[:128] if isinstance(value, str) and value and storable_text(value) else None
+def segment(value: str) -> str:
+    """One URL path segment: every character but unreserved ones percent-encoded."""
+    return quote(value, safe="")
 
 
 def _opt_int(value: Any) -> int | None:
@@ -136,7 +177,27 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _malformed_reply(exc: BaseException) -> bool:
+    """The peer answered, but not with HTTP we read: too many headers, an overlong line, a bad
+    status line. A peer that closed before answering (RemoteDisconnected) is not one."""
+    seen: list[BaseException] = [exc]
+    for current in seen:
+        if len(seen) > 16:
+            break
+        if isinstance(current, http.client.HTTPException) and not isinstance(current, http.client.RemoteDisconnected):
+            if isinstance(current, http.client.LineTooLong | http.client.BadStatusLine):
+                return True
+            if "headers" in str(current) or "informational" in str(current):
+                return True
+        for inner in (*current.args, current.__cause__, current.__context__):
+            if isinstance(inner, BaseException) and inner not in seen:
+                seen.append(inner)
+    return False
+
+
 def _transport_code(exc: BaseException) -> str:
+    if _malformed_reply(exc):
+        return "bad_response"
     if isinstance(exc, requests.ConnectTimeout):
         return "connect_timeout"
     if isinstance(exc, requests.exceptions.SSLError):
@@ -163,6 +224,7 @@ class OpenApiClient:
         self._ca_bundle = settings.ca_bundle
         self._resolver = resolver
         self._key = settings.api_key.get_secret_value()
+        self._guard = KeyGuard(self._key)
         self._connect_timeout = settings.connect_timeout
         self._max_attempts = settings.sse_recovery_max_attempts
         self._include_trace = settings.include_trace
@@ -213,13 +275,34 @@ class OpenApiClient:
 
     def cancel(self, run_id: str) -> bool:
         """POST the run cancel (best effort, bounded in total by CANCEL_TIMEOUT_SECONDS)."""
-        return self._post_cancel(f"/open/v1/runs/{run_id}/cancel", "provider_cancel", run_id=run_id)
+        return self._post_cancel(
+            f"/open/v1/runs/{segment(run_id)}/cancel", "provider_cancel", run_id=self._loggable(run_id)
+        )
 
     def cancel_session(self, session_id: str) -> bool:
         """POST the session cancel: stops the session's active run whose id was never learned."""
         return self._post_cancel(
-            f"/open/v1/sessions/{session_id}/cancel", "provider_session_cancel", session_id=session_id
+            f"/open/v1/sessions/{segment(session_id)}/cancel",
+            "provider_session_cancel",
+            session_id=self._loggable(session_id),
         )
+
+    # --- what comes from the peer ----------------------------------------------------------
+
+    def _token(self, value: Any, default: str) -> str:
+        """A peer's code or status as a safe token, or ``default`` (unsafe, or it carries the key)."""
+        token = _safe(value, default)
+        return default if self._guard.carries(token) else token
+
+    def _opt_str(self, value: Any) -> str | None:
+        """A run-status string for the audit record, or None when it could not be stored."""
+        if not isinstance(value, str) or not value or not storable_text(value):
+            return None
+        return None if self._guard.carries(value) else value[:128]
+
+    def _loggable(self, value: str | None) -> str | None:
+        """A peer's id as it may appear in a log line: a safe token that does not carry the key."""
+        return None if value is None else self._token(value, REDACTED)
 
     # --- failure handling ------------------------------------------------------------------
 
@@ -287,7 +370,7 @@ class OpenApiClient:
             )
         )
         session_id = session.get("session_id")
-        if not isinstance(session_id, str) or not _SAFE_TOKEN.match(session_id):
+        if not isinstance(session_id, str) or self._token(session_id, "") != session_id:
             raise ProviderUnavailable("the session response has no session_id", code="bad_response")
         progress.session_id = session_id
 
@@ -298,10 +381,18 @@ class OpenApiClient:
         progress.streams += 1
         try:
             stream = self._send(
-                http, watchdog, deadline, progress, "POST", f"/open/v1/sessions/{session_id}/messages/stream", body=body
+                http,
+                watchdog,
+                deadline,
+                progress,
+                "POST",
+                f"/open/v1/sessions/{segment(session_id)}/messages/stream",
+                body=body,
             )
         except (ProviderRejected, ProviderUnavailable) as exc:
-            progress.stream_refused = exc.code.startswith("http_") or exc.code == "open_agent_trace_disabled"
+            # Only a refusal (4xx) says no run was started; after anything else (a 5xx from a
+            # proxy, a reply we cannot read) a run may exist: the failure cancels the session's.
+            progress.stream_refused = exc.code.startswith("http_4") or exc.code == "open_agent_trace_disabled"
             raise
         try:
             self._read_stream(stream, state, deadline, progress)
@@ -316,16 +407,16 @@ class OpenApiClient:
         run = self._run_status(http, watchdog, deadline, progress)
         status = run.get("status")
         if status != "success":
-            raise ProviderUnavailable("the run did not succeed", code=f"run_status_{_safe(status, 'unknown')}")
+            raise ProviderUnavailable("the run did not succeed", code=f"run_status_{self._token(status, 'unknown')}")
         metadata = _dict(run.get("metadata"))
         usage = _dict(run.get("usage"))
         return ProviderAnswer(
             content=state.final,
             session_id=session_id,
             run_id=progress.run_id,
-            resolved_profile_id=_opt_str(metadata.get("resolved_profile_id")),
-            resolved_profile_version=_opt_str(metadata.get("resolved_profile_version")),
-            model=_opt_str(run.get("model")),
+            resolved_profile_id=self._opt_str(metadata.get("resolved_profile_id")),
+            resolved_profile_version=self._opt_str(metadata.get("resolved_profile_version")),
+            model=self._opt_str(run.get("model")),
             prompt_tokens=_opt_int(usage.get("prompt_tokens")),
             completion_tokens=_opt_int(usage.get("completion_tokens")),
             total_tokens=_opt_int(usage.get("total_tokens")),
@@ -334,7 +425,9 @@ class OpenApiClient:
     def _run_status(
         self, http: requests.Session, watchdog: Watchdog, deadline: Deadline, progress: CallProgress
     ) -> dict[str, Any]:
-        run = self._json(self._send(http, watchdog, deadline, progress, "GET", f"/open/v1/runs/{progress.run_id}"))
+        assert progress.run_id is not None
+        path = f"/open/v1/runs/{segment(progress.run_id)}"
+        run = self._json(self._send(http, watchdog, deadline, progress, "GET", path))
         if run.get("status") not in RUN_IN_PROGRESS:
             progress.run_over = True
         return run
@@ -362,7 +455,7 @@ class OpenApiClient:
             progress.sse_recoveries += 1
             deadline.check()
             before = state.last_event_id
-            log_event(log, "sse_recovery", run_id=progress.run_id, attempt=replays, after=before)
+            log_event(log, "sse_recovery", run_id=progress.run_id, attempt=replays, after=self._loggable(before))
             params = {"after": before} if before is not None else None
             try:
                 replay = self._send(
@@ -371,7 +464,7 @@ class OpenApiClient:
                     deadline,
                     progress,
                     "GET",
-                    f"/open/v1/runs/{progress.run_id}/events",
+                    f"/open/v1/runs/{segment(progress.run_id)}/events",
                     params=params,
                     accept="text/event-stream",
                     transient_5xx=True,
@@ -399,15 +492,20 @@ class OpenApiClient:
                 continue
             failures += 1  # over, yet its events end without ``end``
 
-    @staticmethod
     def _note_broken(
-        exc: Exception, watchdog: Watchdog, deadline: Deadline, progress: CallProgress, state: StreamState
+        self, exc: Exception, watchdog: Watchdog, deadline: Deadline, progress: CallProgress, state: StreamState
     ) -> None:
         """A stream broke: the watchdog's doing (raise), or a cut to recover from (log)."""
         if watchdog.fired.is_set() or deadline.expired:
             raise DeadlineExceeded() from None
         code = exc.code if isinstance(exc, StreamBroken) else _transport_code(exc)
-        log_event(log, "sse_broken", run_id=progress.run_id, error_code=code, last_event_id=state.last_event_id)
+        log_event(
+            log,
+            "sse_broken",
+            run_id=progress.run_id,
+            error_code=code,
+            last_event_id=self._loggable(state.last_event_id),
+        )
 
     # --- HTTP plumbing ---------------------------------------------------------------------
 
@@ -470,7 +568,7 @@ class OpenApiClient:
         payload = json_object(body.decode("utf-8", "replace")) if body is not None else None
         payload = payload or {}
         error = _dict(payload.get("error"))
-        provider_code = _safe(error.get("code"), "")
+        provider_code = self._token(error.get("code"), "")
         if provider_code == "open_agent_trace_disabled":
             raise ProviderRejected("the external application refuses include_trace", code=provider_code)
         if status >= 500:
@@ -488,22 +586,27 @@ class OpenApiClient:
             if state.ended:
                 return
 
-    @staticmethod
-    def _consume(name: str, payload: dict[str, Any], state: StreamState, progress: CallProgress) -> None:
+    def _consume(self, name: str, payload: dict[str, Any], state: StreamState, progress: CallProgress) -> None:
         if name == "run.started":
             run_id = payload.get("run_id")
-            if not isinstance(run_id, str) or not _SAFE_TOKEN.match(run_id):
+            if not isinstance(run_id, str) or self._token(run_id, "") != run_id:
                 raise ProviderUnavailable("run.started has no run_id", code="bad_response")
             progress.run_id = run_id
+            if progress.on_run is not None and progress.session_id is not None:
+                progress.on_run(progress.session_id, run_id)
         elif name == "message.final":
             final = payload.get("content")
             if not isinstance(final, str):
                 raise ProviderUnavailable("message.final has no content", code="bad_response")
             if not storable_text(final):
                 raise ProviderOutputInvalid("message.final has a lone surrogate or a NUL", code="output_bad_text")
+            if self._guard.carries(final):
+                raise ProviderOutputInvalid("message.final carries the key", code="output_carries_key")
             state.final = final
         elif name == "error":
-            raise ProviderUnavailable("the run reported an error", code=_safe(payload.get("code"), "provider_error"))
+            raise ProviderUnavailable(
+                "the run reported an error", code=self._token(payload.get("code"), "provider_error")
+            )
         elif name == "end":
             state.ended = True
             progress.run_over = True

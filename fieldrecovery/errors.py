@@ -85,3 +85,9 @@ class EmlInvalid(FieldRecoveryError):
     """The file is not a booking-confirmation EML this parser understands."""
 
     default_code = "eml_invalid"
+
+
+class EmlTooLarge(EmlInvalid):
+    """The EML exceeds a parser limit (input bytes, parts, nesting depth or header bytes)."""
+
+    default_code = "eml_too_large"

@@ -140,7 +140,7 @@ class FieldRecoveryOrchestrator:
         """
         if isinstance(attempt, bool) or not isinstance(attempt, int) or not 1 <= attempt <= INT32_MAX:
             raise AttemptInvalid(f"the attempt must be an integer from 1 to {INT32_MAX}")
-        facts = parse_eml(raw_eml, channel=source)
+        facts = parse_eml(raw_eml, channel=source, limits=self.settings.eml)
         run = self._recover(facts, source, attempt)
         if self._next_stage is not None:
             self._next_stage(run)
@@ -219,7 +219,10 @@ class FieldRecoveryOrchestrator:
             time.sleep(min(self.settings.poll_interval, left))
         assert claim.epoch is not None
         crash_point("field.after_claim")  # owner recorded, provider not called yet
-        return self._call_as_owner(facts, request, message, owner_id, claim.epoch, deadline, claim_sent)
+        dead_run = claim.record.provider_run_id if claim.outcome == ClaimOutcome.TAKEN_OVER and claim.record else None
+        return self._call_as_owner(
+            facts, request, message, owner_id, claim.epoch, deadline, claim_sent, dead_run=dead_run
+        )
 
     def _call_as_owner(
         self,
@@ -230,9 +233,12 @@ class FieldRecoveryOrchestrator:
         epoch: int,
         deadline: Deadline,
         claim_sent: float,
+        dead_run: str | None = None,
     ) -> RecoveryRun:
+        """``dead_run``: the platform run of the owner this one took over, cancelled before calling
+        again (it may still be running and paid for)."""
         key = request.idempotency_key
-        progress = CallProgress()
+        progress = CallProgress(on_run=self._run_recorder(key, owner_id, epoch))
         answer: ProviderAnswer | None = None
         started = time.monotonic()
         log_event(log, "provider_call_start", key=key, request_id=request.request_id, epoch=epoch)
@@ -240,6 +246,8 @@ class FieldRecoveryOrchestrator:
             if len(message) > self.settings.max_message_chars:
                 raise RequestTooLarge()
             client = self._client_factory(self.settings)
+            if dead_run is not None:
+                log_event(log, "takeover_cancel", key=key, run_id=dead_run, ok=client.cancel(dead_run))
             with LeaseKeeper(self.store, key, owner_id, epoch, claimed_at=claim_sent) as lease:
                 # A lost lease (a newer epoch took the key) stops the call: the answer could
                 # never be stored, so calling on would only spend the provider's time.
@@ -314,6 +322,18 @@ class FieldRecoveryOrchestrator:
         except Exception as exc:  # the database is gone too: the lease expires; operators can release
             log_event(log, "finish_failure_failed", key=key, error_code=code, error=type(exc).__name__)
             return False
+
+    def _run_recorder(self, key: str, owner_id: str, epoch: int) -> Callable[[str, str], None]:
+        """Records the run id on the invocation as soon as the stream names it (best effort: a
+        store error is logged, and the call goes on)."""
+
+        def record(session_id: str, run_id: str) -> None:
+            try:
+                self.store.note_run(key, owner_id, epoch, session_id=session_id, run_id=run_id)
+            except FieldRecoveryError as exc:
+                log_event(log, "run_not_recorded", key=key, run_id=run_id, error_code=exc.code)
+
+        return record
 
     @staticmethod
     def _audit(progress: CallProgress, answer: ProviderAnswer | None, started: float) -> ProviderAudit:

@@ -179,7 +179,7 @@ class EventParser:
                 data.append(value)
             elif field == "event":
                 name = value
-            elif field == "id":
+            elif field == "id" and "\x00" not in value:  # the specification ignores an id with a NUL
                 event_id = value
         text = "\n".join(data)
         name = name or "message"

@@ -338,6 +338,10 @@ class InvocationStore:
                 lease_expires_at=now + self.lease,
                 started_at=now,
                 updated_at=now,
+                # The dead owner's ids go with the old epoch: its run is the taker's to cancel
+                # (from the record read above), never a later taker's again.
+                provider_session_id=None,
+                provider_run_id=None,
             )
             .returning(Inv.epoch)
         ).scalar_one_or_none()
@@ -345,6 +349,22 @@ class InvocationStore:
             return Claim(ClaimOutcome.BUSY, record=record)
         log_event(log, "takeover", key=key, old_epoch=record.epoch, epoch=taken)
         return Claim(ClaimOutcome.TAKEN_OVER, epoch=taken, record=record)
+
+    def note_run(self, key: str, owner_id: str, epoch: int, *, session_id: str, run_id: str) -> bool:
+        """Record the platform's session and run ids on the owner's row as soon as they are known,
+        so that a stale takeover or a release can cancel the run of an owner that died.
+
+        False, nothing done: the owner lost the row (finished, released, or fenced out).
+        """
+        with self.connection() as conn:
+            rows = rowcount(
+                conn.execute(
+                    update(Inv)
+                    .where(*self._owned_by(key, owner_id, epoch))
+                    .values(provider_session_id=session_id[:128], provider_run_id=run_id[:128], updated_at=func.now())
+                )
+            )
+        return rows == 1
 
     def renew_lease(self, key: str, owner_id: str, epoch: int) -> bool:
         """Extend the owner's lease; False when the owner lost the row (finished or fenced)."""
@@ -491,27 +511,32 @@ class InvocationStore:
         Without ``epoch`` the row's current epoch is read first and named in the UPDATE: a
         takeover between the two bumps it, and the release then lands nowhere (EPOCH_MOVED).
         """
+        return self.release_run(key, reason=reason, epoch=epoch)[0]
+
+    def release_run(self, key: str, *, reason: str, epoch: int | None = None) -> tuple[ReleaseOutcome, str | None]:
+        """``release``, and the dead owner's platform run id when it was recorded (to cancel)."""
+        run_id: str | None = None
         with self.transaction() as s:
             if epoch is None:
                 epoch = s.execute(select(Inv.epoch).where(Inv.idempotency_key == key)).scalar_one_or_none()
                 if epoch is None:
-                    return ReleaseOutcome.NOT_FOUND
-            rows = rowcount(
-                s.execute(
-                    update(Inv)
-                    .where(Inv.idempotency_key == key, Inv.epoch == epoch, *self._stale())
-                    .values(
-                        status=InvocationStatus.FAILED.value,
-                        error_code=RELEASED_CODE,
-                        error_summary=f"released by an operator: {reason}"[:512],
-                        completed_at=func.now(),
-                        updated_at=func.now(),
-                        lease_expires_at=None,
-                    )
-                    .execution_options(synchronize_session=False)
+                    return ReleaseOutcome.NOT_FOUND, None
+            released = s.execute(
+                update(Inv)
+                .where(Inv.idempotency_key == key, Inv.epoch == epoch, *self._stale())
+                .values(
+                    status=InvocationStatus.FAILED.value,
+                    error_code=RELEASED_CODE,
+                    error_summary=f"released by an operator: {reason}"[:512],
+                    completed_at=func.now(),
+                    updated_at=func.now(),
+                    lease_expires_at=None,
                 )
-            )
-            if rows == 1:
+                .returning(Inv.provider_run_id)
+                .execution_options(synchronize_session=False)
+            ).all()
+            if len(released) == 1:
+                run_id = released[0][0]
                 outcome = ReleaseOutcome.RELEASED
             else:  # why not: a read for the operator's message only, nothing is decided on it
                 row = s.execute(
@@ -525,8 +550,8 @@ class InvocationStore:
                     outcome = ReleaseOutcome.EPOCH_MOVED
                 else:
                     outcome = ReleaseOutcome.LEASE_LIVE
-        log_event(log, "release", key=key, epoch=epoch, outcome=outcome.value)
-        return outcome
+        log_event(log, "release", key=key, epoch=epoch, outcome=outcome.value, run_id=run_id)
+        return outcome, run_id
 
     # --- reads -----------------------------------------------------------------------------
 

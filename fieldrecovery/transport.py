@@ -28,6 +28,7 @@ nor a list of black-holed addresses can run past the deadline.
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -126,6 +127,30 @@ def connect_within(
     raise last or OSError(f"no address for {host}")
 
 
+#: Informational (1xx) replies skipped before one response; more is a peer that never answers.
+MAX_INFORMATIONAL_REPLIES = 32
+
+
+class FinalResponse(http.client.HTTPResponse):
+    """An http.client response that skips EVERY informational reply (102 Processing, 103 Early
+    Hints …), not only 100 Continue: the response is the first final (or 101) status.
+
+    More than MAX_INFORMATIONAL_REPLIES in a row is an HTTPException (a ``bad_response``); each
+    one's headers are read with http.client's own limits (count and line length).
+    """
+
+    def _read_status(self) -> tuple[str, int, str]:
+        skipped = 0
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 102 <= status < 200:
+                return version, status, reason
+            skipped += 1
+            if skipped > MAX_INFORMATIONAL_REPLIES:
+                raise http.client.HTTPException("too many informational replies")
+            http.client._read_headers(self.fp)  # type: ignore[attr-defined]
+
+
 def _pool_classes(watchdog: Watchdog, resolver: Resolver) -> dict[str, type[HTTPConnectionPool]]:
     def new_conn(conn: HTTPConnection) -> socket.socket:
         try:
@@ -147,10 +172,14 @@ def _pool_classes(watchdog: Watchdog, resolver: Resolver) -> dict[str, type[HTTP
         return sock
 
     class WatchedHTTPConnection(HTTPConnection):
+        response_class = FinalResponse
+
         def _new_conn(self) -> socket.socket:
             return new_conn(self)
 
     class WatchedHTTPSConnection(HTTPSConnection):
+        response_class = FinalResponse
+
         def _new_conn(self) -> socket.socket:
             return new_conn(self)
 

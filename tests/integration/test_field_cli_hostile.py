@@ -111,3 +111,52 @@ def test_the_celery_task_answers_bad_input_with_a_failed_summary_not_a_traceback
     summary = recover_eml_task(eml, source, attempt)  # run in this process, as a worker would
     # The same status spelling as a failed run's summary (RecoveryRun.summary()).
     assert summary == {"status": "FAILED", "needs_review": False, "error_code": code, "idempotency_key": None}
+
+
+def _nested_multipart(levels: int) -> bytes:
+    head = b"Message-ID: <m1@x>\nMIME-Version: 1.0\n"
+    body = b"".join(b"Content-Type: multipart/mixed; boundary=b%d\n\n--b%d\n" % (i, i) for i in range(levels))
+    return head + body + b"Content-Type: text/plain\n\nAdults: 2\n"
+
+
+#: Inputs that made the old parser recurse until RecursionError, and the code each gets now.
+RECURSING = {
+    "multipart_nested_1000_levels": (_nested_multipart(1000), "eml_too_large"),
+    "message_id_after_1000_open_parentheses": (
+        sample_eml("ambiguous").replace(b"Message-ID: <", b"Message-ID: " + b"(" * 1000 + b"<", 1),
+        "eml_invalid",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RECURSING))
+def test_input_that_recursed_exits_1_with_one_line_and_no_traceback(field_db: str, tmp_path: Path, case: str) -> None:
+    raw, code = RECURSING[case]
+    eml = tmp_path / "recursing.eml"
+    eml.write_bytes(raw)
+    done = _recover(field_db, eml)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"[{code}]" in done.stderr
+    assert _count(field_db, "field_recovery_invocation") == 0
+
+
+@pytest.mark.parametrize("case", list(RECURSING))
+def test_the_celery_task_answers_input_that_recursed_with_its_failed_summary(db: str, case: str) -> None:
+    from tasks.field import recover_eml_task
+
+    raw, code = RECURSING[case]
+    summary = recover_eml_task(raw.decode("utf-8", "surrogateescape"), "MANUAL_EML", 1)
+    assert summary == {"status": "FAILED", "needs_review": False, "error_code": code, "idempotency_key": None}
+
+
+def test_the_cli_reads_no_more_than_the_input_limit_and_exits_1_with_eml_too_large(
+    field_db: str, tmp_path: Path
+) -> None:
+    eml = tmp_path / "large.eml"
+    eml.write_bytes(sample_eml("ambiguous") + b"x" * (11 * 1024 * 1024))
+    done = _recover(field_db, eml)
+    assert done.returncode == 1, done.stderr
+    assert "[eml_too_large]" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

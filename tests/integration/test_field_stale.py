@@ -183,3 +183,145 @@ def test_purge_task_is_registered_under_its_beat_name(field_db: str, monkeypatch
         assert result == {"invocations": 0, "artifacts": 0, "batches": 2, "more": False}
     finally:
         get_settings.cache_clear()
+
+
+# --- a dead owner's platform run is cancelled -------------------------------------------------
+
+
+def _ambiguous_meta() -> InvocationMeta:
+    request = build_request(parse_eml(AMBIGUOUS), profile_version="fixed-channel-field-recovery-qbd-v1")
+    assert request is not None
+    return InvocationMeta(
+        request.idempotency_key,
+        request.request_id,
+        1,
+        request.source.message_id,
+        request.source.revision,
+        request.observation_hash,
+        request.profile_version,
+        request_hash(render_message(request)),
+    )
+
+
+def _start_run_and_abandon_it(stub: SuperAgentStub) -> tuple[str, str]:
+    """What a SIGKILLed owner leaves: a session and a run still running on the platform."""
+    import json as json_module
+    import secrets
+
+    import requests
+
+    def headers() -> tuple[dict[str, str], dict[str, str]]:
+        token = secrets.token_urlsafe(24)
+        return {"Authorization": f"Bearer {KEY}", "X-CSRF-Token": token}, {"csrf_token": token}
+
+    h, c = headers()
+    session_id = requests.post(
+        f"{stub.base_url}/open/v1/sessions", json={"external_subject_id": "s" * 64}, headers=h, cookies=c, timeout=5
+    ).json()["session_id"]
+    h, c = headers()
+    message = render_message(build_request(parse_eml(AMBIGUOUS), profile_version="pv1"))  # type: ignore[arg-type]
+    stream = requests.post(
+        f"{stub.base_url}/open/v1/sessions/{session_id}/messages/stream",
+        json={"content": message, "idempotency_key": "dead"},
+        headers=h,
+        cookies=c,
+        stream=True,
+        timeout=5,
+    )
+    for line in stream.iter_lines():
+        if line.startswith(b"data:") and b"run_id" in line:
+            run_id = str(json_module.loads(line[5:])["run_id"])
+            break
+    stream.close()
+    assert stub.run_status(run_id) == "running"
+    return session_id, run_id
+
+
+def test_the_owner_records_the_run_id_on_the_invocation_as_soon_as_the_stream_names_it(field_db: str) -> None:
+    from doubles.superagent import Behaviour
+    from tests.field_helpers import wait_until
+
+    with SuperAgentStub(api_key=KEY) as stub:
+        stub.configure(behaviour=Behaviour.SLOW, stall_seconds=30)
+        settings = FieldRecoverySettings.model_validate(
+            {"enabled": True, "open_api": {"base_url": stub.base_url, "api_key": KEY}, "max_wait": 3}
+        )
+        store = InvocationStore(field_db)
+        key = _ambiguous_meta().idempotency_key
+        done: list[object] = []
+        import threading
+
+        worker = threading.Thread(
+            target=lambda: done.append(FieldRecoveryOrchestrator(settings, url=field_db).process(AMBIGUOUS))
+        )
+        worker.start()
+
+        def recorded_while_in_progress() -> bool:
+            record = store.get(key)
+            return record is not None and record.status.value == "IN_PROGRESS" and record.provider_run_id is not None
+
+        assert wait_until(recorded_while_in_progress, timeout=2.5)
+        worker.join(timeout=10)
+
+
+def test_a_stale_takeover_cancels_the_dead_owners_run_before_calling_again(field_db: str) -> None:
+    meta = _ambiguous_meta()
+    store = InvocationStore(field_db, lease_seconds=0.01)
+    with SuperAgentStub(api_key=KEY) as stub:
+        from doubles.superagent import Behaviour
+
+        stub.configure(behaviour=Behaviour.SLOW, stall_seconds=30)
+        session_id, dead_run = _start_run_and_abandon_it(stub)
+        stub.configure(behaviour=Behaviour.NORMAL)
+        assert store.claim(meta, "sigkilled-owner", stale_takeover=True).owned
+        assert store.note_run(meta.idempotency_key, "sigkilled-owner", 1, session_id=session_id, run_id=dead_run)
+        time.sleep(0.05)
+        settings = FieldRecoverySettings.model_validate(
+            {
+                "enabled": True,
+                "stale_takeover": True,
+                "open_api": {"base_url": stub.base_url, "api_key": KEY},
+                "max_wait": 5,
+            }
+        )
+        run = FieldRecoveryOrchestrator(settings, url=field_db).process(AMBIGUOUS)
+        assert run.status == RecoveryStatus.SUCCEEDED, run.error_code
+        assert stub.cancelled_runs[0] == dead_run
+        assert stub.run_status(dead_run) == "cancelled"
+        assert stub.stats()["streams"] == 2  # the dead owner's and the taker's own
+
+
+def test_field_release_cancels_the_dead_owners_run(field_db: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    meta = _ambiguous_meta()
+    store = InvocationStore(field_db, lease_seconds=0.01)
+    with SuperAgentStub(api_key=KEY) as stub:
+        from doubles.superagent import Behaviour
+
+        stub.configure(behaviour=Behaviour.SLOW, stall_seconds=30)
+        session_id, dead_run = _start_run_and_abandon_it(stub)
+        assert store.claim(meta, "sigkilled-owner", stale_takeover=False).owned
+        assert store.note_run(meta.idempotency_key, "sigkilled-owner", 1, session_id=session_id, run_id=dead_run)
+        time.sleep(0.05)
+        env = {
+            **os.environ,
+            "DATABASE_URL": field_db,
+            "BOOKING_FIELD_RECOVERY__ENABLED": "true",
+            "BOOKING_FIELD_RECOVERY__OPEN_API__BASE_URL": stub.base_url,
+            "BOOKING_FIELD_RECOVERY__OPEN_API__API_KEY": KEY,
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "field", "release", meta.idempotency_key],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"run {dead_run}: cancelled" in done.stdout
+        assert stub.run_status(dead_run) == "cancelled"
