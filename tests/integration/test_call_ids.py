@@ -313,3 +313,23 @@ def test_the_invariants_name_two_calls_that_share_a_key_and_two_tool_rows_for_on
         problems = check_all(s, settled=False)
     assert any(p.startswith("K1") and call["id"] in p for p in problems), problems
     assert any(p.startswith("K2") and call["id"] in p for p in problems), problems
+
+
+def test_the_installation_id_is_drawn_once_by_the_migration_and_a_rebuilt_table_draws_a_new_one(
+    db: str,
+) -> None:
+    from sqlalchemy import delete
+
+    from models import Installation, installation_id
+
+    with transaction() as s:
+        first = installation_id(s)
+        assert s.execute(select(Installation.created_at)).scalar_one() is not None  # written by migration 0011
+    with transaction() as s:
+        assert installation_id(s) == first  # stable
+        s.execute(delete(Installation))
+    with transaction() as s:
+        rebuilt = installation_id(s)
+    assert rebuilt != first and len(rebuilt) == 32
+    with transaction() as s:
+        s.execute(update(Installation).values(installation_id=first))  # leave the test database as it was
