@@ -95,7 +95,7 @@ def script() -> list[dict[str, Any]]:
         rules.append(
             {
                 "when": {"system_contains": "main agent", "user_contains": f"[{shape}]", "turn": 0},
-                "reply": {"tool_calls": tool_calls},
+                "reply": {"tool_calls": per_reply_ids(tool_calls)},
             }
         )
     rules += [
@@ -105,16 +105,30 @@ def script() -> list[dict[str, Any]]:
             # inside the round as often as between rounds.
             "when": {"system_contains": "subagent", "last_role": "user"},
             "reply": {
-                "tool_calls": [
-                    {"name": "charge", "arguments": {"amount_cents": 250}},
-                    {"name": "stamp", "arguments": {"text": "receipt"}},
-                    {"name": "wait", "arguments": {"seconds": 1}},
-                ]
+                "tool_calls": per_reply_ids(
+                    [
+                        {"name": "charge", "arguments": {"amount_cents": 250}},
+                        {"name": "stamp", "arguments": {"text": "receipt"}},
+                        {"name": "wait", "arguments": {"seconds": 1}},
+                    ]
+                )
             },
+        },
+        {
+            # A second charge as ``call_0`` again: a new call, with a new key (a reused key is
+            # a charge the service would drop, counted by _charged_twice).
+            "when": {"system_contains": "subagent", "last_role": "tool", "turn": 1},
+            "reply": {"tool_calls": per_reply_ids([{"name": "charge", "arguments": {"amount_cents": 100}}])},
         },
         {"when": {"system_contains": "subagent", "last_role": "tool"}, "reply": {"content": "child answer"}},
     ]
     return rules
+
+
+def per_reply_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls as providers number them, per reply: ``call_0``, ``call_1``, ... in every reply
+    (the soak's model reuses ``call_0`` in every tool-call reply of a session)."""
+    return [{**c, "id": f"call_{i}"} for i, c in enumerate(calls)]
 
 
 class Soak:

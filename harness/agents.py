@@ -44,6 +44,9 @@ _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 DEFAULT_AGENTS_TOML = """
 [agents.main]
 system_prompt = "You are the main agent. Delegate work to subagents with the delegate tool and combine results."
+# Explicit: a tool module loaded later (TOOL_MODULES, an entry point, an MCP server) is never
+# offered to this agent unless it is listed here, in a file of your own (AGENTS_FILE).
+tools = ["delegate", "delegate_followup", "echo", "wait"]
 max_rounds = 20
 
 [agents.reviewer]

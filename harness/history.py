@@ -412,19 +412,35 @@ def append_message(
     return insert_messages(s, session_id, [row])[0]
 
 
+#: Key of the provider's own id in a stored call whose ``id`` is our local one (harness.callids).
+PROVIDER_ID = "provider_id"
+
+
 def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """Normalized rows as OpenAI chat messages."""
+    """Normalized rows as OpenAI chat messages, with the provider's own tool_call ids: a
+    stored call under a local id carries the provider's beside it (any length), and each TOOL
+    answers its round's call under that id."""
     out: list[dict[str, Any]] = []
+    provider_ids: dict[str, str] = {}  # local id -> provider id, of the last tool round
     for row in rows:
         role = _role(row).lower()
         msg: dict[str, Any] = {"role": role, "content": row.content or ""}
         if role == "assistant":
             calls = parse_tool_calls(row.tool_calls)
             if isinstance(calls, list):
-                msg["tool_calls"] = calls
+                provider_ids = {str(c["id"]): str(c[PROVIDER_ID]) for c in calls if PROVIDER_ID in c}
+                msg["tool_calls"] = [_provider_call(c) for c in calls] if provider_ids else calls
         if role == "tool":
-            msg["tool_call_id"] = row.tool_call_id
+            msg["tool_call_id"] = provider_ids.get(str(row.tool_call_id), row.tool_call_id)
         out.append(msg)
+    return out
+
+
+def _provider_call(call: dict[str, Any]) -> dict[str, Any]:
+    if PROVIDER_ID not in call:
+        return call
+    out = {k: v for k, v in call.items() if k != PROVIDER_ID}
+    out["id"] = call[PROVIDER_ID]
     return out
 
 

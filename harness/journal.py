@@ -2,9 +2,10 @@
 
 One round, in the order its commits happen:
 
-1. the model answers with tool calls -> ``journal_reply`` commits the reply (fenced by the
-   loop's epoch; a relaxed commit, see ``models.journal.relaxed_commit``) before the first
-   tool runs;                       crash point journal.after_reply
+1. the model answers with tool calls -> ``journal_reply`` gives every call its local id
+   (harness.callids: a provider id repeated in the reply is refused) and commits the reply
+   (fenced by the loop's epoch; a relaxed commit, see ``models.journal.relaxed_commit``)
+   before the first tool runs;      crash point journal.after_reply
 2. a tool that is not safe to repeat has its start committed (``STARTED``, starts + 1) before
    it runs;                                                   crash point journal.after_tool_start
 3. each tool's result is committed as it completes, except the last one of a repeatable tool,
@@ -21,7 +22,8 @@ creation closes it.
 A loop that starts (a recovered one, or the next run after a crash) calls ``resume`` before
 asking the model: an open entry asked from the same history is continued without a model call;
 results journaled are used as they are; an interrupted tool that is read-only or idempotent
-runs again (same ``idempotency_key``: the key is per session and call id); an interrupted tool
+runs again (same ``idempotency_key``: the key is per call, and the call's local id is read
+back from the journal: harness.callids); an interrupted tool
 that is neither is NOT run again: its TOOL result says so, with its arguments, and the model
 decides; a tool that never started runs normally. An entry asked from an older history is
 abandoned.
@@ -37,10 +39,11 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
+from harness.callids import call_of, context_for, localize
 from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
-from harness.tools import ToolContext, lookup, run_inline
+from harness.tools import lookup, run_inline
 from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
@@ -117,10 +120,7 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
     calls = store.calls_of(s, entry.id)
     reply = ModelReply(
         entry.content,
-        tuple(
-            ToolCall(str(c["id"]), str(c["function"]["name"]), str(c["function"].get("arguments") or ""))
-            for c in entry.tool_calls
-        ),
+        tuple(call_of(c) for c in entry.tool_calls),
         entry.prompt_tokens,
         entry.completion_tokens,
     )
@@ -147,15 +147,17 @@ Prepare = Callable[[Session, ModelReply], tuple[ModelReply, dict[str, str]]]
 
 
 def journal_reply(fence: Fence, session_id: int, reply: ModelReply, prepare: Prepare | None = None) -> RoundInFlight:
-    """Commit the reply as the session's open round before any of its tools runs. ``prepare``
-    (the parent's tool_call id check) runs in the same transaction and may rewrite the reply
-    and refuse calls; what it decided is journaled with the reply."""
+    """Commit the reply as the session's open round before any of its tools runs, every call
+    under its local id (a call that has one keeps it; a provider id repeated in the reply is
+    refused: harness.callids). ``prepare`` runs in the same transaction and may refuse more
+    calls; what it decided is journaled with the reply."""
+    reply, refused = localize(reply, session_id=session_id)
     with transaction() as s:
         store.relaxed_commit(s)
         fence.check(s)
-        refused: dict[str, str] = {}
         if prepare is not None:
-            reply, refused = prepare(s, reply)
+            reply, more = prepare(s, reply)
+            refused = {**refused, **more}
         journal_id = store.write_reply(
             s,
             session_id=session_id,
@@ -202,7 +204,7 @@ def run_tools(
                 fence.check(s)
                 store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
-        ctx = ToolContext(session_id, call.id, deadline, fence.should_stop, kind)
+        ctx = context_for(session_id, call, deadline, fence.should_stop, kind)
         result = run_inline(call.name, call.arguments, ctx, allowed)
         out[call.id] = result
         if n == len(todo) - 1 and safe:

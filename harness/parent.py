@@ -9,23 +9,24 @@
   is committed, the executions' creation reservations lapse and the scan starts them.
 - A cancel lands between rounds, inside ``wait``, and in the fence of every write: a
   cancelled parent writes nothing more (it neither commits a round nor creates children).
-- A model that repeats a tool_call id (within a reply, or one already answered in this
-  session) gets that call refused as its TOOL error under a fresh id; it never kills the loop.
+- Every call gets its local id when its reply is first committed (harness.callids): a
+  provider id seen in an earlier round is a new call; one repeated inside a reply is refused
+  as that call's TOOL error, as in a child. It never kills the loop.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select, union
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
+from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
@@ -35,9 +36,9 @@ from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
-from harness.tools import ToolContext, run_inline, tool_names
+from harness.tools import run_inline, tool_names
 from logfmt import log_event
-from models import AgentSession, LeaseLost, Message, PendingRound, Phase, Role, SubagentExecution, transaction
+from models import AgentSession, LeaseLost, PendingRound, Phase, Role, transaction
 from models.db import built_once
 from models.session import end_run, release_session, take_session
 
@@ -158,7 +159,7 @@ def _parent_rounds(
                 # its delegations creates a child and it becomes an ordinary round.
                 rnd = RoundInFlight(None, reply)
             else:
-                rnd = journal_reply(fence, session_id, reply, lambda s, r: _unique_call_ids_in(s, session_id, r))
+                rnd = journal_reply(fence, session_id, reply)
         if _delegates(rnd.reply, allowed, rnd.refused):
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
@@ -170,48 +171,6 @@ def _parent_rounds(
         release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED)
     publish_status(session_id, Phase.FAILED)
     return RunOutcome.FAILED
-
-
-def _used_ids(s: Session, session_id: int, ids: list[str]) -> set[str]:
-    """The ids among ``ids`` this session has used already (a delegation's or a TOOL's), in
-    one statement."""
-    E = SubagentExecution
-    delegated = select(E.parent_tool_call_id.label("id")).where(
-        E.parent_session_id == session_id, E.parent_tool_call_id.in_(ids)
-    )
-    answered = select(Message.tool_call_id.label("id")).where(
-        Message.session_id == session_id,
-        Message.role == Role.TOOL,
-        Message.deleted.is_(False),
-        Message.tool_call_id.in_(ids),
-    )
-    return {str(i) for i in s.execute(union(delegated, answered)).scalars() if i is not None}
-
-
-def unique_call_ids(session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
-    """Give every repeated tool_call id a fresh one and refuse that call (its TOOL error).
-    The history stays legal (one TOOL per id) and the unique index never fires."""
-    with transaction() as s:
-        return _unique_call_ids_in(s, session_id, reply)
-
-
-def _unique_call_ids_in(s: Session, session_id: int, reply: ModelReply) -> tuple[ModelReply, dict[str, str]]:
-    used = _used_ids(s, session_id, [c.id for c in reply.tool_calls])
-    seen: set[str] = set()
-    calls: list[ToolCall] = []
-    refused: dict[str, str] = {}
-    for call in reply.tool_calls:
-        if call.id in used or call.id in seen:
-            fresh = f"{call.id[:80]}-dup-{uuid.uuid4().hex[:8]}"
-            refused[fresh] = f"error: the model repeated tool_call id {call.id[:80]!r}; the call was not run"
-            log_event(log, "duplicate_tool_call_id", logging.WARNING, session_id=session_id, tool=call.name)
-            calls.append(ToolCall(fresh, call.name, call.arguments))
-        else:
-            seen.add(call.id)
-            calls.append(call)
-    if not refused:
-        return reply, refused
-    return ModelReply(reply.content, tuple(calls), reply.prompt_tokens, reply.completion_tokens), refused
 
 
 def _delegates(reply: ModelReply, allowed: tuple[str, ...], refused: dict[str, str]) -> bool:
@@ -251,11 +210,11 @@ def _create_round(
     delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
     entry closed; released at once when nothing runs inline. Raises ``_NothingCreated``.
 
-    A fresh reply (not journaled: ``journal_id`` None) has its tool_call ids made unique here,
-    in the transaction that commits it."""
+    A fresh reply (not journaled: ``journal_id`` None) gets its local call ids here: the
+    transaction that commits it is its journal."""
     fence.check(s, prompt_tokens=rnd.reply.prompt_tokens, completion_tokens=rnd.reply.completion_tokens)
     if rnd.journal_id is None:
-        unique, refusals = _unique_call_ids_in(s, session_id, rnd.reply)
+        unique, refusals = localize(rnd.reply, session_id=session_id)
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
     reply, refused = rnd.reply, rnd.refused
     parent = parent_of(s, session_id)
@@ -335,7 +294,7 @@ def _delegating_round(
         execution_ids=[c.execution_id for c in made.executions],
     )
     for call in made.inline:
-        ctx = ToolContext(session_id, call.id, None, fence.should_stop, "parent")
+        ctx = context_for(session_id, call, None, fence.should_stop, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
         _record_inline(fence, made.round_id, call.id, result)
         crash_point("parent.mid_inline")

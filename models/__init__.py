@@ -19,6 +19,7 @@ from models.enums import (
 )
 from models.errors import IllegalTransition, LeaseLost, ModelError
 from models.execution import SubagentExecution
+from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
 from models.round import PendingRound
@@ -37,6 +38,7 @@ __all__ = [
     "ExecutionMode",
     "ExecutionStatus",
     "IllegalTransition",
+    "Installation",
     "InvocationType",
     "JournalStatus",
     "LeaseLost",
@@ -54,6 +56,7 @@ __all__ = [
     "dialect_name",
     "dispose_engines",
     "get_engine",
+    "installation_id",
     "transaction",
     "utcnow",
 ]

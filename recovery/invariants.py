@@ -1,6 +1,8 @@
-"""Checks of invariants I1–I5 (docs/invariants.md) over the WHOLE database (tests, soak, demo), and the
-round journal's two rules: J1 a tool call that is neither read-only nor
-idempotent is started at most once; J2 a journaled reply is never asked for again.
+"""Checks of invariants I1–I5 (docs/invariants.md) over the WHOLE database (tests, soak, demo), the
+round journal's two rules: J1 a tool call that is neither read-only nor idempotent is started
+at most once; J2 a journaled reply is never asked for again; and the two rules of local call
+ids (harness.callids): K1 no two distinct calls share a key (a local id names one call of one
+assistant message, in the whole installation); K2 never two TOOL rows for one call.
 
 Each check returns human-readable violations; an empty list means it holds.
 """
@@ -14,7 +16,7 @@ from itertools import pairwise
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from harness.history import check_legal, parse_tool_calls
+from harness.history import PROVIDER_ID, check_legal, parse_tool_calls
 from models import (
     ACTIVE_EXECUTION,
     ACTIVE_PHASES,
@@ -153,6 +155,31 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
                 f"I5 execution {e.id}: failed {e.completed_at - e.started_at} after its start, not as a timeout"
             )
     problems += check_journal(s)
+    problems += check_call_ids(live)
+    return problems
+
+
+def check_call_ids(live: dict[int, list[Message]]) -> list[str]:
+    """K1 and K2 over the live history of every session. A call under a local id (it has a
+    provider id beside it) is one call: its id appears in one assistant message, once, and is
+    answered by one TOOL row, in the whole installation. Calls journaled before local ids
+    existed (the provider's ids) are per session: I1 covers them."""
+    problems: list[str] = []
+    calls: Counter[str] = Counter()
+    for rows in live.values():
+        for m in rows:
+            if m.role != Role.ASSISTANT:
+                continue
+            parsed = parse_tool_calls(m.tool_calls)
+            if isinstance(parsed, list):
+                calls.update(str(c["id"]) for c in parsed if PROVIDER_ID in c)
+    for call_id, n in calls.items():
+        if n > 1:
+            problems.append(f"K1 call {call_id}: {n} calls share its id and so its idempotency key")
+    answers = Counter(m.tool_call_id for rows in live.values() for m in rows if m.role == Role.TOOL)
+    for call_id in calls:
+        if answers[call_id] > 1:
+            problems.append(f"K2 call {call_id}: {answers[call_id]} TOOL messages")
     return problems
 
 

@@ -392,3 +392,30 @@ def redis_db_url(which: str = "broker") -> str:
     broker, backend, events = os.environ["STACK_REDIS_DBS"].split(",")
     db = {"broker": broker, "backend": backend, "events": events}[which]
     return f"{os.environ['STACK_REDIS_URL']}/{db}"
+
+
+def model_ids(messages: list[dict[str, Any]]) -> dict[str, str]:
+    """Local call id -> the model's own id, from a snapshot's assistant tool_calls (a call
+    journaled before local ids existed maps to itself)."""
+    out: dict[str, str] = {}
+    for m in messages:
+        for c in m.get("tool_calls") or ():
+            out[c["id"]] = c.get("provider_id", c["id"])
+    return out
+
+
+def results_by_model_id(messages: list[dict[str, Any]]) -> dict[str, str]:
+    """A snapshot's TOOL contents keyed by the model's own tool_call id."""
+    ids = model_ids(messages)
+    return {ids[m["tool_call_id"]]: m["content"] for m in messages if m["role"] == "TOOL"}
+
+
+def installation_key(call_id: str) -> str:
+    """The idempotency key of a local call id in the test database's installation."""
+    import hashlib
+
+    from models import installation_id, transaction
+
+    with transaction() as s:
+        space = installation_id(s)
+    return hashlib.sha256(f"{space}:{call_id}".encode()).hexdigest()

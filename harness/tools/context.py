@@ -23,6 +23,9 @@ class ToolContext:
     cancelled: Callable[[], bool] = field(default=lambda: False)
     #: Child loops mark tool steps with crash points under this prefix ("child" / "parent").
     kind: str = "parent"
+    #: The installation id when ``tool_call_id`` is a local call id (harness.callids); None for
+    #: a call journaled before local ids existed (its id is the provider's).
+    namespace: str | None = None
 
     def seconds_left(self) -> float | None:
         """Seconds to the deadline (negative once passed); None when the loop has none."""
@@ -32,9 +35,19 @@ class ToolContext:
 
     @property
     def idempotency_key(self) -> str:
-        """The same for this tool call across every recovery: the sha256 hex of
-        ``"<session id>:<tool call id>"``. A recovery keeps the session (a child resumes in its
-        original child session) and the tool call id (it comes from the journaled model reply),
-        so a tool may hand this key to the service it calls and let that service deduplicate.
-        Two different calls never share a key (call ids are unique within a session)."""
+        """The same for this tool call across every recovery, and different for every other
+        call: the sha256 hex of ``"<installation id>:<local call id>"``. The local call id is
+        ours (given when the model's reply is journaled, unique in the installation, read back
+        by a recovery); the installation id is drawn once per database, so a rebuilt database
+        or a second environment never reuses a key. A tool may hand this key to the service it
+        calls and let that service deduplicate a re-run of THIS call.
+
+        It is per call: a model that asks again (after an "interrupted" result, or because it
+        wants to) makes a new call with a new key. A side effect that must happen once per
+        business fact (a charge per order) also needs a business key the service deduplicates.
+
+        A call journaled before local ids existed (``namespace`` None) keeps the key it had:
+        the sha256 hex of ``"<session id>:<tool call id>"``."""
+        if self.namespace is not None:
+            return hashlib.sha256(f"{self.namespace}:{self.tool_call_id}".encode()).hexdigest()
         return hashlib.sha256(f"{self.session_id}:{self.tool_call_id}".encode()).hexdigest()

@@ -129,6 +129,47 @@ JOURNAL_SHAPES = {
     ),
 }
 
+#: Provider ids as real providers send them: ``call_0`` in every reply (parent and child),
+#: and ids far over 128 characters (a signature carried in the id). Every call gets a local id
+#: when its reply is journaled: the child's second ``wait`` under ``call_0`` is a new call, and
+#: the parent's round after delivery reuses its delegation's id.
+LONG_ID = "call_" + "thought-signature/" * 12
+
+
+def _call(name: str, call_id: str, **arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments, "id": call_id}
+
+
+def _provider_ids_shape(name: str, call_id: str) -> Shape:
+    return Shape(
+        name,
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {"tool_calls": [_call("delegate", call_id, agent_type="reviewer", task="review A")]},
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"tool_calls": [_call("echo", call_id, text="x")]}},
+            {"when": {"system_contains": MAIN, "turn": 2}, "reply": {"content": "final answer"}},
+            {
+                "when": {"system_contains": "subagent", "turn": 0},
+                "reply": {"tool_calls": [_call("wait", call_id, seconds=1)]},
+            },
+            {
+                "when": {"system_contains": "subagent", "turn": 1},
+                "reply": {"tool_calls": [_call("wait", call_id, seconds=0)]},
+            },
+            {"when": {"system_contains": "subagent", "turn": 2}, "reply": {"content": "child answer"}},
+        ],
+        1,
+        1,
+        2,
+        asked_once=(0, 1, 3, 4),
+    )
+
+
+JOURNAL_SHAPES["reused_call_0"] = _provider_ids_shape("reused_call_0", "call_0")
+JOURNAL_SHAPES["long_id"] = _provider_ids_shape("long_id", LONG_ID)
+
 POINTS = [
     "delegate.after_create",
     "child.mid_tool",
@@ -166,6 +207,8 @@ SHAPED_POINTS = [
     ("journal.after_tool_start", "one_child"),  # the child's ``wait`` (not idempotent) started
     ("journal.after_tool_result", "child_two_tools"),  # the child's first result journaled
     ("journal.after_tool_result", "parent_inline_first"),  # a parent inline round's first result
+    ("journal.after_tool_start", "reused_call_0"),  # the child's first ``wait`` as call_0 started
+    ("journal.after_tool_start", "long_id"),  # the child's first ``wait`` under a 221-character id
 ]
 
 

@@ -14,6 +14,7 @@ from doubles.mcp_server import McpTestServer
 from harness.agents import McpServer, parse_agents
 from harness.tools import ToolContext, lookup, run_inline, tool_names
 from harness.tools import mcp as mcp_tools
+from tests.helpers import results_by_model_id
 from tests.services import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,7 +128,7 @@ def test_a_worker_offers_mcp_tools_and_a_down_server_is_a_tool_error_not_a_faile
     sid = stack.submit("plan a trip to Oslo")
     snap = stack.wait_phase(sid)
 
-    tools = {m["tool_call_id"]: m["content"] for m in snap["messages"] if m["role"] == "TOOL"}
+    tools = results_by_model_id(snap["messages"])
     assert tools == {
         "call_city": "Oslo: 3 hotels",
         "call_book": "booked 2 nights in Oslo",

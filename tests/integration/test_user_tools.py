@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from demo.stack import ROOT
+from tests.helpers import installation_key, model_ids, results_by_model_id
 from tests.types import StackFactory
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,9 +61,13 @@ def test_a_worker_runs_an_agent_with_tools_from_a_user_module_and_retries_an_ove
 
     msgs = snap["messages"]
     assert [m["role"] for m in msgs] == ["USER", "ASSISTANT", "TOOL", "TOOL", "TOOL", "TOOL", "TOOL", "ASSISTANT"]
-    tools = {m["tool_call_id"]: m["content"] for m in msgs if m["role"] == "TOOL"}
+    # Rows carry our local call ids; the assistant's calls keep the model's own beside them.
+    tools = results_by_model_id(msgs)
     assert json.loads(tools["call_lookup"]) == {"order_id": 7, "status": "shipped"}
-    key = hashlib.sha256(f"{sid}:call_refund".encode()).hexdigest()
+    local = {model: local for local, model in model_ids(msgs).items()}
+    # The key is per call, in the installation's namespace (never the session and model id).
+    key = installation_key(local["call_refund"])
+    assert key != hashlib.sha256(f"{sid}:call_refund".encode()).hexdigest()
     assert tools["call_refund"] == f"refunded 500 cents on order 7 with key {key}"
     assert tools["call_inventory"] == "error: ConnectionRefusedError: inventory service refused the request for A-1"
     assert tools["call_invalid"] == (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.agents import DELEGATION_TOOLS, _load, get_agent, load_agents, parse_agents
+from harness.agents import DEFAULT_AGENTS_TOML, DELEGATION_TOOLS, _load, get_agent, load_agents, parse_agents
 from harness.errors import AgentConfigError, UnknownAgent
 from harness.tools import TOOL_NAMES
 from models import ExecutionMode
@@ -75,3 +75,15 @@ def test_agents_file_and_unknown_agent(tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         get_settings.cache_clear()
         _load.cache_clear()
+
+
+def test_the_built_in_main_agent_lists_its_tools_and_is_not_offered_a_tool_module_loaded_later() -> None:
+    agents = parse_agents(DEFAULT_AGENTS_TOML, "built-in")
+    main = agents["main"]
+    assert main.tools == ("delegate", "delegate_followup", "echo", "wait")
+    assert main.tool_names((*TOOL_NAMES, "refund_order"), subagent=False) == (
+        "delegate",
+        "delegate_followup",
+        "echo",
+        "wait",
+    )

@@ -165,6 +165,21 @@ def test_the_idempotency_key_is_the_same_for_one_call_in_every_process_and_diffe
     assert ToolContext(43, "call_abc", None).idempotency_key != first.idempotency_key
 
 
+def test_a_local_calls_key_is_in_its_installations_namespace_and_a_second_installation_never_shares_it() -> None:
+    import hashlib
+
+    from harness.callids import new_call_id
+
+    call_id = new_call_id()
+    assert call_id.startswith("tc_") and len(call_id) == 35 and call_id.isprintable()
+    here = ToolContext(42, call_id, None, namespace="inst-a")
+    recovered = ToolContext(42, call_id, utcnow(), lambda: True, "child", namespace="inst-a")
+    assert here.idempotency_key == recovered.idempotency_key == hashlib.sha256(f"inst-a:{call_id}".encode()).hexdigest()
+    # A rebuilt database (a new installation id) under the same session and call id: a new key.
+    assert ToolContext(42, call_id, None, namespace="inst-b").idempotency_key != here.idempotency_key
+    assert new_call_id() != call_id
+
+
 def test_a_tool_that_raises_becomes_a_tool_error_with_type_and_message_without_traceback_or_secret(
     scratch: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
