@@ -18,6 +18,7 @@ from models.enums import (
     SessionType,
 )
 from models.errors import IllegalTransition, LeaseLost, ModelError
+from models.approval import ApprovalRequest, ApprovalStatus
 from models.execution import SubagentExecution
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
@@ -31,6 +32,8 @@ __all__ = [
     "STOPPED_PHASES",
     "TERMINAL_EXECUTION",
     "AgentSession",
+    "ApprovalRequest",
+    "ApprovalStatus",
     "Base",
     "CallStatus",
     "DeliveryStatus",
