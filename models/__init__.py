@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.approval import ApprovalRequest, ApprovalStatus
 from models.base import Base, utcnow
 from models.db import dialect_name, dispose_engines, get_engine, transaction
 from models.enums import (
@@ -18,7 +19,6 @@ from models.enums import (
     SessionType,
 )
 from models.errors import IllegalTransition, LeaseLost, ModelError
-from models.approval import ApprovalRequest, ApprovalStatus
 from models.execution import SubagentExecution
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message

@@ -33,6 +33,7 @@ from sqlalchemy import (
     UniqueConstraint,
     and_,
     exists,
+    or_,
     select,
     text,
     update,
@@ -223,7 +224,26 @@ def close_stale(s: Session, *, session_id: int | None = None, call_id: str | Non
     return sorted(int(i) for i in changed)
 
 
-def decide(s: Session, session_id: int, call_id: str, decision: Decision) -> tuple[DecisionOutcome, ApprovalRequest | None]:
+def cancel_for_tree(s: Session, session_id: int) -> int:
+    """PENDING -> CANCELLED for the requests of a stopped session and of its child sessions that
+    are stopped (a cancel of the parent cancels its children first). Returns how many."""
+    Child = S.__table__.alias("child")
+    in_tree = or_(
+        A.session_id == session_id,
+        A.session_id.in_(select(Child.c.id).where(Child.c.parent_session_id == session_id)),
+    )
+    stopped = exists().where(S.id == A.session_id, S.phase.in_(STOPPED_PHASES))
+    return cas(
+        s,
+        update(A)
+        .where(A.status == ApprovalStatus.PENDING, in_tree, stopped)
+        .values(status=ApprovalStatus.CANCELLED, decided_at=utcnow(), decided_by=SYSTEM, reason="cancelled"),
+    )
+
+
+def decide(
+    s: Session, session_id: int, call_id: str, decision: Decision
+) -> tuple[DecisionOutcome, ApprovalRequest | None]:
     """The compare-and-set of a decision: PENDING -> APPROVED/DENIED, with who, when and why.
     The first decision wins. A request whose session was cancelled, or that expired, is closed
     first (so such a decision is a CONFLICT naming that). A repeat of the decision that stands
@@ -347,9 +367,7 @@ def unpark_execution(s: Session, child_session_id: int, *, reserve_seconds: floa
     message is lost), the child session RESUMING. Returns (parent, execution, epoch); None,
     nothing done: not parked, a request still pending, or no active execution."""
     now = utcnow()
-    parked = exists().where(
-        S.id == child_session_id, S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id)
-    )
+    parked = exists().where(S.id == child_session_id, S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id))
     row = s.execute(
         update(E)
         .where(
