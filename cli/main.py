@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from settings import SettingsError
 
 #: Modules that expose ``register(subparsers)``; each adds its own subcommands.
-FAMILIES = ("cli.db", "cli.agent", "cli.recovery", "cli.model", "cli.field", "cli.metrics")
+FAMILIES = ("cli.db", "cli.agent", "cli.recovery", "cli.model", "cli.field", "cli.metrics", "cli.approval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -166,7 +166,7 @@ def test_a_call_that_needs_approval_is_requested_with_the_reply_and_parks_the_se
     model = model_factory(
         parent_script(call("refund", order="A-1", amount=30), call("wire_money", amount=5), call("echo", text="hi"))
     )
-    sid, deps = parked_parent(model.base_url)
+    sid, _deps = parked_parent(model.base_url)
     assert runs.starts == []  # neither refund (@tool) nor wire_money (AGENTS_FILE glob) ran
     reqs = requests()
     assert [(r.tool, r.status, r.agent_type, json.loads(r.arguments)) for r in reqs] == [
@@ -392,7 +392,7 @@ def test_a_child_past_its_deadline_while_waiting_is_delivered_as_a_timed_out_fai
 
 def test_cancelling_the_parent_cancels_its_childs_pending_request(model_factory: ModelFactory, runs: Runs) -> None:
     model = model_factory(child_script(call("refund", order="C-9", amount=12)))
-    sid, execution, deps = child_parked(model.base_url)
+    sid, _execution, deps = child_parked(model.base_url)
     cancel_session(sid)
     (req,) = requests()
     assert (req.status, req.reason) == (ApprovalStatus.CANCELLED, "cancelled")
@@ -406,7 +406,53 @@ def test_a_parked_parent_can_be_cancelled_and_its_request_shows_cancelled(
     model_factory: ModelFactory, runs: Runs
 ) -> None:
     model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
-    sid, deps = parked_parent(model.base_url)
+    sid, _deps = parked_parent(model.base_url)
     changed, _ = cancel_session(sid)
     assert changed and phase_of(sid) == Phase.CANCELLED
     assert requests()[0].status == ApprovalStatus.CANCELLED
+
+
+def cli(*argv: str, env: dict[str, str]) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *argv],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_cli_lists_pending_approvals_and_decides_with_first_wins_and_a_non_zero_exit_on_conflict(
+    model_factory: ModelFactory, runs: Runs, db: str, tmp_path: Any
+) -> None:
+    import os
+
+    model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
+    sid, deps = parked_parent(model.base_url)
+    env = {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": os.environ["AGENTS_FILE"]}
+    listed = cli("approvals", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    assert {"session_id", "call_id", "tool", "agent_type", "requested_at", "expires_at"} <= set(row)
+    assert (row["session_id"], row["tool"], row["agent_type"]) == (sid, "refund", "main")
+    bad = cli("approve", str(sid), row["call_id"], "--arguments", '{"order": 1}', env=env)
+    assert bad.returncode == 2 and "schema" in bad.stderr
+    done = cli("approve", str(sid), row["call_id"], "--by", "carol", "--note", "checked", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "approved by carol: checked" in done.stdout
+    again = cli("approve", str(sid), row["call_id"], "--by", "carol", env=env)
+    assert again.returncode == 0 and "nothing done" in again.stdout
+    conflict = cli("deny", str(sid), row["call_id"], "--reason", "no", "--by", "dave", env=env)
+    assert conflict.returncode == 1
+    assert "refused: the decision that stands is approved by carol" in conflict.stderr
+    assert json.loads(cli("approvals", "--json", env=env).stdout) == []
+    shown = cli("session", "show", str(sid), env=env)
+    assert "approval " + row["call_id"] + " refund: APPROVED by carol" in shown.stdout
+    row_now = session_row(sid)
+    assert (row_now.phase, row_now.lease_owner) == (Phase.RUNNING, None)  # handed to agent.run
+    assert run_agent(sid, row_now.epoch, deps) == "waiting_user"
+    assert len(runs.starts) == 1
