@@ -456,3 +456,21 @@ def test_the_cli_lists_pending_approvals_and_decides_with_first_wins_and_a_non_z
     assert (row_now.phase, row_now.lease_owner) == (Phase.RUNNING, None)  # handed to agent.run
     assert run_agent(sid, row_now.epoch, deps) == "waiting_user"
     assert len(runs.starts) == 1
+
+
+def test_the_invariants_name_a_tool_run_or_a_result_without_an_approval(
+    model_factory: ModelFactory, runs: Runs
+) -> None:
+    from harness.history import append_message
+    from models import Role
+    from models import journal as store
+
+    model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
+    sid, _deps = parked_parent(model.base_url)
+    assert invariants(settled=False) == []
+    (req,) = requests()
+    with transaction() as s:
+        store.mark_finished(s, req.journal_id, req.call_id, "refunded", tool_name="refund", repeatable=False)
+        append_message(s, sid, Role.TOOL, "refunded", tool_call_id=req.call_id)
+    problems = [p[:2] for p in invariants(settled=False)]
+    assert "A1" in problems and "A2" in problems
