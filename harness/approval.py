@@ -83,7 +83,7 @@ def refuse_beside_delegation(agent: AgentDef, reply: ModelReply) -> dict[str, st
     round's inline tools run before the parent yields to its children, with no place to wait
     for a human. The model may call the tool again in a reply of its own."""
     return {
-        call_id_of(c): (
+        c.id: (  # the journal's own key of a refused call (RoundInFlight.refused)
             f"error: the call to {c.name!r} needs a human approval and cannot run in the same reply as a "
             "delegation; it was not run. Call it again in a reply of its own."
         )
@@ -133,7 +133,7 @@ class Gate:
         return [
             NewRequest(call_id_of(c), c.name, c.arguments)
             for c in reply.tool_calls
-            if call_id_of(c) not in refused and needs_approval(self.agent, c.name)
+            if c.id not in refused and needs_approval(self.agent, c.name)
         ]
 
     def record(
@@ -213,7 +213,8 @@ def park(fence: Fence, *, session_id: int, journal_id: int, execution_id: int | 
         if execution_id is None:
             parked = store.park_session(s, session_id, epoch=fence.epoch)
         else:
-            parked = store.park_execution(s, execution_id, session_id, epoch=fence.epoch)
+            until = min(r.expires_at for r in waiting)
+            parked = store.park_execution(s, execution_id, session_id, epoch=fence.epoch, until=until)
         if not parked:
             fence.check(s)  # says why: cancelled or lost
             raise RuntimeError(f"session {session_id} could not be parked at epoch {fence.epoch}")

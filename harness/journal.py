@@ -217,7 +217,7 @@ def run_tools(
             out[call.id] = rnd.results[call.id]
             continue
         arguments = call.arguments
-        if call.id in gated:
+        if gated and _approval_key(call) in gated:
             from harness.approval import verdict
 
             answer = verdict(fence, session_id, call)
@@ -250,6 +250,12 @@ def run_tools(
 
         raise AwaitingApproval(entry, waiting)
     return out
+
+
+def _approval_key(call: ToolCall) -> str:
+    from harness.approval import call_id_of
+
+    return call_id_of(call)
 
 
 def _journal_result(fence: Fence, entry: int, call: ToolCall, result: str, safe: bool) -> None:

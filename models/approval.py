@@ -313,10 +313,12 @@ def park_session(s: Session, sid: int, *, epoch: int) -> bool:
     )
 
 
-def park_execution(s: Session, eid: int, child_session_id: int, *, epoch: int) -> bool:
-    """The child loop holding ``epoch`` parks its execution: the lease dropped (status and epoch
-    kept) and the child session WAITING_APPROVAL, which the scan's dead rule excludes. False,
-    nothing done: the epoch moved on, or the execution ended or was suppressed."""
+def park_execution(s: Session, eid: int, child_session_id: int, *, epoch: int, until: datetime) -> bool:
+    """The child loop holding ``epoch`` parks its execution: no owner (status and epoch kept),
+    the child session WAITING_APPROVAL, which the scan's dead rule excludes. ``until`` (the
+    earliest expiry of its pending requests) is kept as the lease's end: the execution counts
+    as work nobody picks up only once a request is overdue and the backstop has not acted on
+    it. False, nothing done: the epoch moved on, or the execution ended or was suppressed."""
     rows = cas(
         s,
         update(E)
@@ -326,7 +328,7 @@ def park_execution(s: Session, eid: int, child_session_id: int, *, epoch: int) -
             E.status.in_(ACTIVE_EXECUTION),
             E.delivery_status == DeliveryStatus.PENDING,
         )
-        .values(lease_owner=None, lease_generation=None, lease_expires_at=None),
+        .values(lease_owner=None, lease_generation=None, lease_expires_at=until),
     )
     if rows == 1:
         set_child_phase(s, child_session_id, Phase.WAITING_APPROVAL)

@@ -353,6 +353,8 @@ def test_a_child_waiting_for_approval_keeps_its_parents_round_waiting_and_an_app
     sid, execution, deps = child_parked(model.base_url)
     assert phase_of(execution.child_session_id) == Phase.WAITING_APPROVAL
     assert (execution.status, execution.delivery_status, execution.lease_owner) == ("RUNNING", "PENDING", None)
+    # Not counted as work nobody picks up (status, metrics) before its request is overdue.
+    assert execution.lease_expires_at == requests()[0].expires_at
     deliver_and_resume(sid, 1, deps.scheduler)  # the chord callback: the barrier holds
     for _ in range(3):
         a_scan_after_every_lease_lapsed(deps)  # never dead work, never delivered
