@@ -476,3 +476,19 @@ def test_the_invariants_name_a_tool_run_or_a_result_without_an_approval(
         append_message(s, sid, Role.TOOL, "refunded", tool_call_id=req.call_id)
     problems = [p[:2] for p in invariants(settled=False)]
     assert "A1" in problems and "A2" in problems
+
+
+def test_a_reply_with_two_requests_resumes_only_once_both_are_decided(model_factory: ModelFactory, runs: Runs) -> None:
+    model = model_factory(parent_script(call("refund", order="A-1", amount=30), call("wire_money", amount=5)))
+    sid, deps = parked_parent(model.base_url)
+    first, second = requests()
+    assert not approve(sid, first.call_id, deps).resumed  # the other one still waits
+    assert phase_of(sid) == Phase.WAITING_APPROVAL
+    assert deny(sid, second.call_id, deps, "not today").resumed
+    settle(deps)
+    assert [r[0] for r in runs.starts] == ["refund"]
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == [
+        "refunded 30 on A-1",
+        "denied by bob: not today",
+    ]
+    assert invariants() == []
