@@ -492,3 +492,13 @@ def test_a_reply_with_two_requests_resumes_only_once_both_are_decided(model_fact
         "denied by bob: not today",
     ]
     assert invariants() == []
+
+
+def test_status_reports_the_pending_approvals_and_the_oldest_ones_wait(model_factory: ModelFactory, runs: Runs) -> None:
+    from recovery.ops import status_report
+
+    assert status_report()["approvals_pending"] == 0
+    model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
+    parked_parent(model.base_url)
+    report = status_report()
+    assert report["approvals_pending"] == 1 and report["oldest_pending_approval_age_seconds"] >= 0
