@@ -59,6 +59,7 @@ def runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Runs]:
     get_settings.cache_clear()
     _load.cache_clear()
     rec = Runs([])
+    unregister("refund")  # tests.approval_tools' one, if another test of this process loaded it
 
     @tool(requires_approval=True)
     def refund(ctx: ToolContext, order: str, amount: int) -> str:
