@@ -226,6 +226,17 @@ def park(fence: Fence, *, session_id: int, journal_id: int, execution_id: int | 
     return ParkOutcome.PARKED
 
 
+def after_child_parked(execution_id: int, child_session_id: int, epoch: int) -> None:
+    """Once the parked child's heartbeat has stopped: its lease end is its earliest request's
+    expiry again (``restate_parked_lease``). Only what ``status`` and the metrics count as work
+    nobody picks up depends on it: a failure is logged, never raised."""
+    try:
+        with transaction() as s:
+            store.restate_parked_lease(s, execution_id, child_session_id, epoch=epoch)
+    except Exception:
+        log_event(log, "approval_park_lease_not_restated", logging.WARNING, exc_info=True, execution_id=execution_id)
+
+
 class DecisionRefused(Exception):
     """Raised when a decision cannot be recorded as given: edited arguments that are not a JSON
     object valid for the tool's schema, or edited arguments on a denial."""

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
-from harness.approval import AwaitingApproval, Gate, ParkOutcome, park
+from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
@@ -236,6 +236,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Parked:
+        after_child_parked(execution_id, info.child_session_id, epoch)  # the heartbeat has stopped
         return ChildEnd(ChildOutcome.WAITING_APPROVAL)
     except LeaseLost:
         log_event(log, "child_lost", execution_id=execution_id, epoch=epoch)

@@ -33,6 +33,7 @@ from sqlalchemy import (
     UniqueConstraint,
     and_,
     exists,
+    func,
     or_,
     select,
     text,
@@ -333,6 +334,27 @@ def park_execution(s: Session, eid: int, child_session_id: int, *, epoch: int, u
     if rows == 1:
         set_child_phase(s, child_session_id, Phase.WAITING_APPROVAL)
     return rows == 1
+
+
+def restate_parked_lease(s: Session, eid: int, child_session_id: int, *, epoch: int) -> bool:
+    """Set a parked execution's lease end to its earliest pending request's expiry again (a
+    heartbeat of the parking loop that was already in flight may have renewed it after the
+    park). False, nothing done: no longer parked at ``epoch``, or nothing pending."""
+    earliest = (
+        select(func.min(A.expires_at))
+        .where(A.session_id == child_session_id, A.status == ApprovalStatus.PENDING)
+        .scalar_subquery()
+    )
+    parked = exists().where(S.id == child_session_id, S.phase == Phase.WAITING_APPROVAL)
+    return (
+        cas(
+            s,
+            update(E)
+            .where(E.id == eid, E.epoch == epoch, E.lease_owner.is_(None), parked, earliest.is_not(None))
+            .values(lease_expires_at=earliest),
+        )
+        == 1
+    )
 
 
 def unpark_session(s: Session, sid: int, *, reserve_seconds: float) -> int | None:

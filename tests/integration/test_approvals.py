@@ -503,3 +503,24 @@ def test_status_reports_the_pending_approvals_and_the_oldest_ones_wait(model_fac
     parked_parent(model.base_url)
     report = status_report()
     assert report["approvals_pending"] == 1 and report["oldest_pending_approval_age_seconds"] >= 0
+
+
+def test_a_heartbeat_that_renews_a_child_right_after_it_parked_does_not_leave_it_counted_as_stuck(
+    model_factory: ModelFactory, runs: Runs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import harness.approval
+    from models.execution import fence_execution
+
+    real = harness.approval.crash_point
+
+    def heartbeat_lands_now(name: str) -> None:
+        if name == "approval.after_park":
+            with transaction() as s:
+                e = s.execute(select(SubagentExecution)).scalar_one()
+                assert fence_execution(s, e.id, epoch=e.epoch, lease_seconds=5)  # the in-flight renewal
+        real(name)
+
+    monkeypatch.setattr(harness.approval, "crash_point", heartbeat_lands_now)
+    model = model_factory(child_script(call("refund", order="C-9", amount=12)))
+    _sid, execution, _deps = child_parked(model.base_url)
+    assert execution.lease_expires_at == requests()[0].expires_at
