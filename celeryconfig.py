@@ -45,7 +45,7 @@ def build() -> dict[str, Any]:
             # Field invocations and artifacts past retention_until, in batches.
             "field-purge-expired": {"task": "field.purge_expired", "schedule": 3600.0},
         },
-        "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field"),
+        "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field", "tasks.approval"),
         # Short work (scans, fan-out, deliveries, redeliveries) never waits behind hour-long
         # children: it has a queue of its own. A recovered child IS a child and
         # runs where children run (an exact name wins over the pattern in Celery's router).
@@ -54,6 +54,8 @@ def build() -> dict[str, Any]:
             "recovery.recover_child": {"queue": DEFAULT_QUEUE},
             "recovery.*": {"queue": s.RECOVERY_QUEUE},
             "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
+            "agent.approve": {"queue": s.RECOVERY_QUEUE},
+            "agent.deny": {"queue": s.RECOVERY_QUEUE},
         },
     }
     import brokerconfig

@@ -44,6 +44,9 @@ POINTS = (
     "journal.after_reply",  # the model's reply of a round committed to the journal, no tool run yet
     "journal.after_tool_start",  # a tool not safe to repeat: its start committed, the tool not run yet
     "journal.after_tool_result",  # one tool's result committed to the journal, the round not yet
+    "approval.after_request",  # the reply and its approval requests committed, no tool run yet
+    "approval.after_park",  # the session (or child execution) parked in WAITING_APPROVAL, loop not returned
+    "approval.after_decision",  # a decision committed (and the session handed back), its loop not enqueued
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
 )
 

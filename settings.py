@@ -192,6 +192,9 @@ class Settings(BaseSettings):
     TOOL_MODULES: str = ""
     SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
     SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
+    #: How long a tool call's approval request waits for a human decision; past it the call is
+    #: denied with the reason ``expired`` (a child's request also expires at its deadline).
+    APPROVAL_TIMEOUT_SECONDS: float = Field(default=86400.0, gt=0)
     LEASE_SECONDS: float = Field(default=30.0, gt=0)
     SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
     #: Stable name of this worker across restarts (default: Celery's node name, `-n`). A

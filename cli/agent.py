@@ -127,6 +127,10 @@ def _show(args: argparse.Namespace) -> int:
             f"  execution {e['id']}: {e['invocation_type']} child={e['child_session_id']} "
             f"status={e['status']} delivery={e['delivery_status']} call={e['parent_tool_call_id']}"
         )
+    for a in snap.get("approvals", []):
+        decided = f" by {a['decided_by']} at {a['decided_at']}" if a["decided_by"] else f" until {a['expires_at']}"
+        why = f": {_short(a['reason'], 80)}" if a["reason"] else ""
+        print(f"  approval {a['call_id']} {a['tool']}: {a['status']}{decided}{why}")
     return 0
 
 

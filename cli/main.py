@@ -9,7 +9,16 @@ from collections.abc import Callable, Sequence
 from settings import SettingsError
 
 #: Modules that expose ``register(subparsers)``; each adds its own subcommands.
-FAMILIES = ("cli.db", "cli.agent", "cli.recovery", "cli.model", "cli.field", "cli.metrics", "cli.console")
+FAMILIES = (
+    "cli.db",
+    "cli.agent",
+    "cli.recovery",
+    "cli.model",
+    "cli.field",
+    "cli.metrics",
+    "cli.approval",
+    "cli.console",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,10 @@ def _status(args: argparse.Namespace) -> int:
         f" not picked up after a scan interval={report['expired_leases_not_picked_up']}"
     )
     print(f"stale field keys: {report['stale_field_keys']}")
+    print(
+        f"approvals pending: {report['approvals_pending']}"
+        f" (oldest waiting {report['oldest_pending_approval_age_seconds']} s)"
+    )
     for c in report["worker_name_conflicts"]:
         state = "NOW: two live processes share this name" if c["live"] else "seen before"
         print(

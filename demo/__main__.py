@@ -7,6 +7,9 @@ prefork worker; messages in flight at the SIGKILL are lost, and the scan rebuild
 from the state database — invariant I7, which is what this demo shows). With DATABASE_URL
 and CELERY_BROKER_URL set (PostgreSQL + Redis), the same demo runs against them.
 Exit code 0 when every check passed, 1 with the reason otherwise.
+
+`python -m demo approval` shows approvals instead (demo/approval.py): a request, a kill, a
+decision from the CLI and the result.
 """
 
 from __future__ import annotations
@@ -205,7 +208,12 @@ def report(snap: dict[str, Any], before: list[tuple[int, int]], after: list[tupl
 
 def main() -> int:
     try:
-        run()
+        if sys.argv[1:] == ["approval"]:
+            from demo.approval import run as run_approval
+
+            run_approval()
+        else:
+            run()
     except DemoFailed as exc:
         print(f"demo FAILED: {exc}", file=sys.stderr)
         return 1

@@ -5,7 +5,10 @@ tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``de
 ``max_rounds``, ``execution_mode`` (CLOUD | LOCAL), model options ``model``, ``temperature``,
 ``max_tokens`` (sent as the chat-completions API names them; unset means the endpoint's default,
 and ``model`` defaults to MODEL_NAME), and ``mcp_servers`` (a list of ``{name, url}`` tables:
-streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``). A subagent's tools
+streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``), ``approve`` (tool
+names or globs, ``["refund_order", "travel__book*"]``: every call of a matching tool waits for a
+human decision) and ``approve_destructive`` (true: so does every MCP tool whose
+``destructiveHint`` is true or absent). A subagent's tools
 never include ``delegate`` / ``delegate_followup`` (no recursive delegation: a child never delegates).
 
 ``load_at_start`` is what every process calls at start: it imports the tool modules and checks
@@ -37,6 +40,8 @@ _KEYS = {
     "temperature",
     "max_tokens",
     "mcp_servers",
+    "approve",
+    "approve_destructive",
 }
 _MCP_KEYS = {"name", "url", "timeout_seconds"}
 _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
@@ -81,6 +86,10 @@ class AgentDef:
     #: Options of this agent's model calls; unset ones are left to the endpoint (model: MODEL_NAME).
     model_options: ModelOptions = field(default_factory=ModelOptions)
     mcp_servers: tuple[McpServer, ...] = ()
+    #: Tool names or ``fnmatch`` globs whose calls wait for a human decision (harness.approval).
+    approve: tuple[str, ...] = ()
+    #: Every MCP tool whose ``destructiveHint`` is true or absent waits for a human decision.
+    approve_destructive: bool = False
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers
@@ -122,6 +131,12 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
         for key, value in (("tools", tools), ("deny", deny)):
             if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
                 raise AgentConfigError(f"{source}: agents.{name}.{key} must be a list of tool names")
+        approve = table.get("approve", [])
+        if not isinstance(approve, list) or not all(isinstance(v, str) and v for v in approve):
+            raise AgentConfigError(f"{source}: agents.{name}.approve must be a list of tool names or globs")
+        approve_destructive = table.get("approve_destructive", False)
+        if not isinstance(approve_destructive, bool):
+            raise AgentConfigError(f"{source}: agents.{name}.approve_destructive must be true or false")
         max_rounds = table.get("max_rounds", 20)
         if not isinstance(max_rounds, int) or max_rounds < 1:
             raise AgentConfigError(f"{source}: agents.{name}.max_rounds must be a positive integer")
@@ -139,6 +154,8 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             execution_mode=execution_mode,
             model_options=_model_options(f"{source}: agents.{name}", table),
             mcp_servers=_mcp_servers(f"{source}: agents.{name}", table.get("mcp_servers", [])),
+            approve=tuple(approve),
+            approve_destructive=approve_destructive,
         )
     _check_mcp_names(source, out)
     return out

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
+from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
 from harness.events import publish_status
@@ -50,6 +51,11 @@ from models.session import set_phase
 from settings import get_settings
 
 log = logging.getLogger(__name__)
+
+
+class Parked(Exception):
+    """Raised inside a child's rounds when its execution was parked for an approval; the run
+    ends without writing an end. Control flow, not an error."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,9 @@ class ChildOutcome(StrEnum):
     FAILED = "failed"  #: a FAILED result was committed (model/tool error, max_rounds, bad history)
     TIMED_OUT = "timed_out"  #: recovery found the absolute deadline passed: FAILED committed (R6)
     CANCELLED = "cancelled"  #: the child session was cancelled: CANCELLED committed
+    #: a tool call waits for a human decision: the execution's lease is released, its child session
+    #: WAITING_APPROVAL; a decision (or the scan's backstop) hands it back to recovery
+    WAITING_APPROVAL = "waiting_approval"
     STALE = "stale"  #: the take did not land (a newer owner, or nothing to take): nothing done
     LOST = "lost"  #: a newer owner took the execution mid-run: nothing written
     INFRA_ERROR = "infra_error"  #: a database/Redis fault: nothing written, the scan resumes it
@@ -226,6 +235,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
             state = finish_child(info, epoch, Completed(final.content or ""), usage=usage)
             return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
+    except Parked:
+        after_child_parked(execution_id, info.child_session_id, epoch)  # the heartbeat has stopped
+        return ChildEnd(ChildOutcome.WAITING_APPROVAL)
     except LeaseLost:
         log_event(log, "child_lost", execution_id=execution_id, epoch=epoch)
         return ChildEnd(ChildOutcome.LOST)
@@ -277,6 +289,7 @@ def _child_rounds(
     else:
         in_flight = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
         first_view = None
+    gate = Gate(agent, execution_id=info.execution_id, not_after=deadline)
     for _ in range(agent.max_rounds):
         fence.raise_if_stopped()
         if utcnow() >= deadline:
@@ -292,8 +305,25 @@ def _child_rounds(
             reply = ask(deps, view, allowed, deadline, agent.model_options)
             if not reply.tool_calls:
                 return reply
-            rnd = journal_reply(fence, info.child_session_id, reply)
-        inline_round(fence, session_id=info.child_session_id, rnd=rnd, allowed=allowed, deadline=deadline, kind="child")
+            rnd = journal_reply(fence, info.child_session_id, reply, approval=gate)
+        try:
+            inline_round(
+                fence,
+                session_id=info.child_session_id,
+                rnd=rnd,
+                allowed=allowed,
+                deadline=deadline,
+                kind="child",
+                approval=gate,
+            )
+        except AwaitingApproval as waiting:
+            outcome = park(
+                fence, session_id=info.child_session_id, journal_id=waiting.journal_id, execution_id=info.execution_id
+            )
+            if outcome == ParkOutcome.PARKED:
+                raise Parked() from None
+            in_flight = resume(fence, info.child_session_id)  # answered meanwhile: the round goes on
+            continue
         crash_point("child.after_round")
     raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")
 

@@ -35,6 +35,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
@@ -47,6 +48,9 @@ from harness.tools import lookup, run_inline
 from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
+
+if TYPE_CHECKING:
+    from harness.approval import Gate
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +150,17 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
 Prepare = Callable[[Session, ModelReply], tuple[ModelReply, dict[str, str]]]
 
 
-def journal_reply(fence: Fence, session_id: int, reply: ModelReply, prepare: Prepare | None = None) -> RoundInFlight:
+def journal_reply(
+    fence: Fence, session_id: int, reply: ModelReply, prepare: Prepare | None = None, *, approval: Gate | None = None
+) -> RoundInFlight:
     """Commit the reply as the session's open round before any of its tools runs, every call
     under its local id (a call that has one keeps it; a provider id repeated in the reply is
     refused: harness.callids). ``prepare`` runs in the same transaction and may refuse more
-    calls; what it decided is journaled with the reply."""
+    calls; what it decided is journaled with the reply. ``approval``: the calls that need a
+    human decision get their requests in the same transaction (harness.approval), keyed by
+    their local ids."""
     reply, refused = localize(reply, session_id=session_id)
+    requested = 0
     with transaction() as s:
         store.relaxed_commit(s)
         fence.check(s)
@@ -168,7 +177,11 @@ def journal_reply(fence: Fence, session_id: int, reply: ModelReply, prepare: Pre
             prompt_tokens=reply.prompt_tokens,
             completion_tokens=reply.completion_tokens,
         )
+        if approval is not None:
+            requested = approval.record(s, session_id=session_id, journal_id=journal_id, reply=reply, refused=refused)
     crash_point("journal.after_reply")
+    if requested:
+        crash_point("approval.after_request")
     return RoundInFlight(journal_id, reply, refused)
 
 
@@ -180,13 +193,25 @@ def run_tools(
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,
+    approval: Gate | None = None,
 ) -> dict[str, str]:
     """Run (or take from the journal) every call of the round; returns tool_call_id -> TOOL
     content. Each result but the last one of a repeatable tool is journaled as it completes;
-    the caller's round transaction carries that one."""
+    the caller's round transaction carries that one.
+
+    ``approval``: the calls with an approval request run after every other call, each as its
+    request answers (harness.approval); every result of such a round is journaled, and
+    ``AwaitingApproval`` is raised when a request is still pending at the end."""
     entry = _entry_of(rnd)
     out: dict[str, str] = {}
-    todo = rnd.reply.tool_calls
+    todo: tuple[ToolCall, ...] | list[ToolCall] = rnd.reply.tool_calls
+    gated: set[str] = set()
+    waiting: list[str] = []
+    if approval is not None:
+        from harness.approval import order
+
+        gated = approval.gated(rnd.journal_id, rnd.reply, rnd.replayed)
+        todo = order(rnd.reply.tool_calls, gated)
     for n, call in enumerate(todo):
         if call.id in rnd.refused:
             out[call.id] = rnd.refused[call.id]
@@ -194,6 +219,19 @@ def run_tools(
         if call.id in rnd.results:
             out[call.id] = rnd.results[call.id]
             continue
+        arguments = call.arguments
+        if gated and _approval_key(call) in gated:
+            from harness.approval import verdict
+
+            answer = verdict(fence, session_id, call)
+            if answer.waits:
+                waiting.append(call.id)
+                continue
+            if answer.result is not None:
+                out[call.id] = answer.result
+                _journal_result(fence, entry, call, answer.result, repeatable(call.name))
+                continue
+            arguments = answer.arguments or call.arguments
         safe = repeatable(call.name)
         if call.id in rnd.started and not safe:
             log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name)
@@ -205,16 +243,30 @@ def run_tools(
                 store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
         ctx = context_for(session_id, call, deadline, fence.should_stop, kind)
-        result = run_inline(call.name, call.arguments, ctx, allowed)
+        result = run_inline(call.name, arguments, ctx, allowed)
         out[call.id] = result
-        if n == len(todo) - 1 and safe:
+        if n == len(todo) - 1 and safe and not gated:
             continue  # the round's transaction carries it; a crash before it runs the tool again
-        with transaction() as s:
-            store.relaxed_commit(s)
-            fence.check(s)
-            store.mark_finished(s, entry, call.id, result, tool_name=call.name, repeatable=safe)
-        crash_point("journal.after_tool_result")
+        _journal_result(fence, entry, call, result, safe)
+    if waiting:
+        from harness.approval import AwaitingApproval
+
+        raise AwaitingApproval(entry, waiting)
     return out
+
+
+def _approval_key(call: ToolCall) -> str:
+    from harness.approval import call_id_of
+
+    return call_id_of(call)
+
+
+def _journal_result(fence: Fence, entry: int, call: ToolCall, result: str, safe: bool) -> None:
+    with transaction() as s:
+        store.relaxed_commit(s)
+        fence.check(s)
+        store.mark_finished(s, entry, call.id, result, tool_name=call.name, repeatable=safe)
+    crash_point("journal.after_tool_result")
 
 
 def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dict[str, str]) -> None:

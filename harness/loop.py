@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from harness.agents import AgentDef
+from harness.approval import Gate
 from harness.errors import DeadlineExceeded, ModelUnavailable, is_infrastructure_error
 from harness.fence import Fence
 from harness.history import Compaction, model_view
@@ -118,8 +119,10 @@ def inline_round(
     allowed: tuple[str, ...],
     deadline: datetime | None,
     kind: str,
+    approval: Gate | None = None,
 ) -> None:
     """Run (or take from the journal) every tool of a journaled round, then commit assistant +
-    every TOOL in one transaction that also closes the journal entry (harness.journal)."""
-    results = run_tools(fence, session_id, rnd, allowed=allowed, deadline=deadline, kind=kind)
+    every TOOL in one transaction that also closes the journal entry (harness.journal).
+    Raises ``harness.approval.AwaitingApproval`` when a call still waits for a decision."""
+    results = run_tools(fence, session_id, rnd, allowed=allowed, deadline=deadline, kind=kind, approval=approval)
     commit_round(fence, session_id, rnd, results)

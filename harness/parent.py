@@ -26,13 +26,14 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
+from harness.approval import AwaitingApproval, Gate, ParkOutcome, park, refuse_beside_delegation
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import Compaction, append_message
-from harness.journal import RoundInFlight, close_in, journal_reply, resume_in
+from harness.journal import RoundInFlight, close_in, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed
@@ -51,6 +52,7 @@ class RunOutcome(StrEnum):
     STALE = "stale"  #: a newer owner holds the session (or it is not runnable): nothing done
     YIELDED = "yielded"  #: children were created; the lease is released until their delivery
     WAITING_USER = "waiting_user"  #: the model answered without tool calls; the user is next
+    WAITING_APPROVAL = "waiting_approval"  #: a tool call waits for a human decision; the lease is released
     FAILED = "failed"  #: the run ended the session FAILED (a model/tool error, max_rounds)
     CANCELLED = "cancelled"  #: the session was cancelled; the lease is released
     LOST = "lost"  #: the lease was lost mid-run: nothing more written
@@ -135,6 +137,7 @@ def _parent_rounds(
     view: list[dict[str, Any]] | None = None,
     in_flight: RoundInFlight | None = None,
 ) -> RunOutcome:
+    gate = Gate(agent)
     for _ in range(agent.max_rounds):
         fence.raise_if_stopped()
         if in_flight is not None:
@@ -157,14 +160,26 @@ def _parent_rounds(
                 # its children before any of its tools (children or inline ones) runs: no
                 # journal transaction of its own (one commit fewer). It is journaled only when none of
                 # its delegations creates a child and it becomes an ordinary round.
-                rnd = RoundInFlight(None, reply)
+                # Local ids first: the refusals below are keyed by them (harness.callids).
+                unique, refusals = localize(reply, session_id=session_id)
+                rnd = RoundInFlight(None, unique, {**refusals, **refuse_beside_delegation(agent, unique)})
             else:
-                rnd = journal_reply(fence, session_id, reply)
+                rnd = journal_reply(fence, session_id, reply, approval=gate)
         if _delegates(rnd.reply, allowed, rnd.refused):
             if _delegating_round(session_id, fence, rnd, allowed, deps):
                 return RunOutcome.YIELDED
             continue
-        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
+        try:
+            inline_round(
+                fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent", approval=gate
+            )
+        except AwaitingApproval as waiting:
+            if (
+                park(fence, session_id=session_id, journal_id=waiting.journal_id, execution_id=None)
+                == ParkOutcome.PARKED
+            ):
+                return RunOutcome.WAITING_APPROVAL
+            in_flight = resume(fence, session_id)  # answered meanwhile: the round goes on
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")

@@ -86,7 +86,29 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
         "parent_session_id": row.parent_session_id,
         "messages": [_message(m) for m in messages],
         "executions": [_execution(e) for e in executions],
+        "approvals": _approvals(s, session_id),
     }
+
+
+def _approvals(s: Session, session_id: int) -> list[dict[str, Any]]:
+    """The session's approval requests: who asked for what, and who decided, when and why."""
+    from models.approval import ApprovalRequest as A
+
+    rows = s.execute(select(A).where(A.session_id == session_id).order_by(A.id)).scalars()
+    return [
+        {
+            "call_id": r.call_id,
+            "tool": r.tool,
+            "status": str(r.status),
+            "requested_at": r.requested_at.isoformat(),
+            "expires_at": r.expires_at.isoformat(),
+            "decided_by": r.decided_by,
+            "decided_at": r.decided_at.isoformat() if r.decided_at else None,
+            "reason": r.reason,
+            "edited_arguments": r.approved_arguments is not None,
+        }
+        for r in rows
+    ]
 
 
 def session_list(s: Session, limit: int = 50) -> list[dict[str, Any]]:

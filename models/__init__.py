@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.approval import ApprovalRequest, ApprovalStatus
 from models.base import Base, utcnow
 from models.db import dialect_name, dispose_engines, get_engine, transaction
 from models.enums import (
@@ -32,6 +33,8 @@ __all__ = [
     "STOPPED_PHASES",
     "TERMINAL_EXECUTION",
     "AgentSession",
+    "ApprovalRequest",
+    "ApprovalStatus",
     "Base",
     "CallStatus",
     "DeliveryStatus",

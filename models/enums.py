@@ -21,6 +21,9 @@ class Phase(StrEnum):
     RUNNING = "RUNNING"  #: an agent loop owns this session (under a lease)
     RESUMING = "RESUMING"  #: recovery owns this session; shown as RUNNING outside
     WAITING_USER = "WAITING_USER"  #: the loop ended its turn and waits for the user
+    #: a tool call waits for a human decision (models.approval); no loop, lease or worker slot
+    #: holds the session meanwhile, and the scan never takes it as dead work
+    WAITING_APPROVAL = "WAITING_APPROVAL"
     COMPLETED = "COMPLETED"  #: terminal: finished
     FAILED = "FAILED"  #: terminal: failed
     CANCELLED = "CANCELLED"  #: terminal: cancelled by a user or the system

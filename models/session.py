@@ -437,5 +437,6 @@ def stop_session(
 
 
 def request_cancel(s: Session, sid: int) -> bool:
-    """Any process may ask: phase -> CANCELLED unless already stopped. The loop honours it."""
-    return set_phase(s, sid, to_phase=Phase.CANCELLED, from_phases=STARTABLE_PHASES)
+    """Any process may ask: phase -> CANCELLED unless already stopped (a session waiting for an
+    approval too). The loop honours it."""
+    return set_phase(s, sid, to_phase=Phase.CANCELLED, from_phases=(*STARTABLE_PHASES, Phase.WAITING_APPROVAL))

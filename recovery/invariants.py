@@ -156,6 +156,7 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
             )
     problems += check_journal(s)
     problems += check_call_ids(live)
+    problems += check_approvals(s)
     return problems
 
 
@@ -180,6 +181,58 @@ def check_call_ids(live: dict[int, list[Message]]) -> list[str]:
     for call_id in calls:
         if answers[call_id] > 1:
             problems.append(f"K2 call {call_id}: {answers[call_id]} TOOL messages")
+    return problems
+
+
+def check_approvals(s: Session) -> list[str]:
+    """A1-A3 over approval requests. A1: a call that needed approval started (or has a result
+    that is not a denial) only after an APPROVED decision. A2: its TOOL result in the history is
+    the tool's only after an approval and a denial only after a denial, expiry or cancel; never
+    a result without a decision. A3: one decision per request, never changed (decided_at and
+    decided_by set exactly when it is no longer PENDING)."""
+    from harness.approval import denied_result
+    from models.approval import ApprovalRequest, ApprovalStatus
+
+    denial = denied_result("", "")[: len("denied by ")]
+    problems: list[str] = []
+    requests = list(s.execute(select(ApprovalRequest).order_by(ApprovalRequest.id)).scalars())
+    if not requests:
+        return problems
+    C = RoundJournalCall
+    calls = {
+        (c.journal_id, c.tool_call_id): c
+        for c in s.execute(select(C).where(C.journal_id.in_({r.journal_id for r in requests}))).scalars()
+    }
+    tools: dict[tuple[int, str], list[Message]] = defaultdict(list)
+    for m in s.execute(
+        select(Message).where(
+            Message.session_id.in_({r.session_id for r in requests}),
+            Message.role == Role.TOOL,
+            Message.deleted.is_(False),
+        )
+    ).scalars():
+        tools[(m.session_id, m.tool_call_id or "")].append(m)
+    for r in requests:
+        where = f"approval {r.id} (session {r.session_id}, call {r.call_id})"
+        if (r.status == ApprovalStatus.PENDING) != (r.decided_at is None) or (r.decided_at is None) != (
+            r.decided_by is None
+        ):
+            problems.append(f"A3 {where}: {r.status} with decided_at={r.decided_at} decided_by={r.decided_by}")
+        call = calls.get((r.journal_id, r.call_id))
+        ran = call is not None and not (call.result or "").startswith((denial, "error: the approval"))
+        if ran and r.status != ApprovalStatus.APPROVED:
+            problems.append(f"A1 {where}: the tool started while the request is {r.status}")
+        started = call.started_at if call is not None else None
+        if ran and r.decided_at is not None and started is not None and started < r.decided_at:
+            problems.append(f"A1 {where}: the tool started before the approval")
+        for m in tools.get((r.session_id, r.call_id), []):
+            content = m.content or ""
+            if r.status == ApprovalStatus.PENDING:
+                problems.append(f"A2 {where}: a TOOL result while the request is still pending")
+            elif r.status == ApprovalStatus.APPROVED and content.startswith(denial):
+                problems.append(f"A2 {where}: approved but its TOOL result is a denial")
+            elif r.status != ApprovalStatus.APPROVED and not content.startswith(denial):
+                problems.append(f"A2 {where}: {r.status} but its TOOL result is not a denial")
     return problems
 
 

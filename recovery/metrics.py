@@ -10,7 +10,8 @@ follows the work in flight, not the history:
    (``WHERE delivery_status = 'PENDING'``), plus ``ix_sae_settled_unfinished`` (``WHERE
    delivery_status <> 'PENDING' AND completed_at IS NULL``) for the executions settled while
    still active. O(pending).
-2. Open pending rounds: the partial unique index ``uq_pending_round_open``.
+2. Open pending rounds: the partial unique index ``uq_pending_round_open``; pending approval
+   requests and the oldest one's age: the partial index ``ix_approval_request_pending``.
 3. Field invocations IN_PROGRESS and the stale ones (lease expired): the partial index
    ``ix_field_recovery_invocation_in_progress``.
 4. The last scan: the single ``recovery_scan`` row.
@@ -127,6 +128,12 @@ class _Settled:
     counted_at: float | None = None
 
 
+PENDING_APPROVALS_SQL = """
+SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(requested_at)), 0)
+FROM approval_request WHERE status = 'PENDING'
+"""
+
+
 def _name(suffix: str) -> str:
     return f"{PREFIX}_{suffix}"
 
@@ -182,6 +189,7 @@ class RecoveryCollector(Collector):
             conn.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
             out = self._executions(conn)
             out += self._rounds(conn)
+            out += self._approvals(conn)
             out += self._field(conn)
             out += self._last_scan(conn)
             out += self._name_conflicts(conn)
@@ -237,6 +245,21 @@ class RecoveryCollector(Collector):
                 "Parent tool-call rounds waiting for their children (pending_round not closed)",
                 value=float(count),
             )
+        ]
+
+    def _approvals(self, conn: Connection) -> list[Metric]:
+        count, oldest = conn.execute(text(PENDING_APPROVALS_SQL)).one()
+        return [
+            GaugeMetricFamily(
+                _name("approvals_pending"),
+                "Tool calls waiting for a human decision (approval requests PENDING)",
+                value=float(count),
+            ),
+            GaugeMetricFamily(
+                _name("oldest_pending_approval_age_seconds"),
+                "Age (database clock) of the oldest PENDING approval request; 0 when none",
+                value=float(oldest),
+            ),
         ]
 
     def _field(self, conn: Connection) -> list[Metric]:

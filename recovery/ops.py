@@ -163,6 +163,26 @@ def status_report() -> dict[str, Any]:
         "expired_leases_not_picked_up": int(unpicked),
         "stale_field_keys": _stale_field_keys(),
         "worker_name_conflicts": worker_name_conflicts(),
+        **_approvals(now),
+    }
+
+
+def _approvals(now: datetime) -> dict[str, Any]:
+    """Tool calls waiting for a human decision, and how long the oldest has waited."""
+    from models.approval import ApprovalRequest as A
+    from models.approval import ApprovalStatus
+
+    with transaction() as s:
+        count, oldest = s.execute(
+            select(func.count(), func.min(A.requested_at)).where(A.status == ApprovalStatus.PENDING)
+        ).one()
+    if oldest is not None and oldest.tzinfo is None:
+        from datetime import UTC
+
+        oldest = oldest.replace(tzinfo=UTC)
+    return {
+        "approvals_pending": int(count),
+        "oldest_pending_approval_age_seconds": None if oldest is None else round((now - oldest).total_seconds(), 1),
     }
 
 

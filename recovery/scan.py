@@ -5,6 +5,9 @@ database's clock, models.worker); every row decision is still a compare-and-set,
 concurrent scans (or two beats) are harmless. In order:
 1. PENDING executions of cancelled/terminal parents -> SUPPRESSED with the children cancelled;
    such parents are never resumed (R15, R21).
+   Then approvals (harness.approval.backstop): overdue requests expire, those of stopped
+   sessions are cancelled, and a session parked in WAITING_APPROVAL with nothing pending is
+   handed back to a loop. A parked session is never dead work: the steps below skip it.
 2. Dead executions, each on its own: active + PENDING whose lease lapsed
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
@@ -112,6 +115,8 @@ class ScanReport:
     delivering: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     resumed_sessions: list[int] = field(default_factory=list)
+    #: Sessions parked for an approval that the pass handed back to a loop (harness.approval).
+    approvals_resumed: list[int] = field(default_factory=list)
     #: The pass stopped because its right to scan passed to another scanner.
     right_lost: bool = False
 
@@ -168,6 +173,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
     try:
         crash_point("scan.holding_right")
         _step("suppress", right, _suppress_stopped_parents, report)
+        _step("approvals", right, _act_on_approvals, scheduler, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
         _step("resume", right, _resume_plain_sessions, scheduler, report)
@@ -260,11 +266,28 @@ def _dead(pass_started: datetime) -> Any:
     return and_(
         E.delivery_status == DeliveryStatus.PENDING,
         E.status.in_(ACTIVE_EXECUTION),
+        _not_waiting_for_approval(),
         or_(
             lease_free(E, pass_started),
             and_(E.started_at < overdue, E.status == ExecutionStatus.RUNNING, E.lease_owner.is_not(None)),
         ),
     )
+
+
+def _not_waiting_for_approval() -> Any:
+    """SQL: the execution's child session does not wait for a human decision (WAITING_APPROVAL:
+    never dead work; a decision, an expiry or a cancel hands it back, see _act_on_approvals)."""
+    waiting = S.__table__.alias("waiting_child")
+    return ~exists().where(waiting.c.id == E.child_session_id, waiting.c.phase == Phase.WAITING_APPROVAL)
+
+
+def _act_on_approvals(scheduler: Scheduler, report: ScanReport) -> None:
+    """The backstop of approvals (harness.approval.backstop): overdue requests expire, those of
+    stopped sessions are cancelled, and every session parked with nothing pending any more (a
+    decision made while every worker was down, a lost message) is handed back to a loop."""
+    from harness.approval import backstop
+
+    report.approvals_resumed += backstop(scheduler)
 
 
 @dataclass(frozen=True)

@@ -181,9 +181,21 @@ def _tool_of(server: McpServer, remote: Any) -> Tool | None:
         run=run,
         read_only=bool(annotations and annotations.read_only_hint),
         idempotent=bool(annotations and annotations.idempotent_hint),
+        destructive=_destructive(annotations),
         module=f"mcp:{server.name}",
         qualname=remote_name,
     )
+
+
+def _destructive(annotations: Any) -> bool | None:
+    """MCP's ``destructiveHint``: None when absent (the spec's default reads as destructive);
+    False for a read-only tool (the spec ignores the hint there)."""
+    if annotations is None:
+        return None
+    if annotations.read_only_hint:
+        return False
+    hint = annotations.destructive_hint
+    return None if hint is None else bool(hint)
 
 
 def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: ToolContext) -> str:

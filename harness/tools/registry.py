@@ -25,7 +25,7 @@ import json
 import logging
 import typing
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -66,6 +66,11 @@ class Tool:
     #: Declared crash behaviour (MCP's tool annotation words): safe to run again after a crash.
     read_only: bool = False
     idempotent: bool = False
+    #: A human approves every call before it runs (``@tool(requires_approval=True)``).
+    requires_approval: bool = False
+    #: MCP's ``destructiveHint`` (None: absent, which the MCP spec reads as destructive; a
+    #: read-only tool is never destructive). Python tools: None.
+    destructive: bool | None = None
     #: Where it was defined ("harness.tools.builtins", "acme_tools", "mcp:files").
     module: str = ""
     qualname: str = ""
@@ -134,6 +139,7 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    requires_approval: bool = False,
 ) -> Callable[[F], F]: ...
 
 
@@ -145,17 +151,20 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    requires_approval: bool = False,
 ) -> F | Callable[[F], F]:
     """Register a function as a tool; the function itself is returned unchanged (still callable).
 
     ``read_only=True`` / ``idempotent=True`` declare that the tool may run again after a crash
     interrupted it (with the same ``ToolContext.idempotency_key``); the default is neither, and
-    such a tool is never run twice for one call. Raises ToolDefinitionError (naming the tool and
+    such a tool is never run twice for one call. ``requires_approval=True``: every call waits
+    for a human decision before it runs (harness.approval). Raises ToolDefinitionError (naming the tool and
     the module) when its schema cannot be built or its name is taken.
     """
 
     def wrap(func: F) -> F:
-        register(build_tool(func, name=name, description=description, read_only=read_only, idempotent=idempotent))
+        built = build_tool(func, name=name, description=description, read_only=read_only, idempotent=idempotent)
+        register(replace(built, requires_approval=requires_approval))
         return func
 
     return wrap(fn) if fn is not None else wrap

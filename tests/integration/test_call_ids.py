@@ -299,7 +299,7 @@ def test_an_open_journal_entry_written_before_local_ids_recovers_with_its_old_ke
     assert invariants() == []
 
 
-def test_the_invariants_name_two_calls_that_share_a_key_and_two_tool_rows_for_one_call() -> None:
+def test_the_invariants_name_two_calls_that_share_a_key_and_two_tool_rows_for_one_call(db: str) -> None:
     from tests.helpers import make_session
 
     a, b = make_session(), make_session()

@@ -366,3 +366,31 @@ def test_a_scrape_reads_only_live_rows_through_the_partial_indexes_beside_a_mill
     assert value(samples, "agent_recovery_pending_rounds_open") == 1
     assert value(samples, "agent_recovery_field_invocations_stale") == 0
     engine.dispose()
+
+
+def test_pending_approvals_and_the_oldest_ones_age_are_scraped_from_the_requests(field_table: Any) -> None:
+    from recovery.metrics import RecoveryCollector, build_registry
+
+    sid = make_session()
+    with transaction() as s:
+        journal = s.execute(
+            text(
+                "INSERT INTO round_journal (session_id, epoch, status, tool_calls, refused, created_at)"
+                " VALUES (:sid, 1, 'OPEN', '[]', '{}', now()) RETURNING id"
+            ),
+            {"sid": sid},
+        ).scalar_one()
+        for n, (status, age) in enumerate((("PENDING", 600), ("PENDING", 60), ("APPROVED", 9000))):
+            s.execute(
+                text(
+                    "INSERT INTO approval_request (session_id, journal_id, call_id, tool, agent_type, arguments,"
+                    " arguments_sha256, status, requested_at, expires_at, decided_at, decided_by)"
+                    " VALUES (:sid, :j, :c, 'refund', 'main', '{}', '', :st, now() - make_interval(secs => :age),"
+                    " now() + interval '1 day', CASE WHEN :st = 'PENDING' THEN NULL ELSE now() END,"
+                    " CASE WHEN :st = 'PENDING' THEN NULL ELSE 'alice' END)"
+                ),
+                {"sid": sid, "j": journal, "c": f"call-{n}", "st": status, "age": age},
+            )
+    samples = parse(generate_latest(build_registry(RecoveryCollector())).decode())
+    assert value(samples, "agent_recovery_approvals_pending") == 2
+    assert 600 <= value(samples, "agent_recovery_oldest_pending_approval_age_seconds") < 700

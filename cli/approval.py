@@ -1,0 +1,95 @@
+"""`agent-recovery approvals | approve | deny`: the pending approval requests, and a human's
+decision on one (a compare-and-set: the first decision wins; exit 1 when another stands)."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+from typing import Any
+
+#: Longest argument text the list shows for one request.
+SUMMARY_CHARS = 60
+
+
+def register(sub: Any) -> None:
+    ls = sub.add_parser("approvals", help="pending approval requests, oldest first")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(handler=_list)
+
+    ap = sub.add_parser("approve", help="approve a pending tool call (the first decision wins)")
+    ap.add_argument("session", type=int, help="session id (the list's session_id)")
+    ap.add_argument("call", help="call id (the list's call_id)")
+    ap.add_argument("--by", default=None, help="who decides (default: the OS user)")
+    ap.add_argument("--note", default="", help="why, kept with the decision")
+    ap.add_argument("--arguments", default=None, help="edited arguments (JSON object) the tool runs with instead")
+    ap.set_defaults(handler=_decide, approve=True)
+
+    dn = sub.add_parser("deny", help="deny a pending tool call: the model gets 'denied by NAME: REASON'")
+    dn.add_argument("session", type=int)
+    dn.add_argument("call")
+    dn.add_argument("--reason", required=True)
+    dn.add_argument("--by", default=None)
+    dn.set_defaults(handler=_decide, approve=False)
+
+
+def _summary(arguments: str) -> str:
+    flat = " ".join(arguments.split())
+    return flat if len(flat) <= SUMMARY_CHARS else flat[: SUMMARY_CHARS - 1] + "…"
+
+
+def _list(args: argparse.Namespace) -> int:
+    from models import transaction, utcnow
+    from models.approval import pending
+
+    now = utcnow()
+    with transaction() as s:
+        rows = [
+            {
+                "session_id": r.session_id,
+                "call_id": r.call_id,
+                "tool": r.tool,
+                "agent_type": r.agent_type,
+                "execution_id": r.execution_id,
+                "arguments": _summary(r.arguments),
+                "requested_at": r.requested_at.isoformat(),
+                "expires_at": r.expires_at.isoformat(),
+                "age_seconds": round((now - r.requested_at).total_seconds(), 1),
+            }
+            for r in pending(s)
+        ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no pending approvals")
+        return 0
+    for r in rows:
+        print(
+            f"session {r['session_id']} call {r['call_id']} {r['agent_type']}: {r['tool']} {r['arguments']}"
+            f"  (waiting {r['age_seconds']:g} s, expires {r['expires_at']})"
+        )
+    return 0
+
+
+def _decide(args: argparse.Namespace) -> int:
+    from harness.approval import DecisionRefused
+    from models.approval import DecisionOutcome
+    from tasks.approval import approve, deny
+
+    by = args.by or getpass.getuser()
+    try:
+        if args.approve:
+            result = approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
+        else:
+            result = deny(args.session, args.call, reason=args.reason, by=by)
+    except DecisionRefused as exc:
+        print(f"agent-recovery: {exc}", file=sys.stderr)
+        return 2
+    message = result.describe()
+    if result.outcome in (DecisionOutcome.DECIDED, DecisionOutcome.REPEATED):
+        print(message)
+        return 0
+    print(f"agent-recovery: {message}", file=sys.stderr)
+    return 1

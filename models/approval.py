@@ -1,0 +1,426 @@
+"""approval_request: a tool call that waits for a human decision, and every transition of it.
+
+A request is written in the transaction that journals the model's reply (harness.approval), one
+per call that needs approval; it names the session, the call (the journal's call id), the tool,
+the arguments and their SHA-256, the agent that asked, when, and when it expires. Its life:
+
+    PENDING -> APPROVED | DENIED    a human decided (compare-and-set: the first decision wins)
+    PENDING -> EXPIRED              nobody decided before ``expires_at``: a denial, reason "expired"
+    PENDING -> CANCELLED            its session (or a parent above it) was cancelled
+
+A decided request never changes again. While a session has a PENDING request in its open
+round it may be parked in ``WAITING_APPROVAL`` (no lease, no worker slot); the transaction that
+decides its last pending request hands it back to a loop (``unpark_session`` /
+``unpark_execution``: a reservation and a new epoch, as the scan's hand-over writes).
+Every helper is one statement; the compare-and-set ones say what "nothing done" means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    String,
+    Text,
+    UniqueConstraint,
+    and_,
+    exists,
+    func,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.db import cas
+from models.enums import ACTIVE_EXECUTION, STOPPED_PHASES, DeliveryStatus, ExecutionStatus, Phase, SessionType
+from models.execution import SubagentExecution
+from models.session import AgentSession, set_child_phase
+
+E = SubagentExecution
+S = AgentSession
+
+
+class ApprovalStatus(StrEnum):
+    PENDING = "PENDING"  #: waits for a human decision
+    APPROVED = "APPROVED"  #: a human said yes: the tool runs (with ``approved_arguments`` when set)
+    DENIED = "DENIED"  #: a human said no: the model gets ``denied by NAME: REASON``
+    EXPIRED = "EXPIRED"  #: nobody decided in time: a denial with the reason ``expired``
+    CANCELLED = "CANCELLED"  #: the session was cancelled while the request waited; never decided
+
+
+#: Statuses that answer the request: the call's TOOL result can be written.
+DECIDED = (ApprovalStatus.APPROVED, ApprovalStatus.DENIED, ApprovalStatus.EXPIRED, ApprovalStatus.CANCELLED)
+#: Who "decides" an expiry or a cancel.
+SYSTEM = "system"
+
+
+class ApprovalRequest(Base):
+    __tablename__ = "approval_request"
+    __table_args__ = (
+        CheckConstraint(check_in("status", ApprovalStatus), name="status"),
+        CheckConstraint("(status = 'PENDING') = (decided_at IS NULL)", name="pending_has_no_decision"),
+        # One request per call of a session: a second decision can only be a compare-and-set.
+        UniqueConstraint("session_id", "call_id", name="uq_approval_request_call"),
+        # The pending list and the scan's backstop read the pending ones only.
+        Index(
+            "ix_approval_request_pending",
+            "requested_at",
+            postgresql_where=text("status = 'PENDING'"),
+            sqlite_where=text("status = 'PENDING'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
+    #: The child's execution when a subagent asked (its resumption takes that execution).
+    execution_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("subagent_execution.id"), nullable=True)
+    journal_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("round_journal.id"))
+    #: The journal's call id of the call (harness.approval.call_id_of).
+    call_id: Mapped[str] = mapped_column(String(128))
+    tool: Mapped[str] = mapped_column(String(128))
+    agent_type: Mapped[str] = mapped_column(String(64))
+    #: The model's argument text, as journaled.
+    arguments: Mapped[str] = mapped_column(Text)
+    #: SHA-256 of ``arguments``: the decision is bound to exactly these arguments.
+    arguments_sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[ApprovalStatus] = mapped_column(StrEnumType(ApprovalStatus))
+    requested_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    decided_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    decided_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    #: The approver's note, or the denial's reason.
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Edited arguments an approval ran the tool with (validated against the tool's schema).
+    approved_arguments: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+A = ApprovalRequest
+
+
+def fingerprint(arguments: str) -> str:
+    return hashlib.sha256(arguments.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """One call of a journaled reply that needs approval."""
+
+    call_id: str
+    tool: str
+    arguments: str
+
+
+def record_requests(
+    s: Session,
+    *,
+    session_id: int,
+    journal_id: int,
+    agent_type: str,
+    execution_id: int | None,
+    calls: list[NewRequest],
+    timeout_seconds: float,
+    not_after: datetime | None = None,
+) -> None:
+    """Insert a PENDING request per call, in the caller's transaction (the one that journals
+    the reply). A request expires ``timeout_seconds`` after it was asked, or at ``not_after``
+    (a child's absolute deadline) when that comes first."""
+    now = utcnow()
+    expires = now + timedelta(seconds=timeout_seconds)
+    if not_after is not None:
+        expires = min(expires, not_after)
+    for call in calls:
+        s.add(
+            ApprovalRequest(
+                session_id=session_id,
+                execution_id=execution_id,
+                journal_id=journal_id,
+                call_id=call.call_id,
+                tool=call.tool,
+                agent_type=agent_type,
+                arguments=call.arguments,
+                arguments_sha256=fingerprint(call.arguments),
+                status=ApprovalStatus.PENDING,
+                requested_at=now,
+                expires_at=expires,
+            )
+        )
+    s.flush()
+
+
+def requests_of(s: Session, journal_id: int, *, lock: bool = False) -> dict[str, ApprovalRequest]:
+    """The requests of one journal entry by call id (locked FOR UPDATE with ``lock``: the park
+    and a decision lock the request rows first, then the session or execution)."""
+    stmt = select(A).where(A.journal_id == journal_id).order_by(A.id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return {r.call_id: r for r in s.execute(stmt).scalars()}
+
+
+def request_of(s: Session, session_id: int, call_id: str) -> ApprovalRequest | None:
+    return s.execute(select(A).where(A.session_id == session_id, A.call_id == call_id)).scalar_one_or_none()
+
+
+class DecisionOutcome(StrEnum):
+    """What a decision (``decide``) ended in."""
+
+    DECIDED = "decided"  #: this decision landed: it is the one that stands
+    REPEATED = "repeated"  #: the same decision stood already: nothing done
+    CONFLICT = "conflict"  #: another decision (an expiry, a cancel) stands: nothing done
+    NOT_FOUND = "not_found"  #: no request for that session and call: nothing done
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A human's answer to one request. ``arguments`` (approvals only): the edited argument
+    text the tool runs with instead of the model's."""
+
+    approve: bool
+    by: str
+    reason: str = ""
+    arguments: str | None = None
+
+    @property
+    def status(self) -> ApprovalStatus:
+        return ApprovalStatus.APPROVED if self.approve else ApprovalStatus.DENIED
+
+
+def close_stale(s: Session, *, session_id: int | None = None, call_id: str | None = None) -> list[int]:
+    """PENDING -> CANCELLED for requests whose session is stopped, and PENDING -> EXPIRED for
+    requests past ``expires_at`` (the database's time); all of them, or one request. Returns
+    the sessions whose requests changed (the scan hands the waiting ones back to a loop)."""
+    now = utcnow()
+    which: list[Any] = [A.status == ApprovalStatus.PENDING]
+    if session_id is not None:
+        which.append(A.session_id == session_id)
+    if call_id is not None:
+        which.append(A.call_id == call_id)
+    stopped = exists().where(S.id == A.session_id, S.phase.in_(STOPPED_PHASES))
+    cancelled = s.execute(
+        update(A)
+        .where(*which, stopped)
+        .values(status=ApprovalStatus.CANCELLED, decided_at=now, decided_by=SYSTEM, reason="cancelled")
+        .returning(A.session_id)
+        .execution_options(synchronize_session=False)
+    ).scalars()
+    changed = set(cancelled)
+    expired = s.execute(
+        update(A)
+        .where(*which, A.expires_at <= now)
+        .values(status=ApprovalStatus.EXPIRED, decided_at=now, decided_by=SYSTEM, reason="expired")
+        .returning(A.session_id)
+        .execution_options(synchronize_session=False)
+    ).scalars()
+    changed.update(expired)
+    return sorted(int(i) for i in changed)
+
+
+def cancel_for_tree(s: Session, session_id: int) -> int:
+    """PENDING -> CANCELLED for the requests of a stopped session and of its child sessions that
+    are stopped (a cancel of the parent cancels its children first). Returns how many."""
+    Child = S.__table__.alias("child")
+    in_tree = or_(
+        A.session_id == session_id,
+        A.session_id.in_(select(Child.c.id).where(Child.c.parent_session_id == session_id)),
+    )
+    stopped = exists().where(S.id == A.session_id, S.phase.in_(STOPPED_PHASES))
+    return cas(
+        s,
+        update(A)
+        .where(A.status == ApprovalStatus.PENDING, in_tree, stopped)
+        .values(status=ApprovalStatus.CANCELLED, decided_at=utcnow(), decided_by=SYSTEM, reason="cancelled"),
+    )
+
+
+def decide(
+    s: Session, session_id: int, call_id: str, decision: Decision
+) -> tuple[DecisionOutcome, ApprovalRequest | None]:
+    """The compare-and-set of a decision: PENDING -> APPROVED/DENIED, with who, when and why.
+    The first decision wins. A request whose session was cancelled, or that expired, is closed
+    first (so such a decision is a CONFLICT naming that). A repeat of the decision that stands
+    (same status, same arguments) is REPEATED; anything else is CONFLICT. Returns the request
+    as it stands after."""
+    close_stale(s, session_id=session_id, call_id=call_id)
+    rows = cas(
+        s,
+        update(A)
+        .where(A.session_id == session_id, A.call_id == call_id, A.status == ApprovalStatus.PENDING)
+        .values(
+            status=decision.status,
+            decided_at=utcnow(),
+            decided_by=decision.by,
+            reason=decision.reason or None,
+            approved_arguments=decision.arguments if decision.approve else None,
+        ),
+    )
+    row = request_of(s, session_id, call_id)
+    if row is None:
+        return DecisionOutcome.NOT_FOUND, None
+    s.refresh(row)
+    if rows == 1:
+        return DecisionOutcome.DECIDED, row
+    if row.status == decision.status and (row.approved_arguments or None) == (
+        decision.arguments if decision.approve else None
+    ):
+        return DecisionOutcome.REPEATED, row
+    return DecisionOutcome.CONFLICT, row
+
+
+def pending(s: Session) -> list[ApprovalRequest]:
+    """Every PENDING request of a session that is not stopped, oldest first."""
+    return list(
+        s.execute(
+            select(A)
+            .join(S, S.id == A.session_id)
+            .where(A.status == ApprovalStatus.PENDING, S.phase.not_in(STOPPED_PHASES))
+            .order_by(A.requested_at, A.id)
+        ).scalars()
+    )
+
+
+def _nothing_pending_for(session: Any) -> Any:
+    return ~exists().where(A.session_id == session, A.status == ApprovalStatus.PENDING)
+
+
+def park_session(s: Session, sid: int, *, epoch: int) -> bool:
+    """The loop holding ``epoch`` parks its session: RUNNING/RESUMING -> WAITING_APPROVAL, the
+    lease dropped, the epoch kept (a decision hands it over with a new one). The caller holds
+    the round's request rows (``requests_of(lock=True)``) and saw one PENDING. False, nothing
+    done: the epoch moved on, or the session was stopped."""
+    return (
+        cas(
+            s,
+            update(S)
+            .where(S.id == sid, S.epoch == epoch, S.phase.in_((Phase.RUNNING, Phase.RESUMING)))
+            .values(
+                phase=Phase.WAITING_APPROVAL,
+                lease_owner=None,
+                lease_generation=None,
+                lease_expires_at=None,
+                updated_at=utcnow(),
+            ),
+        )
+        == 1
+    )
+
+
+def park_execution(s: Session, eid: int, child_session_id: int, *, epoch: int, until: datetime) -> bool:
+    """The child loop holding ``epoch`` parks its execution: no owner (status and epoch kept),
+    the child session WAITING_APPROVAL, which the scan's dead rule excludes. ``until`` (the
+    earliest expiry of its pending requests) is kept as the lease's end: the execution counts
+    as work nobody picks up only once a request is overdue and the backstop has not acted on
+    it. False, nothing done: the epoch moved on, or the execution ended or was suppressed."""
+    rows = cas(
+        s,
+        update(E)
+        .where(
+            E.id == eid,
+            E.epoch == epoch,
+            E.status.in_(ACTIVE_EXECUTION),
+            E.delivery_status == DeliveryStatus.PENDING,
+        )
+        .values(lease_owner=None, lease_generation=None, lease_expires_at=until),
+    )
+    if rows == 1:
+        set_child_phase(s, child_session_id, Phase.WAITING_APPROVAL)
+    return rows == 1
+
+
+def restate_parked_lease(s: Session, eid: int, child_session_id: int, *, epoch: int) -> bool:
+    """Set a parked execution's lease end to its earliest pending request's expiry again (a
+    heartbeat of the parking loop that was already in flight may have renewed it after the
+    park). False, nothing done: no longer parked at ``epoch``, or nothing pending."""
+    earliest = (
+        select(func.min(A.expires_at))
+        .where(A.session_id == child_session_id, A.status == ApprovalStatus.PENDING)
+        .scalar_subquery()
+    )
+    parked = exists().where(S.id == child_session_id, S.phase == Phase.WAITING_APPROVAL)
+    return (
+        cas(
+            s,
+            update(E)
+            .where(E.id == eid, E.epoch == epoch, E.lease_owner.is_(None), parked, earliest.is_not(None))
+            .values(lease_expires_at=earliest),
+        )
+        == 1
+    )
+
+
+def unpark_session(s: Session, sid: int, *, reserve_seconds: float) -> int | None:
+    """Hand a parked NORMAL/SIDE_TASK session whose requests are all decided back to a loop:
+    WAITING_APPROVAL -> RUNNING, epoch + 1, an unowned reservation (the scan resumes it if the
+    message is lost). Returns the epoch to hand over; None, nothing done: not parked, a
+    request still pending, or a child session (``unpark_execution``)."""
+    now = utcnow()
+    epoch = s.execute(
+        update(S)
+        .where(
+            S.id == sid,
+            S.phase == Phase.WAITING_APPROVAL,
+            S.session_type != SessionType.SUBAGENT,
+            _nothing_pending_for(S.id),
+        )
+        .values(
+            phase=Phase.RUNNING,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=now + timedelta(seconds=reserve_seconds),
+            updated_at=now,
+        )
+        .returning(S.epoch)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    return None if epoch is None else int(epoch)
+
+
+def unpark_execution(s: Session, child_session_id: int, *, reserve_seconds: float) -> tuple[int, int, int] | None:
+    """Hand a parked child whose requests are all decided back to recovery: its active PENDING
+    execution -> RECOVERING, epoch + 1, an unowned reservation (the scan recovers it if the
+    message is lost), the child session RESUMING. Returns (parent, execution, epoch); None,
+    nothing done: not parked, a request still pending, or no active execution."""
+    now = utcnow()
+    parked = exists().where(S.id == child_session_id, S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id))
+    row = s.execute(
+        update(E)
+        .where(
+            E.child_session_id == child_session_id,
+            E.status.in_(ACTIVE_EXECUTION),
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.lease_owner.is_(None),
+            parked,
+        )
+        .values(
+            status=ExecutionStatus.RECOVERING,
+            epoch=E.epoch + 1,
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=now + timedelta(seconds=reserve_seconds),
+        )
+        .returning(E.parent_session_id, E.id, E.epoch)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if row is None:
+        return None
+    set_child_phase(s, child_session_id, Phase.RESUMING)
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def parked_ready(s: Session) -> list[tuple[int, SessionType]]:
+    """Sessions parked in WAITING_APPROVAL with nothing pending any more (the scan's backstop:
+    a decision whose hand-over was lost, or one that landed while the loop was parking)."""
+    rows = s.execute(
+        select(S.id, S.session_type).where(and_(S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id)))
+    ).all()
+    return [(int(r[0]), SessionType(r[1])) for r in rows]
