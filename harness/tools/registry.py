@@ -12,14 +12,16 @@ What a call can end in (``run_inline``):
 - ``error: ...`` for an unknown or refused tool, arguments that are not a JSON object or do not
   validate (the pydantic errors, without the values), a ``ToolError`` (its message), or any other
   exception (its type and message, one line, secrets redacted, never a traceback);
-- ``Cancelled``, ``DeadlineExceeded``, a models error (``LeaseLost`` above all) and an
-  infrastructure error (``harness.errors.is_infrastructure_error``) propagate: the loop stops
-  without a result and the lease lapses.
+- only ``Cancelled``, ``DeadlineExceeded`` and ``LeaseLost`` stop the loop from inside a tool;
+  every other exception the tool raises, whatever its module, and ``SystemExit`` /
+  ``KeyboardInterrupt`` too, is that call's TOOL error result (a tool has no access to our
+  connections: its database or Redis errors are its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import logging
@@ -29,11 +31,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
-from pydantic_core import to_json
+from pydantic_core import PydanticSerializationError, to_json
 
+from crashpoints import InjectedKill
 from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
 from logfmt import log_event
+from models.errors import LeaseLost
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +257,24 @@ def describe_validation(exc: ValidationError) -> str:
 
 
 def as_text(result: Any) -> str:
-    """A tool's return value as the TOOL message content: text as is, None as "", else JSON."""
+    """A tool's return value as the TOOL message content: text as is, None as "", bytes as their
+    UTF-8 text, else JSON. Bytes that are not UTF-8 are never an error (the tool did its work):
+    they are sent base64-encoded, said so in front (``base64:``); inside a JSON value, every
+    bytes value is base64 (URL-safe alphabet) as soon as one of them is not UTF-8."""
     if isinstance(result, str):
         return result
     if result is None:
         return ""
-    return to_json(result, fallback=str).decode("utf-8")
+    if isinstance(result, bytes | bytearray | memoryview):
+        raw = bytes(result)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(raw).decode("ascii")
+    try:
+        return to_json(result, fallback=str).decode("utf-8")
+    except PydanticSerializationError:
+        return to_json(result, fallback=str, bytes_mode="base64").decode("utf-8")
 
 
 def parse_arguments(raw: str) -> dict[str, Any]:
@@ -274,8 +290,8 @@ def parse_arguments(raw: str) -> dict[str, Any]:
 
 def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[str, ...]) -> str:
     """Run one inline tool and return its TOOL result text. Every failure of the tool itself is
-    that text; cancellation, the deadline, a lost lease and an infrastructure error propagate so
-    the loop can stop without writing a result."""
+    that text; cancellation, the deadline and a lost lease propagate so the loop can stop
+    without writing a result."""
     found = lookup(name) if name in allowed else None
     if found is None or found.run is None:
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
@@ -283,14 +299,13 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
         return found.run(ctx, parse_arguments(raw_arguments))
     except ToolError as exc:
         return f"error: {exc}"
-    except (Cancelled, DeadlineExceeded):
+    except (Cancelled, DeadlineExceeded, LeaseLost, InjectedKill, GeneratorExit):
         raise
-    except Exception as exc:
-        from harness.errors import is_infrastructure_error
-        from models.errors import ModelError
-
-        if isinstance(exc, ModelError) or is_infrastructure_error(exc):
-            raise
+    except BaseException as exc:
+        # NOTE: whatever a tool raises is its result, whatever its module: a tool has no access
+        # to our connections, so its WRONGTYPE from the shop's own Redis or its UndefinedTable
+        # from the shop's own PostgreSQL is the shop's, not our infrastructure failing. So are
+        # SystemExit (argparse on bad model input) and KeyboardInterrupt: the loop goes on.
         log_event(
             log,
             "tool_failed",
@@ -300,8 +315,13 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
             tool_call_id=ctx.tool_call_id,
             error=type(exc).__name__,
         )
-        message = safe_message(exc)
-        return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"
+        return error_result(exc)
+
+
+def error_result(exc: BaseException) -> str:
+    """``error: <type>: <message>`` (one line, secrets redacted), or ``error: <type>``."""
+    message = safe_message(exc)
+    return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"
 
 
 def _unavailable_reason(name: str) -> str:

@@ -189,16 +189,15 @@ def test_a_tool_that_raises_becomes_a_tool_error_with_type_and_message_without_t
     assert run_inline("refuse", "{}", ctx(), ("refuse",)) == "error: the shop is closed"
 
 
-def test_cancellation_deadline_lost_lease_and_infrastructure_errors_propagate_out_of_a_tool(
+def test_cancellation_the_deadline_and_a_lost_lease_propagate_out_of_a_tool(
     scratch: list[str],
 ) -> None:
-    from sqlalchemy.exc import OperationalError
-
+    # A database error raised INSIDE a tool used to propagate too; it is the tool's own
+    # database, so it is now the call's result (the next test).
     errors: dict[str, BaseException] = {
         "cancel_me": Cancelled(),
         "late": DeadlineExceeded(),
         "lose_lease": LeaseLost(),
-        "db_down": OperationalError("SELECT 1", {}, Exception("server closed the connection")),
     }
 
     def raiser_of(exc: BaseException) -> Any:
@@ -212,6 +211,62 @@ def test_cancellation_deadline_lost_lease_and_infrastructure_errors_propagate_ou
         scratch.append(name)
         with pytest.raises(type(exc)):
             run_inline(name, "{}", ctx(), (name,))
+
+
+def test_whatever_a_tool_raises_besides_cancel_deadline_and_lease_is_its_result_and_the_loop_goes_on(
+    scratch: list[str],
+) -> None:
+    import argparse
+
+    import psycopg2.errors
+    import redis.exceptions
+    from sqlalchemy.exc import OperationalError
+
+    def argparse_exit() -> str:
+        parser = argparse.ArgumentParser(prog="report", exit_on_error=True)
+        parser.add_argument("--n", type=int)
+        parser.parse_args(["--n", "many"])
+        return "unreachable"
+
+    cases: dict[str, tuple[Any, str]] = {
+        "shop_redis": (
+            redis.exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+            "error: ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value",
+        ),
+        "shop_pg": (psycopg2.errors.UndefinedTable('relation "orders" does not exist'), "error: UndefinedTable: "),
+        "shop_pg_down": (
+            OperationalError("SELECT 1", {}, Exception("server closed the connection")),
+            "error: OperationalError: ",
+        ),
+        "shop_socket": (ConnectionResetError("peer reset"), "error: ConnectionResetError: peer reset"),
+        "bye": (SystemExit(2), "error: SystemExit: 2"),
+        "ctrl_c": (KeyboardInterrupt(), "error: KeyboardInterrupt"),
+    }
+
+    def raiser_of(exc: BaseException) -> Any:
+        def raiser() -> str:
+            raise exc
+
+        return raiser
+
+    for name, (exc, expected) in cases.items():
+        tool(name=name)(raiser_of(exc))
+        scratch.append(name)
+        assert run_inline(name, "{}", ctx(), (name,)).startswith(expected), name
+    tool(name="report")(argparse_exit)
+    scratch.append("report")
+    assert run_inline("report", "{}", ctx(), ("report",)) == "error: SystemExit: 2"
+
+
+def test_bytes_a_tool_returns_are_text_when_utf8_and_base64_when_not_never_an_error(scratch: list[str]) -> None:
+    @tool(name="blob")
+    def blob(kind: str) -> Any:
+        return {"raw": b"\xff\xfe\x00", "utf8": "caf\u00e9".encode()} if kind == "nested" else b"\xff\xd8\xff\xe0"
+
+    scratch.append("blob")
+    assert run_inline("blob", '{"kind": "top"}', ctx(), ("blob",)) == "base64:/9j/4A=="
+    nested = json.loads(run_inline("blob", '{"kind": "nested"}', ctx(), ("blob",)))
+    assert nested["raw"] in ("//4A", "__4A") and nested["utf8"] == "Y2Fmw6k="
 
 
 def test_an_unknown_or_refused_tool_is_a_tool_error() -> None:
