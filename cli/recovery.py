@@ -47,6 +47,7 @@ def _status(args: argparse.Namespace) -> int:
         f" not picked up after a scan interval={report['expired_leases_not_picked_up']}"
     )
     print(f"stale field keys: {report['stale_field_keys']}")
+    print(f"sessions waiting for the model: {report['sessions_waiting_for_model']}")
     for c in report["worker_name_conflicts"]:
         state = "NOW: two live processes share this name" if c["live"] else "seen before"
         print(

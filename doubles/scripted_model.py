@@ -4,6 +4,7 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
 
     {"when": {"system_contains": "...", "user_contains": "...", "turn": 1, "last_role": "tool"},
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
+              | {"content": "half an answ", "finish_reason": "length"}
               | {"error": {"status": 500, "message": "..."}},
      "delay_seconds": 0.5,
      "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
@@ -65,7 +66,7 @@ _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"
 #: Status of a scripted failure that closes the connection without an answer.
 DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
-_REPLY_KEYS = frozenset({"content", "tool_calls", "error"})
+_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason"})
 _TOOL_CALL_KEYS = frozenset({"name", "arguments", "id"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
@@ -110,6 +111,8 @@ class Reply:
     tool_calls: tuple[ScriptedCall, ...] = ()
     error_status: int | None = None
     error_message: str = ""
+    #: A content reply's finish_reason ("length", "content_filter", ...; default "stop").
+    finish_reason: str = "stop"
 
     @property
     def kind(self) -> str:
@@ -320,13 +323,16 @@ def _when(at: str, raw: Any) -> When:
 
 
 def _reply(at: str, raw: Any) -> Reply:
-    reply = _check_keys(raw, _REPLY_KEYS, f"{at} reply")
+    reply = dict(_check_keys(raw, _REPLY_KEYS, f"{at} reply"))
+    finish_reason = reply.pop("finish_reason", "stop")
     if len(reply) != 1:
         raise ScriptError(f"{at} reply: give exactly one of content, tool_calls, error")
+    if not isinstance(finish_reason, str) or (finish_reason != "stop" and "content" not in reply):
+        raise ScriptError(f"{at} reply: finish_reason is a string, for a content reply")
     if "content" in reply:
         if not isinstance(reply["content"], str):
             raise ScriptError(f"{at} reply: content must be a string")
-        return Reply(content=reply["content"])
+        return Reply(content=reply["content"], finish_reason=finish_reason)
     if "error" in reply:
         error = _check_keys(reply["error"], _ERROR_KEYS, f"{at} reply error")
         status = error.get("status")
@@ -447,6 +453,14 @@ class ScriptedModelServer:
             self._received.clear()
             self._matched.clear()
 
+    def set_script(self, script: Script) -> None:
+        """Answer by another script from now on (a provider that comes back after an outage);
+        the journal is kept, the ``fail_first`` counts start again."""
+        rules = load_script(script)
+        with self._lock:
+            self.rules = rules
+            self._matched.clear()
+
     def take_headers(self) -> dict[str, str]:
         """Extra headers of the answer this thread just computed (Retry-After), then forgotten."""
         headers: dict[str, str] = getattr(self._local, "headers", {})
@@ -526,7 +540,7 @@ class ScriptedModelServer:
         else:
             message_out["content"] = request.fill(reply.content or "")
             completion_chars = len(message_out["content"])
-            finish_reason = "stop"
+            finish_reason = reply.finish_reason
         prompt_tokens, completion_tokens = max(1, request.prompt_chars // 4), max(1, completion_chars // 4)
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -3,7 +3,8 @@
 One table per agent: ``[agents.NAME]`` with ``system_prompt``, optional ``tools`` (allow list of
 tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``deny``,
 ``max_rounds``, ``execution_mode`` (CLOUD | LOCAL), model options ``model``, ``temperature``,
-``max_tokens`` (sent as the chat-completions API names them; unset means the endpoint's default,
+``max_tokens``, ``max_completion_tokens`` (the o-series and gpt-5 accept only this one) (sent
+as the chat-completions API names them; unset means the endpoint's default,
 and ``model`` defaults to MODEL_NAME), and ``mcp_servers`` (a list of ``{name, url}`` tables:
 streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``). A subagent's tools
 never include ``delegate`` / ``delegate_followup`` (no recursive delegation, spec §5.1).
@@ -36,6 +37,7 @@ _KEYS = {
     "model",
     "temperature",
     "max_tokens",
+    "max_completion_tokens",
     "mcp_servers",
 }
 _MCP_KEYS = {"name", "url", "timeout_seconds"}
@@ -150,13 +152,17 @@ def _model_options(at: str, table: dict[str, Any]) -> ModelOptions:
         isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2
     ):
         raise AgentConfigError(f"{at}.temperature must be a number between 0 and 2")
-    max_tokens = table.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise AgentConfigError(f"{at}.max_tokens must be a positive integer")
+    limits: dict[str, int | None] = {}
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = table.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise AgentConfigError(f"{at}.{key} must be a positive integer")
+        limits[key] = value
     return ModelOptions(
         model=model,
         temperature=float(temperature) if temperature is not None else None,
-        max_tokens=max_tokens,
+        max_tokens=limits["max_tokens"],
+        max_completion_tokens=limits["max_completion_tokens"],
     )
 
 

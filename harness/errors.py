@@ -24,11 +24,13 @@ class BoundaryInvalid(HarnessError):
 
 
 class ModelUnavailable(HarnessError):
-    """The model endpoint could not be reached or answered with an error."""
+    """The model endpoint could not be reached or answered with an error. ``transient``: an
+    outage (unreachable, overloaded, a server error), not a refusal of this request."""
 
-    def __init__(self, message: str | None = None, *, code: str = "model_unavailable") -> None:
+    def __init__(self, message: str | None = None, *, code: str = "model_unavailable", transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.transient = transient
 
 
 class AgentConfigError(HarnessError):

@@ -118,10 +118,7 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
     calls = store.calls_of(s, entry.id)
     reply = ModelReply(
         entry.content,
-        tuple(
-            ToolCall(str(c["id"]), str(c["function"]["name"]), str(c["function"].get("arguments") or ""))
-            for c in entry.tool_calls
-        ),
+        tuple(ToolCall.from_openai(c) for c in entry.tool_calls),
         entry.prompt_tokens,
         entry.completion_tokens,
     )
