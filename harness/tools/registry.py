@@ -25,12 +25,14 @@ import base64
 import inspect
 import json
 import logging
+import re
+import threading
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import PydanticSerializationError, to_json
 
 from crashpoints import InjectedKill
@@ -47,6 +49,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 ERROR_MESSAGE_CHARS = 300
 #: MCP tool names are ``<server>__<tool>`` (OpenAI function names allow [A-Za-z0-9_-] only).
 MCP_SEPARATOR = "__"
+#: A tool name every chat-completions provider accepts (Python and MCP tools alike).
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def valid_tool_name(name: str) -> bool:
+    """True for a name every provider accepts as a function name: ^[a-zA-Z0-9_-]{1,64}$."""
+    return TOOL_NAME.fullmatch(name) is not None
 
 
 class ToolDefinitionError(AgentConfigError):
@@ -73,6 +82,9 @@ class Tool:
     #: Where it was defined ("harness.tools.builtins", "acme_tools", "mcp:files").
     module: str = ""
     qualname: str = ""
+    #: Longest a call may run (None: TOOL_TIMEOUT_SECONDS); a call still running then is
+    #: reported timed out (it may or may not have taken effect) and the loop goes on.
+    timeout_seconds: float | None = None
 
     def spec(self) -> dict[str, Any]:
         """The tool as a chat-completions request offers it."""
@@ -138,6 +150,7 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -149,17 +162,30 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
 ) -> F | Callable[[F], F]:
     """Register a function as a tool; the function itself is returned unchanged (still callable).
 
     ``read_only=True`` / ``idempotent=True`` declare that the tool may run again after a crash
     interrupted it (with the same ``ToolContext.idempotency_key``); the default is neither, and
-    such a tool is never run twice for one call. Raises ToolDefinitionError (naming the tool and
-    the module) when its schema cannot be built or its name is taken.
+    such a tool is never run twice for one call. ``timeout_seconds`` bounds a call (default
+    TOOL_TIMEOUT_SECONDS): a call still running then is reported "timed out, may or may not have
+    taken effect" and the loop goes on. Raises ToolDefinitionError (naming the tool and the
+    module) when its name is not ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built or its name
+    is taken.
     """
 
     def wrap(func: F) -> F:
-        register(build_tool(func, name=name, description=description, read_only=read_only, idempotent=idempotent))
+        register(
+            build_tool(
+                func,
+                name=name,
+                description=description,
+                read_only=read_only,
+                idempotent=idempotent,
+                timeout_seconds=timeout_seconds,
+            )
+        )
         return func
 
     return wrap(fn) if fn is not None else wrap
@@ -172,18 +198,26 @@ def build_tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
 ) -> Tool:
-    """A Tool for ``func`` without registering it."""
+    """A Tool for ``func`` without registering it. The docstring's parameter sections (Google
+    ``Args:``, reST ``:param x:``, Numpydoc) become the parameters' descriptions, and the rest
+    of it the tool's description."""
     tool_name = str(name or getattr(func, "__name__", ""))
     module = str(getattr(func, "__module__", "") or "?")
-    if not tool_name or not all(c.isalnum() or c in "_-" for c in tool_name) or len(tool_name) > 64:
+    if not valid_tool_name(tool_name):
         raise ToolDefinitionError(
-            f"tool {tool_name!r} in module {module}: a name is 1-64 letters, digits, '_' or '-'",
+            f"tool {tool_name!r} in module {module}: a name is 1-64 ASCII letters, digits, '_' or '-'",
             tool=tool_name,
             module=module,
         )
+    if timeout_seconds is not None and not timeout_seconds > 0:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} in module {module}: timeout_seconds must be > 0", tool=tool_name, module=module
+        )
+    summary, described = _docstring(func)
     try:
-        wants_context, fields = _fields(func)
+        wants_context, fields = _fields(func, described)
         arguments: type[BaseModel] = create_model(
             f"{tool_name}_arguments", __config__=ConfigDict(extra="forbid"), **fields
         )
@@ -214,22 +248,42 @@ def build_tool(
 
     return Tool(
         name=tool_name,
-        description=description if description is not None else inspect.getdoc(func) or "",
+        description=description if description is not None else summary,
         parameters=schema,
         run=run,
         read_only=read_only,
         idempotent=idempotent,
         module=module,
         qualname=getattr(func, "__qualname__", tool_name),
+        timeout_seconds=timeout_seconds,
     )
+
+
+def _docstring(func: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The docstring without its parameter sections, and each documented parameter's text."""
+    import docstring_parser
+
+    doc = inspect.getdoc(func) or ""
+    if not doc:
+        return "", {}
+    try:
+        parsed = docstring_parser.parse(doc)
+    except docstring_parser.ParseError:
+        return doc, {}
+    params = {p.arg_name: " ".join(p.description.split()) for p in parsed.params if p.description}
+    if not params:
+        return doc, {}
+    text = "\n\n".join(part for part in (parsed.short_description, parsed.long_description) if part)
+    return text, params
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
 
 
-def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:
-    """Whether the first parameter takes the ToolContext, and pydantic field definitions of the rest."""
+def _fields(func: Callable[..., Any], described: dict[str, str] | None = None) -> tuple[bool, dict[str, Any]]:
+    """Whether the first parameter takes the ToolContext, and pydantic field definitions of the
+    rest (with the docstring's description of each, unless its type hint has one)."""
     hints = typing.get_type_hints(func, include_extras=True)
     params = list(inspect.signature(func).parameters.values())
     wants_context = bool(params) and hints.get(params[0].name) is ToolContext
@@ -243,8 +297,17 @@ def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:
             raise TypeError(f"parameter {param.name!r} has no type hint")
         if hints[param.name] is ToolContext:
             raise TypeError(f"parameter {param.name!r}: only the first parameter may be the ToolContext")
-        fields[param.name] = (hints[param.name], ... if param.default is param.empty else param.default)
+        default = ... if param.default is param.empty else param.default
+        text = (described or {}).get(param.name)
+        if text and not _has_description(hints[param.name]):
+            default = Field(default, description=text)
+        fields[param.name] = (hints[param.name], default)
     return wants_context, fields
+
+
+def _has_description(hint: Any) -> bool:
+    """True when an ``Annotated[..., Field(description=...)]`` hint describes the parameter."""
+    return any(getattr(meta, "description", None) for meta in getattr(hint, "__metadata__", ()))
 
 
 def describe_validation(exc: ValidationError) -> str:
@@ -296,7 +359,7 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
     if found is None or found.run is None:
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
-        return found.run(ctx, parse_arguments(raw_arguments))
+        return capped(_bounded(found, ctx, parse_arguments(raw_arguments)))
     except ToolError as exc:
         return f"error: {exc}"
     except (Cancelled, DeadlineExceeded, LeaseLost, InjectedKill, GeneratorExit):
@@ -316,6 +379,57 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
             error=type(exc).__name__,
         )
         return error_result(exc)
+
+
+class ToolTimedOut(ToolError):
+    """Raised when a tool call did not end within its timeout; it may or may not have taken effect."""
+
+
+def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> str:
+    """Run the call on a thread of its own and wait at most the tool's timeout (and never past
+    the loop's deadline). A call still running then is left to end on its own (a thread cannot
+    be stopped): ToolTimedOut, or DeadlineExceeded when the deadline came first. Whatever the
+    call raised is raised here, as if it ran on this thread."""
+    from settings import get_settings
+
+    assert found.run is not None
+    run = found.run
+    limit = found.timeout_seconds or get_settings().TOOL_TIMEOUT_SECONDS
+    left = ctx.seconds_left()
+    by_deadline = left is not None and left < limit
+    wait = max(0.0, left) if by_deadline and left is not None else limit
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            outcome.append((True, run(ctx, args)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=call, name=f"tool-{found.name}", daemon=True)
+    worker.start()
+    worker.join(wait)
+    if not outcome:
+        if by_deadline:
+            raise DeadlineExceeded(f"deadline reached while tool {found.name!r} ran")
+        log_event(log, "tool_timed_out", logging.WARNING, session_id=ctx.session_id, tool=found.name)
+        raise ToolTimedOut(
+            f"tool {found.name!r} timed out after {limit:g} seconds; it may or may not have taken effect"
+        )
+    ok, value = outcome[0]
+    if ok:
+        return str(value)
+    raise value
+
+
+def capped(result: str) -> str:
+    """The result cut to TOOL_RESULT_MAX_CHARS, with a note where it was cut."""
+    from settings import get_settings
+
+    limit = get_settings().TOOL_RESULT_MAX_CHARS
+    if len(result) <= limit:
+        return result
+    return f"{result[:limit]}\n[cut: the result was {len(result)} characters; the first {limit} are shown]"
 
 
 def error_result(exc: BaseException) -> str:

@@ -407,3 +407,112 @@ def test_agents_with_their_tools_known_start(usertools: None, monkeypatch: pytes
         0.2,
         256,
     )
+
+
+@pytest.mark.parametrize("bad", ["héllo", "日本", "a" * 65, "has space", "dot.ted"])
+def test_a_tool_name_outside_ascii_letters_digits_underscore_and_dash_is_refused_naming_it(bad: str) -> None:
+    def fn() -> str:
+        return "x"
+
+    with pytest.raises(ToolDefinitionError) as info:
+        tool(name=bad)(fn)
+    assert repr(bad) in str(info.value) and bad not in REGISTRY
+
+
+def test_a_tool_module_with_a_non_ascii_tool_name_stops_the_start_naming_the_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "acme_unicode_tools.py").write_text(
+        "from harness.tools import tool\n\n@tool\ndef réserver(n: int) -> str:\n    return 'ok'\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOOL_MODULES", "acme_unicode_tools")
+    get_settings.cache_clear()
+    _load.cache_clear()
+    try:
+        with pytest.raises(AgentConfigError) as info:
+            load_at_start()
+        assert "'réserver'" in str(info.value) and "acme_unicode_tools" in str(info.value)
+    finally:
+        sys.modules.pop("acme_unicode_tools", None)
+        get_settings.cache_clear()
+        _load.cache_clear()
+
+
+def test_a_hung_tool_times_out_as_may_or_may_not_have_taken_effect_and_the_loop_goes_on(
+    scratch: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    @tool(timeout_seconds=0.3)
+    def hang() -> str:
+        """Never answers."""
+        time.sleep(5)
+        return "late"
+
+    @tool
+    def hang_default() -> str:
+        """Never answers either."""
+        time.sleep(5)
+        return "late"
+
+    scratch.extend(["hang", "hang_default"])
+    started = time.monotonic()
+    assert run_inline("hang", "{}", ctx(), ("hang",)) == (
+        "error: tool 'hang' timed out after 0.3 seconds; it may or may not have taken effect"
+    )
+    monkeypatch.setenv("TOOL_TIMEOUT_SECONDS", "0.5")
+    get_settings.cache_clear()
+    try:
+        assert run_inline("hang_default", "{}", ctx(), ("hang_default",)).startswith(
+            "error: tool 'hang_default' timed out after 0.5 seconds"
+        )
+    finally:
+        get_settings.cache_clear()
+    assert time.monotonic() - started < 3
+    assert lookup("wait") is not None and (lookup("wait").timeout_seconds or 0) > 24 * 3600  # type: ignore[union-attr]
+
+
+def test_a_long_result_is_cut_at_tool_result_max_chars_with_a_note_where(
+    scratch: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @tool
+    def dump(n: int) -> str:
+        """Dump n characters."""
+        return "x" * n
+
+    scratch.append("dump")
+    monkeypatch.setenv("TOOL_RESULT_MAX_CHARS", "1000")
+    get_settings.cache_clear()
+    try:
+        assert run_inline("dump", '{"n": 1000}', ctx(), ("dump",)) == "x" * 1000
+        cut = run_inline("dump", '{"n": 5000}', ctx(), ("dump",))
+    finally:
+        get_settings.cache_clear()
+    assert cut == "x" * 1000 + "\n[cut: the result was 5000 characters; the first 1000 are shown]"
+
+
+def test_docstring_args_become_parameter_descriptions(scratch: list[str]) -> None:
+    @tool
+    def refund(order_id: int, amount_cents: Annotated[int, Field(description="from the hint")], note: str = "") -> str:
+        """Refund part of an order.
+
+        The payment service deduplicates on the order id.
+
+        Args:
+            order_id: The order to refund,
+                as printed on the receipt.
+            amount_cents: Ignored: the type hint's description wins.
+            note: A note for the customer.
+        """
+        return "ok"
+
+    scratch.append("refund")
+    found = lookup("refund")
+    assert found is not None
+    props = found.parameters["properties"]
+    assert props["order_id"]["description"] == "The order to refund, as printed on the receipt."
+    assert props["amount_cents"]["description"] == "from the hint"
+    assert props["note"]["description"] == "A note for the customer." and props["note"]["default"] == ""
+    assert found.parameters["required"] == ["order_id", "amount_cents"]
+    assert found.description == "Refund part of an order.\n\nThe payment service deduplicates on the order id."
