@@ -113,7 +113,8 @@ class McpTestServer:
     def start(self, timeout: float = 15.0) -> str:
         import uvicorn
 
-        app = build_server(self.calls, self.keys, extras=self.extras).streamable_http_app(streamable_http_path=MCP_PATH, host=self.host)
+        server = build_server(self.calls, self.keys, extras=self.extras)
+        app = server.streamable_http_app(streamable_http_path=MCP_PATH, host=self.host)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, name="mcp-test-server", daemon=True)
