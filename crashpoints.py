@@ -44,6 +44,7 @@ POINTS = (
     "journal.after_reply",  # the model's reply of a round committed to the journal, no tool run yet
     "journal.after_tool_start",  # a tool not safe to repeat: its start committed, the tool not run yet
     "journal.after_tool_result",  # one tool's result committed to the journal, the round not yet
+    "mcp.after_call",  # an MCP server answered a tools/call; its result not journaled yet
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
 )
 

@@ -33,6 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from crashpoints import crash_point
 from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
 from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message, valid_tool_name
@@ -256,6 +257,7 @@ def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: Tool
             f"the call to {tool_name!r} on MCP server {server.name!r} was interrupted ({kind}) and may or may "
             "not have taken effect"
         ) from None
+    crash_point("mcp.after_call")
     text = _text_of(result)
     if result.is_error:
         # One line, cut: the server's error text may be long (a validation dump).
