@@ -29,7 +29,8 @@ failure is journaled as ``{"rule", "turn", "reply": "error"}``.
 ``GET /_journal`` lists every answered request as ``{"rule", "turn", "reply"}``; ``POST /_reset``
 clears it (and the ``fail_first`` counts). ``GET /_received`` lists what each chat-completions
 request asked for besides its messages: ``{"model", "temperature", "max_tokens", "tools"}`` (tool
-names; absent options are null). Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
+names; absent options are null). In-process, ``sent_back_extras()`` lists per request the
+``extra_content`` of every assistant tool call it sent back (a provider's own call fields). Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
 ``python -m doubles.scripted_model`` with the same flags).
 """
 
@@ -67,7 +68,7 @@ _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"
 DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
 _REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason"})
-_TOOL_CALL_KEYS = frozenset({"name", "arguments", "id"})
+_TOOL_CALL_KEYS = frozenset({"name", "arguments", "id", "extra_content"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
 Script = list[Any] | dict[str, Any] | str | os.PathLike[str]
@@ -101,6 +102,8 @@ class ScriptedCall:
     name: str
     arguments: str  #: JSON text, as a model sends it
     id: str | None = None  #: a fixed tool_call id (tests of a model that repeats ids); else a fresh one
+    #: A provider's own field of the call, sent as is (Gemini's thought signature), JSON text.
+    extra_content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +360,15 @@ def _reply(at: str, raw: Any) -> Reply:
         call_id = call.get("id")
         if call_id is not None and (not isinstance(call_id, str) or not call_id):
             raise ScriptError(f"{at} tool_calls[{position}]: id must be a non-empty string")
-        out.append(ScriptedCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False), id=call_id))
+        extra = call.get("extra_content")
+        out.append(
+            ScriptedCall(
+                name=name,
+                arguments=json.dumps(arguments, ensure_ascii=False),
+                id=call_id,
+                extra_content=None if extra is None else json.dumps(extra),
+            )
+        )
     return Reply(tool_calls=tuple(out))
 
 
@@ -382,6 +393,7 @@ class ScriptedModelServer:
         self._journal: list[dict[str, Any]] = []
         self._rejected: list[dict[str, Any]] = []
         self._received: list[dict[str, Any]] = []
+        self._extras: list[list[Any]] = []  #: per request: the extra_content of the calls it sent back
         self._matched: dict[int, int] = {}  #: how often each rule matched (fail_first counts)
         self._local = threading.local()  #: extra response headers of the request on this thread
         self._lock = threading.Lock()
@@ -446,8 +458,14 @@ class ScriptedModelServer:
         with self._lock:
             return [dict(entry) for entry in self._received]
 
+    def sent_back_extras(self) -> list[list[Any]]:
+        """Per request, the ``extra_content`` of every assistant tool call it carried."""
+        with self._lock:
+            return [list(e) for e in self._extras]
+
     def reset(self) -> None:
         with self._lock:
+            self._extras.clear()
             self._journal.clear()
             self._rejected.clear()
             self._received.clear()
@@ -498,6 +516,15 @@ class ScriptedModelServer:
                     ],
                 }
             )
+            self._extras.append(
+                [
+                    c["extra_content"]
+                    for m in body["messages"]
+                    if isinstance(m, dict) and m.get("role") == "assistant"
+                    for c in m.get("tool_calls") or ()
+                    if isinstance(c, dict) and "extra_content" in c
+                ]
+            )
         rule = next((r for r in self.rules if r.when.matches(request)), None)
         if rule is None:
             head = " ".join((request.system or "")[:SYSTEM_HEAD_CHARS].split()) or "(none)"
@@ -532,6 +559,7 @@ class ScriptedModelServer:
                     "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
+                    **({} if call.extra_content is None else {"extra_content": json.loads(call.extra_content)}),
                 }
                 for call in reply.tool_calls
             ]
