@@ -30,7 +30,8 @@ failure is journaled as ``{"rule", "turn", "reply": "error"}``.
 clears it (and the ``fail_first`` counts). ``GET /_received`` lists what each chat-completions
 request asked for besides its messages: ``{"model", "temperature", "max_tokens", "tools"}`` (tool
 names; absent options are null). In-process, ``sent_back_extras()`` lists per request the
-``extra_content`` of every assistant tool call it sent back (a provider's own call fields). Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
+``extra_content`` of every assistant tool call it sent back (a provider's own call fields).
+Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
 ``python -m doubles.scripted_model`` with the same flags).
 """
 

@@ -42,8 +42,9 @@ def test_a_tool_calls_thought_signature_is_kept_and_sent_back_unchanged(model_fa
 def test_the_signature_survives_a_crash_after_the_reply_was_journaled(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import harness.journal
     from sqlalchemy import exc as sa_exc
+
+    import harness.journal
 
     real = harness.journal.crash_point
 
