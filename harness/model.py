@@ -18,9 +18,11 @@ the last error. Other 4xx, a read timeout and an answer that is not a chat compl
 once. Each retry is one ``event=model_retry`` log line (status, code, attempt, wait), never
 message content.
 
-``ModelUnavailable.transient`` says whether the failure is an outage (what is retried, and a
-read timeout) rather than a refusal of the request: the loops do not fail a session on an
-outage, they resume it later (harness.outage).
+``ModelUnavailable.transient`` says whether the failure is an outage (the endpoint unreachable,
+a read timeout, 408, 429, 502, 503, 504 and other 5xx, an error object in a 200) rather than an
+answer about this request (other 4xx, and a 409, 500, 501 or 505 that persists through the
+retries): the loops do not fail a session on an outage, they resume it later
+(harness.outage).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ DEFAULT_RETRY_BASE_SECONDS = 0.5
 RETRY_BACKOFF_CAP_SECONDS = 8.0
 #: HTTP statuses worth another attempt (besides every 5xx), as the official openai client has them.
 _RETRY_STATUSES = frozenset({408, 409, 429})
+#: Retried statuses that still are not an outage when they persist through the retries: the
+#: server answered about THIS request (a 500 it raises on every try, a conflict), so the run fails
+#: with the reason instead of waiting for a provider that is up.
+_NOT_OUTAGE_STATUSES = frozenset({409, 500, 501, 505})
 #: finish_reason values that say the answer is not the model's whole answer.
 INCOMPLETE_FINISH_REASONS = frozenset({"length", "content_filter", "refusal"})
 #: Keys of a tool call that the client reads; every other key (Gemini's ``extra_content`` with
@@ -288,7 +294,8 @@ class ModelClient:
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
             log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
             retry = should_retry if should_retry is not None else status in _RETRY_STATUSES or status >= 500
-            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code, transient=retry)
+            outage = retry and status not in _NOT_OUTAGE_STATUSES
+            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code, transient=outage)
             if retry:
                 raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
             raise error
