@@ -25,6 +25,8 @@ import base64
 import inspect
 import json
 import logging
+import os
+import queue
 import re
 import threading
 import typing
@@ -398,28 +400,68 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> str:
     left = ctx.seconds_left()
     by_deadline = left is not None and left < limit
     wait = max(0.0, left) if by_deadline and left is not None else limit
-    outcome: list[Any] = []
-
-    def call() -> None:
-        try:
-            outcome.append((True, run(ctx, args)))
-        except BaseException as exc:  # re-raised on the caller's thread
-            outcome.append((False, exc))
-
-    worker = threading.Thread(target=call, name=f"tool-{found.name}", daemon=True)
-    worker.start()
-    worker.join(wait)
-    if not outcome:
+    call = _submit(lambda: run(ctx, args))
+    if not call.done.wait(wait):
         if by_deadline:
             raise DeadlineExceeded(f"deadline reached while tool {found.name!r} ran")
         log_event(log, "tool_timed_out", logging.WARNING, session_id=ctx.session_id, tool=found.name)
         raise ToolTimedOut(
             f"tool {found.name!r} timed out after {limit:g} seconds; it may or may not have taken effect"
         )
-    ok, value = outcome[0]
-    if ok:
-        return str(value)
-    raise value
+    if call.ok:
+        return str(call.value)
+    raise call.value
+
+
+class _Call:
+    """One tool call handed to a tool thread, and how it ended."""
+
+    __slots__ = ("done", "fn", "ok", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.ok = False
+        self.value: Any = None
+
+
+#: Inboxes of idle tool threads. NOTE: a thread is reused once its call ended, so a call costs
+#: no thread start; a call that hangs keeps its thread (it cannot be stopped) and the next call
+#: gets another one. The threads are daemons: a hung tool never holds the process's exit.
+_idle: list[queue.SimpleQueue[_Call]] = []
+_idle_lock = threading.Lock()
+
+
+def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
+    while True:
+        call = inbox.get()
+        try:
+            call.value = call.fn()
+            call.ok = True
+        except BaseException as exc:  # re-raised on the caller's thread
+            call.value = exc
+        call.done.set()
+        with _idle_lock:
+            _idle.append(inbox)
+
+
+def _submit(fn: Callable[[], Any]) -> _Call:
+    call = _Call(fn)
+    with _idle_lock:
+        inbox = _idle.pop() if _idle else None
+    if inbox is None:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(inbox,), name="tool-call", daemon=True).start()
+    inbox.put(call)
+    return call
+
+
+def _forget_threads_after_fork() -> None:
+    # A forked process (Celery's prefork pool) has none of its parent's threads.
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_after_fork)
 
 
 def capped(result: str) -> str:
