@@ -47,6 +47,7 @@ POINTS = (
     "approval.after_request",  # the reply and its approval requests committed, no tool run yet
     "approval.after_park",  # the session (or child execution) parked in WAITING_APPROVAL, loop not returned
     "approval.after_decision",  # a decision committed (and the session handed back), its loop not enqueued
+    "mcp.after_call",  # an MCP server answered a tools/call; its result not journaled yet
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
 )
 

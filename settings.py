@@ -190,6 +190,17 @@ class Settings(BaseSettings):
     #: ("pkg.tools,other.tools"); installed packages may also use the entry point group
     #: agent_recovery.tools.
     TOOL_MODULES: str = ""
+    #: A provider outage longer than the retry window ends a run without a result; the session is
+    #: resumed with back-off until its deadline or this long after the outage began, then FAILED.
+    MODEL_OUTAGE_MAX_SECONDS: float = Field(default=3600.0, gt=0)
+    #: Times a recovered loop may run one journaled read-only or idempotent call again after a
+    #: crash interrupted it; past that the call is reported interrupted and the model decides.
+    TOOL_MAX_RERUNS: int = Field(default=3, ge=0)
+    #: Longest a tool call may run when its ``@tool(timeout_seconds=...)`` says nothing; a call
+    #: still running then is reported "timed out, may or may not have taken effect".
+    TOOL_TIMEOUT_SECONDS: float = Field(default=300.0, gt=0)
+    #: Longest TOOL result kept; a longer one is cut, with a note where.
+    TOOL_RESULT_MAX_CHARS: int = Field(default=100_000, ge=1000)
     SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
     SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
     #: How long a tool call's approval request waits for a human decision; past it the call is

@@ -51,6 +51,7 @@ def _status(args: argparse.Namespace) -> int:
         f"approvals pending: {report['approvals_pending']}"
         f" (oldest waiting {report['oldest_pending_approval_age_seconds']} s)"
     )
+    print(f"sessions waiting for the model: {report['sessions_waiting_for_model']}")
     for c in report["worker_name_conflicts"]:
         state = "NOW: two live processes share this name" if c["live"] else "seen before"
         print(

@@ -2,7 +2,8 @@
 tests and the demo of MCP tools.
 
 Tools: ``lookup_city`` (readOnlyHint), ``book_room`` (idempotentHint), ``charge_card`` (no
-hint: neither) and ``always_fails`` (raises: an ``isError`` result). ``calls`` records each
+hint: neither) and ``always_fails`` (raises: an ``isError`` result); with ``extras=True`` also
+``slow_charge``, ``whoami`` and ``réserver`` (``_add_extras``). ``calls`` records each
 call's tool name and arguments; ``keys`` the idempotency key each ``book_room`` call carried in
 its ``_meta`` (harness.tools.mcp.IDEMPOTENCY_META_KEY).
 
@@ -26,8 +27,12 @@ from mcp.types import ToolAnnotations
 MCP_PATH = "/mcp"
 
 
-def build_server(calls: list[tuple[str, dict[str, Any]]], keys: list[str | None] | None = None) -> Any:
+def build_server(
+    calls: list[tuple[str, dict[str, Any]]], keys: list[str | None] | None = None, *, extras: bool = False
+) -> Any:
     server: Any = MCPServer("acme-travel")
+    if extras:
+        _add_extras(server, calls)
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True))
     def lookup_city(name: str) -> str:
@@ -59,6 +64,30 @@ def build_server(calls: list[tuple[str, dict[str, Any]]], keys: list[str | None]
     return server
 
 
+def _add_extras(server: Any, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    """Tools only some tests want: ``slow_charge`` (sleeps before it answers; no hint),
+    ``whoami`` (the Authorization header the request carried) and ``réserver`` (a name no
+    provider accepts as a function name)."""
+
+    @server.tool()
+    def slow_charge(amount_cents: int, seconds: float) -> str:
+        """Charge the card, slowly."""
+        calls.append(("slow_charge", {"amount_cents": amount_cents}))
+        time.sleep(seconds)
+        return f"charged {amount_cents}"
+
+    @server.tool()
+    def whoami(ctx: Context) -> str:
+        """The Authorization header of the request."""
+        request = ctx.request_context.request
+        return str(request.headers.get("authorization", "")) if request is not None else ""
+
+    @server.tool(name="réserver")
+    def reserver() -> str:
+        """A tool whose name is not ASCII."""
+        return "reserved"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -68,8 +97,9 @@ def _free_port() -> int:
 class McpTestServer:
     """The server on a uvicorn thread; ``start()`` returns its URL once it accepts connections."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, extras: bool = False) -> None:
         self.host = host
+        self.extras = extras
         self.port = port or _free_port()
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.keys: list[str | None] = []
@@ -83,7 +113,8 @@ class McpTestServer:
     def start(self, timeout: float = 15.0) -> str:
         import uvicorn
 
-        app = build_server(self.calls, self.keys).streamable_http_app(streamable_http_path=MCP_PATH, host=self.host)
+        server = build_server(self.calls, self.keys, extras=self.extras)
+        app = server.streamable_http_app(streamable_http_path=MCP_PATH, host=self.host)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, name="mcp-test-server", daemon=True)

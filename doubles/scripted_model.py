@@ -4,6 +4,7 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
 
     {"when": {"system_contains": "...", "user_contains": "...", "turn": 1, "last_role": "tool"},
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
+              | {"content": "half an answ", "finish_reason": "length"}
               | {"error": {"status": 500, "message": "..."}},
      "delay_seconds": 0.5,
      "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
@@ -28,7 +29,9 @@ failure is journaled as ``{"rule", "turn", "reply": "error"}``.
 ``GET /_journal`` lists every answered request as ``{"rule", "turn", "reply"}``; ``POST /_reset``
 clears it (and the ``fail_first`` counts). ``GET /_received`` lists what each chat-completions
 request asked for besides its messages: ``{"model", "temperature", "max_tokens", "tools"}`` (tool
-names; absent options are null). Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
+names; absent options are null). In-process, ``sent_back_extras()`` lists per request the
+``extra_content`` of every assistant tool call it sent back (a provider's own call fields).
+Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
 ``python -m doubles.scripted_model`` with the same flags).
 """
 
@@ -65,8 +68,8 @@ _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"
 #: Status of a scripted failure that closes the connection without an answer.
 DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
-_REPLY_KEYS = frozenset({"content", "tool_calls", "error"})
-_TOOL_CALL_KEYS = frozenset({"name", "arguments", "id"})
+_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason"})
+_TOOL_CALL_KEYS = frozenset({"name", "arguments", "id", "extra_content"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
 Script = list[Any] | dict[str, Any] | str | os.PathLike[str]
@@ -100,6 +103,8 @@ class ScriptedCall:
     name: str
     arguments: str  #: JSON text, as a model sends it
     id: str | None = None  #: a fixed tool_call id (tests of a model that repeats ids); else a fresh one
+    #: A provider's own field of the call, sent as is (Gemini's thought signature), JSON text.
+    extra_content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Reply:
     tool_calls: tuple[ScriptedCall, ...] = ()
     error_status: int | None = None
     error_message: str = ""
+    #: A content reply's finish_reason ("length", "content_filter", ...; default "stop").
+    finish_reason: str = "stop"
 
     @property
     def kind(self) -> str:
@@ -320,13 +327,16 @@ def _when(at: str, raw: Any) -> When:
 
 
 def _reply(at: str, raw: Any) -> Reply:
-    reply = _check_keys(raw, _REPLY_KEYS, f"{at} reply")
+    reply = dict(_check_keys(raw, _REPLY_KEYS, f"{at} reply"))
+    finish_reason = reply.pop("finish_reason", "stop")
     if len(reply) != 1:
         raise ScriptError(f"{at} reply: give exactly one of content, tool_calls, error")
+    if not isinstance(finish_reason, str) or (finish_reason != "stop" and "content" not in reply):
+        raise ScriptError(f"{at} reply: finish_reason is a string, for a content reply")
     if "content" in reply:
         if not isinstance(reply["content"], str):
             raise ScriptError(f"{at} reply: content must be a string")
-        return Reply(content=reply["content"])
+        return Reply(content=reply["content"], finish_reason=finish_reason)
     if "error" in reply:
         error = _check_keys(reply["error"], _ERROR_KEYS, f"{at} reply error")
         status = error.get("status")
@@ -351,7 +361,15 @@ def _reply(at: str, raw: Any) -> Reply:
         call_id = call.get("id")
         if call_id is not None and (not isinstance(call_id, str) or not call_id):
             raise ScriptError(f"{at} tool_calls[{position}]: id must be a non-empty string")
-        out.append(ScriptedCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False), id=call_id))
+        extra = call.get("extra_content")
+        out.append(
+            ScriptedCall(
+                name=name,
+                arguments=json.dumps(arguments, ensure_ascii=False),
+                id=call_id,
+                extra_content=None if extra is None else json.dumps(extra),
+            )
+        )
     return Reply(tool_calls=tuple(out))
 
 
@@ -376,6 +394,7 @@ class ScriptedModelServer:
         self._journal: list[dict[str, Any]] = []
         self._rejected: list[dict[str, Any]] = []
         self._received: list[dict[str, Any]] = []
+        self._extras: list[list[Any]] = []  #: per request: the extra_content of the calls it sent back
         self._matched: dict[int, int] = {}  #: how often each rule matched (fail_first counts)
         self._local = threading.local()  #: extra response headers of the request on this thread
         self._lock = threading.Lock()
@@ -440,11 +459,25 @@ class ScriptedModelServer:
         with self._lock:
             return [dict(entry) for entry in self._received]
 
+    def sent_back_extras(self) -> list[list[Any]]:
+        """Per request, the ``extra_content`` of every assistant tool call it carried."""
+        with self._lock:
+            return [list(e) for e in self._extras]
+
     def reset(self) -> None:
         with self._lock:
+            self._extras.clear()
             self._journal.clear()
             self._rejected.clear()
             self._received.clear()
+            self._matched.clear()
+
+    def set_script(self, script: Script) -> None:
+        """Answer by another script from now on (a provider that comes back after an outage);
+        the journal is kept, the ``fail_first`` counts start again."""
+        rules = load_script(script)
+        with self._lock:
+            self.rules = rules
             self._matched.clear()
 
     def take_headers(self) -> dict[str, str]:
@@ -484,6 +517,15 @@ class ScriptedModelServer:
                     ],
                 }
             )
+            self._extras.append(
+                [
+                    c["extra_content"]
+                    for m in body["messages"]
+                    if isinstance(m, dict) and m.get("role") == "assistant"
+                    for c in m.get("tool_calls") or ()
+                    if isinstance(c, dict) and "extra_content" in c
+                ]
+            )
         rule = next((r for r in self.rules if r.when.matches(request)), None)
         if rule is None:
             head = " ".join((request.system or "")[:SYSTEM_HEAD_CHARS].split()) or "(none)"
@@ -518,6 +560,7 @@ class ScriptedModelServer:
                     "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
+                    **({} if call.extra_content is None else {"extra_content": json.loads(call.extra_content)}),
                 }
                 for call in reply.tool_calls
             ]
@@ -526,7 +569,7 @@ class ScriptedModelServer:
         else:
             message_out["content"] = request.fill(reply.content or "")
             completion_chars = len(message_out["content"])
-            finish_reason = "stop"
+            finish_reason = reply.finish_reason
         prompt_tokens, completion_tokens = max(1, request.prompt_chars // 4), max(1, completion_chars // 4)
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -3,12 +3,15 @@
 One table per agent: ``[agents.NAME]`` with ``system_prompt``, optional ``tools`` (allow list of
 tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``deny``,
 ``max_rounds``, ``execution_mode`` (CLOUD | LOCAL), model options ``model``, ``temperature``,
-``max_tokens`` (sent as the chat-completions API names them; unset means the endpoint's default,
-and ``model`` defaults to MODEL_NAME), and ``mcp_servers`` (a list of ``{name, url}`` tables:
-streamable-HTTP MCP servers whose tools are offered as ``<name>__<tool>``), ``approve`` (tool
-names or globs, ``["refund_order", "travel__book*"]``: every call of a matching tool waits for a
-human decision) and ``approve_destructive`` (true: so does every MCP tool whose
-``destructiveHint`` is true or absent). A subagent's tools
+``max_tokens``, ``max_completion_tokens`` (the o-series and gpt-5 accept only this one) (sent
+as the chat-completions API names them; unset means the endpoint's default,
+and ``model`` defaults to MODEL_NAME), ``mcp_servers`` (a list of tables: ``{name, url}``
+for streamable HTTP, with optional ``headers``; ``{name, command, args, env, cwd}`` for a
+stdio server; ``timeout_seconds``, ``trust_annotations`` for both) whose tools are offered as
+``<name>__<tool>``; ``tools`` may name them (``travel__search``, or ``travel__*``) to offer only
+those; ``approve`` (tool names or globs, ``["refund_order", "travel__book*"]``: every call of a
+matching tool waits for a human decision) and ``approve_destructive`` (true: so does every MCP
+tool whose ``destructiveHint`` is true or absent). A subagent's tools
 never include ``delegate`` / ``delegate_followup`` (no recursive delegation: a child never delegates).
 
 ``load_at_start`` is what every process calls at start: it imports the tool modules and checks
@@ -17,6 +20,8 @@ every agent's tools, so that a configuration error stops the process before it t
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -39,11 +44,14 @@ _KEYS = {
     "model",
     "temperature",
     "max_tokens",
+    "max_completion_tokens",
     "mcp_servers",
     "approve",
     "approve_destructive",
 }
-_MCP_KEYS = {"name", "url", "timeout_seconds"}
+_MCP_KEYS = {"name", "url", "timeout_seconds", "command", "args", "env", "cwd", "headers", "trust_annotations"}
+#: ``${NAME}`` in an MCP server's headers, env and args: read from the environment at each use.
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 
 DEFAULT_AGENTS_TOML = """
@@ -68,11 +76,33 @@ max_rounds = 10
 
 @dataclass(frozen=True)
 class McpServer:
-    """An MCP server (streamable HTTP) whose tools an agent is offered as ``<name>__<tool>``."""
+    """An MCP server whose tools an agent is offered as ``<name>__<tool>``: streamable HTTP
+    (``url``, optional ``headers``) or a local process over stdio (``command``, ``args``,
+    ``env``, ``cwd``). ``${NAME}`` in headers, env and args is read from the environment at each
+    use (a token never sits in the configuration, and is never logged). Its tools' annotations
+    (``readOnlyHint``, ``idempotentHint``) decide whether a call interrupted by a crash runs
+    again only when ``trust_annotations`` is set: a server says what it likes about itself."""
 
     name: str
-    url: str
+    url: str = ""
     timeout_seconds: float = 10.0
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    cwd: str | None = None
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    trust_annotations: bool = False
+
+    def references(self) -> set[str]:
+        """The environment variables its headers, env and args name (``${NAME}``)."""
+        texts = [*self.args, *(v for _, v in self.env), *(v for _, v in self.headers)]
+        return {m.group(1) for t in texts for m in ENV_REFERENCE.finditer(t)}
+
+
+def expand(text: str) -> str:
+    """``text`` with every ``${NAME}`` replaced by the environment variable's value; KeyError
+    (naming the variable) when it is not set."""
+    return ENV_REFERENCE.sub(lambda m: os.environ[m.group(1)], text)
 
 
 @dataclass(frozen=True)
@@ -93,7 +123,9 @@ class AgentDef:
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers
-        that could be listed (a server that is down offers none until it is back)."""
+        that could be listed (a server that is down offers none until it is back). When
+        ``tools`` names tools of a server (``travel__search``, or a pattern ``travel__*``), only
+        those of that server are offered; a server it does not name offers all its tools."""
         names = [n for n in available if (self.tools is None or n in self.tools) and n not in self.deny]
         if subagent:
             names = [n for n in names if n not in DELEGATION_TOOLS]
@@ -101,8 +133,19 @@ class AgentDef:
             from harness.tools.mcp import server_tool_names
 
             for server in self.mcp_servers:
-                names.extend(n for n in server_tool_names(server) if n not in self.deny)
+                allowed = self.mcp_allow_list(server.name)
+                names.extend(
+                    n
+                    for n in server_tool_names(server)
+                    if n not in self.deny and (allowed is None or any(fnmatch.fnmatchcase(n, p) for p in allowed))
+                )
         return tuple(names)
+
+    def mcp_allow_list(self, server: str) -> tuple[str, ...] | None:
+        """The names and patterns of ``tools`` that name tools of ``server``; None when it names none."""
+        prefix = f"{server}__"
+        listed = tuple(n for n in self.tools or () if n.startswith(prefix))
+        return listed or None
 
 
 def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
@@ -170,13 +213,17 @@ def _model_options(at: str, table: dict[str, Any]) -> ModelOptions:
         isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2
     ):
         raise AgentConfigError(f"{at}.temperature must be a number between 0 and 2")
-    max_tokens = table.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise AgentConfigError(f"{at}.max_tokens must be a positive integer")
+    limits: dict[str, int | None] = {}
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = table.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise AgentConfigError(f"{at}.{key} must be a positive integer")
+        limits[key] = value
     return ModelOptions(
         model=model,
         temperature=float(temperature) if temperature is not None else None,
-        max_tokens=max_tokens,
+        max_tokens=limits["max_tokens"],
+        max_completion_tokens=limits["max_completion_tokens"],
     )
 
 
@@ -191,31 +238,73 @@ def _mcp_servers(at: str, raw: Any) -> tuple[McpServer, ...]:
         extra = set(entry) - _MCP_KEYS
         if extra:
             raise AgentConfigError(f"{where} has unknown keys {sorted(extra)}")
-        name, url = entry.get("name"), entry.get("url")
+        name, url, command = entry.get("name"), entry.get("url"), entry.get("command")
         if not isinstance(name, str) or not _MCP_NAME.match(name):
             raise AgentConfigError(f"{where}.name must be letters, digits, '-' and single '_'")
-        parts = urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise AgentConfigError(f"{where}.url must be an http:// or https:// URL")
+        if (url is None) == (command is None):
+            raise AgentConfigError(f"{where} needs exactly one of url (streamable HTTP) and command (stdio)")
+        if url is not None:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise AgentConfigError(f"{where}.url must be an http:// or https:// URL")
+            for key in ("args", "env", "cwd"):
+                if key in entry:
+                    raise AgentConfigError(f"{where}.{key} is for a stdio server (command), not a url")
+        else:
+            if not isinstance(command, str) or not command.strip():
+                raise AgentConfigError(f"{where}.command must be a non-empty string")
+            if "headers" in entry:
+                raise AgentConfigError(f"{where}.headers is for an HTTP server (url), not a command")
+        args = entry.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise AgentConfigError(f"{where}.args must be a list of strings")
+        env = _string_table(where, "env", entry.get("env", {}))
+        headers = _string_table(where, "headers", entry.get("headers", {}))
+        cwd = entry.get("cwd")
+        if cwd is not None and (not isinstance(cwd, str) or not cwd):
+            raise AgentConfigError(f"{where}.cwd must be a non-empty string")
+        trust = entry.get("trust_annotations", False)
+        if not isinstance(trust, bool):
+            raise AgentConfigError(f"{where}.trust_annotations must be true or false")
         timeout = entry.get("timeout_seconds", 10.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise AgentConfigError(f"{where}.timeout_seconds must be a number > 0")
         if any(s.name == name for s in servers):
             raise AgentConfigError(f"{where}: MCP server {name!r} is listed twice")
-        servers.append(McpServer(name=name, url=str(url), timeout_seconds=float(timeout)))
+        servers.append(
+            McpServer(
+                name=name,
+                url=str(url or ""),
+                timeout_seconds=float(timeout),
+                command=str(command or ""),
+                args=tuple(args),
+                env=env,
+                cwd=cwd,
+                headers=headers,
+                trust_annotations=trust,
+            )
+        )
     return tuple(servers)
 
 
+def _string_table(where: str, key: str, raw: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise AgentConfigError(f"{where}.{key} must be a table of strings")
+    return tuple(sorted(raw.items()))
+
+
 def _check_mcp_names(source: str, agents: dict[str, AgentDef]) -> None:
-    """One MCP server name means one URL in the whole file: a tool name ``<server>__<tool>``
-    must say which server runs it, whichever agent called it."""
-    seen: dict[str, tuple[str, str]] = {}
+    """One MCP server name means one server (URL or command, and its settings) in the whole
+    file: a tool name ``<server>__<tool>`` must say which server runs it, and how far its
+    annotations are trusted, whichever agent called it."""
+    seen: dict[str, tuple[str, McpServer]] = {}
     for agent in agents.values():
         for server in agent.mcp_servers:
-            first = seen.setdefault(server.name, (agent.name, server.url))
-            if first[1] != server.url:
+            first = seen.setdefault(server.name, (agent.name, server))
+            if first[1] != server:
+                what = "two URLs" if first[1].url != server.url else "two configurations"
                 raise AgentConfigError(
-                    f"{source}: MCP server {server.name!r} has two URLs (agents {first[0]} and {agent.name})"
+                    f"{source}: MCP server {server.name!r} has {what} (agents {first[0]} and {agent.name})"
                 )
 
 
@@ -260,11 +349,22 @@ def load_at_start() -> dict[str, AgentDef]:
         raise AgentConfigError(f"{exc}{listed}") from None
     where = f"modules loaded: {', '.join(modules)}" if modules else "no tool module loaded (TOOL_MODULES is empty)"
     for agent in agents.values():
+        servers = {s.name for s in agent.mcp_servers}
         for name in (*(agent.tools or ()), *(n for n in agent.deny if MCP_SEPARATOR not in n)):
+            if MCP_SEPARATOR in name and name.split(MCP_SEPARATOR, 1)[0] in servers:
+                continue  # a tool (or pattern) of one of its MCP servers: known when it is listed
             if name not in REGISTRY:
                 raise AgentConfigError(
                     f"agent {agent.name!r} lists tool {name!r}, which no tool module defines ({where}; "
                     "built-ins: delegate, delegate_followup, echo, wait)"
+                )
+    for agent in agents.values():
+        for server in agent.mcp_servers:
+            missing = sorted(v for v in server.references() if v not in os.environ)
+            if missing:
+                raise AgentConfigError(
+                    f"agent {agent.name!r}: MCP server {server.name!r} reads environment variable(s) "
+                    f"{', '.join(missing)}, which are not set"
                 )
     configure([s for a in agents.values() for s in a.mcp_servers])
     return agents

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -81,23 +81,23 @@ def localize(reply: ModelReply, *, session_id: int | None = None) -> tuple[Model
         if isinstance(call, LocalCall):
             calls.append(call)
             continue
-        local = LocalCall(new_call_id(), call.name, call.arguments, provider_id=call.id)
+        local = LocalCall(new_call_id(), call.name, call.arguments, call.extra, provider_id=call.id)
         if call.id in seen:
             refused[local.id] = duplicate_result(call.id)
             log_event(log, "duplicate_tool_call_id", logging.WARNING, session_id=session_id, tool=call.name)
         seen.add(call.id)
         calls.append(local)
-    return ModelReply(reply.content, tuple(calls), reply.prompt_tokens, reply.completion_tokens), refused
+    return replace(reply, tool_calls=tuple(calls)), refused
 
 
 def call_of(stored: dict[str, Any]) -> ToolCall:
     """A stored call (OpenAI format) as the loops handle it: a LocalCall when it has a
-    provider id, else a legacy call under the provider's id."""
-    fn = stored.get("function") or {}
-    name, arguments = str(fn.get("name")), str(fn.get("arguments") or "")
+    provider id, else a legacy call under the provider's id. The provider's own fields of the
+    call (``extra``) are kept either way."""
+    call = ToolCall.from_openai({k: v for k, v in stored.items() if k != PROVIDER_ID})
     if PROVIDER_ID in stored:
-        return LocalCall(str(stored["id"]), name, arguments, provider_id=str(stored[PROVIDER_ID]))
-    return ToolCall(str(stored["id"]), name, arguments)
+        return LocalCall(call.id, call.name, call.arguments, call.extra, provider_id=str(stored[PROVIDER_ID]))
+    return call
 
 
 _namespaces: dict[str, str] = {}

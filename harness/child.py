@@ -22,13 +22,14 @@ from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
-from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, infrastructure_boundary
+from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
 from harness.history import Compaction
 from harness.journal import RoundInFlight, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
+from harness.outage import model_answered, wait_for_model
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception
 from harness.tools import tool_names
@@ -76,6 +77,8 @@ class ChildInfo:
     parent_tool_call_id: str | None = None
     final_message_id: int | None = None
     child_phase: Phase | None = None
+    #: When the child session began waiting for the model (None: it is not waiting).
+    model_outage_since: datetime | None = None
 
 
 def timeout_reason() -> str:
@@ -108,6 +111,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
         parent_tool_call_id=row.parent_tool_call_id,
         final_message_id=row.final_message_id,
         child_phase=row.phase,
+        model_outage_since=row.model_outage_since,
     )
 
 
@@ -132,6 +136,7 @@ def _load_child_stmt() -> Any:
             E.parent_tool_call_id,
             E.final_message_id,
             S.phase,
+            S.model_outage_since,
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == bindparam("b_eid"))
@@ -148,6 +153,7 @@ class ChildOutcome(StrEnum):
     COMPLETED = "completed"  #: the final answer was committed with the execution COMPLETED
     COMPLETED_FROM_FINAL = "completed_from_final"  #: recovery found the final answer committed (R20)
     FAILED = "failed"  #: a FAILED result was committed (model/tool error, max_rounds, bad history)
+    WAITING_MODEL = "waiting_model"  #: the model is down: nothing written, recovered after a back-off
     TIMED_OUT = "timed_out"  #: recovery found the absolute deadline passed: FAILED committed (R6)
     CANCELLED = "cancelled"  #: the child session was cancelled: CANCELLED committed
     #: a tool call waits for a human decision: the execution's lease is released, its child session
@@ -232,8 +238,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
             with Heartbeat(fence):
                 final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first)
             usage = Usage(final.prompt_tokens, final.completion_tokens)
-            state = finish_child(info, epoch, Completed(final.content or ""), usage=usage)
-            return ChildEnd(ChildOutcome.COMPLETED, state) if state else ChildEnd(ChildOutcome.LOST)
+            result, outcome = _final_result(final)
+            state = finish_child(info, epoch, result, usage=usage)
+            return ChildEnd(outcome, state) if state else ChildEnd(ChildOutcome.LOST)
         return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Parked:
         after_child_parked(execution_id, info.child_session_id, epoch)  # the heartbeat has stopped
@@ -247,10 +254,36 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason))
     except Exception as exc:
+        if isinstance(exc, ModelUnavailable) and exc.transient:
+            with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
+                waiting = wait_for_model(fence, info.child_session_id, execution_id=execution_id, deadline=deadline)
+            if fault:
+                return ChildEnd(ChildOutcome.INFRA_ERROR)
+            if waiting:
+                return ChildEnd(ChildOutcome.WAITING_MODEL)
         log_event(
             log, "child_failed", logging.WARNING, exc_info=True, execution_id=execution_id, error=type(exc).__name__
         )
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(f"subagent failed: {describe_exception(exc)}"))
+
+
+#: Why an answer the model did not finish is not the child's result, by ``ModelReply.incomplete``.
+INCOMPLETE_REASONS = {
+    "length": "the model's answer was cut off at its token limit (finish_reason length)",
+    "content_filter": "the provider's content filter withheld the model's answer (finish_reason content_filter)",
+    "refusal": "the model refused the task",
+}
+
+
+def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:
+    """The execution's end for the model's final answer: an answer cut off, filtered or refused
+    is never a success; the execution fails with the reason, and the partial text is kept in
+    its result."""
+    incomplete = final.incomplete
+    if incomplete is None:
+        return Completed(final.content or ""), ChildOutcome.COMPLETED
+    partial = final.content or final.refusal or ""
+    return Failed(INCOMPLETE_REASONS[incomplete], partial=partial), ChildOutcome.FAILED
 
 
 def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result: Failed | Stopped) -> ChildEnd:
@@ -290,6 +323,7 @@ def _child_rounds(
         in_flight = resume(fence, info.child_session_id) if fence.epoch >= 2 else None
         first_view = None
     gate = Gate(agent, execution_id=info.execution_id, not_after=deadline)
+    model_waiting = info.model_outage_since is not None
     for _ in range(agent.max_rounds):
         fence.raise_if_stopped()
         if utcnow() >= deadline:
@@ -303,6 +337,9 @@ def _child_rounds(
         else:
             view, first_view = first_view or model_messages(info.child_session_id, agent), None
             reply = ask(deps, view, allowed, deadline, agent.model_options)
+            if model_waiting:
+                model_answered(info.child_session_id)
+                model_waiting = False
             if not reply.tool_calls:
                 return reply
             rnd = journal_reply(fence, info.child_session_id, reply, approval=gate)

@@ -122,9 +122,11 @@ class Completed:
 @dataclass(frozen=True)
 class Failed:
     """The child ended without an answer (a model or tool error, max_rounds, the deadline, an
-    unrecoverable history): ``reason`` is the result's error text."""
+    unrecoverable history): ``reason`` is the result's error text; ``partial`` the text of an
+    answer the model did not finish (cut off, filtered, refused), kept in the result."""
 
     reason: str
+    partial: str | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,7 @@ def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Par
         reason=result.reason,
         cancelled=stopped,
         followup=followup,
+        partial=result.partial if isinstance(result, Failed) else None,
     )
     if stopped:
         return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion)

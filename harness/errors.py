@@ -24,11 +24,13 @@ class BoundaryInvalid(HarnessError):
 
 
 class ModelUnavailable(HarnessError):
-    """The model endpoint could not be reached or answered with an error."""
+    """The model endpoint could not be reached or answered with an error. ``transient``: an
+    outage (unreachable, overloaded, a server error), not a refusal of this request."""
 
-    def __init__(self, message: str | None = None, *, code: str = "model_unavailable") -> None:
+    def __init__(self, message: str | None = None, *, code: str = "model_unavailable", transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.transient = transient
 
 
 class AgentConfigError(HarnessError):
@@ -51,26 +53,62 @@ class DeadlineExceeded(HarnessError):
     """The absolute deadline of this execution has passed."""
 
 
+#: Driver errors that mean the statement itself is wrong (bad data, a broken constraint, SQL
+#: that does not fit the schema): running it again fails again, so they end a run with a reason.
+_DETERMINISTIC_DB = ("DataError", "IntegrityError", "ProgrammingError", "NotSupportedError")
+
+
 def is_infrastructure_error(exc: BaseException) -> bool:
-    """True for a database, Redis or broker fault: never to be recorded as a result. A lost
-    lease (``LeaseLost``) is a fact about ownership, not a fault of the infrastructure."""
+    """True for a CONNECTION-level fault of our own database, Redis or broker: never recorded as
+    a result, the work is left to the scan. A statement that cannot succeed (DataError,
+    IntegrityError, ProgrammingError) is not one: running it again fails again, so it ends the
+    run with a reason. A lost lease (``LeaseLost``) is a fact about ownership, not a fault.
+
+    Only exceptions raised by our own writes reach this question: an exception raised inside a
+    user's tool is that call's TOOL result whatever its module (``harness.tools.registry``)."""
     from sqlalchemy import exc as sa_exc
 
     from models.errors import LeaseLost
 
     if isinstance(exc, HarnessError | LeaseLost):
         return False  # the model, a tool, the deadline: those are results; a lost lease stops
-    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
-        return True
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError | sa_exc.ProgrammingError | sa_exc.NotSupportedError):
+        return False
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.TimeoutError):
         return True
     if isinstance(exc, sa_exc.InternalError | sa_exc.ResourceClosedError):
         return True  # e.g. "current transaction is aborted" after a cut, a closed cursor
-    mod = type(exc).__module__
-    if mod.startswith(("redis.", "kombu.", "amqp.", "psycopg2")):
+    if _is_connection_fault(exc):
         return True
     cause = exc.__cause__ or exc.__context__
     return cause is not None and cause is not exc and is_infrastructure_error(cause)
+
+
+def _is_connection_fault(exc: BaseException) -> bool:
+    """A driver's or a broker client's own connection error (raised outside SQLAlchemy)."""
+    mod = type(exc).__module__
+    name = type(exc).__name__
+    if mod.startswith("psycopg2"):
+        return name not in _DETERMINISTIC_DB and isinstance(exc, _psycopg2_connection_errors())
+    if mod.startswith("redis"):
+        import redis.exceptions as rx
+
+        return isinstance(exc, rx.ConnectionError | rx.TimeoutError | rx.BusyLoadingError)
+    if mod.startswith(("kombu", "amqp")):
+        import amqp.exceptions as ax
+        from kombu.exceptions import OperationalError as KombuOperationalError
+
+        broker = (KombuOperationalError, ax.ConnectionError, ax.RecoverableConnectionError)
+        return isinstance(exc, (*broker, ConnectionError, TimeoutError))
+    return isinstance(exc, ConnectionError)  # the OS's: refused, reset, broken pipe
+
+
+def _psycopg2_connection_errors() -> tuple[type[BaseException], ...]:
+    import psycopg2
+
+    return (psycopg2.OperationalError, psycopg2.InterfaceError, psycopg2.InternalError)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from harness.tools import lookup, run_inline
 from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
+from settings import get_settings
 
 if TYPE_CHECKING:
     from harness.approval import Gate
@@ -237,6 +238,10 @@ def run_tools(
             log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name)
             out[call.id] = interrupted_result(call)
             continue
+        if safe and rnd.replayed and not _may_run_again(fence, entry, call):
+            log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name, reason="max_reruns")
+            out[call.id] = interrupted_result(call)
+            continue
         if not safe:
             with transaction() as s:
                 fence.check(s)
@@ -267,6 +272,18 @@ def _journal_result(fence: Fence, entry: int, call: ToolCall, result: str, safe:
         fence.check(s)
         store.mark_finished(s, entry, call.id, result, tool_name=call.name, repeatable=safe)
     crash_point("journal.after_tool_result")
+
+
+def _may_run_again(fence: Fence, entry: int, call: ToolCall) -> bool:
+    """Count one more run of a repeatable call in a round a recovered loop continues; False when
+    that would pass TOOL_MAX_RERUNS. A repeatable call journals no start on the first run (no
+    extra commit on the normal path), so the count is of re-runs: a call that kills its worker
+    every time (a poison round) is run at most 1 + TOOL_MAX_RERUNS times, then reported
+    interrupted."""
+    with transaction() as s:
+        fence.check(s)
+        reruns = store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=True)
+    return reruns <= get_settings().TOOL_MAX_RERUNS
 
 
 def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dict[str, str]) -> None:

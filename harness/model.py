@@ -6,14 +6,23 @@ Every failure leaves this module as ``ModelUnavailable`` with one of these codes
 the endpoint and the HTTP status; they never hold the API key or text of the request messages
 (an error body that echoes the prompt is redacted before it is summarized).
 
-Retries (as a real provider's client does): HTTP 429, every 5xx and a connection error
-(``connect``: the endpoint could not be reached, or dropped the connection) are retried with
-exponential backoff and jitter, honouring ``Retry-After`` (seconds or an HTTP date), at most
-``max_retries`` times, and only while the wait still ends before the absolute deadline the call
-was given and within ``retry_max_seconds`` of the first attempt. A wait that would cross either
-gives up at once with the last error. Other 4xx, a read timeout and an answer that is not a chat
-completion fail at once. Each retry is one ``event=model_retry`` log line (status, code,
-attempt, wait), never message content.
+Retries (as the official openai client does): HTTP 408, 409, 429, every 5xx, a connection
+error (``connect``: the endpoint could not be reached, or dropped the connection), an answer
+with ``x-should-retry: true`` whatever its status (``x-should-retry: false`` is never retried),
+and an HTTP 200 whose body is an error object instead of a chat completion (``provider_error``:
+OpenRouter forwards an upstream failure that way) are retried with exponential backoff and
+jitter, honouring ``Retry-After`` (seconds or an HTTP date), at most ``max_retries`` times, and
+only while the wait still ends before the absolute deadline the call was given and within
+``retry_max_seconds`` of the first attempt. A wait that would cross either gives up at once with
+the last error. Other 4xx, a read timeout and an answer that is not a chat completion fail at
+once. Each retry is one ``event=model_retry`` log line (status, code, attempt, wait), never
+message content.
+
+``ModelUnavailable.transient`` says whether the failure is an outage (the endpoint unreachable,
+a read timeout, 408, 429, 502, 503, 504 and other 5xx, an error object in a 200) rather than an
+answer about this request (other 4xx, and a 409, 500, 501 or 505 that persists through the
+retries): the loops do not fail a session on an outage, they resume it later
+(harness.outage).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -54,18 +63,29 @@ _ERRNO_REASON = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
 DEFAULT_RETRY_BASE_SECONDS = 0.5
 #: Longest backoff between two attempts when the server gives no Retry-After.
 RETRY_BACKOFF_CAP_SECONDS = 8.0
-#: HTTP statuses worth another attempt (besides every 5xx).
-_RETRY_STATUSES = frozenset({429})
+#: HTTP statuses worth another attempt (besides every 5xx), as the official openai client has them.
+_RETRY_STATUSES = frozenset({408, 409, 429})
+#: Retried statuses that still are not an outage when they persist through the retries: the
+#: server answered about THIS request (a 500 it raises on every try, a conflict), so the run fails
+#: with the reason instead of waiting for a provider that is up.
+_NOT_OUTAGE_STATUSES = frozenset({409, 500, 501, 505})
+#: finish_reason values that say the answer is not the model's whole answer.
+INCOMPLETE_FINISH_REASONS = frozenset({"length", "content_filter", "refusal"})
+#: Keys of a tool call that the client reads; every other key (Gemini's ``extra_content`` with
+#: its thought signature) is kept as the provider sent it and sent back unchanged.
+_TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
 
 
 @dataclass(frozen=True)
 class ModelOptions:
     """Per-agent options of a chat completion (AGENTS_FILE ``model``, ``temperature``,
-    ``max_tokens``); None leaves the endpoint's default (``model``: the client's MODEL_NAME)."""
+    ``max_tokens``, ``max_completion_tokens``: the o-series and gpt-5 take only the latter);
+    None leaves the endpoint's default (``model``: the client's MODEL_NAME)."""
 
     model: str | None = None
     temperature: float | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,10 +95,21 @@ class ToolCall:
     id: str
     name: str
     arguments: str  #: JSON text as the model sent it
+    #: The provider's own fields of the call (Gemini's ``extra_content`` thought signature),
+    #: kept as sent: the provider wants them back with the call.
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def to_openai(self) -> dict[str, Any]:
         """The call as an assistant message carries it in the OpenAI format."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {**self.extra, **call} if self.extra else call
+
+    @classmethod
+    def from_openai(cls, call: dict[str, Any]) -> ToolCall:
+        """The call from its OpenAI form as ``to_openai`` wrote it (a journal, a history row)."""
+        function = call.get("function") or {}
+        extra = {k: v for k, v in call.items() if k not in _TOOL_CALL_KEYS}
+        return cls(str(call["id"]), str(function.get("name")), str(function.get("arguments") or ""), extra)
 
 
 @dataclass(frozen=True)
@@ -89,6 +120,18 @@ class ModelReply:
     tool_calls: tuple[ToolCall, ...]
     prompt_tokens: int
     completion_tokens: int
+    #: Why the model stopped ("stop", "tool_calls", "length", "content_filter", ...; None: not said).
+    finish_reason: str | None = None
+    #: The model's refusal text, when it refused (OpenAI's ``message.refusal``).
+    refusal: str | None = None
+
+    @property
+    def incomplete(self) -> str | None:
+        """Why this answer is not the model's whole answer ("length": cut off, "content_filter":
+        filtered, "refusal": refused), or None when it is."""
+        if self.refusal:
+            return "refusal"
+        return self.finish_reason if self.finish_reason in INCOMPLETE_FINISH_REASONS else None
 
 
 def _session_for(url: str) -> requests.Session:
@@ -176,6 +219,8 @@ class ModelClient:
             body["temperature"] = options.temperature
         if options is not None and options.max_tokens is not None:
             body["max_tokens"] = options.max_tokens
+        if options is not None and options.max_completion_tokens is not None:
+            body["max_completion_tokens"] = options.max_completion_tokens
         if tools:
             body["tools"] = tools
         # Serialized here so that a message that is not JSON is a programming error (TypeError),
@@ -230,21 +275,28 @@ class ModelClient:
                 self._url, data=data, headers=headers, timeout=(connect, read), allow_redirects=False
             )
         except requests.ConnectTimeout as exc:
-            error = self._unavailable(f"could not connect to {self._where} within {connect:g}s", "connect")
+            error = self._unavailable(
+                f"could not connect to {self._where} within {connect:g}s", "connect", transient=True
+            )
             raise _Retryable(error, None, None) from exc
         except requests.Timeout as exc:
-            raise self._unavailable(f"{self._where} did not answer within {read:g}s", "timeout") from exc
+            raise self._unavailable(
+                f"{self._where} did not answer within {read:g}s", "timeout", transient=True
+            ) from exc
         except requests.RequestException as exc:
-            error = self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect")
+            error = self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect", transient=True)
             raise _Retryable(error, None, None) from exc
         duration_ms = int((time.monotonic() - started) * 1000)
         status = response.status_code
+        should_retry = _should_retry(response.headers.get("x-should-retry"))
         if not 200 <= status < 300:
             code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
             log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
-            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code)
-            if status in _RETRY_STATUSES or status >= 500:
+            retry = should_retry if should_retry is not None else status in _RETRY_STATUSES or status >= 500
+            outage = retry and status not in _NOT_OUTAGE_STATUSES
+            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code, transient=outage)
+            if retry:
                 raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
             raise error
         try:
@@ -253,6 +305,17 @@ class ModelClient:
             raise self._unavailable(
                 f"{self._where} answered HTTP {status} with a body that is not JSON", "bad_response"
             ) from exc
+        if isinstance(payload, dict) and payload.get("error") and not payload.get("choices"):
+            # An error object in a 200 (OpenRouter forwards an upstream failure this way).
+            summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
+            log_event(log, "model_call_failed", status=status, error_code="provider_error", duration_ms=duration_ms)
+            retry = should_retry is not False
+            error = self._unavailable(
+                f"{self._where} answered HTTP {status} with an error: {summary}", "provider_error", transient=retry
+            )
+            if retry:
+                raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
+            raise error
         reply = self._parse(payload)
         log_event(
             log,
@@ -266,10 +329,10 @@ class ModelClient:
         )
         return reply
 
-    def _unavailable(self, message: str, code: str) -> ModelUnavailable:
+    def _unavailable(self, message: str, code: str, *, transient: bool = False) -> ModelUnavailable:
         if self._api_key:
             message = message.replace(self._api_key, _REDACTED)
-        return ModelUnavailable(message, code=code)
+        return ModelUnavailable(message, code=code, transient=transient)
 
     def _parse(self, payload: Any) -> ModelReply:
         def bad(what: str) -> ModelUnavailable:
@@ -286,6 +349,8 @@ class ModelClient:
         content = message.get("content")
         if content is not None and not isinstance(content, str):
             raise bad("message content that is not text")
+        refusal = message.get("refusal")
+        finish_reason = choices[0].get("finish_reason")
         raw_calls = message.get("tool_calls") or []
         if not isinstance(raw_calls, list):
             raise bad("tool_calls that are not a list")
@@ -303,6 +368,8 @@ class ModelClient:
             tool_calls=tuple(calls),
             prompt_tokens=_count(usage.get("prompt_tokens")),
             completion_tokens=_count(usage.get("completion_tokens")),
+            finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            refusal=refusal if isinstance(refusal, str) and refusal else None,
         )
 
 
@@ -335,6 +402,14 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def _should_retry(value: str | None) -> bool | None:
+    """The server's ``x-should-retry`` header: True/False when it says, None when it does not."""
+    if value is None:
+        return None
+    value = value.strip().lower()
+    return True if value == "true" else False if value == "false" else None
+
+
 def _parse_tool_call(raw: Any) -> ToolCall | None:
     """None when the call has no function name. A missing id is made up (some servers omit it);
     arguments sent as an object are re-encoded as JSON text."""
@@ -354,7 +429,8 @@ def _parse_tool_call(raw: Any) -> ToolCall | None:
     call_id = raw.get("id")
     if not isinstance(call_id, str) or not call_id:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
-    return ToolCall(id=call_id, name=name, arguments=arguments)
+    extra = {k: v for k, v in raw.items() if k not in _TOOL_CALL_KEYS}
+    return ToolCall(id=call_id, name=name, arguments=arguments, extra=extra)
 
 
 def _count(value: Any) -> int:

@@ -29,13 +29,14 @@ from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, park, refuse_beside_delegation
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
-from harness.errors import Cancelled, infrastructure_boundary
+from harness.errors import Cancelled, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume, resume_in
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
+from harness.outage import model_answered, wait_for_model
 from harness.scheduler import Handed
 from harness.tools import run_inline, tool_names
 from logfmt import log_event
@@ -55,6 +56,7 @@ class RunOutcome(StrEnum):
     WAITING_APPROVAL = "waiting_approval"  #: a tool call waits for a human decision; the lease is released
     FAILED = "failed"  #: the run ended the session FAILED (a model/tool error, max_rounds)
     CANCELLED = "cancelled"  #: the session was cancelled; the lease is released
+    WAITING_MODEL = "waiting_model"  #: the model is down: nothing written, resumed after a back-off
     LOST = "lost"  #: the lease was lost mid-run: nothing more written
     INFRA_ERROR = "infra_error"  #: a database/broker fault: nothing written, the scan resumes it
 
@@ -74,9 +76,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         )
         agent_type: str | None = None
         in_flight = first_view = None
+        model_waiting = False
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             row = s.execute(_run_facts_stmt(), {"b_sid": session_id}).one()
             agent_type = row.agent_type
+            model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there.
             in_flight = resume_in(s, session_id, new_epoch)
@@ -97,7 +101,9 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
         # resumes the session (R18). The boundary stops it before the handlers below.
         with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
-            return _parent_rounds(session_id, fence, agent, allowed, deps, first_view, in_flight)
+            return _parent_rounds(
+                session_id, fence, agent, allowed, deps, first_view, in_flight, model_waiting=model_waiting
+            )
         return RunOutcome.INFRA_ERROR
     except LeaseLost:
         log_event(log, "agent_run_lost", session_id=session_id, epoch=new_epoch)
@@ -106,6 +112,13 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         _release(fence, None)
         return RunOutcome.CANCELLED
     except Exception as exc:
+        if isinstance(exc, ModelUnavailable) and exc.transient:
+            with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault:
+                waiting = wait_for_model(fence, session_id)
+            if fault:
+                return RunOutcome.INFRA_ERROR
+            if waiting:
+                return RunOutcome.WAITING_MODEL
         log_event(
             log, "agent_run_failed", logging.WARNING, exc_info=True, session_id=session_id, error=type(exc).__name__
         )
@@ -116,7 +129,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 @built_once
 def _run_facts_stmt() -> Any:
     S = AgentSession
-    return select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary).where(
+    return select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary, S.model_outage_since).where(
         S.id == bindparam("b_sid")
     )
 
@@ -136,6 +149,8 @@ def _parent_rounds(
     deps: LoopDeps,
     view: list[dict[str, Any]] | None = None,
     in_flight: RoundInFlight | None = None,
+    *,
+    model_waiting: bool = False,
 ) -> RunOutcome:
     gate = Gate(agent)
     for _ in range(agent.max_rounds):
@@ -145,6 +160,9 @@ def _parent_rounds(
         else:
             reply = ask(deps, view or model_messages(session_id, agent), allowed, None, agent.model_options)
             view = None
+            if model_waiting:
+                model_answered(session_id)
+                model_waiting = False
             if not reply.tool_calls:
                 with transaction() as s:
                     # The release is the fence (one statement); when it does not land the

@@ -53,7 +53,9 @@ def failure_result(
     reason: str,
     cancelled: bool = False,
     followup: dict[str, Any] | None = None,
+    partial: str | None = None,
 ) -> dict[str, Any]:
+    """``partial``: the text of an answer the model did not finish, kept as ``partial_result``."""
     reason = safe_reason(reason)
     result: dict[str, Any] = {
         "success": False,
@@ -63,6 +65,8 @@ def failure_result(
         "result": reason,
         "error": reason,
     }
+    if partial is not None:
+        result["partial_result"] = partial
     if followup:
         result.update(followup)
     return result

@@ -223,17 +223,18 @@ def calls_of(s: Session, journal_id: int) -> list[RoundJournalCall]:
     return list(s.execute(select(RoundJournalCall).where(RoundJournalCall.journal_id == journal_id)).scalars())
 
 
-def mark_started(s: Session, journal_id: int, tool_call_id: str, *, tool_name: str, repeatable: bool) -> None:
-    """Record one start of a tool call (STARTED, starts + 1). A call with a journaled result is
-    never started again; the caller holds the fence of the entry's epoch."""
+def mark_started(s: Session, journal_id: int, tool_call_id: str, *, tool_name: str, repeatable: bool) -> int:
+    """Record one start of a tool call (STARTED, starts + 1); returns how many starts the call
+    has now. A call with a journaled result is never started again; the caller holds the fence
+    of the entry's epoch."""
     C = RoundJournalCall
-    rows = cas(
-        s,
+    starts = s.execute(
         update(C)
         .where(C.journal_id == journal_id, C.tool_call_id == tool_call_id, C.status == CallStatus.STARTED)
-        .values(starts=C.starts + 1, started_at=utcnow()),
-    )
-    if rows == 0:
+        .values(starts=C.starts + 1, started_at=utcnow())
+        .returning(C.starts)
+    ).scalar_one_or_none()
+    if starts is None:
         s.execute(
             insert(C).values(
                 journal_id=journal_id,
@@ -245,6 +246,8 @@ def mark_started(s: Session, journal_id: int, tool_call_id: str, *, tool_name: s
                 started_at=utcnow(),
             )
         )
+        return 1
+    return int(starts)
 
 
 def mark_finished(

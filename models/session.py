@@ -39,6 +39,13 @@ class AgentSession(Base):
         CheckConstraint(check_in("phase", Phase, nullable=True), name="phase"),
         Index("ix_agent_session_parent", "parent_session_id"),
         Index("ix_agent_session_phase", "phase"),
+        # Sessions waiting for the model (models.outage): status and the metric count them.
+        Index(
+            "ix_agent_session_model_outage",
+            "model_outage_since",
+            postgresql_where=text("model_outage_since IS NOT NULL"),
+            sqlite_where=text("model_outage_since IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -58,6 +65,9 @@ class AgentSession(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
     lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: When the model became unreachable for this session's run (an outage longer than the
+    #: client's retries); NULL while the model answers (models.outage).
+    model_outage_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

@@ -88,6 +88,11 @@ WHERE status IN ('RUNNING', 'RECOVERING') AND delivery_status <> 'PENDING' AND c
 GROUP BY status, delivery_status
 """
 OPEN_ROUNDS_SQL = "SELECT count(*) FROM pending_round WHERE closed_at IS NULL"
+#: Active sessions waiting for the model through an outage (ix_agent_session_model_outage).
+WAITING_FOR_MODEL_SQL = """
+SELECT count(*) FROM agent_session
+WHERE model_outage_since IS NOT NULL AND phase IN ('RUNNING', 'RESUMING')
+"""
 #: IN_PROGRESS field invocations and the stale ones (ix_field_recovery_invocation_in_progress).
 FIELD_LIVE_SQL = """
 SELECT count(*),
@@ -239,12 +244,19 @@ class RecoveryCollector(Collector):
 
     def _rounds(self, conn: Connection) -> list[Metric]:
         count = conn.execute(text(OPEN_ROUNDS_SQL)).scalar_one()
+        waiting = conn.execute(text(WAITING_FOR_MODEL_SQL)).scalar_one()
         return [
             GaugeMetricFamily(
                 _name("pending_rounds_open"),
                 "Parent tool-call rounds waiting for their children (pending_round not closed)",
                 value=float(count),
-            )
+            ),
+            GaugeMetricFamily(
+                _name("sessions_waiting_for_model"),
+                "Active sessions whose run ended in a model outage longer than the retry window; "
+                "each is resumed after a back-off until MODEL_OUTAGE_MAX_SECONDS or its deadline",
+                value=float(waiting),
+            ),
         ]
 
     def _approvals(self, conn: Connection) -> list[Metric]:

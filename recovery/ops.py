@@ -163,6 +163,7 @@ def status_report() -> dict[str, Any]:
         "expired_leases_not_picked_up": int(unpicked),
         "stale_field_keys": _stale_field_keys(),
         "worker_name_conflicts": worker_name_conflicts(),
+        "sessions_waiting_for_model": _waiting_for_model(),
         **_approvals(now),
     }
 
@@ -184,6 +185,14 @@ def _approvals(now: datetime) -> dict[str, Any]:
         "approvals_pending": int(count),
         "oldest_pending_approval_age_seconds": None if oldest is None else round((now - oldest).total_seconds(), 1),
     }
+
+
+def _waiting_for_model() -> int:
+    """Active sessions whose run ended in a model outage: resumed after a back-off."""
+    from models.outage import waiting_for_model
+
+    with transaction() as s:
+        return waiting_for_model(s)
 
 
 def worker_name_conflicts() -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@
 - ``context``: ``ToolContext`` (session, call id, deadline, cancellation, idempotency key).
 - ``builtins``: ``delegate`` / ``delegate_followup`` (specs only), ``echo``, ``wait``.
 - ``loading``: user modules (``TOOL_MODULES``, entry point group ``agent_recovery.tools``).
-- ``mcp``: tools of MCP servers (streamable HTTP) an agent lists.
+- ``mcp``: tools of MCP servers (streamable HTTP or stdio) an agent lists.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def echo(text: str) -> str:
 WAIT_STEP_SECONDS = 0.1
 
 
-@tool
+@tool(timeout_seconds=24 * 3600 + 60)
 def wait(ctx: ToolContext, seconds: Annotated[float, Field(ge=0, le=24 * 3600)] = 1) -> str:
     """Wait the given number of seconds."""
     # Sleeps in small steps, honouring cancellation and the deadline. A child's wait is where

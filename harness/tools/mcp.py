@@ -1,14 +1,21 @@
-"""Tools of MCP servers (streamable HTTP), through the official ``mcp`` SDK.
+"""Tools of MCP servers, through the official ``mcp`` SDK: streamable HTTP (``url``, optional
+``headers`` with ``${NAME}`` read from the environment) and local processes over stdio
+(``command``, ``args``, ``env``, ``cwd``), the most common kind.
 
 An agent lists servers in AGENTS_FILE (``mcp_servers = [{name = "files", url = "..."}]``); tool
 ``read`` of server ``files`` is offered to the model as ``files__read``, beside the Python tools.
+A tool whose offered name is not ^[a-zA-Z0-9_-]{1,64}$ is not offered (the log names it).
 
 - The server's listing is read when a loop starts (``AgentDef.tool_names``) and kept
   LISTING_TTL_SECONDS (a failed listing FAILED_LISTING_TTL_SECONDS, so a server that comes back
   is noticed soon). A call opens its own session: a worker holds no MCP connection between rounds.
-- The tool annotations decide the crash behaviour: ``readOnlyHint`` -> ``read_only``,
-  ``idempotentHint`` -> ``idempotent`` (absent: neither). The call carries the call's
+- The tool annotations decide the crash behaviour only when the agent trusts the server
+  (``trust_annotations = true``): ``readOnlyHint`` -> ``read_only``, ``idempotentHint`` ->
+  ``idempotent``; otherwise (and when absent) neither. The call carries the call's
   ``idempotency_key`` in ``_meta`` (IDEMPOTENCY_META_KEY) for a server that deduplicates.
+- A call that fails before it reached the server (refused connection, a command that cannot
+  start) is a TOOL error; one that fails after it was sent (a timeout, a dropped stream) is
+  "interrupted: may or may not have taken effect", as a crash-interrupted call is.
 - A server that is down never fails the session: while it is down its tools are not offered,
   and a call of one (a listing from before, or a model that remembers it) is a TOOL error result
   naming the server and the error type. A result with ``isError`` is a TOOL error with its text.
@@ -21,13 +28,15 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from crashpoints import crash_point
 from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
-from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message
+from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message, valid_tool_name
 from logfmt import log_event
 
 if TYPE_CHECKING:
@@ -43,8 +52,10 @@ LISTING_TTL_SECONDS = 60.0
 FAILED_LISTING_TTL_SECONDS = 5.0
 #: ``_meta`` key of a tools/call that carries ToolContext.idempotency_key.
 IDEMPOTENCY_META_KEY = "io.agent-recovery/idempotency-key"
-#: OpenAI function names: at most 64 of [A-Za-z0-9_-].
-_MAX_NAME = 64
+#: Errors that mean the call never reached the server (it cannot have taken effect).
+_NOT_SENT = frozenset({"ConnectError", "ConnectTimeout", "FileNotFoundError", "PermissionError", "KeyError"})
+#: How much longer than the server's own timeout the call's thread is given (tool timeout).
+_CALL_MARGIN_SECONDS = 10.0
 
 
 class McpUnavailable(ToolError):
@@ -146,11 +157,42 @@ def _listing(server: McpServer) -> _Listing:
     return listing
 
 
-async def _list_tools(server: McpServer) -> list[Tool]:
+@asynccontextmanager
+async def _client(server: McpServer) -> AsyncIterator[Any]:
+    """A connected client of the server (a new session: a stdio server is a new process)."""
     from mcp import Client
 
+    from harness.agents import expand
+
+    if server.command:
+        from mcp import StdioServerParameters
+
+        params = StdioServerParameters(
+            command=server.command,
+            args=[expand(a) for a in server.args],
+            env={k: expand(v) for k, v in server.env} or None,
+            cwd=server.cwd,
+        )
+        async with Client(params, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+            yield client
+    elif server.headers:
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        headers = {k: expand(v) for k, v in server.headers}
+        timeout = httpx2.Timeout(server.timeout_seconds, read=max(server.timeout_seconds, 300.0))
+        async with httpx2.AsyncClient(headers=headers, timeout=timeout) as http:
+            transport = streamable_http_client(server.url, http_client=http)
+            async with Client(transport, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+                yield client
+    else:
+        async with Client(server.url, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+            yield client
+
+
+async def _list_tools(server: McpServer) -> list[Tool]:
     out: list[Tool] = []
-    async with Client(server.url, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
+    async with _client(server) as client:
         cursor: str | None = None
         while True:
             page = await client.list_tools(cursor=cursor)
@@ -165,10 +207,12 @@ async def _list_tools(server: McpServer) -> list[Tool]:
 
 def _tool_of(server: McpServer, remote: Any) -> Tool | None:
     name = f"{server.name}{MCP_SEPARATOR}{remote.name}"
-    if len(name) > _MAX_NAME or not all(c.isalnum() or c in "_-" for c in name):
-        log_event(log, "mcp_tool_skipped", logging.WARNING, server=server.name, reason="name_not_allowed")
+    if not valid_tool_name(name):
+        log_event(
+            log, "mcp_tool_skipped", logging.WARNING, server=server.name, tool=name[:100], reason="name_not_allowed"
+        )
         return None
-    annotations = remote.annotations
+    annotations = remote.annotations if server.trust_annotations else None
     remote_name = str(remote.name)
 
     def run(ctx: ToolContext, args: dict[str, Any]) -> str:
@@ -184,6 +228,7 @@ def _tool_of(server: McpServer, remote: Any) -> Tool | None:
         destructive=_destructive(annotations),
         module=f"mcp:{server.name}",
         qualname=remote_name,
+        timeout_seconds=server.timeout_seconds + _CALL_MARGIN_SECONDS,
     )
 
 
@@ -200,8 +245,10 @@ def _destructive(annotations: Any) -> bool | None:
 
 def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: ToolContext) -> str:
     """One tools/call in its own session, bounded by the server's timeout and the deadline.
-    Raises McpUnavailable (a TOOL error result) for a server that fails, and DeadlineExceeded when
-    the loop's deadline passed meanwhile."""
+    Raises McpUnavailable (a TOOL error result) for a server that fails: "failed the call" when
+    the call never reached it, "interrupted ... may or may not have taken effect" when it may
+    have (a timeout or a stream lost after the request was sent); DeadlineExceeded when the
+    loop's deadline passed meanwhile."""
     timeout = server.timeout_seconds
     left = ctx.seconds_left()
     if left is not None:
@@ -216,7 +263,13 @@ def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: Tool
             raise DeadlineExceeded() from None
         kind = _leaf_name(exc)
         log_event(log, "mcp_call_failed", logging.WARNING, server=server.name, tool=tool_name, error=kind)
-        raise McpUnavailable(f"MCP server {server.name!r} failed the call: {kind}") from None
+        if kind in _NOT_SENT or _is_protocol_error(exc):
+            raise McpUnavailable(f"MCP server {server.name!r} failed the call: {kind}") from None
+        raise McpUnavailable(
+            f"the call to {tool_name!r} on MCP server {server.name!r} was interrupted ({kind}) and may or may "
+            "not have taken effect"
+        ) from None
+    crash_point("mcp.after_call")
     text = _text_of(result)
     if result.is_error:
         # One line, cut: the server's error text may be long (a validation dump).
@@ -225,10 +278,16 @@ def call_tool(server: McpServer, tool_name: str, args: dict[str, Any], ctx: Tool
 
 
 async def _call(server: McpServer, tool_name: str, args: dict[str, Any], key: str) -> Any:
-    from mcp import Client
+    async with _client(server) as client:
+        return await client.call_tool(tool_name, args, meta={IDEMPOTENCY_META_KEY: key})
 
-    async with Client(server.url, read_timeout_seconds=server.timeout_seconds, cache=None) as client:
-        return await client.call_tool(tool_name, args, meta={IDEMPOTENCY_META_KEY: key})  # type: ignore[arg-type]
+
+def _is_protocol_error(exc: BaseException) -> bool:
+    """True when the server answered the call with a JSON-RPC error: it answered, so the call
+    is not in doubt."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return type(exc).__name__ in ("McpError", "MCPError")
 
 
 def _text_of(result: Any) -> str:

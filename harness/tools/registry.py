@@ -12,28 +12,36 @@ What a call can end in (``run_inline``):
 - ``error: ...`` for an unknown or refused tool, arguments that are not a JSON object or do not
   validate (the pydantic errors, without the values), a ``ToolError`` (its message), or any other
   exception (its type and message, one line, secrets redacted, never a traceback);
-- ``Cancelled``, ``DeadlineExceeded``, a models error (``LeaseLost`` above all) and an
-  infrastructure error (``harness.errors.is_infrastructure_error``) propagate: the loop stops
-  without a result and the lease lapses.
+- only ``Cancelled``, ``DeadlineExceeded`` and ``LeaseLost`` stop the loop from inside a tool;
+  every other exception the tool raises, whatever its module, and ``SystemExit`` /
+  ``KeyboardInterrupt`` too, is that call's TOOL error result (a tool has no access to our
+  connections: its database or Redis errors are its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import logging
+import os
+import queue
+import re
+import threading
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, overload
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
-from pydantic_core import to_json
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic_core import PydanticSerializationError, to_json
 
+from crashpoints import InjectedKill
 from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
 from logfmt import log_event
+from models.errors import LeaseLost
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 ERROR_MESSAGE_CHARS = 300
 #: MCP tool names are ``<server>__<tool>`` (OpenAI function names allow [A-Za-z0-9_-] only).
 MCP_SEPARATOR = "__"
+#: A tool name every chat-completions provider accepts (Python and MCP tools alike).
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def valid_tool_name(name: str) -> bool:
+    """True for a name every provider accepts as a function name: ^[a-zA-Z0-9_-]{1,64}$."""
+    return TOOL_NAME.fullmatch(name) is not None
 
 
 class ToolDefinitionError(AgentConfigError):
@@ -74,6 +89,9 @@ class Tool:
     #: Where it was defined ("harness.tools.builtins", "acme_tools", "mcp:files").
     module: str = ""
     qualname: str = ""
+    #: Longest a call may run (None: TOOL_TIMEOUT_SECONDS); a call still running then is
+    #: reported timed out (it may or may not have taken effect) and the loop goes on.
+    timeout_seconds: float | None = None
 
     def spec(self) -> dict[str, Any]:
         """The tool as a chat-completions request offers it."""
@@ -139,6 +157,7 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
     requires_approval: bool = False,
 ) -> Callable[[F], F]: ...
 
@@ -151,19 +170,30 @@ def tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
     requires_approval: bool = False,
 ) -> F | Callable[[F], F]:
     """Register a function as a tool; the function itself is returned unchanged (still callable).
 
     ``read_only=True`` / ``idempotent=True`` declare that the tool may run again after a crash
     interrupted it (with the same ``ToolContext.idempotency_key``); the default is neither, and
-    such a tool is never run twice for one call. ``requires_approval=True``: every call waits
-    for a human decision before it runs (harness.approval). Raises ToolDefinitionError (naming the tool and
-    the module) when its schema cannot be built or its name is taken.
+    such a tool is never run twice for one call. ``timeout_seconds`` bounds a call (default
+    TOOL_TIMEOUT_SECONDS): a call still running then is reported "timed out, may or may not have
+    taken effect" and the loop goes on. ``requires_approval=True``: every call waits for a human
+    decision before it runs (harness.approval). Raises ToolDefinitionError (naming the tool and
+    the module) when its name is not ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built or its
+    name is taken.
     """
 
     def wrap(func: F) -> F:
-        built = build_tool(func, name=name, description=description, read_only=read_only, idempotent=idempotent)
+        built = build_tool(
+            func,
+            name=name,
+            description=description,
+            read_only=read_only,
+            idempotent=idempotent,
+            timeout_seconds=timeout_seconds,
+        )
         register(replace(built, requires_approval=requires_approval))
         return func
 
@@ -177,18 +207,26 @@ def build_tool(
     description: str | None = None,
     read_only: bool = False,
     idempotent: bool = False,
+    timeout_seconds: float | None = None,
 ) -> Tool:
-    """A Tool for ``func`` without registering it."""
+    """A Tool for ``func`` without registering it. The docstring's parameter sections (Google
+    ``Args:``, reST ``:param x:``, Numpydoc) become the parameters' descriptions, and the rest
+    of it the tool's description."""
     tool_name = str(name or getattr(func, "__name__", ""))
     module = str(getattr(func, "__module__", "") or "?")
-    if not tool_name or not all(c.isalnum() or c in "_-" for c in tool_name) or len(tool_name) > 64:
+    if not valid_tool_name(tool_name):
         raise ToolDefinitionError(
-            f"tool {tool_name!r} in module {module}: a name is 1-64 letters, digits, '_' or '-'",
+            f"tool {tool_name!r} in module {module}: a name is 1-64 ASCII letters, digits, '_' or '-'",
             tool=tool_name,
             module=module,
         )
+    if timeout_seconds is not None and not timeout_seconds > 0:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} in module {module}: timeout_seconds must be > 0", tool=tool_name, module=module
+        )
+    summary, described = _docstring(func)
     try:
-        wants_context, fields = _fields(func)
+        wants_context, fields = _fields(func, described)
         arguments: type[BaseModel] = create_model(
             f"{tool_name}_arguments", __config__=ConfigDict(extra="forbid"), **fields
         )
@@ -219,22 +257,42 @@ def build_tool(
 
     return Tool(
         name=tool_name,
-        description=description if description is not None else inspect.getdoc(func) or "",
+        description=description if description is not None else summary,
         parameters=schema,
         run=run,
         read_only=read_only,
         idempotent=idempotent,
         module=module,
         qualname=getattr(func, "__qualname__", tool_name),
+        timeout_seconds=timeout_seconds,
     )
+
+
+def _docstring(func: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The docstring without its parameter sections, and each documented parameter's text."""
+    import docstring_parser
+
+    doc = inspect.getdoc(func) or ""
+    if not doc:
+        return "", {}
+    try:
+        parsed = docstring_parser.parse(doc)
+    except docstring_parser.ParseError:
+        return doc, {}
+    params = {p.arg_name: " ".join(p.description.split()) for p in parsed.params if p.description}
+    if not params:
+        return doc, {}
+    text = "\n\n".join(part for part in (parsed.short_description, parsed.long_description) if part)
+    return text, params
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
 
 
-def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:
-    """Whether the first parameter takes the ToolContext, and pydantic field definitions of the rest."""
+def _fields(func: Callable[..., Any], described: dict[str, str] | None = None) -> tuple[bool, dict[str, Any]]:
+    """Whether the first parameter takes the ToolContext, and pydantic field definitions of the
+    rest (with the docstring's description of each, unless its type hint has one)."""
     hints = typing.get_type_hints(func, include_extras=True)
     params = list(inspect.signature(func).parameters.values())
     wants_context = bool(params) and hints.get(params[0].name) is ToolContext
@@ -248,8 +306,17 @@ def _fields(func: Callable[..., Any]) -> tuple[bool, dict[str, Any]]:
             raise TypeError(f"parameter {param.name!r} has no type hint")
         if hints[param.name] is ToolContext:
             raise TypeError(f"parameter {param.name!r}: only the first parameter may be the ToolContext")
-        fields[param.name] = (hints[param.name], ... if param.default is param.empty else param.default)
+        default = ... if param.default is param.empty else param.default
+        text = (described or {}).get(param.name)
+        if text and not _has_description(hints[param.name]):
+            default = Field(default, description=text)
+        fields[param.name] = (hints[param.name], default)
     return wants_context, fields
+
+
+def _has_description(hint: Any) -> bool:
+    """True when an ``Annotated[..., Field(description=...)]`` hint describes the parameter."""
+    return any(getattr(meta, "description", None) for meta in getattr(hint, "__metadata__", ()))
 
 
 def describe_validation(exc: ValidationError) -> str:
@@ -262,12 +329,24 @@ def describe_validation(exc: ValidationError) -> str:
 
 
 def as_text(result: Any) -> str:
-    """A tool's return value as the TOOL message content: text as is, None as "", else JSON."""
+    """A tool's return value as the TOOL message content: text as is, None as "", bytes as their
+    UTF-8 text, else JSON. Bytes that are not UTF-8 are never an error (the tool did its work):
+    they are sent base64-encoded, said so in front (``base64:``); inside a JSON value, every
+    bytes value is base64 (URL-safe alphabet) as soon as one of them is not UTF-8."""
     if isinstance(result, str):
         return result
     if result is None:
         return ""
-    return to_json(result, fallback=str).decode("utf-8")
+    if isinstance(result, bytes | bytearray | memoryview):
+        raw = bytes(result)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(raw).decode("ascii")
+    try:
+        return to_json(result, fallback=str).decode("utf-8")
+    except PydanticSerializationError:
+        return to_json(result, fallback=str, bytes_mode="base64").decode("utf-8")
 
 
 def parse_arguments(raw: str) -> dict[str, Any]:
@@ -283,23 +362,22 @@ def parse_arguments(raw: str) -> dict[str, Any]:
 
 def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[str, ...]) -> str:
     """Run one inline tool and return its TOOL result text. Every failure of the tool itself is
-    that text; cancellation, the deadline, a lost lease and an infrastructure error propagate so
-    the loop can stop without writing a result."""
+    that text; cancellation, the deadline and a lost lease propagate so the loop can stop
+    without writing a result."""
     found = lookup(name) if name in allowed else None
     if found is None or found.run is None:
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
-        return found.run(ctx, parse_arguments(raw_arguments))
+        return capped(_bounded(found, ctx, parse_arguments(raw_arguments)))
     except ToolError as exc:
         return f"error: {exc}"
-    except (Cancelled, DeadlineExceeded):
+    except (Cancelled, DeadlineExceeded, LeaseLost, InjectedKill, GeneratorExit):
         raise
-    except Exception as exc:
-        from harness.errors import is_infrastructure_error
-        from models.errors import ModelError
-
-        if isinstance(exc, ModelError) or is_infrastructure_error(exc):
-            raise
+    except BaseException as exc:
+        # NOTE: whatever a tool raises is its result, whatever its module: a tool has no access
+        # to our connections, so its WRONGTYPE from the shop's own Redis or its UndefinedTable
+        # from the shop's own PostgreSQL is the shop's, not our infrastructure failing. So are
+        # SystemExit (argparse on bad model input) and KeyboardInterrupt: the loop goes on.
         log_event(
             log,
             "tool_failed",
@@ -309,8 +387,104 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
             tool_call_id=ctx.tool_call_id,
             error=type(exc).__name__,
         )
-        message = safe_message(exc)
-        return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"
+        return error_result(exc)
+
+
+class ToolTimedOut(ToolError):
+    """Raised when a tool call did not end within its timeout; it may or may not have taken effect."""
+
+
+def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> str:
+    """Run the call on a thread of its own and wait at most the tool's timeout (and never past
+    the loop's deadline). A call still running then is left to end on its own (a thread cannot
+    be stopped): ToolTimedOut, or DeadlineExceeded when the deadline came first. Whatever the
+    call raised is raised here, as if it ran on this thread."""
+    from settings import get_settings
+
+    assert found.run is not None
+    run = found.run
+    limit = found.timeout_seconds or get_settings().TOOL_TIMEOUT_SECONDS
+    left = ctx.seconds_left()
+    by_deadline = left is not None and left < limit
+    wait = max(0.0, left) if by_deadline and left is not None else limit
+    call = _submit(lambda: run(ctx, args))
+    if not call.done.wait(wait):
+        if by_deadline:
+            raise DeadlineExceeded(f"deadline reached while tool {found.name!r} ran")
+        log_event(log, "tool_timed_out", logging.WARNING, session_id=ctx.session_id, tool=found.name)
+        raise ToolTimedOut(
+            f"tool {found.name!r} timed out after {limit:g} seconds; it may or may not have taken effect"
+        )
+    if call.ok:
+        return str(call.value)
+    raise call.value
+
+
+class _Call:
+    """One tool call handed to a tool thread, and how it ended."""
+
+    __slots__ = ("done", "fn", "ok", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.ok = False
+        self.value: Any = None
+
+
+#: Inboxes of idle tool threads. NOTE: a thread is reused once its call ended, so a call costs
+#: no thread start; a call that hangs keeps its thread (it cannot be stopped) and the next call
+#: gets another one. The threads are daemons: a hung tool never holds the process's exit.
+_idle: list[queue.SimpleQueue[_Call]] = []
+_idle_lock = threading.Lock()
+
+
+def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
+    while True:
+        call = inbox.get()
+        try:
+            call.value = call.fn()
+            call.ok = True
+        except BaseException as exc:  # re-raised on the caller's thread
+            call.value = exc
+        call.done.set()
+        with _idle_lock:
+            _idle.append(inbox)
+
+
+def _submit(fn: Callable[[], Any]) -> _Call:
+    call = _Call(fn)
+    with _idle_lock:
+        inbox = _idle.pop() if _idle else None
+    if inbox is None:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(inbox,), name="tool-call", daemon=True).start()
+    inbox.put(call)
+    return call
+
+
+def _forget_threads_after_fork() -> None:
+    # A forked process (Celery's prefork pool) has none of its parent's threads.
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_after_fork)
+
+
+def capped(result: str) -> str:
+    """The result cut to TOOL_RESULT_MAX_CHARS, with a note where it was cut."""
+    from settings import get_settings
+
+    limit = get_settings().TOOL_RESULT_MAX_CHARS
+    if len(result) <= limit:
+        return result
+    return f"{result[:limit]}\n[cut: the result was {len(result)} characters; the first {limit} are shown]"
+
+
+def error_result(exc: BaseException) -> str:
+    """``error: <type>: <message>`` (one line, secrets redacted), or ``error: <type>``."""
+    message = safe_message(exc)
+    return f"error: {type(exc).__name__}: {message}" if message else f"error: {type(exc).__name__}"
 
 
 def _unavailable_reason(name: str) -> str:

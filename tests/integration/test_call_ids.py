@@ -17,6 +17,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import select, update
 
 import harness.journal
+from crashpoints import InjectedKill
 from harness.agents import get_agent
 from harness.child import start_child
 from harness.loop import model_messages
@@ -57,7 +58,8 @@ class Payments:
             return self.answers[key]
         if self.crash_first:
             self.crash_first = False
-            raise sa_exc.OperationalError("simulated crash in refund", None, Exception("crash"))
+            # A worker killed inside the tool (a tool's own exceptions are its TOOL result).
+            raise InjectedKill("simulated crash in refund")
         self.refunded.append(amount)
         self.answers[key] = f"refunded {amount}"
         return self.answers[key]
@@ -246,7 +248,8 @@ def test_a_recovered_idempotent_call_runs_again_with_the_key_of_its_first_run(
     assert run_agent(sid, 0, deps) == "yielded"
     _, _, children = deps.scheduler.children.pop()
     ((eid, e),) = children
-    assert start_child(eid, e, deps) == "infra_error"
+    with pytest.raises(InjectedKill):
+        start_child(eid, e, deps)
     drive(model.base_url)
     assert payments.refunded == [100]
     first, again = payments.keys

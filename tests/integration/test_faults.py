@@ -380,3 +380,76 @@ def test_a_large_pass_is_handed_over_in_fan_out_batches_that_publish_every_recov
     finally:
         tasks.app.conf.broker_url = old
         client.flushdb()
+
+
+@contextmanager
+def statement_rejected(pattern: str, times: int = 1) -> Iterator[list[str]]:
+    """Make PostgreSQL itself reject the first ``times`` statements whose SQL contains
+    ``pattern`` with a real DataError (the statement is swapped for one that cannot succeed),
+    as a value too long for its column or one of the wrong type does."""
+    engine = get_engine()
+    hits: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> Any:
+        if pattern in statement and len(hits) < times:
+            hits.append(statement)
+            return "SELECT 'not a number'::integer", {}
+        return statement, params
+
+    event.listen(engine, "before_cursor_execute", before, retval=True)
+    try:
+        yield hits
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+
+
+def test_classification_a_statement_that_cannot_succeed_is_not_an_outage_a_lost_connection_is() -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
+
+    from harness.errors import is_infrastructure_error
+    from tests.services import free_port
+
+    caught: list[BaseException] = []
+    for sql, kind in (
+        ("SELECT 'x'::integer", DataError),
+        ("SELECT * FROM no_such_table_here", ProgrammingError),
+        ("INSERT INTO message (id, session_id, role, content) VALUES (1, -1, 'USER', '')", IntegrityError),
+    ):
+        with pytest.raises(kind) as info, get_engine().connect() as conn:
+            conn.execute(text(sql))
+        caught.append(info.value)
+    assert [is_infrastructure_error(e) for e in caught] == [False, False, False]
+    unreachable = create_engine(f"postgresql+psycopg2://postgres@127.0.0.1:{free_port()}/x")
+    with pytest.raises(OperationalError) as down, unreachable.connect():
+        pass
+    assert is_infrastructure_error(down.value)
+
+
+def test_a_statement_postgresql_rejects_in_a_parent_round_ends_the_run_failed_instead_of_looping(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "answer"}}])
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    with statement_rejected("INSERT INTO message") as hits:
+        assert run_agent(sid, 0, deps) == "failed"
+    assert hits
+    with transaction() as s:
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == sid)).scalar_one() == Phase.FAILED
+    assert invariants() == []
+
+
+def test_a_statement_postgresql_rejects_in_a_child_ends_it_failed_with_the_reason_delivered(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(TWO)
+    sid, _, children, deps = yielded_with_children(model.base_url)
+    with statement_rejected("INSERT INTO message"):
+        assert start_child(*children[0], deps) == "failed"
+    first = executions_of(sid)[0]
+    assert first.status == ExecutionStatus.FAILED and first.error is not None and "DataError" in first.error
+    assert start_child(*children[1], deps) == "completed"
+    drive(model.base_url)
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    assert invariants() == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from sqlalchemy import select
 
 import harness.journal
 import harness.parent
+from crashpoints import InjectedKill
 from harness.child import start_child
 from harness.parent import run_agent
 from harness.tools import ToolContext, tool, unregister
@@ -42,12 +43,18 @@ class Recorder:
 
     starts: list[tuple[str, int, str]]
     crash_first: set[str]
+    #: Tools that kill their worker at every start (a poison call).
+    crash_always: set[str] = field(default_factory=set)
 
     def started(self, name: str, ctx: ToolContext, amount: int) -> str:
         self.starts.append((name, ctx.session_id, ctx.idempotency_key))
+        if name in self.crash_always:
+            raise InjectedKill(f"tool {name}")
         if name in self.crash_first:
             self.crash_first.discard(name)
-            raise Crash(f"tool {name}")
+            # A worker killed inside a tool: an exception the tool raises is its TOOL result,
+            # so the kill is simulated as crashpoints' in-process kill, which nothing catches.
+            raise InjectedKill(f"tool {name}")
         return f"{name} did {json.dumps({'amount': amount})}"
 
 
@@ -152,8 +159,17 @@ def crashed_child(model_url: str) -> int:
     assert run_agent(sid, 0, deps) == "yielded"
     _, _, children = deps.scheduler.children.pop()
     ((eid, e),) = children
-    assert start_child(eid, e, deps) == "infra_error"
+    killed_or_faulted(lambda: start_child(eid, e, deps))
     return sid
+
+
+def killed_or_faulted(run: Any) -> None:
+    """``run`` ended as a killed worker's does: an infrastructure fault at a journal step, or
+    the in-process kill inside a tool."""
+    try:
+        assert run() == "infra_error"
+    except InjectedKill:
+        pass
 
 
 def journal_rows() -> tuple[list[RoundJournal], list[RoundJournalCall]]:
@@ -351,10 +367,42 @@ def test_an_inline_tool_of_a_mixed_round_interrupted_by_a_crash_is_delivered_as_
     model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="a"), call("charge", amount=7)))
     recorder.crash_first.add("charge")
     sid = create_session("main", "go")
-    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    killed_or_faulted(lambda: run_agent(sid, 0, loop_deps(model.base_url)))
     drive(model.base_url)
     assert [s[0] for s in recorder.starts] == ["charge"]
     assert asked(model, 0) == 1
     charge = [m.content or "" for m in messages_of(sid) if m.role == "TOOL"][1]
     assert "interrupted by a restart" in charge and '{"amount": 7}' in charge
+    assert invariants() == []
+
+
+def test_a_read_only_tool_that_kills_its_worker_every_time_is_reported_interrupted_after_the_bounded_reruns(
+    model_factory: ModelFactory, recorder: Recorder
+) -> None:
+    from recovery.child import recover_child
+    from recovery.scan import scan
+    from tests.helpers import expire_leases
+
+    model = model_factory(child_script(call("lookup", amount=3)))
+    recorder.crash_always.add("lookup")
+    sid = crashed_child(model.base_url)
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    for _ in range(8):  # a poison round would be recovered on every lap, for ever
+        expire_leases()
+        scan(deps.scheduler, callback_grace_seconds=0)
+        if not deps.scheduler.recoveries:
+            break
+        _, _, reserved = deps.scheduler.recoveries.pop(0)
+        for eid, e in reserved:
+            try:
+                recover_child(eid, e, deps)
+            except InjectedKill:
+                pass
+    drive(model.base_url, deps=deps)
+    assert len(recorder.starts) == 1 + 3  # the first run and TOOL_MAX_RERUNS re-runs
+    assert asked(model, 2) == 1
+    (e,) = executions_of(sid)
+    assert (e.status, e.delivery_status) == ("COMPLETED", "DELIVERED")
+    tool_row = next(m for m in messages_of(e.child_session_id) if m.role == "TOOL")
+    assert "may or may not have taken effect" in (tool_row.content or "")
     assert invariants() == []

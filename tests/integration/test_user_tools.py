@@ -118,3 +118,50 @@ def test_a_worker_with_a_broken_tool_configuration_stops_at_start_with_a_message
         [sys.executable, "-m", "cli.main", "status"], env=env, capture_output=True, text=True, timeout=60
     )
     assert cli.returncode == 2 and expected in cli.stderr
+
+
+HOSTILE = [
+    {
+        "when": {"system_contains": "ops agent", "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "pool_pid", "arguments": {}, "id": "call_pid_before"},
+                {"name": "report", "arguments": {"command_line": "--days many"}, "id": "call_argparse"},
+                {"name": "interrupt", "arguments": {}, "id": "call_ctrl_c"},
+                {"name": "shop_queue_push", "arguments": {"item": "x"}, "id": "call_wrongtype"},
+                {"name": "thumbnail", "arguments": {}, "id": "call_bytes"},
+                {"name": "pool_pid", "arguments": {}, "id": "call_pid_after"},
+            ]
+        },
+    },
+    {"when": {"system_contains": "ops agent", "turn": 1}, "reply": {"content": "done"}},
+]
+
+
+def test_systemexit_keyboardinterrupt_the_shops_redis_errors_and_binary_output_are_tool_results_in_a_real_worker(
+    stack_factory: StackFactory, redis_url: str
+) -> None:
+    from urllib.parse import urlsplit
+
+    shop = urlsplit(redis_url)._replace(path="/13").geturl()
+    stack = stack_factory(HOSTILE)
+    stack.worker(
+        concurrency=1,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{USERTOOLS}",
+        TOOL_MODULES="hostile_tools",
+        AGENTS_FILE=str(DATA / "agents_hostile.toml"),
+        SHOP_REDIS_URL=shop,
+    )
+    sid = stack.submit("check the ops")
+    snap = stack.wait_phase(sid, ("WAITING_USER", "FAILED"))
+    assert snap["phase"] == "WAITING_USER"
+    tools = results_by_model_id(snap["messages"])
+    assert tools["call_argparse"] == "error: SystemExit: 2"
+    assert tools["call_ctrl_c"] == "error: KeyboardInterrupt"
+    assert tools["call_wrongtype"].startswith("error: ResponseError: WRONGTYPE")
+    assert tools["call_bytes"] == "base64:/9j/4A=="
+    # The same pool process ran the calls before and after SystemExit and KeyboardInterrupt.
+    assert tools["call_pid_before"] == tools["call_pid_after"]
+    assert snap["messages"][-1]["content"] == "done"
+    assert "WorkerLostError" not in stack.workers[0].log()
+    assert stack.invariants() == []

@@ -93,7 +93,9 @@ def test_content_reply_carries_text_and_token_usage(scripted: ScriptedModelServe
     reply = client(scripted.base_url).complete(
         [{"role": "system", "content": "plain " * 10}, {"role": "user", "content": "hi"}]
     )
-    assert reply == ModelReply(content="hello", tool_calls=(), prompt_tokens=62 // 4, completion_tokens=1)
+    assert reply == ModelReply(
+        content="hello", tool_calls=(), prompt_tokens=62 // 4, completion_tokens=1, finish_reason="stop"
+    )
 
 
 def test_request_body_is_openai_shaped_and_omits_tools_and_key_when_absent() -> None:

@@ -204,16 +204,15 @@ def test_a_tool_that_raises_becomes_a_tool_error_with_type_and_message_without_t
     assert run_inline("refuse", "{}", ctx(), ("refuse",)) == "error: the shop is closed"
 
 
-def test_cancellation_deadline_lost_lease_and_infrastructure_errors_propagate_out_of_a_tool(
+def test_cancellation_the_deadline_and_a_lost_lease_propagate_out_of_a_tool(
     scratch: list[str],
 ) -> None:
-    from sqlalchemy.exc import OperationalError
-
+    # A database error raised INSIDE a tool used to propagate too; it is the tool's own
+    # database, so it is now the call's result (the next test).
     errors: dict[str, BaseException] = {
         "cancel_me": Cancelled(),
         "late": DeadlineExceeded(),
         "lose_lease": LeaseLost(),
-        "db_down": OperationalError("SELECT 1", {}, Exception("server closed the connection")),
     }
 
     def raiser_of(exc: BaseException) -> Any:
@@ -227,6 +226,62 @@ def test_cancellation_deadline_lost_lease_and_infrastructure_errors_propagate_ou
         scratch.append(name)
         with pytest.raises(type(exc)):
             run_inline(name, "{}", ctx(), (name,))
+
+
+def test_whatever_a_tool_raises_besides_cancel_deadline_and_lease_is_its_result_and_the_loop_goes_on(
+    scratch: list[str],
+) -> None:
+    import argparse
+
+    import psycopg2.errors
+    import redis.exceptions
+    from sqlalchemy.exc import OperationalError
+
+    def argparse_exit() -> str:
+        parser = argparse.ArgumentParser(prog="report", exit_on_error=True)
+        parser.add_argument("--n", type=int)
+        parser.parse_args(["--n", "many"])
+        return "unreachable"
+
+    cases: dict[str, tuple[Any, str]] = {
+        "shop_redis": (
+            redis.exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+            "error: ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value",
+        ),
+        "shop_pg": (psycopg2.errors.UndefinedTable('relation "orders" does not exist'), "error: UndefinedTable: "),
+        "shop_pg_down": (
+            OperationalError("SELECT 1", {}, Exception("server closed the connection")),
+            "error: OperationalError: ",
+        ),
+        "shop_socket": (ConnectionResetError("peer reset"), "error: ConnectionResetError: peer reset"),
+        "bye": (SystemExit(2), "error: SystemExit: 2"),
+        "ctrl_c": (KeyboardInterrupt(), "error: KeyboardInterrupt"),
+    }
+
+    def raiser_of(exc: BaseException) -> Any:
+        def raiser() -> str:
+            raise exc
+
+        return raiser
+
+    for name, (exc, expected) in cases.items():
+        tool(name=name)(raiser_of(exc))
+        scratch.append(name)
+        assert run_inline(name, "{}", ctx(), (name,)).startswith(expected), name
+    tool(name="report")(argparse_exit)
+    scratch.append("report")
+    assert run_inline("report", "{}", ctx(), ("report",)) == "error: SystemExit: 2"
+
+
+def test_bytes_a_tool_returns_are_text_when_utf8_and_base64_when_not_never_an_error(scratch: list[str]) -> None:
+    @tool(name="blob")
+    def blob(kind: str) -> Any:
+        return {"raw": b"\xff\xfe\x00", "utf8": "caf\u00e9".encode()} if kind == "nested" else b"\xff\xd8\xff\xe0"
+
+    scratch.append("blob")
+    assert run_inline("blob", '{"kind": "top"}', ctx(), ("blob",)) == "base64:/9j/4A=="
+    nested = json.loads(run_inline("blob", '{"kind": "nested"}', ctx(), ("blob",)))
+    assert nested["raw"] in ("//4A", "__4A") and nested["utf8"] == "Y2Fmw6k="
 
 
 def test_an_unknown_or_refused_tool_is_a_tool_error() -> None:
@@ -367,3 +422,112 @@ def test_agents_with_their_tools_known_start(usertools: None, monkeypatch: pytes
         0.2,
         256,
     )
+
+
+@pytest.mark.parametrize("bad", ["héllo", "日本", "a" * 65, "has space", "dot.ted"])
+def test_a_tool_name_outside_ascii_letters_digits_underscore_and_dash_is_refused_naming_it(bad: str) -> None:
+    def fn() -> str:
+        return "x"
+
+    with pytest.raises(ToolDefinitionError) as info:
+        tool(name=bad)(fn)
+    assert repr(bad) in str(info.value) and bad not in REGISTRY
+
+
+def test_a_tool_module_with_a_non_ascii_tool_name_stops_the_start_naming_the_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "acme_unicode_tools.py").write_text(
+        "from harness.tools import tool\n\n@tool\ndef réserver(n: int) -> str:\n    return 'ok'\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOOL_MODULES", "acme_unicode_tools")
+    get_settings.cache_clear()
+    _load.cache_clear()
+    try:
+        with pytest.raises(AgentConfigError) as info:
+            load_at_start()
+        assert "'réserver'" in str(info.value) and "acme_unicode_tools" in str(info.value)
+    finally:
+        sys.modules.pop("acme_unicode_tools", None)
+        get_settings.cache_clear()
+        _load.cache_clear()
+
+
+def test_a_hung_tool_times_out_as_may_or_may_not_have_taken_effect_and_the_loop_goes_on(
+    scratch: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    @tool(timeout_seconds=0.3)
+    def hang() -> str:
+        """Never answers."""
+        time.sleep(5)
+        return "late"
+
+    @tool
+    def hang_default() -> str:
+        """Never answers either."""
+        time.sleep(5)
+        return "late"
+
+    scratch.extend(["hang", "hang_default"])
+    started = time.monotonic()
+    assert run_inline("hang", "{}", ctx(), ("hang",)) == (
+        "error: tool 'hang' timed out after 0.3 seconds; it may or may not have taken effect"
+    )
+    monkeypatch.setenv("TOOL_TIMEOUT_SECONDS", "0.5")
+    get_settings.cache_clear()
+    try:
+        assert run_inline("hang_default", "{}", ctx(), ("hang_default",)).startswith(
+            "error: tool 'hang_default' timed out after 0.5 seconds"
+        )
+    finally:
+        get_settings.cache_clear()
+    assert time.monotonic() - started < 3
+    assert lookup("wait") is not None and (lookup("wait").timeout_seconds or 0) > 24 * 3600  # type: ignore[union-attr]
+
+
+def test_a_long_result_is_cut_at_tool_result_max_chars_with_a_note_where(
+    scratch: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @tool
+    def dump(n: int) -> str:
+        """Dump n characters."""
+        return "x" * n
+
+    scratch.append("dump")
+    monkeypatch.setenv("TOOL_RESULT_MAX_CHARS", "1000")
+    get_settings.cache_clear()
+    try:
+        assert run_inline("dump", '{"n": 1000}', ctx(), ("dump",)) == "x" * 1000
+        cut = run_inline("dump", '{"n": 5000}', ctx(), ("dump",))
+    finally:
+        get_settings.cache_clear()
+    assert cut == "x" * 1000 + "\n[cut: the result was 5000 characters; the first 1000 are shown]"
+
+
+def test_docstring_args_become_parameter_descriptions(scratch: list[str]) -> None:
+    @tool
+    def refund(order_id: int, amount_cents: Annotated[int, Field(description="from the hint")], note: str = "") -> str:
+        """Refund part of an order.
+
+        The payment service deduplicates on the order id.
+
+        Args:
+            order_id: The order to refund,
+                as printed on the receipt.
+            amount_cents: Ignored: the type hint's description wins.
+            note: A note for the customer.
+        """
+        return "ok"
+
+    scratch.append("refund")
+    found = lookup("refund")
+    assert found is not None
+    props = found.parameters["properties"]
+    assert props["order_id"]["description"] == "The order to refund, as printed on the receipt."
+    assert props["amount_cents"]["description"] == "from the hint"
+    assert props["note"]["description"] == "A note for the customer." and props["note"]["default"] == ""
+    assert found.parameters["required"] == ["order_id", "amount_cents"]
+    assert found.description == "Refund part of an order.\n\nThe payment service deduplicates on the order id."
