@@ -58,6 +58,8 @@ class AgentSession(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     #: The boot generation of ``lease_owner`` when it took the lease (models.worker).
     lease_generation: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Re-sends by the scan of an unclaimed reservation of this session's run (the back-off).
+    resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

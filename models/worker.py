@@ -51,6 +51,8 @@ class RecoveryScan(Base):
     duration_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
     parents: Mapped[int | None] = mapped_column(Integer, nullable=True)
     executions: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Rows the last pass passed over because another path held their lock.
+    skipped: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: The right to scan: who holds it and until when (the database's clock; issue 15 item 4).
     holder: Mapped[str | None] = mapped_column(String(128), nullable=True)
     held_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -74,9 +76,17 @@ def record_boot(s: Session, name: str) -> int:
     return 1
 
 
-def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int) -> None:
+def record_scan(
+    s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int, skipped: int = 0
+) -> None:
     """Upsert the single ``recovery_scan`` row (the right to scan it also holds is untouched)."""
-    values = {"started_at": started_at, "duration_ms": duration_ms, "parents": parents, "executions": executions}
+    values = {
+        "started_at": started_at,
+        "duration_ms": duration_ms,
+        "parents": parents,
+        "executions": executions,
+        "skipped": skipped,
+    }
     landed = cas(s, update(RecoveryScan).where(RecoveryScan.id == 1).values(**values))
     if not landed:
         s.execute(insert(RecoveryScan).values(id=1, **values))

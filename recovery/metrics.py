@@ -102,7 +102,7 @@ WHERE conflict_seen_at IS NOT NULL AND conflict_seen_at > now() - make_interval(
 """
 LAST_SCAN_SQL = """
 SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
-       EXTRACT(EPOCH FROM now() - started_at)
+       EXTRACT(EPOCH FROM now() - started_at), COALESCE(skipped, 0)
 FROM recovery_scan WHERE id = 1 AND started_at IS NOT NULL
 """
 #: Settled executions (O(history): a sequential scan), recounted now and then.
@@ -256,7 +256,7 @@ class RecoveryCollector(Collector):
 
     def _last_scan(self, conn: Connection) -> list[Metric]:
         row = conn.execute(text(LAST_SCAN_SQL)).one_or_none()
-        started, duration_ms, parents, executions, age = row if row is not None else (0, 0, 0, 0, None)
+        started, duration_ms, parents, executions, age, skipped = row if row is not None else (0, 0, 0, 0, None, 0)
         out: list[Metric] = [
             GaugeMetricFamily(
                 _name("last_scan_timestamp_seconds"),
@@ -273,6 +273,11 @@ class RecoveryCollector(Collector):
                 _name("last_scan_executions"),
                 "Executions the last recovery scan handed to recovery",
                 value=float(executions),
+            ),
+            GaugeMetricFamily(
+                _name("last_scan_skipped"),
+                "Rows the last recovery scan passed over because another path held their lock",
+                value=float(skipped),
             ),
         ]
         if age is not None:

@@ -31,6 +31,8 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import groupby
@@ -55,6 +57,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, aliased
 
 from crashpoints import crash_point
@@ -75,6 +78,7 @@ from models import (
     Phase,
     SessionType,
     SubagentExecution,
+    lease,
     transaction,
 )
 from models.base import utcnow
@@ -114,6 +118,9 @@ class ScanReport:
     resumed_sessions: list[int] = field(default_factory=list)
     #: The pass stopped because its right to scan passed to another scanner.
     right_lost: bool = False
+    #: Rows passed over because another path held their lock (a delivery, a cancel, a stalled
+    #: transaction): the pass never waits for one, a later pass comes back for them.
+    skipped: int = 0
 
 
 class ScanRightLost(RecoveryError):
@@ -189,6 +196,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
         suppressed=len(report.suppressed),
         waiting=len(report.waiting),
         resumed=len(report.resumed_sessions),
+        skipped=report.skipped,
         duration_ms=duration_ms,
     )
     try:
@@ -199,6 +207,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
                 duration_ms=duration_ms,
                 parents=len(report.parents),
                 executions=len(report.recovering) + len(report.delivering),
+                skipped=report.skipped,
             )
     except Exception:
         log_event(log, "scan_record_failed", logging.WARNING, exc_info=True)
@@ -231,10 +240,16 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
         )
     for parent_id in parents:
         try:
-            with transaction() as s:
-                phase = s.execute(select(S.phase).where(S.id == parent_id).with_for_update()).scalar_one()
-                if phase in STOPPED_PHASES:  # re-checked under the lock
+            with scan_transaction() as s:
+                phase = s.execute(
+                    select(S.phase).where(S.id == parent_id).with_for_update(skip_locked=True)
+                ).scalar_one_or_none()
+                if phase is None:  # held by another path: never waited for
+                    report.skipped += 1
+                elif phase in STOPPED_PHASES:  # re-checked under the lock
                     report.suppressed += suppress_parent(s, parent_id)
+        except OperationalError as exc:
+            _skipped_on_lock(report, exc, "suppress", parent_id=parent_id)
         except Exception:
             log_event(log, "scan_suppress_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
 
@@ -572,11 +587,19 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
         ).all()
         if not rows:
             return
-        parent_ids = [int(r[0]) for r in rows]
-        epochs = release_dead_parents(s, parent_ids)
+        _bound_waits(s)
+        wanted = [int(r[0]) for r in rows]
+        # Lock first, never waiting (a delivery, a cancel or a stalled loop holds the others).
+        parent_ids = list(
+            s.execute(select(S.id).where(S.id.in_(wanted)).order_by(S.id).with_for_update(skip_locked=True)).scalars()
+        )
+        report.skipped += len(wanted) - len(parent_ids)
+        epochs = release_dead_parents(s, parent_ids) if parent_ids else {}
         owners = dict(s.execute(select(S.id, S.lease_owner).where(S.id.in_(parent_ids))).all())
     batch = []
     for parent_id, ids in rows:
+        if parent_id not in epochs:
+            continue
         if owners.get(parent_id) is not None:
             report.waiting.append(parent_id)  # its loop still holds it (it yields with the epoch)
             continue
@@ -585,6 +608,43 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
         batch.append((int(parent_id), epochs[parent_id]))
     if batch:
         scheduler.deliver_many(batch)
+
+
+class _Locked(Exception):
+    """The row is held by another path (or gone from the rule): passed over this pass."""
+
+
+@contextmanager
+def scan_transaction() -> Iterator[Session]:
+    """A transaction of the scan: no statement in it waits on a row lock longer than
+    models.lease.lock_timeout_seconds nor runs longer than statement_timeout_seconds."""
+    with transaction() as s:
+        _bound_waits(s)
+        yield s
+
+
+def _bound_waits(s: Session) -> None:
+    """PostgreSQL: the bounds of a scan statement for the rest of this transaction."""
+    if _pg(s):
+        lock_ms = int(lease.lock_timeout_seconds() * 1000)
+        statement_ms = int(lease.statement_timeout_seconds() * 1000)
+        s.execute(text(f"SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}"))
+
+
+#: SQLSTATEs of a wait the server cut: lock_not_available (lock_timeout), query_canceled
+#: (statement_timeout).
+_CUT_WAITS = ("55P03", "57014")
+
+
+def _skipped_on_lock(report: ScanReport, exc: OperationalError, step: str, **ids: Any) -> None:
+    """A row whose lock wait (or statement) the server cut is passed over and counted; any other
+    database error is an infrastructure fault of this row, logged, never a result."""
+    code = getattr(exc.orig, "pgcode", None)
+    if code in _CUT_WAITS:
+        report.skipped += 1
+        log_event(log, "scan_row_skipped", logging.WARNING, step=step, reason="lock_timeout", **ids)
+    else:
+        log_event(log, "scan_row_failed", logging.ERROR, exc_info=True, step=step, **ids)
 
 
 def _pg(s: Session) -> bool:
@@ -627,6 +687,12 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
     for sid, epoch in rows:
         try:
             new_epoch = _take_plain(sid, epoch)
+        except _Locked:
+            report.skipped += 1
+            continue
+        except OperationalError as exc:
+            _skipped_on_lock(report, exc, "resume", session_id=sid)
+            continue
         except Exception:
             log_event(log, "scan_session_failed", logging.ERROR, exc_info=True, session_id=sid)
             continue
@@ -642,7 +708,14 @@ def _take_plain(sid: int, epoch: int) -> int | None:
     can never get a legal history: it ends FAILED (issue 15 item 7) instead of a take that rolls
     back on every pass."""
     try:
-        with transaction() as s:
+        with scan_transaction() as s:
+            # Lock first, skipping a row another path holds; "nothing pending" is then read by
+            # a LATER statement, whose snapshot is taken after the lock: a delegation that
+            # committed while the scan looked is seen. (Checked in the take's own UPDATE after
+            # waiting on the row, the subqueries kept the snapshot of before the wait, and the
+            # released row of a parent whose round just committed looked free.)
+            if s.execute(select(S.id).where(S.id == sid).with_for_update(skip_locked=True)).first() is None:
+                raise _Locked(sid)
             new_epoch = reserve_session(
                 s,
                 sid,

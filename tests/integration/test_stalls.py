@@ -1,0 +1,138 @@
+"""Stalls on real PostgreSQL: a transaction that stops answering with its locks held (a paused
+process, a suspended VM) never makes the scan wait on a row, never lets the scan resume a
+parent whose round is being written, and is ended by the server within half a lease."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text, update
+
+from models import AgentSession, PendingRound, Phase, Role, transaction
+from models.base import utcnow
+from recovery.scan import ScanReport, scan
+from tests.helpers import RecordingScheduler, add_message, invariants, make_execution, make_session
+
+S = AgentSession
+
+
+def _open_transaction(*statements: str) -> Any:
+    """Another connection's transaction that ran ``statements`` and now stalls (stays open
+    with its locks) until the returned connection is committed or closed."""
+    from models import get_engine
+
+    conn = get_engine().connect()
+    conn.begin()
+    for statement in statements:
+        conn.execute(text(statement))
+    return conn
+
+
+def _scan_in_thread(sched: RecordingScheduler) -> tuple[threading.Thread, list[ScanReport]]:
+    reports: list[ScanReport] = []
+    thread = threading.Thread(target=lambda: reports.append(scan(sched, callback_grace_seconds=0)), daemon=True)
+    thread.start()
+    return thread, reports
+
+
+def _delegating_transaction(sid: int, epoch: int) -> list[str]:
+    """What a parent's delegating transaction writes, in order: the fence (its session row
+    locked), a child and its PENDING execution, the pending round, the release of its lease."""
+    return [
+        f"UPDATE agent_session SET lease_expires_at = now() + interval '30 seconds' WHERE id = {sid}"
+        f" AND epoch = {epoch}",
+        "INSERT INTO agent_session (user_id, session_type, parent_session_id, agent_type, started_at, updated_at)"
+        f" VALUES ('u1', 'SUBAGENT', {sid}, 'reviewer', now(), now())",
+        "INSERT INTO pending_round (session_id, tool_calls, inline_results, created_at)"
+        f" VALUES ({sid}, '[]', '{{}}', now())",
+        "INSERT INTO subagent_execution (parent_session_id, child_session_id, agent_type, task_description,"
+        " status, delivery_status, started_at, pending_round_id, epoch)"
+        f" SELECT {sid}, max(c.id), 'reviewer', 'review', 'RUNNING', 'PENDING', now(),"
+        f" (SELECT id FROM pending_round WHERE session_id = {sid}), 0"
+        f" FROM agent_session c WHERE c.parent_session_id = {sid}",
+        f"UPDATE agent_session SET lease_owner = NULL, lease_expires_at = NULL WHERE id = {sid}",
+    ]
+
+
+# --- a second final answer ----------------------------------------------------------------------
+
+
+def test_a_parent_whose_delegating_transaction_stalls_past_its_lease_is_never_resumed_by_the_scan(db: str) -> None:
+    """The delegation commits while the scan's take of the parent would wait on its row: the
+    take must not see the released row as free and resume a parent whose children are PENDING."""
+    sid = make_session(lease_owner="stalled@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=3)
+    add_message(sid, Role.USER, "hi")
+    stalled = _open_transaction(*_delegating_transaction(sid, 3))
+    sched = RecordingScheduler()
+    try:
+        scanner, reports = _scan_in_thread(sched)
+        scanner.join(5)
+        stalled.commit()  # the stalled worker wakes up and commits its round
+    finally:
+        stalled.close()
+    scanner.join(10)
+    assert not scanner.is_alive()
+    assert sched.resumed == [], "a parent with PENDING children and an open round was resumed"
+    with transaction() as s:
+        row = s.execute(select(S.epoch, S.phase).where(S.id == sid)).one()
+    assert tuple(row) == (3, Phase.RUNNING), "the scan wrote nothing to the parent"
+    assert reports and reports[0].skipped >= 1, "the pass says it passed the parent over"
+
+
+def test_the_checker_flags_an_assistant_message_written_inside_a_closed_round(db: str) -> None:
+    sid = make_session()
+    add_message(sid, Role.USER, "hi")
+    with transaction() as s:
+        rnd = PendingRound(session_id=sid, tool_calls=[], inline_results={}, created_at=utcnow())
+        s.add(rnd)
+        s.flush()
+        rid = rnd.id
+    answer = add_message(sid, Role.ASSISTANT, "a final answer while the children run")
+    with transaction() as s:
+        s.execute(update(PendingRound).where(PendingRound.id == rid).values(closed_at=utcnow()))
+    problems = [p for p in invariants(settled=False) if p.startswith("I3")]
+    assert any(f"assistant messages [{answer}]" in p and f"round {rid}" in p for p in problems), problems
+
+
+# --- no scan step waits on a row lock ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", ["suppress", "deliver", "resume"])
+def test_no_scan_step_waits_on_a_parent_row_another_path_holds_and_the_pass_says_it_skipped(
+    db: str, step: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if step == "suppress":
+        parent = make_session(phase=Phase.CANCELLED)
+        make_execution(parent)
+    elif step == "deliver":
+        parent = make_session(lease_owner=None)
+        from models import ExecutionStatus
+
+        make_execution(parent, status=ExecutionStatus.COMPLETED, completed_at=utcnow() - timedelta(seconds=60))
+    else:
+        parent = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5))
+        add_message(parent, Role.USER, "hi")
+    holder = _open_transaction(f"SELECT id FROM agent_session WHERE id = {parent} FOR UPDATE")
+    sched = RecordingScheduler()
+    caplog.set_level(logging.INFO)
+    try:
+        started = time.monotonic()
+        scanner, reports = _scan_in_thread(sched)
+        scanner.join(5)
+        assert not scanner.is_alive(), f"the {step} step waited on the parent's row lock"
+        assert time.monotonic() - started < 5
+    finally:
+        holder.close()
+        scanner.join(10)
+    assert reports[0].skipped == 1
+    assert sched.resumed == [] and sched.deliveries == [] and sched.recoveries == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("event=subagent_recovery_scan" in m and "skipped=1" in m for m in lines), lines
+    again = RecordingScheduler()
+    report = scan(again, callback_grace_seconds=0)
+    assert report.skipped == 0, "the next pass takes it"
