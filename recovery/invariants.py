@@ -160,10 +160,10 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
 def _answers_inside_rounds(
     s: Session, live: dict[int, list[Message]], delivered_under: dict[int, set[int | None]]
 ) -> list[str]:
-    """I3: a parent writes no assistant message of its own between a round's creation and its
-    close, whether the round is open or closed now (a parent resumed while its children were
-    PENDING answers, and answers again when the round is delivered). The assistant message the
-    round was delivered under is the round's own."""
+    """I3: a parent writes no final answer (an assistant message without tool calls) between a
+    round's creation and its close, whether the round is open or closed now (a parent resumed
+    while its children were PENDING answers, and answers again when the round is delivered).
+    The assistant message the round was delivered under is the round's own."""
     problems = []
     for rnd in s.execute(select(PendingRound).order_by(PendingRound.id)).scalars():
         own = delivered_under.get(rnd.id, set())
@@ -171,13 +171,14 @@ def _answers_inside_rounds(
             m.id
             for m in live.get(rnd.session_id, [])
             if m.role == Role.ASSISTANT
+            and not tool_call_ids(m.tool_calls)
             and m.id not in own
             and m.created_at > rnd.created_at
             and (rnd.closed_at is None or m.created_at < rnd.closed_at)
         ]
         if inside:
             problems.append(
-                f"I3 session {rnd.session_id}: assistant messages {inside} written between the creation and the "
+                f"I3 session {rnd.session_id}: final answers {inside} written between the creation and the "
                 f"close of round {rnd.id}"
             )
     return problems

@@ -96,7 +96,7 @@ def test_the_checker_flags_an_assistant_message_written_inside_a_closed_round(db
     with transaction() as s:
         s.execute(update(PendingRound).where(PendingRound.id == rid).values(closed_at=utcnow()))
     problems = [p for p in invariants(settled=False) if p.startswith("I3")]
-    assert any(f"assistant messages [{answer}]" in p and f"round {rid}" in p for p in problems), problems
+    assert any(f"final answers [{answer}]" in p and f"round {rid}" in p for p in problems), problems
 
 
 # --- no scan step waits on a row lock ------------------------------------------------------------
@@ -136,3 +136,59 @@ def test_no_scan_step_waits_on_a_parent_row_another_path_holds_and_the_pass_says
     again = RecordingScheduler()
     report = scan(again, callback_grace_seconds=0)
     assert report.skipped == 0, "the next pass takes it"
+
+
+# --- server-side bounds on every connection ------------------------------------------------------
+
+
+@pytest.fixture
+def short_lease(db: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """LEASE_SECONDS=3 for this process: a transaction idle for 1.5 s is ended by the server."""
+    from models.db import dispose_engines
+    from settings import get_settings
+
+    monkeypatch.setenv("LEASE_SECONDS", "3")
+    get_settings.cache_clear()
+    dispose_engines()
+    yield
+    dispose_engines()
+    get_settings.cache_clear()
+
+
+def test_a_transaction_stalled_with_a_row_locked_is_ended_by_the_server_within_half_a_lease(short_lease: None) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from harness.errors import is_infrastructure_error
+
+    sid = make_session()
+    stalled = _open_transaction(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE")
+    try:
+        time.sleep(2.5)  # the client stalls (SIGSTOP, a suspended VM) past half a lease
+        with transaction() as s:
+            got = s.execute(text(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE NOWAIT")).scalar_one()
+        assert got == sid, "the row is free again"
+        with pytest.raises(OperationalError) as cut:
+            stalled.execute(text("SELECT 1"))
+        assert is_infrastructure_error(cut.value), "a killed idle transaction is an infrastructure fault"
+    finally:
+        stalled.close()
+
+
+def test_a_scan_statement_that_meets_a_lock_times_out_as_an_infrastructure_fault_never_a_result(
+    short_lease: None,
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from harness.errors import is_infrastructure_error
+    from recovery.scan import scan_transaction
+
+    sid = make_session()
+    holder = _open_transaction(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE")
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError) as cut, scan_transaction() as s:
+            s.execute(text(f"UPDATE agent_session SET updated_at = now() WHERE id = {sid}"))
+        assert time.monotonic() - started < 1.5, "the wait was bounded by the lock timeout"
+        assert is_infrastructure_error(cut.value)
+    finally:
+        holder.close()
