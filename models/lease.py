@@ -20,6 +20,11 @@ that bounds a wait is a fraction or a multiple of it, and is written here only:
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import case
+
 from settings import get_settings
 
 #: An unclaimed reservation re-sent by the scan lasts twice as long as the last one, up to
@@ -46,6 +51,20 @@ def resend_window_seconds(resends: int) -> float:
     """The reservation of an unclaimed reservation re-sent for the ``resends``-th time (0: the
     first re-send): twice the last one, 2, 4, ... 2**MAX_DOUBLINGS reservations."""
     return reservation_seconds() * float(2 ** min(resends + 1, MAX_DOUBLINGS))
+
+
+def reservation_expiry(resends: Any, now: Any, unclaimed: Any, reserve_seconds: float | None = None) -> Any:
+    """SQL: the expiry the scan writes when it reserves a row: ``now`` + a reservation
+    (``reserve_seconds``, default :func:`reservation_seconds`) for work taken from an owner;
+    for an ``unclaimed`` reservation re-sent (its message may just wait in a long queue), the
+    window of its ``resends``-th re-send (:func:`resend_window_seconds`)."""
+    base = reservation_seconds() if reserve_seconds is None else reserve_seconds
+    windows = [(resends == k, now + timedelta(seconds=base * 2 ** (k + 1))) for k in range(MAX_DOUBLINGS - 1)]
+    return case(
+        (~unclaimed, now + timedelta(seconds=base)),
+        *windows,
+        else_=now + timedelta(seconds=base * 2**MAX_DOUBLINGS),
+    )
 
 
 def scan_interval_seconds() -> float:

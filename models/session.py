@@ -28,6 +28,7 @@ from models.db import built_once, cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
+from models.lease import reservation_expiry
 from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
 
@@ -293,8 +294,11 @@ def reserve_session(
     stays valid and the parent is not sent to the back of the queue by every pass (issue 15
     item 6). Returns the epoch to hand over, or None when the session moved on, is leased, or
     is not in ``from_phases``. ``extra`` conditions are checked in the same UPDATE (e.g.
-    "nothing pending")."""
+    "nothing pending"). An unclaimed reservation re-sent lasts twice as long as the last one
+    (2, 4, ... reservations: models.lease.reservation_expiry), as an execution's does: its run
+    may just wait in a long queue, and re-sending every reservation doubled the queue each time."""
     now = utcnow()
+    unclaimed = S.lease_owner.is_(None)
     epoch = s.execute(
         update(S)
         .where(
@@ -306,10 +310,11 @@ def reserve_session(
         )
         .values(
             phase=to_phase,
-            epoch=case((S.lease_owner.is_(None), S.epoch), else_=S.epoch + 1),
+            epoch=case((unclaimed, S.epoch), else_=S.epoch + 1),
+            resends=case((unclaimed, S.resends + 1), else_=0),
             lease_owner=None,
             lease_generation=None,
-            lease_expires_at=now + timedelta(seconds=reserve_seconds),
+            lease_expires_at=reservation_expiry(S.resends, now, unclaimed, reserve_seconds),
             updated_at=now,
         )
         .returning(S.epoch)

@@ -306,24 +306,21 @@ def _candidates(dead: Any, after_id: int) -> Any:
 
 def _reservation(now: Any, reserve_seconds: float) -> dict[str, Any]:
     """The values a reservation writes: RECOVERING, epoch + 1, no owner, a reservation of
-    ``reserve_seconds``; an unclaimed reservation of an earlier pass keeps its epoch and is
-    re-sent with a reservation twice as long as its last one."""
-    unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
-    # NOTE: a re-sent reservation lasts twice as long as the last one (2, 4, ... 64 leases):
-    # its message may just wait in a queue longer than the workers drain in two leases, and
-    # re-sending the whole backlog every two leases would multiply that queue.
-    windows = [(E.resends == k, now + timedelta(seconds=reserve_seconds * 2 ** (k + 1))) for k in range(5)]
+    ``reserve_seconds``; an unclaimed reservation keeps its epoch (and its status) and is re-sent
+    with a reservation twice as long as its last one (models.lease.reservation_expiry). Unclaimed:
+    a reservation of an earlier pass (RECOVERING, no owner), or a first run still queued (epoch 0:
+    no task ever took it; its creation reservation names its creator, or an earlier pass re-sent
+    it); bumping either would
+    make its queued message stale and send the work to the back of the same queue."""
+    first_run = and_(E.epoch == 0, or_(E.lease_owner.is_not(None), E.resends > 0))
+    unclaimed = or_(and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None)), first_run)
     return {
-        "status": ExecutionStatus.RECOVERING,
+        "status": case((first_run, E.status), else_=ExecutionStatus.RECOVERING),
         "epoch": case((unclaimed, E.epoch), else_=E.epoch + 1),
         "resends": case((unclaimed, E.resends + 1), else_=0),
         "lease_owner": None,
         "lease_generation": None,
-        "lease_expires_at": case(
-            (~unclaimed, now + timedelta(seconds=reserve_seconds)),
-            *windows,
-            else_=now + timedelta(seconds=reserve_seconds * 2**6),
-        ),
+        "lease_expires_at": lease.reservation_expiry(E.resends, now, unclaimed, reserve_seconds),
     }
 
 

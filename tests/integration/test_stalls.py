@@ -192,3 +192,60 @@ def test_a_scan_statement_that_meets_a_lock_times_out_as_an_infrastructure_fault
         assert is_infrastructure_error(cut.value)
     finally:
         holder.close()
+
+
+# --- a queued first run keeps its epoch ----------------------------------------------------------
+
+
+def test_a_child_whose_first_run_is_still_queued_keeps_epoch_0_through_the_scans_and_its_queued_run_still_takes_it(
+    db: str,
+) -> None:
+    from models import ExecutionStatus, SubagentExecution
+    from models.execution import take_execution
+    from tests.helpers import expire_leases
+
+    parent = make_session()
+    # The creation reservation names its creator (a booted worker); the chord's run_child(eid, 0)
+    # still waits in a long queue when it lapses.
+    eid = make_execution(parent, lease_owner="creator@host", lease_expires_at=utcnow() - timedelta(seconds=1))
+    for _ in range(3):
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert [c for _, _, children in sched.recoveries for c in children] == [(eid, 0)]
+        expire_leases()
+    with transaction() as s:
+        row = s.execute(select(SubagentExecution).where(SubagentExecution.id == eid)).scalar_one()
+        assert (row.epoch, row.status, row.resends) == (0, ExecutionStatus.RUNNING, 3)
+        taken = take_execution(
+            s, eid, expected_epoch=0, to_status=ExecutionStatus.RUNNING, owner="runner@host", lease_seconds=30
+        )
+    assert taken == 1, "the queued first run is still valid"
+
+
+# --- parents get the same re-send back-off -------------------------------------------------------
+
+
+def test_a_queued_parent_run_is_re_sent_with_a_doubling_reservation_so_a_long_queue_is_not_flooded(
+    model_factory: Any,
+) -> None:
+    from harness.views import create_session
+    from settings import get_settings
+    from tests.helpers import expire_leases
+
+    model_factory([{"when": {}, "reply": {"content": "hello"}}])
+    sid = create_session("main", "hi")  # reserved for agent.run(sid, 0), still in a long queue
+    lease = get_settings().LEASE_SECONDS
+    windows = []
+    for _ in range(4):
+        expire_leases()
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert sched.resumed == [(sid, 0)]
+        again = RecordingScheduler()
+        scan(again, callback_grace_seconds=0)
+        assert again.resumed == [], "nothing is re-sent while the reservation lasts"
+        with transaction() as s:
+            until = s.execute(select(S.lease_expires_at).where(S.id == sid)).scalar_one()
+        assert until is not None
+        windows.append(round((until - utcnow()).total_seconds() / lease))
+    assert windows == [4, 8, 16, 32]
