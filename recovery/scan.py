@@ -163,14 +163,26 @@ class ScanRight:
             release_scan_right(s, self.holder)
 
 
-def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
+#: How often a pass that waits for the right to scan (a boot scan) asks for it again.
+RIGHT_POLL_SECONDS = 0.1
+
+
+def scan(
+    scheduler: Scheduler, *, callback_grace_seconds: float | None = None, wait_for_right: float = 0.0
+) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
-    results may wait for their own delivery before the scan asks for it again."""
-    started, started_at = time.monotonic(), utcnow()
+    results may wait for their own delivery before the scan asks for it again. A pass that
+    finds the right to scan held returns at once, or with ``wait_for_right`` (a boot scan,
+    whose restarted worker's old leases must not wait for the next beat) runs right after the
+    pass in flight, waiting at most that long."""
     right = ScanRight()
-    if not right.take():
-        log_event(log, "subagent_recovery_scan", skipped="another_scan_running")
-        return ScanReport(ran=False)
+    deadline = time.monotonic() + wait_for_right
+    while not right.take():
+        if time.monotonic() >= deadline:
+            log_event(log, "subagent_recovery_scan", skipped="another_scan_running")
+            return ScanReport(ran=False)
+        time.sleep(RIGHT_POLL_SECONDS)
+    started, started_at = time.monotonic(), utcnow()
     report = ScanReport()
     try:
         crash_point("scan.holding_right")

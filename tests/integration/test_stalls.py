@@ -249,3 +249,37 @@ def test_a_queued_parent_run_is_re_sent_with_a_doubling_reservation_so_a_long_qu
         assert until is not None
         windows.append(round((until - utcnow()).total_seconds() / lease))
     assert windows == [4, 8, 16, 32]
+
+
+# --- a boot scan that meets a pass in flight runs right after it -------------------------------
+
+
+def test_a_boot_scan_that_meets_a_pass_in_flight_runs_right_after_it_instead_of_being_dropped(db: str) -> None:
+    from models.worker import release_scan_right, take_scan_right
+
+    eid = make_execution(make_session(), lease_owner="gone@host", lease_expires_at=utcnow() - timedelta(seconds=5))
+    with transaction() as s:
+        assert take_scan_right(s, "beat/in-flight", 30)
+    ends = threading.Timer(0.5, lambda: _release(release_scan_right, "beat/in-flight"))
+    ends.start()
+    sched = RecordingScheduler()
+    try:
+        report = scan(sched, callback_grace_seconds=0, wait_for_right=10)
+    finally:
+        ends.join()
+    assert report.ran, "the boot scan was dropped"
+    assert [eid for _, _, children in sched.recoveries for eid, _ in children] == [eid]
+
+
+def _release(release: Any, holder: str) -> None:
+    with transaction() as s:
+        release(s, holder)
+
+
+def test_the_boot_scan_task_asks_to_wait_for_the_pass_in_flight(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tasks.recovery as tasks_recovery
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(tasks_recovery.scan_task, "apply_async", lambda **kw: sent.append(kw))
+    tasks_recovery._boot_scan()
+    assert sent == [{"kwargs": {"boot": True}}]
