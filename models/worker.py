@@ -23,6 +23,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, not_, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
@@ -59,21 +61,24 @@ class RecoveryScan(Base):
 
 
 def record_boot(s: Session, name: str) -> int:
-    """Bump (or create) the generation of ``name``; returns the new generation. Atomic: two
-    processes booting under one name get different generations."""
-    rows = s.execute(
-        update(WorkerBoot)
-        .where(WorkerBoot.name == name)
-        # A new boot clears the last conflict: an older process still alive records it again.
-        .values(
-            generation=WorkerBoot.generation + 1, booted_at=func.now(), conflict_generation=None, conflict_seen_at=None
-        )
-        .returning(WorkerBoot.generation)
-    ).all()
-    if rows:
-        return int(rows[0][0])
-    s.execute(insert(WorkerBoot).values(name=name, generation=1, booted_at=func.now()))
-    return 1
+    """Bump (or create) the generation of ``name``; returns the new generation. Atomic, also for
+    a name's first boot: one INSERT ... ON CONFLICT DO UPDATE, so two processes booting at once
+    under a new name get generations 1 and 2 (and the conflict is reported), never an
+    IntegrityError that leaves one of them without a boot identity."""
+    W = WorkerBoot
+    insert_ = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+    stmt = insert_(W).values(name=name, generation=1, booted_at=func.now())
+    # A new boot clears the last conflict: an older process still alive records it again.
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[W.name],
+        set_={
+            "generation": W.generation + 1,
+            "booted_at": func.now(),
+            "conflict_generation": None,
+            "conflict_seen_at": None,
+        },
+    ).returning(W.generation)
+    return int(s.execute(stmt).scalar_one())
 
 
 def record_scan(

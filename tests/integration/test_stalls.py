@@ -283,3 +283,25 @@ def test_the_boot_scan_task_asks_to_wait_for_the_pass_in_flight(db: str, monkeyp
     monkeypatch.setattr(tasks_recovery.scan_task, "apply_async", lambda **kw: sent.append(kw))
     tasks_recovery._boot_scan()
     assert sent == [{"kwargs": {"boot": True}}]
+
+
+# --- record_boot is atomic for a name's first boot -----------------------------------------------
+
+
+def test_two_processes_booting_at_once_under_a_new_name_get_two_generations_and_no_error(db: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from models.worker import record_boot
+
+    names = [f"twin{i}@host" for i in range(10)]
+    barrier = threading.Barrier(2 * len(names))
+
+    def boot(name: str) -> int:
+        barrier.wait(5)
+        with transaction() as s:
+            return record_boot(s, name)
+
+    with ThreadPoolExecutor(2 * len(names)) as pool:
+        futures = {name: [pool.submit(boot, name), pool.submit(boot, name)] for name in names}
+        generations = {name: sorted(f.result(timeout=30) for f in pair) for name, pair in futures.items()}
+    assert generations == {name: [1, 2] for name in names}
