@@ -100,6 +100,11 @@ NAME_CONFLICTS_SQL = """
 SELECT count(*) FROM worker_boot
 WHERE conflict_seen_at IS NOT NULL AND conflict_seen_at > now() - make_interval(secs => :lease)
 """
+#: Executions the scan quarantined (a status the code does not know) still PENDING
+#: (idx_sae_pending).
+QUARANTINED_SQL = """
+SELECT count(*) FROM subagent_execution WHERE delivery_status = 'PENDING' AND quarantined_at IS NOT NULL
+"""
 LAST_SCAN_SQL = """
 SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
        EXTRACT(EPOCH FROM now() - started_at), COALESCE(skipped, 0)
@@ -280,6 +285,15 @@ class RecoveryCollector(Collector):
                 value=float(skipped),
             ),
         ]
+        quarantined = conn.execute(text(QUARANTINED_SQL)).scalar_one()
+        out.append(
+            GaugeMetricFamily(
+                _name("quarantined_executions"),
+                "PENDING executions the scan quarantined: a status this code does not know (see the "
+                "event=execution_quarantined log line naming each)",
+                value=float(quarantined),
+            )
+        )
         if age is not None:
             out.append(
                 GaugeMetricFamily(

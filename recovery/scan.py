@@ -116,6 +116,8 @@ class ScanReport:
     delivering: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     resumed_sessions: list[int] = field(default_factory=list)
+    #: Executions quarantined by this pass (a status this code does not know).
+    quarantined: list[int] = field(default_factory=list)
     #: The pass stopped because its right to scan passed to another scanner.
     right_lost: bool = False
     #: Rows passed over because another path held their lock (a delivery, a cancel, a stalled
@@ -186,6 +188,7 @@ def scan(
     report = ScanReport()
     try:
         crash_point("scan.holding_right")
+        _step("quarantine", right, _quarantine_unknown_statuses, report)
         _step("suppress", right, _suppress_stopped_parents, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
@@ -209,6 +212,7 @@ def scan(
         waiting=len(report.waiting),
         resumed=len(report.resumed_sessions),
         skipped=report.skipped,
+        quarantined=len(report.quarantined),
         duration_ms=duration_ms,
     )
     try:
@@ -238,13 +242,50 @@ def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
         log_event(log, "scan_step_failed", logging.ERROR, exc_info=True, step=name)
 
 
+#: Every execution status this code knows: a row with another (a corrupt value, or one written
+#: by a newer version) is quarantined.
+KNOWN_STATUSES = tuple(str(status) for status in ExecutionStatus)
+
+
+def _quarantine_unknown_statuses(report: ScanReport) -> None:
+    """A PENDING execution whose status this code does not know would make its parent's delivery
+    fail on every pass: it is quarantined ONCE (``quarantined_at``, an ERROR line naming it, the
+    ``agent_recovery_quarantined_executions`` metric), and the scan leaves it and its parent
+    alone from then on; the rest of the pass goes on. (Read as text: loading it as an
+    ExecutionStatus is what fails.)"""
+    status = cast(E.status, String())
+    with scan_transaction() as s:
+        rows = s.execute(
+            update(E)
+            .where(
+                E.delivery_status == DeliveryStatus.PENDING, E.quarantined_at.is_(None), status.not_in(KNOWN_STATUSES)
+            )
+            .values(quarantined_at=utcnow())
+            .returning(E.id, E.parent_session_id, status)
+            .execution_options(synchronize_session=False)
+        ).all()
+    for eid, parent_id, unknown in rows:
+        report.quarantined.append(int(eid))
+        log_event(
+            log, "execution_quarantined", logging.ERROR, execution_id=eid, parent_id=parent_id, status=str(unknown)[:32]
+        )
+
+
+def _not_quarantined() -> Any:
+    """SQL: the parent (``S``) has no quarantined PENDING execution."""
+    Q = aliased(E)
+    return ~exists().where(
+        Q.parent_session_id == S.id, Q.delivery_status == DeliveryStatus.PENDING, Q.quarantined_at.is_not(None)
+    )
+
+
 def _suppress_stopped_parents(report: ScanReport) -> None:
     with transaction() as s:
         parents = (
             s.execute(
                 select(E.parent_session_id)
                 .join(S, S.id == E.parent_session_id)
-                .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES))
+                .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES), _not_quarantined())
                 .distinct()
             )
             .scalars()
@@ -590,6 +631,7 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
             .having(
                 and_(
                     func.sum(case((E.status.in_(ACTIVE_EXECUTION), 1), else_=0)) == 0,
+                    func.sum(case((E.quarantined_at.is_not(None), 1), else_=0)) == 0,
                     or_(func.max(E.completed_at).is_(None), func.max(E.completed_at) <= now - grace),
                 )
             )

@@ -305,3 +305,31 @@ def test_two_processes_booting_at_once_under_a_new_name_get_two_generations_and_
         futures = {name: [pool.submit(boot, name), pool.submit(boot, name)] for name in names}
         generations = {name: sorted(f.result(timeout=30) for f in pair) for name, pair in futures.items()}
     assert generations == {name: [1, 2] for name in names}
+
+
+# --- a row with an unknown status is quarantined once --------------------------------------------
+
+
+def test_an_execution_with_an_unknown_status_is_quarantined_once_and_the_rest_of_the_pass_goes_on(
+    db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from models import ExecutionStatus
+    from recovery.metrics import build_registry
+
+    corrupt_parent, healthy_parent = make_session(lease_owner=None), make_session(lease_owner=None)
+    done = utcnow() - timedelta(seconds=60)
+    corrupt = make_execution(corrupt_parent, status=ExecutionStatus.COMPLETED, completed_at=done)
+    make_execution(healthy_parent, status=ExecutionStatus.COMPLETED, completed_at=done)
+    with transaction() as s:  # a value written by a newer version (or a corrupt one)
+        s.execute(text("ALTER TABLE subagent_execution DROP CONSTRAINT ck_subagent_execution_status"))
+        s.execute(text(f"UPDATE subagent_execution SET status = 'PAUSED_BY_FUTURE' WHERE id = {corrupt}"))
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        sched = RecordingScheduler()
+        scan(sched, callback_grace_seconds=0)
+        assert [p for p, _ in sched.deliveries] == [healthy_parent], "the corrupt parent is left alone"
+    errors = [r.getMessage() for r in caplog.records if "event=execution_quarantined" in r.getMessage()]
+    assert len(errors) == 1 and f"execution_id={corrupt}" in errors[0] and "PAUSED_BY_FUTURE" in errors[0]
+    assert all(r.levelno == logging.ERROR for r in caplog.records if "event=execution_quarantined" in r.getMessage())
+    scraped = {m.name: m.samples[0].value for m in build_registry().collect() if m.samples}
+    assert scraped["agent_recovery_quarantined_executions"] == 1
