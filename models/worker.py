@@ -22,13 +22,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, not_, or_, select, update
+from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, literal, not_, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
 from models.db import cas
+from models.lease import in_time, refused_as_lapsed
 
 
 class WorkerBoot(Base):
@@ -67,9 +68,9 @@ def record_boot(s: Session, name: str) -> int:
     IntegrityError that leaves one of them without a boot identity."""
     W = WorkerBoot
     insert_ = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
-    stmt = insert_(W).values(name=name, generation=1, booted_at=func.now())
+    first = insert_(W).values(name=name, generation=1, booted_at=func.now())
     # A new boot clears the last conflict: an older process still alive records it again.
-    stmt = stmt.on_conflict_do_update(
+    stmt = first.on_conflict_do_update(
         index_elements=[W.name],
         set_={
             "generation": W.generation + 1,
@@ -116,16 +117,19 @@ def take_scan_right(s: Session, holder: str, seconds: float) -> bool:
     from models.base import utcnow
 
     now = utcnow()
+    until = now + timedelta(seconds=seconds)
     R = RecoveryScan
     free = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
     landed = cas(
         s,
         update(R)
-        .where(R.id == free, or_(R.held_until.is_(None), R.held_until < now, R.holder == holder))
-        .values(holder=holder, held_until=now + timedelta(seconds=seconds)),
+        .where(R.id == free, or_(R.held_until.is_(None), R.held_until < now, R.holder == holder), *_in_time(s, until))
+        .values(holder=holder, held_until=until),
     )
     if landed:
         return True
+    if refused_as_lapsed(s, until):
+        return False
     if s.execute(select(R.id).where(R.id == 1)).first() is None:
         _insert_scan_row(s)
         return take_scan_right(s, holder, seconds)
@@ -149,10 +153,18 @@ def renew_scan_right(s: Session, holder: str, seconds: float) -> bool:
 
     R = RecoveryScan
     now = utcnow()
+    until = now + timedelta(seconds=seconds)
     mine = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
-    if cas(s, update(R).where(R.id == mine, R.holder == holder).values(held_until=now + timedelta(seconds=seconds))):
+    if cas(s, update(R).where(R.id == mine, R.holder == holder, *_in_time(s, until)).values(held_until=until)):
         return True
+    if refused_as_lapsed(s, until):
+        return False  # this process's clock stood still: its pass may not go on
     return s.execute(select(R.id).where(R.id == 1, R.holder == holder, R.held_until > now)).first() is not None
+
+
+def _in_time(s: Session, until: datetime) -> tuple[ColumnElement[bool], ...]:
+    """PostgreSQL: the right written lasts past the database's now() (models.lease.in_time)."""
+    return (in_time(literal(until, UTCDateTime())),) if s.get_bind().dialect.name == "postgresql" else ()
 
 
 def _insert_scan_row(s: Session) -> None:

@@ -333,3 +333,30 @@ def test_an_execution_with_an_unknown_status_is_quarantined_once_and_the_rest_of
     assert all(r.levelno == logging.ERROR for r in caplog.records if "event=execution_quarantined" in r.getMessage())
     scraped = {m.name: m.samples[0].value for m in build_registry().collect() if m.samples}
     assert scraped["agent_recovery_quarantined_executions"] == 1
+
+
+# --- a monotonic clock that stood still ----------------------------------------------------------
+
+
+def test_a_scan_right_written_by_a_clock_that_stood_still_is_refused_and_the_clock_resynced(db: str) -> None:
+    import models.clock as clock
+    from models.worker import renew_scan_right, take_scan_right
+
+    utcnow()  # synced
+    with transaction() as s:
+        assert take_scan_right(s, "sleeper", 30)
+    anchor = clock._anchor
+    assert anchor is not None
+    # The host was suspended for two minutes: CLOCK_MONOTONIC did not advance meanwhile, so the
+    # estimate of the database's time is two minutes behind it.
+    clock._anchor = (anchor[0], anchor[1] - timedelta(seconds=120))
+    with transaction() as s:
+        assert not renew_scan_right(s, "sleeper", 30), "a right that would already be past was written"
+    assert abs((utcnow() - _db_now()).total_seconds()) < 5, "the clock was measured again"
+    with transaction() as s:
+        assert take_scan_right(s, "sleeper", 30), "once resynced, the right is taken again"
+
+
+def _db_now() -> Any:
+    with transaction() as s:
+        return s.execute(text("SELECT now()")).scalar_one()
