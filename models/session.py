@@ -323,6 +323,42 @@ def reserve_session(
     return None if epoch is None else int(epoch)
 
 
+def reserve_sessions(
+    s: Session,
+    ids: list[int],
+    *,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...] = (Phase.RUNNING, Phase.RESUMING),
+    extra: tuple[Any, ...] = (),
+) -> list[tuple[int, int]]:
+    """:func:`reserve_session` for many sessions in ONE statement (the scan's step over plain
+    sessions, batch by batch): the sessions of ``ids`` whose lease is free, in ``from_phases``
+    and meeting ``extra``, reserved by the same rules (an owner's session gets a new epoch; an
+    unclaimed reservation keeps its epoch and doubles its window). Returns (id, epoch to hand
+    over) of those reserved, by id. Call it once the rows are locked, so that ``extra`` is read
+    in a snapshot taken after the locks."""
+    if not ids:
+        return []
+    now = utcnow()
+    unclaimed = S.lease_owner.is_(None)
+    rows = s.execute(
+        update(S)
+        .where(S.id.in_(ids), _phase_in(from_phases), lease_free(S, now), *extra)
+        .values(
+            phase=to_phase,
+            epoch=case((unclaimed, S.epoch), else_=S.epoch + 1),
+            resends=case((unclaimed, S.resends + 1), else_=0),
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=reservation_expiry(S.resends, now, unclaimed),
+            updated_at=now,
+        )
+        .returning(S.id, S.epoch)
+        .execution_options(synchronize_session=False)
+    ).all()
+    return sorted((int(i), int(e)) for i, e in rows)
+
+
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
     """Extend the lease of the epoch's owner; False when a newer owner exists."""
     rows = cas(

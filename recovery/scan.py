@@ -88,6 +88,7 @@ from models.session import (
     release_dead_parents,
     reservation_seconds,
     reserve_session,
+    reserve_sessions,
     stop_session,
 )
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
@@ -192,7 +193,7 @@ def scan(
         _step("suppress", right, _suppress_stopped_parents, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
-        _step("resume", right, _resume_plain_sessions, scheduler, report)
+        _step("resume", right, _resume_plain_sessions, scheduler, report, right)
     except ScanRightLost:
         report.right_lost = True
         log_event(log, "subagent_recovery_scan", logging.WARNING, stopped="scan_right_lost")
@@ -721,40 +722,78 @@ def _nothing_pending() -> tuple[Any, ...]:
     )
 
 
-def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
+#: Plain sessions reserved per batch of the resume step (one transaction, one renewal of the
+#: right to scan).
+RESUME_BATCH = 1000
+
+
+def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
+    """Batch by batch, walking the session ids upwards: the right to scan renewed before each
+    batch (the step stops where it is when the right passed to another scanner), then in one
+    transaction: the candidates (read without locks), their rows locked SKIP LOCKED (a row held
+    elsewhere is passed over and counted), the reservation of those locked as ONE UPDATE whose
+    WHERE states the rule again with "nothing pending" (read after the locks: a delegation
+    that committed meanwhile is seen), and the tails of those reserved cleaned."""
     now = utcnow()
-    with transaction() as s:
-        _without_jit(s)
-        rows = s.execute(
-            select(S.id, S.epoch)
-            .where(
-                S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
-                S.phase.in_(ACTIVE_PHASES),
-                lease_free(S, now),
-                *_nothing_pending(),
+    cursor = 0
+    while True:
+        with scan_transaction() as s:
+            _without_jit(s)
+            candidates = list(
+                s.execute(
+                    select(S.id)
+                    .where(
+                        S.id > cursor,
+                        S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
+                        S.phase.in_(ACTIVE_PHASES),
+                        lease_free(S, now),
+                        *_nothing_pending(),
+                    )
+                    .order_by(S.id)
+                    .limit(RESUME_BATCH)
+                ).scalars()
             )
-            .order_by(S.id)
-        ).all()
-    for sid, epoch in rows:
-        try:
-            new_epoch = _take_plain(sid, epoch)
-        except _Locked:
-            report.skipped += 1
-            continue
-        except OperationalError as exc:
-            _skipped_on_lock(report, exc, "resume", session_id=sid)
-            continue
-        except Exception:
-            log_event(log, "scan_session_failed", logging.ERROR, exc_info=True, session_id=sid)
-            continue
-        if new_epoch is not None:
+            if not candidates:
+                return
+            locked = list(
+                s.execute(
+                    select(S.id).where(S.id.in_(candidates)).order_by(S.id).with_for_update(skip_locked=True)
+                ).scalars()
+            )
+            report.skipped += len(candidates) - len(locked)
+            reserved = reserve_sessions(s, locked, to_phase=Phase.RUNNING, extra=_nothing_pending())
+            failed = [sid for sid, epoch in reserved if not _clean_tail(s, sid, epoch)]
+        for sid in failed:
+            log_event(log, "session_stopped", logging.ERROR, session_id=sid, reason="invalid_compaction_boundary")
+            publish_status(sid, Phase.FAILED)
+        for sid, new_epoch in reserved:
+            if sid in failed:
+                continue
             report.resumed_sessions.append(sid)
             log_event(log, "session_recovery_start", session_id=sid, epoch=new_epoch)
             scheduler.resume_parent(sid, new_epoch)
+        if len(candidates) < RESUME_BATCH:
+            return
+        cursor = candidates[-1]
+        right.renew()
+
+
+def _clean_tail(s: Session, sid: int, epoch: int) -> bool:
+    """The incomplete tail of a session just reserved is cleaned (in a savepoint). A session
+    whose compaction boundary is invalid can never get a legal history: it ends FAILED (as the
+    holder of the reservation just written) instead of a take that fails on every pass; False."""
+    try:
+        with s.begin_nested():
+            cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
+        return True
+    except BoundaryInvalid:
+        stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED)
+        return False
 
 
 def _take_plain(sid: int, epoch: int) -> int | None:
-    """Take a plain session; "nothing pending" is part of the UPDATE (a delegation committed
+    """Take ONE plain session (the resume step's rules for a single row; the step itself
+    reserves in batches); "nothing pending" is part of the UPDATE (a delegation committed
     between the SELECT and here makes it miss). A session whose compaction boundary is invalid
     can never get a legal history: it ends FAILED (issue 15 item 7) instead of a take that rolls
     back on every pass."""

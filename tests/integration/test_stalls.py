@@ -360,3 +360,51 @@ def test_a_scan_right_written_by_a_clock_that_stood_still_is_refused_and_the_clo
 def _db_now() -> Any:
     with transaction() as s:
         return s.execute(text("SELECT now()")).scalar_one()
+
+
+# --- the resume step is set-based, renews per batch and stops when the right is lost ------------
+
+
+def test_the_resume_step_stops_at_the_batch_where_its_right_to_scan_passed_to_another_scanner(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+    from models import RecoveryScan
+    from recovery.scan import ScanRight
+
+    sessions = [
+        make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5)) for _ in range(3)
+    ]
+    for sid in sessions:
+        add_message(sid, Role.USER, "hi")
+    monkeypatch.setattr(scan_module, "RESUME_BATCH", 1)
+    thief = ScanRight()
+    real_resume = RecordingScheduler.resume_parent
+
+    def steal_after_first(self: RecordingScheduler, parent_id: int, epoch: int) -> None:
+        real_resume(self, parent_id, epoch)
+        with transaction() as s:  # another scanner takes the right while this one is frozen
+            s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow()))
+        assert thief.take()
+
+    monkeypatch.setattr(RecordingScheduler, "resume_parent", steal_after_first)
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert report.right_lost and [sid for sid, _ in sched.resumed] == sessions[:1]
+
+
+def test_the_resume_step_reserves_every_dead_plain_session_in_batches_each_once(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recovery.scan as scan_module
+
+    sessions = [
+        make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=2)
+        for _ in range(5)
+    ]
+    for sid in sessions:
+        add_message(sid, Role.USER, "hi")
+    monkeypatch.setattr(scan_module, "RESUME_BATCH", 2)
+    sched = RecordingScheduler()
+    scan(sched, callback_grace_seconds=0)
+    assert sched.resumed == [(sid, 3) for sid in sessions]
