@@ -596,6 +596,8 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
     while True:
         with transaction() as s:
             batch = reserver.batch(s, cursor)
+            if batch.rounds:
+                crash_point("scan.inside_batch")
         cursor = batch.cursor
         passed_over += batch.passed_over
         if batch.rounds:
