@@ -37,14 +37,17 @@ def lease_seconds() -> float:
     return float(get_settings().LEASE_SECONDS)
 
 
-def renewal_seconds() -> float:
-    """How often a live owner renews its lease: a third of it (at least every half second)."""
-    return max(0.5, lease_seconds() / 3)
+def renewal_seconds(lease: float | None = None) -> float:
+    """How often a live owner renews its lease (``lease``, default :func:`lease_seconds`): a
+    third of it, so that two renewals may fail before it lapses (at least every half second)."""
+    return max(0.5, (lease_seconds() if lease is None else lease) / 3)
 
 
-def reservation_seconds() -> float:
-    """How long an unowned reservation waits for the task it was handed: two leases."""
-    return 2 * lease_seconds()
+def reservation_seconds(lease: float | None = None) -> float:
+    """How long an unowned reservation waits for the task it was handed: two leases (``lease``,
+    default :func:`lease_seconds`), whoever writes it (the scan, a delivery's hand-over, a fresh
+    submit, a child's creation)."""
+    return 2 * (lease_seconds() if lease is None else lease)
 
 
 def resend_window_seconds(resends: int) -> float:

@@ -23,6 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from sqlalchemy.sql.dml import Update
 
+from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
@@ -95,11 +96,9 @@ def child_not_cancelled() -> Any:
 
 
 def reservation_seconds() -> float:
-    """How long a reservation the scan or a delivery hands over waits for the task it was
-    handed: two leases (the one place the rule is written)."""
-    from settings import get_settings
-
-    return 2 * get_settings().LEASE_SECONDS
+    """How long a reservation waits for the task it was handed: models.lease.reservation_seconds
+    (kept here for its callers)."""
+    return lease.reservation_seconds()
 
 
 def set_child_phase(s: Session, child_id: int, to_phase: Phase) -> None:

@@ -43,7 +43,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from fieldrecovery.tables import InvocationStatus
 from logfmt import log_event
-from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine
+from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine, lease
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class RecoveryCollector(Collector):
         settings = get_settings()
         self._engine = engine
         self.scan_interval_seconds = (
-            settings.SCAN_INTERVAL_SECONDS if scan_interval_seconds is None else scan_interval_seconds
+            lease.scan_interval_seconds() if scan_interval_seconds is None else scan_interval_seconds
         )
         self.field_schema = field_schema or settings.booking_field_recovery.db_schema
         self.settled_refresh_seconds = settled_refresh_seconds
@@ -305,7 +305,7 @@ class RecoveryCollector(Collector):
         return out
 
     def _name_conflicts(self, conn: Connection) -> list[Metric]:
-        count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": get_settings().LEASE_SECONDS}).scalar_one()
+        count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": lease.lease_seconds()}).scalar_one()
         return [
             GaugeMetricFamily(
                 _name("worker_name_conflicts"),

@@ -134,8 +134,7 @@ class ScanRightLost(RecoveryError):
 def scan_right_seconds() -> float:
     """How long the right to scan lasts without a renewal (renewed before every batch and
     step): one scan interval, and never less than a lease."""
-    settings = get_settings()
-    return max(float(settings.SCAN_INTERVAL_SECONDS), float(settings.LEASE_SECONDS))
+    return lease.scan_right_seconds()
 
 
 class ScanRight:
@@ -615,9 +614,8 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
 
 
 def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seconds: float | None) -> None:
-    settings = get_settings()
     now = utcnow()
-    grace = timedelta(seconds=settings.LEASE_SECONDS if grace_seconds is None else grace_seconds)
+    grace = timedelta(seconds=lease.lease_seconds() if grace_seconds is None else grace_seconds)
     # Only a parent with a terminal PENDING execution can have a round whose executions are all
     # terminal: the (status, delivery_status) index finds those few, and the grouping below reads
     # their executions only, not every PENDING row (after a big crash, all of them are active).
