@@ -593,7 +593,7 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
     cursor = 0
     passed_over = 0
     while True:
-        with transaction() as s:
+        with scan_transaction() as s:
             batch = reserver.batch(s, cursor)
             if batch.rounds:
                 crash_point("scan.inside_batch")
