@@ -149,9 +149,17 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     """Inside a loop's write transaction: renew the lease of the epoch's owner unless the
     session was stopped meanwhile (or this process was replaced under its name). The UPDATE
     locks the row, so a concurrent cancel lands either before it (False) or after the write.
-    False, and nothing written, when the epoch moved on, the session is stopped or unowned."""
-    params = {"b_sid": sid, "b_epoch": epoch, "b_until": utcnow() + timedelta(seconds=lease_seconds)}
-    return cas(s, _fence_stmt(identity_for()), params) == 1
+    False, and nothing written, when the epoch moved on, the session is stopped or unowned, or
+    (PostgreSQL) the lease it would write is already past in the database's time: this
+    process's clock stood still (a suspended host), and the clock is measured again
+    (models.lease.in_time)."""
+    until = utcnow() + timedelta(seconds=lease_seconds)
+    params = {"b_sid": sid, "b_epoch": epoch, "b_until": until}
+    pg = s.get_bind().dialect.name == "postgresql"
+    if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
+        return True
+    lease.refused_as_lapsed(s, until)
+    return False
 
 
 def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
@@ -167,10 +175,11 @@ def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
 
 
 @built_once
-def _fence_stmt(me: tuple[str, int] | None) -> Any:
+def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
+    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
-        .where(*_held_by(me))
+        .where(*_held_by(me), *in_time)
         .values(lease_expires_at=bindparam("b_until"))
         .execution_options(synchronize_session=False)
     )

@@ -408,3 +408,19 @@ def test_the_resume_step_reserves_every_dead_plain_session_in_batches_each_once(
     sched = RecordingScheduler()
     scan(sched, callback_grace_seconds=0)
     assert sched.resumed == [(sid, 3) for sid in sessions]
+
+
+def test_a_session_lease_written_by_a_clock_that_stood_still_is_refused_and_the_clock_resynced(db: str) -> None:
+    import models.clock as clock
+    from models.session import fence_session
+
+    sid = make_session(lease_owner="sleeper@host", lease_expires_at=utcnow() + timedelta(seconds=30), epoch=1)
+    anchor = clock._anchor
+    assert anchor is not None
+    clock._anchor = (anchor[0], anchor[1] - timedelta(seconds=120))  # the monotonic clock stood still
+    with transaction() as s:
+        assert not fence_session(s, sid, epoch=1, lease_seconds=30), "a lease already past was written"
+    with transaction() as s:
+        assert fence_session(s, sid, epoch=1, lease_seconds=30), "once resynced, the owner renews"
+        until = s.execute(select(S.lease_expires_at).where(S.id == sid)).scalar_one()
+    assert until is not None and until > _db_now()
