@@ -19,8 +19,13 @@ concurrent scans (or two beats) are harmless. In order:
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
-   tail cleaned and resumed (spec R18); "nothing pending" is re-checked in the take's UPDATE.
+   tail cleaned and resumed (spec R18), in batches: the rows locked first (SKIP LOCKED), then
+   "nothing pending" read again by the reserving UPDATE, whose snapshot follows the locks.
    SUBAGENT sessions never take this path.
+Before them, a PENDING execution whose status this code does not know is quarantined once.
+No statement of a pass waits on a row lock another path holds: such a row is passed over,
+counted (``skipped`` in the pass's log line, ``recovery_scan.skipped``) and left to a later
+pass; the scan's transactions also carry a lock and a statement timeout (models.lease).
 The work is handed to the scheduler in batches (recover_many / deliver_many); duplicate or
 late messages lose their compare-and-set and do nothing.
 """
