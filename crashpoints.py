@@ -41,6 +41,7 @@ POINTS = (
     "recover.after_take",  # recovery took the execution, child loop not yet started
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
     "scan.holding_right",  # scan took the right to scan, nothing else done yet
+    "scan.inside_batch",  # inside a scan batch's transaction: dead rows and their parents locked and reserved
     "journal.after_reply",  # the model's reply of a round committed to the journal, no tool run yet
     "journal.after_tool_start",  # a tool not safe to repeat: its start committed, the tool not run yet
     "journal.after_tool_result",  # one tool's result committed to the journal, the round not yet

@@ -14,8 +14,15 @@ meanwhile and another worker takes its work, so the thawed process must find its
 ``bare_worker`` replaces one worker by one started bare (``celery -A tasks worker -n NAME@%h``,
 no -Q, no pool options: it must serve every queue); ``legacy_backlog`` adds, beside the trial's
 parents, a backlog of pre-upgrade RUNNING executions two days old, more than one scan batch,
-that must all be delivered as timed out, once. The workers use a private redis-server and
+that must all be delivered as timed out, once. ``stall`` SIGSTOPs one worker (its pool
+included) mid-trial for two to three leases, then SIGCONT: a process paused with its connections
+open, inside a transaction or not; the server ends its idle transactions, the scan never waits
+on its rows, and the thawed process finds itself fenced. The workers use a private redis-server and
 reach PostgreSQL through the proxy; the soak itself talks to both directly.
+
+``--faults stall,kill_one`` draws from those kinds only. SIGTERM or SIGINT (a timeout, ^C)
+stops every process the soak started (a stopped worker is sent SIGCONT first) and drops its
+database before it exits.
 
 Prints one line per failed trial with its seed (re-run it alone with --trials 1 --seed S),
 a progress line every 10 trials, and ends with `N passed, M failed`. Exit code 1 on failure.
@@ -49,6 +56,7 @@ FAULTS = (
     "freeze_scanner",
     "bare_worker",
     "legacy_backlog",
+    "stall",
 )
 #: The default agents, with the soak's tools (bench/soak_tools.py) allowed to the children.
 AGENTS_TOML = """
@@ -164,6 +172,11 @@ class Soak:
         self.workers: list[Any] = []
         self.counter = 0
         self.mix: dict[str, int] = dict.fromkeys(FAULTS, 0)
+        self.faults: tuple[str, ...] = FAULTS
+        #: Process groups this soak SIGSTOPped and has not resumed yet.
+        self.stopped: set[int] = set()
+        #: Every worker this soak started, replaced ones included (their pools may outlive them).
+        self.started: list[Any] = []
 
     def worker(self, beat: bool = False, name: str | None = None, bare: bool = False) -> Any:
         from demo.stack import Worker
@@ -172,7 +185,9 @@ class Soak:
             self.counter += 1
             name = f"s{self.counter}"
         argv = ["-A", "tasks", "worker", "-n", f"{name}@%h"] if bare else None
-        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat, argv=argv).start()
+        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat, argv=argv)
+        self.started.append(w)  # before it starts: a signal may arrive while it boots
+        w.start()
         self.workers.append(w)
         return w
 
@@ -212,7 +227,7 @@ class Soak:
         from harness.views import create_session
 
         rng = random.Random(seed)
-        fault = rng.choice(FAULTS)
+        fault = rng.choice(self.faults)
         self.mix[fault] += 1
         self.reset()
         self.ensure_workers()
@@ -294,6 +309,20 @@ class Soak:
         self.redis.restart(down_seconds=rng.uniform(0.2, 3.0))  # started again EMPTY
         self.ensure_workers(rng)
 
+    def stall(self, rng: random.Random) -> None:
+        """SIGSTOP one worker for two to three leases, then SIGCONT."""
+        import signal
+
+        from models import lease
+
+        victim = rng.choice(self.workers)
+        assert victim.proc is not None
+        self.stopped.add(victim.proc.pid)
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        time.sleep(rng.uniform(2.0, 3.0) * lease.lease_seconds())
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+        self.stopped.discard(victim.proc.pid)
+
     def freeze_scanner(self, rng: random.Random) -> None:
         import signal
 
@@ -301,9 +330,11 @@ class Soak:
 
         victim = rng.choice(self.workers)
         assert victim.proc is not None
+        self.stopped.add(victim.proc.pid)
         os.killpg(victim.proc.pid, signal.SIGSTOP)
         time.sleep(3 * get_settings().SCAN_INTERVAL_SECONDS)
         os.killpg(victim.proc.pid, signal.SIGCONT)
+        self.stopped.discard(victim.proc.pid)
 
     def bare_worker(self, rng: random.Random) -> None:
         victim = rng.choice([w for w in self.workers if not w.beat] or self.workers)
@@ -369,10 +400,26 @@ class Soak:
             time.sleep(0.3)
 
     def close(self) -> None:
+        """Stop every process this soak started (workers it SIGSTOPped are resumed first, so
+        that they can stop) and drop its database."""
+        import signal
+
         from sqlalchemy import text
 
-        for w in self.workers:
+        for pgid in list(self.stopped):
+            try:
+                os.killpg(pgid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.stopped.clear()
+        for w in self.started:
             w.stop()
+        for w in self.started:  # a pool process whose worker died (or was replaced) lives on in its group
+            try:
+                if w.proc is not None:
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.model.stop()
         self.proxy.stop()
         self.redis.stop()
@@ -420,19 +467,53 @@ def _legacy_problems(s: Any) -> list[str]:
     return []
 
 
+class Stopped(SystemExit):
+    """SIGTERM or SIGINT reached the soak: it unwinds through its clean-up and exits."""
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the soak through its ``finally`` (every process it started is
+    stopped), instead of leaving its workers running: they run in sessions of their own, so a
+    signal sent to the soak alone never reaches them."""
+    import signal
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise Stopped(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _ignore_signals() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument(
+        "--faults", default=",".join(FAULTS), help=f"comma-separated fault kinds to draw from (default: all: {FAULTS})"
+    )
     args = parser.parse_args(argv)
     if args.trials < 1 or args.workers < 1:
         parser.error("--trials and --workers must be positive")
+    faults = tuple(f for f in args.faults.split(",") if f)
+    if not faults or any(f not in FAULTS for f in faults):
+        parser.error(f"--faults: choose among {', '.join(FAULTS)}")
+    _stop_on_signals()
     log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    soak = Soak(args.workers, log_dir)
+    print(f"soak: pid {os.getpid()}, logs in {log_dir}", flush=True)
+    soak: Soak | None = None
     passed = failed = 0
     started = time.monotonic()
     try:
+        soak = Soak(args.workers, log_dir)
+        soak.faults = faults
         for i in range(args.trials):
             seed = args.seed + i
             problems = soak.trial(seed)
@@ -447,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
-        soak.close()
+        _ignore_signals()  # a second SIGTERM must not cut the clean-up short
+        if soak is not None:
+            soak.close()
     mix = ", ".join(f"{k}={v}" for k, v in soak.mix.items())
     print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s; faults: {mix} (logs in {log_dir})")
     print(f"{passed} passed, {failed} failed")

@@ -32,6 +32,7 @@ from models import (
     Role,
     SessionType,
     SubagentExecution,
+    lease,
 )
 from models.base import utcnow
 from models.session import reopen_child_for_followup
@@ -110,7 +111,7 @@ def _new_execution(
         # once (a broker that lost the message then costs no lease wait).
         lease_owner=booted[0] if booted else None,
         lease_generation=booted[1] if booted else None,
-        lease_expires_at=now + timedelta(seconds=lease_seconds),
+        lease_expires_at=now + timedelta(seconds=lease.reservation_seconds(lease_seconds)),
         epoch=0,
     )
     table = cast(Table, SubagentExecution.__table__)

@@ -25,6 +25,7 @@ from models import (
     LeaseLost,
     Phase,
     SubagentExecution,
+    lease,
     transaction,
 )
 from models.execution import fence_execution
@@ -153,7 +154,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{fence.session_id}", daemon=True)
 
     def _run(self) -> None:
-        interval = max(0.5, self.fence.lease_seconds / 3)
+        interval = lease.renewal_seconds(self.fence.lease_seconds)
         while not self._stop.wait(interval):
             try:
                 if not self.fence.renew():

@@ -33,10 +33,9 @@ from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
 from harness.scheduler import Scheduler
 from harness.tools import lookup
-from models import transaction
+from models import lease, transaction
 from models.base import utcnow
 from models.worker import identity
-from settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,9 @@ class LoopDeps:
     deliver: Deliver | None = None
 
     def __post_init__(self) -> None:
-        settings = get_settings()
         self.model = self.model or ModelClient.from_settings()
         self.owner = self.owner or worker_id()
-        self.lease_seconds = self.lease_seconds or settings.LEASE_SECONDS
+        self.lease_seconds = self.lease_seconds or lease.lease_seconds()
 
 
 def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:

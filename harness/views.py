@@ -11,9 +11,8 @@ from sqlalchemy.orm import Session
 
 from harness.events import external_phase, publish_status
 from harness.history import append_message, parse_tool_calls
-from models import AgentSession, Message, Phase, Role, SessionType, SubagentExecution, transaction
+from models import AgentSession, Message, Phase, Role, SessionType, SubagentExecution, lease, transaction
 from models.base import utcnow
-from settings import get_settings
 
 
 def create_session(agent_type: str, text: str, *, user_id: str = "cli") -> int:
@@ -33,7 +32,8 @@ def create_session(agent_type: str, text: str, *, user_id: str = "cli") -> int:
             updated_at=now,
             epoch=0,
             lease_owner=None,
-            lease_expires_at=now + timedelta(seconds=get_settings().LEASE_SECONDS),
+            # A reservation for agent.run(sid, 0), still queued: models.lease's one rule.
+            lease_expires_at=now + timedelta(seconds=lease.reservation_seconds()),
         )
         s.add(row)
         s.flush()

@@ -40,9 +40,22 @@ def _make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    engine = create_engine(url, pool_size=5, max_overflow=10)
+    engine = create_engine(url, pool_size=5, max_overflow=10, connect_args=_server_bounds(url))
     _ping_when_idle(engine)
     return engine
+
+
+def _server_bounds(url: str) -> dict[str, Any]:
+    """PostgreSQL (psycopg2): the server ends a transaction left idle for half a lease, and TCP
+    keepalives with ``tcp_user_timeout`` find a peer gone silent within half a lease
+    (models.lease.connect_bounds): a stalled client (a paused process, a suspended VM, a path
+    that stopped answering) never holds a row past its lease. Its next statement then fails as
+    a lost connection: an infrastructure fault, its work left to the scan."""
+    if not url.startswith("postgresql"):
+        return {}
+    from models.lease import connect_bounds
+
+    return connect_bounds()
 
 
 #: A pooled connection used less than this many seconds ago is handed out without a ping.

@@ -23,11 +23,13 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from sqlalchemy.sql.dml import Update
 
+from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
+from models.lease import reservation_expiry
 from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
 
@@ -68,6 +70,8 @@ class AgentSession(Base):
     #: When the model became unreachable for this session's run (an outage longer than the
     #: client's retries); NULL while the model answers (models.outage).
     model_outage_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: Re-sends by the scan of an unclaimed reservation of this session's run (the back-off).
+    resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -102,11 +106,9 @@ def child_not_cancelled() -> Any:
 
 
 def reservation_seconds() -> float:
-    """How long a reservation the scan or a delivery hands over waits for the task it was
-    handed: two leases (the one place the rule is written)."""
-    from settings import get_settings
-
-    return 2 * get_settings().LEASE_SECONDS
+    """How long a reservation waits for the task it was handed: models.lease.reservation_seconds
+    (kept here for its callers)."""
+    return lease.reservation_seconds()
 
 
 def set_child_phase(s: Session, child_id: int, to_phase: Phase) -> None:
@@ -157,9 +159,17 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     """Inside a loop's write transaction: renew the lease of the epoch's owner unless the
     session was stopped meanwhile (or this process was replaced under its name). The UPDATE
     locks the row, so a concurrent cancel lands either before it (False) or after the write.
-    False, and nothing written, when the epoch moved on, the session is stopped or unowned."""
-    params = {"b_sid": sid, "b_epoch": epoch, "b_until": utcnow() + timedelta(seconds=lease_seconds)}
-    return cas(s, _fence_stmt(identity_for()), params) == 1
+    False, and nothing written, when the epoch moved on, the session is stopped or unowned, or
+    (PostgreSQL) the lease it would write is already past in the database's time: this
+    process's clock stood still (a suspended host), and the clock is measured again
+    (models.lease.in_time)."""
+    until = utcnow() + timedelta(seconds=lease_seconds)
+    params = {"b_sid": sid, "b_epoch": epoch, "b_until": until}
+    pg = s.get_bind().dialect.name == "postgresql"
+    if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
+        return True
+    lease.refused_as_lapsed(s, until)
+    return False
 
 
 def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
@@ -175,10 +185,11 @@ def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
 
 
 @built_once
-def _fence_stmt(me: tuple[str, int] | None) -> Any:
+def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
+    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
-        .where(*_held_by(me))
+        .where(*_held_by(me), *in_time)
         .values(lease_expires_at=bindparam("b_until"))
         .execution_options(synchronize_session=False)
     )
@@ -301,8 +312,11 @@ def reserve_session(
     stays valid and the parent is not sent to the back of the queue by every pass
     (docs/glossary.md, "Reservation"). Returns the epoch to hand over, or None when the session moved on, is leased, or
     is not in ``from_phases``. ``extra`` conditions are checked in the same UPDATE (e.g.
-    "nothing pending")."""
+    "nothing pending"). An unclaimed reservation re-sent lasts twice as long as the last one
+    (2, 4, ... reservations: models.lease.reservation_expiry), as an execution's does: its run
+    may just wait in a long queue, and re-sending every reservation doubled the queue each time."""
     now = utcnow()
+    unclaimed = S.lease_owner.is_(None)
     epoch = s.execute(
         update(S)
         .where(
@@ -314,16 +328,53 @@ def reserve_session(
         )
         .values(
             phase=to_phase,
-            epoch=case((S.lease_owner.is_(None), S.epoch), else_=S.epoch + 1),
+            epoch=case((unclaimed, S.epoch), else_=S.epoch + 1),
+            resends=case((unclaimed, S.resends + 1), else_=0),
             lease_owner=None,
             lease_generation=None,
-            lease_expires_at=now + timedelta(seconds=reserve_seconds),
+            lease_expires_at=reservation_expiry(S.resends, now, unclaimed, reserve_seconds),
             updated_at=now,
         )
         .returning(S.epoch)
         .execution_options(synchronize_session=False)
     ).scalar_one_or_none()
     return None if epoch is None else int(epoch)
+
+
+def reserve_sessions(
+    s: Session,
+    ids: list[int],
+    *,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...] = (Phase.RUNNING, Phase.RESUMING),
+    extra: tuple[Any, ...] = (),
+) -> list[tuple[int, int]]:
+    """:func:`reserve_session` for many sessions in ONE statement (the scan's step over plain
+    sessions, batch by batch): the sessions of ``ids`` whose lease is free, in ``from_phases``
+    and meeting ``extra``, reserved by the same rules (an owner's session gets a new epoch; an
+    unclaimed reservation keeps its epoch and doubles its window). Returns (id, epoch to hand
+    over) of those reserved, by id. Call it once the rows are locked, so that ``extra`` is read
+    in a snapshot taken after the locks."""
+    if not ids:
+        return []
+    now = utcnow()
+    unclaimed = S.lease_owner.is_(None)
+    rows = s.execute(
+        update(S)
+        .where(S.id.in_(ids), _phase_in(from_phases), lease_free(S, now), *extra)
+        .values(
+            phase=to_phase,
+            epoch=case((unclaimed, S.epoch), else_=S.epoch + 1),
+            resends=case((unclaimed, S.resends + 1), else_=0),
+            lease_owner=None,
+            lease_generation=None,
+            lease_expires_at=reservation_expiry(S.resends, now, unclaimed),
+            updated_at=now,
+        )
+        .returning(S.id, S.epoch)
+        .execution_options(synchronize_session=False)
+    ).all()
+    return sorted((int(i), int(e)) for i, e in rows)
 
 
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:

@@ -22,11 +22,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, not_, or_, select, update
+from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, literal, not_, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
 from models.db import cas
+from models.lease import in_time, refused_as_lapsed
 
 
 class WorkerBoot(Base):
@@ -51,32 +54,45 @@ class RecoveryScan(Base):
     duration_ms: Mapped[int | None] = mapped_column(Integer, nullable=True)
     parents: Mapped[int | None] = mapped_column(Integer, nullable=True)
     executions: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Rows the last pass passed over because another path held their lock.
+    skipped: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: The right to scan: who holds it and until when (the database's clock).
     holder: Mapped[str | None] = mapped_column(String(128), nullable=True)
     held_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 def record_boot(s: Session, name: str) -> int:
-    """Bump (or create) the generation of ``name``; returns the new generation. Atomic: two
-    processes booting under one name get different generations."""
-    rows = s.execute(
-        update(WorkerBoot)
-        .where(WorkerBoot.name == name)
-        # A new boot clears the last conflict: an older process still alive records it again.
-        .values(
-            generation=WorkerBoot.generation + 1, booted_at=func.now(), conflict_generation=None, conflict_seen_at=None
-        )
-        .returning(WorkerBoot.generation)
-    ).all()
-    if rows:
-        return int(rows[0][0])
-    s.execute(insert(WorkerBoot).values(name=name, generation=1, booted_at=func.now()))
-    return 1
+    """Bump (or create) the generation of ``name``; returns the new generation. Atomic, also for
+    a name's first boot: one INSERT ... ON CONFLICT DO UPDATE, so two processes booting at once
+    under a new name get generations 1 and 2 (and the conflict is reported), never an
+    IntegrityError that leaves one of them without a boot identity."""
+    W = WorkerBoot
+    insert_ = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+    first = insert_(W).values(name=name, generation=1, booted_at=func.now())
+    # A new boot clears the last conflict: an older process still alive records it again.
+    stmt = first.on_conflict_do_update(
+        index_elements=[W.name],
+        set_={
+            "generation": W.generation + 1,
+            "booted_at": func.now(),
+            "conflict_generation": None,
+            "conflict_seen_at": None,
+        },
+    ).returning(W.generation)
+    return int(s.execute(stmt).scalar_one())
 
 
-def record_scan(s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int) -> None:
+def record_scan(
+    s: Session, *, started_at: datetime, duration_ms: int, parents: int, executions: int, skipped: int = 0
+) -> None:
     """Upsert the single ``recovery_scan`` row (the right to scan it also holds is untouched)."""
-    values = {"started_at": started_at, "duration_ms": duration_ms, "parents": parents, "executions": executions}
+    values = {
+        "started_at": started_at,
+        "duration_ms": duration_ms,
+        "parents": parents,
+        "executions": executions,
+        "skipped": skipped,
+    }
     landed = cas(s, update(RecoveryScan).where(RecoveryScan.id == 1).values(**values))
     if not landed:
         s.execute(insert(RecoveryScan).values(id=1, **values))
@@ -101,16 +117,19 @@ def take_scan_right(s: Session, holder: str, seconds: float) -> bool:
     from models.base import utcnow
 
     now = utcnow()
+    until = now + timedelta(seconds=seconds)
     R = RecoveryScan
     free = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
     landed = cas(
         s,
         update(R)
-        .where(R.id == free, or_(R.held_until.is_(None), R.held_until < now, R.holder == holder))
-        .values(holder=holder, held_until=now + timedelta(seconds=seconds)),
+        .where(R.id == free, or_(R.held_until.is_(None), R.held_until < now, R.holder == holder), *_in_time(s, until))
+        .values(holder=holder, held_until=until),
     )
     if landed:
         return True
+    if refused_as_lapsed(s, until):
+        return False
     if s.execute(select(R.id).where(R.id == 1)).first() is None:
         _insert_scan_row(s)
         return take_scan_right(s, holder, seconds)
@@ -134,10 +153,18 @@ def renew_scan_right(s: Session, holder: str, seconds: float) -> bool:
 
     R = RecoveryScan
     now = utcnow()
+    until = now + timedelta(seconds=seconds)
     mine = select(R.id).where(R.id == 1).with_for_update(skip_locked=True).scalar_subquery()
-    if cas(s, update(R).where(R.id == mine, R.holder == holder).values(held_until=now + timedelta(seconds=seconds))):
+    if cas(s, update(R).where(R.id == mine, R.holder == holder, *_in_time(s, until)).values(held_until=until)):
         return True
+    if refused_as_lapsed(s, until):
+        return False  # this process's clock stood still: its pass may not go on
     return s.execute(select(R.id).where(R.id == 1, R.holder == holder, R.held_until > now)).first() is not None
+
+
+def _in_time(s: Session, until: datetime) -> tuple[ColumnElement[bool], ...]:
+    """PostgreSQL: the right written lasts past the database's now() (models.lease.in_time)."""
+    return (in_time(literal(until, UTCDateTime())),) if s.get_bind().dialect.name == "postgresql" else ()
 
 
 def _insert_scan_row(s: Session) -> None:

@@ -45,6 +45,7 @@ from models import (
     PendingRound,
     Phase,
     SubagentExecution,
+    lease,
     transaction,
 )
 from models.base import utcnow
@@ -52,7 +53,6 @@ from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.session import cancel_child, hand_over, stop_session
 from recovery.legacy import infer_and_store
-from settings import get_settings
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
@@ -279,7 +279,7 @@ def _close_round_and_hand_over(
         log_event(log, "parent_recovery_wait", parent_id=parent_id, execution_ids=left)
         return DeliveryOutcome(DeliveryKind.WAITING, delivered=tuple(delivered))
     new_epoch = hand_over(
-        s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=get_settings().LEASE_SECONDS
+        s, parent_id, epoch=epoch, to_phase=Phase.RUNNING, reserve_seconds=lease.reservation_seconds()
     )
     return DeliveryOutcome(DeliveryKind.RESUME, new_epoch=new_epoch, delivered=tuple(delivered))
 

@@ -97,6 +97,7 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
     for e in executions:
         if e.pending_round_id is not None and e.delivery_status == DeliveryStatus.DELIVERED:
             by_round[e.pending_round_id].add(e.parent_assistant_message_id)
+    problems += _answers_inside_rounds(s, live, by_round)
     for rid, assistants in by_round.items():
         if len(assistants) != 1:
             problems.append(f"I3 round {rid}: delivered under {len(assistants)} assistant messages")
@@ -233,6 +234,33 @@ def check_approvals(s: Session) -> list[str]:
                 problems.append(f"A2 {where}: approved but its TOOL result is a denial")
             elif r.status != ApprovalStatus.APPROVED and not content.startswith(denial):
                 problems.append(f"A2 {where}: {r.status} but its TOOL result is not a denial")
+    return problems
+
+
+def _answers_inside_rounds(
+    s: Session, live: dict[int, list[Message]], delivered_under: dict[int, set[int | None]]
+) -> list[str]:
+    """I3: a parent writes no final answer (an assistant message without tool calls) between a
+    round's creation and its close, whether the round is open or closed now (a parent resumed
+    while its children were PENDING answers, and answers again when the round is delivered).
+    The assistant message the round was delivered under is the round's own."""
+    problems = []
+    for rnd in s.execute(select(PendingRound).order_by(PendingRound.id)).scalars():
+        own = delivered_under.get(rnd.id, set())
+        inside = [
+            m.id
+            for m in live.get(rnd.session_id, [])
+            if m.role == Role.ASSISTANT
+            and not tool_call_ids(m.tool_calls)
+            and m.id not in own
+            and m.created_at > rnd.created_at
+            and (rnd.closed_at is None or m.created_at < rnd.closed_at)
+        ]
+        if inside:
+            problems.append(
+                f"I3 session {rnd.session_id}: final answers {inside} written between the creation and the "
+                f"close of round {rnd.id}"
+            )
     return problems
 
 

@@ -44,7 +44,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from fieldrecovery.tables import InvocationStatus
 from logfmt import log_event
-from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine
+from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine, lease
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,14 @@ NAME_CONFLICTS_SQL = """
 SELECT count(*) FROM worker_boot
 WHERE conflict_seen_at IS NOT NULL AND conflict_seen_at > now() - make_interval(secs => :lease)
 """
+#: Executions the scan quarantined (a status the code does not know) still PENDING
+#: (idx_sae_pending).
+QUARANTINED_SQL = """
+SELECT count(*) FROM subagent_execution WHERE delivery_status = 'PENDING' AND quarantined_at IS NOT NULL
+"""
 LAST_SCAN_SQL = """
 SELECT EXTRACT(EPOCH FROM started_at), duration_ms, parents, executions,
-       EXTRACT(EPOCH FROM now() - started_at)
+       EXTRACT(EPOCH FROM now() - started_at), COALESCE(skipped, 0)
 FROM recovery_scan WHERE id = 1 AND started_at IS NOT NULL
 """
 #: Settled executions (O(history): a sequential scan), recounted now and then.
@@ -157,7 +162,7 @@ class RecoveryCollector(Collector):
         settings = get_settings()
         self._engine = engine
         self.scan_interval_seconds = (
-            settings.SCAN_INTERVAL_SECONDS if scan_interval_seconds is None else scan_interval_seconds
+            lease.scan_interval_seconds() if scan_interval_seconds is None else scan_interval_seconds
         )
         self.field_schema = field_schema or settings.booking_field_recovery.db_schema
         self.settled_refresh_seconds = settled_refresh_seconds
@@ -291,7 +296,7 @@ class RecoveryCollector(Collector):
 
     def _last_scan(self, conn: Connection) -> list[Metric]:
         row = conn.execute(text(LAST_SCAN_SQL)).one_or_none()
-        started, duration_ms, parents, executions, age = row if row is not None else (0, 0, 0, 0, None)
+        started, duration_ms, parents, executions, age, skipped = row if row is not None else (0, 0, 0, 0, None, 0)
         out: list[Metric] = [
             GaugeMetricFamily(
                 _name("last_scan_timestamp_seconds"),
@@ -309,7 +314,21 @@ class RecoveryCollector(Collector):
                 "Executions the last recovery scan handed to recovery",
                 value=float(executions),
             ),
+            GaugeMetricFamily(
+                _name("last_scan_skipped"),
+                "Rows the last recovery scan passed over because another path held their lock",
+                value=float(skipped),
+            ),
         ]
+        quarantined = conn.execute(text(QUARANTINED_SQL)).scalar_one()
+        out.append(
+            GaugeMetricFamily(
+                _name("quarantined_executions"),
+                "PENDING executions the scan quarantined: a status this code does not know (see the "
+                "event=execution_quarantined log line naming each)",
+                value=float(quarantined),
+            )
+        )
         if age is not None:
             out.append(
                 GaugeMetricFamily(
@@ -321,7 +340,7 @@ class RecoveryCollector(Collector):
         return out
 
     def _name_conflicts(self, conn: Connection) -> list[Metric]:
-        count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": get_settings().LEASE_SECONDS}).scalar_one()
+        count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": lease.lease_seconds()}).scalar_one()
         return [
             GaugeMetricFamily(
                 _name("worker_name_conflicts"),

@@ -18,13 +18,13 @@ from models import (
     DeliveryStatus,
     Phase,
     SubagentExecution,
+    lease,
     transaction,
 )
 from models.base import utcnow
 from models.session import release_dead_parents
 from recovery.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
-from settings import get_settings
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
@@ -139,7 +139,7 @@ def status_report() -> dict[str, Any]:
             select(func.count()).where(
                 E.delivery_status == DeliveryStatus.PENDING,
                 E.status.in_(ACTIVE_EXECUTION),
-                E.lease_expires_at < now - timedelta(seconds=get_settings().SCAN_INTERVAL_SECONDS),
+                E.lease_expires_at < now - timedelta(seconds=lease.scan_interval_seconds()),
             )
         ).scalar_one()
         S = AgentSession
@@ -201,7 +201,7 @@ def worker_name_conflicts() -> list[dict[str, Any]]:
     third of a lease), so two processes run under that name right now."""
     from models.worker import name_conflicts
 
-    lease = timedelta(seconds=get_settings().LEASE_SECONDS)
+    window = timedelta(seconds=lease.lease_seconds())
     now = utcnow()  # the database's time (models.clock)
     with transaction() as s:
         rows = name_conflicts(s)
@@ -211,7 +211,7 @@ def worker_name_conflicts() -> list[dict[str, Any]]:
                 "generation": int(r.generation),
                 "older_generation": r.conflict_generation,
                 "seen_at": r.conflict_seen_at.isoformat() if r.conflict_seen_at else None,
-                "live": bool(r.conflict_seen_at is not None and now - r.conflict_seen_at <= lease),
+                "live": bool(r.conflict_seen_at is not None and now - r.conflict_seen_at <= window),
             }
             for r in rows
         ]

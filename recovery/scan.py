@@ -22,8 +22,13 @@ concurrent scans (or two beats) are harmless. In order:
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
-   tail cleaned and resumed (R18); "nothing pending" is re-checked in the take's UPDATE.
+   tail cleaned and resumed (R18), in batches: the rows locked first (SKIP LOCKED), then
+   "nothing pending" read again by the reserving UPDATE, whose snapshot follows the locks.
    SUBAGENT sessions never take this path.
+Before them, a PENDING execution whose status this code does not know is quarantined once.
+No statement of a pass waits on a row lock another path holds: such a row is passed over,
+counted (``skipped`` in the pass's log line, ``recovery_scan.skipped``) and left to a later
+pass; the scan's transactions also carry a lock and a statement timeout (models.lease).
 The work is handed to the scheduler in batches (recover_many / deliver_many); duplicate or
 late messages lose their compare-and-set and do nothing.
 """
@@ -34,6 +39,8 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import groupby
@@ -58,6 +65,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, aliased
 
 from crashpoints import crash_point
@@ -78,6 +86,7 @@ from models import (
     Phase,
     SessionType,
     SubagentExecution,
+    lease,
     transaction,
 )
 from models.base import utcnow
@@ -87,6 +96,7 @@ from models.session import (
     release_dead_parents,
     reservation_seconds,
     reserve_session,
+    reserve_sessions,
     stop_session,
 )
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
@@ -117,8 +127,13 @@ class ScanReport:
     resumed_sessions: list[int] = field(default_factory=list)
     #: Sessions parked for an approval that the pass handed back to a loop (harness.approval).
     approvals_resumed: list[int] = field(default_factory=list)
+    #: Executions quarantined by this pass (a status this code does not know).
+    quarantined: list[int] = field(default_factory=list)
     #: The pass stopped because its right to scan passed to another scanner.
     right_lost: bool = False
+    #: Rows passed over because another path held their lock (a delivery, a cancel, a stalled
+    #: transaction): the pass never waits for one, a later pass comes back for them.
+    skipped: int = 0
 
 
 class ScanRightLost(RecoveryError):
@@ -129,8 +144,7 @@ class ScanRightLost(RecoveryError):
 def scan_right_seconds() -> float:
     """How long the right to scan lasts without a renewal (renewed before every batch and
     step): one scan interval, and never less than a lease."""
-    settings = get_settings()
-    return max(float(settings.SCAN_INTERVAL_SECONDS), float(settings.LEASE_SECONDS))
+    return lease.scan_right_seconds()
 
 
 class ScanRight:
@@ -161,22 +175,35 @@ class ScanRight:
             release_scan_right(s, self.holder)
 
 
-def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -> ScanReport:
+#: How often a pass that waits for the right to scan (a boot scan) asks for it again.
+RIGHT_POLL_SECONDS = 0.1
+
+
+def scan(
+    scheduler: Scheduler, *, callback_grace_seconds: float | None = None, wait_for_right: float = 0.0
+) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
-    results may wait for their own delivery before the scan asks for it again."""
-    started, started_at = time.monotonic(), utcnow()
+    results may wait for their own delivery before the scan asks for it again. A pass that
+    finds the right to scan held returns at once, or with ``wait_for_right`` (a boot scan,
+    whose restarted worker's old leases must not wait for the next beat) runs right after the
+    pass in flight, waiting at most that long."""
     right = ScanRight()
-    if not right.take():
-        log_event(log, "subagent_recovery_scan", skipped="another_scan_running")
-        return ScanReport(ran=False)
+    deadline = time.monotonic() + wait_for_right
+    while not right.take():
+        if time.monotonic() >= deadline:
+            log_event(log, "subagent_recovery_scan", skipped="another_scan_running")
+            return ScanReport(ran=False)
+        time.sleep(RIGHT_POLL_SECONDS)
+    started, started_at = time.monotonic(), utcnow()
     report = ScanReport()
     try:
         crash_point("scan.holding_right")
+        _step("quarantine", right, _quarantine_unknown_statuses, report)
         _step("suppress", right, _suppress_stopped_parents, report)
         _step("approvals", right, _act_on_approvals, scheduler, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
-        _step("resume", right, _resume_plain_sessions, scheduler, report)
+        _step("resume", right, _resume_plain_sessions, scheduler, report, right)
     except ScanRightLost:
         report.right_lost = True
         log_event(log, "subagent_recovery_scan", logging.WARNING, stopped="scan_right_lost")
@@ -195,6 +222,8 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
         suppressed=len(report.suppressed),
         waiting=len(report.waiting),
         resumed=len(report.resumed_sessions),
+        skipped=report.skipped,
+        quarantined=len(report.quarantined),
         duration_ms=duration_ms,
     )
     try:
@@ -205,6 +234,7 @@ def scan(scheduler: Scheduler, *, callback_grace_seconds: float | None = None) -
                 duration_ms=duration_ms,
                 parents=len(report.parents),
                 executions=len(report.recovering) + len(report.delivering),
+                skipped=report.skipped,
             )
     except Exception:
         log_event(log, "scan_record_failed", logging.WARNING, exc_info=True)
@@ -223,13 +253,50 @@ def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
         log_event(log, "scan_step_failed", logging.ERROR, exc_info=True, step=name)
 
 
+#: Every execution status this code knows: a row with another (a corrupt value, or one written
+#: by a newer version) is quarantined.
+KNOWN_STATUSES = tuple(str(status) for status in ExecutionStatus)
+
+
+def _quarantine_unknown_statuses(report: ScanReport) -> None:
+    """A PENDING execution whose status this code does not know would make its parent's delivery
+    fail on every pass: it is quarantined ONCE (``quarantined_at``, an ERROR line naming it, the
+    ``agent_recovery_quarantined_executions`` metric), and the scan leaves it and its parent
+    alone from then on; the rest of the pass goes on. (Read as text: loading it as an
+    ExecutionStatus is what fails.)"""
+    status = cast(E.status, String())
+    with scan_transaction() as s:
+        rows = s.execute(
+            update(E)
+            .where(
+                E.delivery_status == DeliveryStatus.PENDING, E.quarantined_at.is_(None), status.not_in(KNOWN_STATUSES)
+            )
+            .values(quarantined_at=utcnow())
+            .returning(E.id, E.parent_session_id, status)
+            .execution_options(synchronize_session=False)
+        ).all()
+    for eid, parent_id, unknown in rows:
+        report.quarantined.append(int(eid))
+        log_event(
+            log, "execution_quarantined", logging.ERROR, execution_id=eid, parent_id=parent_id, status=str(unknown)[:32]
+        )
+
+
+def _not_quarantined() -> Any:
+    """SQL: the parent (``S``) has no quarantined PENDING execution."""
+    Q = aliased(E)
+    return ~exists().where(
+        Q.parent_session_id == S.id, Q.delivery_status == DeliveryStatus.PENDING, Q.quarantined_at.is_not(None)
+    )
+
+
 def _suppress_stopped_parents(report: ScanReport) -> None:
     with transaction() as s:
         parents = (
             s.execute(
                 select(E.parent_session_id)
                 .join(S, S.id == E.parent_session_id)
-                .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES))
+                .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES), _not_quarantined())
                 .distinct()
             )
             .scalars()
@@ -237,10 +304,16 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
         )
     for parent_id in parents:
         try:
-            with transaction() as s:
-                phase = s.execute(select(S.phase).where(S.id == parent_id).with_for_update()).scalar_one()
-                if phase in STOPPED_PHASES:  # re-checked under the lock
+            with scan_transaction() as s:
+                phase = s.execute(
+                    select(S.phase).where(S.id == parent_id).with_for_update(skip_locked=True)
+                ).scalar_one_or_none()
+                if phase is None:  # held by another path: never waited for
+                    report.skipped += 1
+                elif phase in STOPPED_PHASES:  # re-checked under the lock
                     report.suppressed += suppress_parent(s, parent_id)
+        except OperationalError as exc:
+            _skipped_on_lock(report, exc, "suppress", parent_id=parent_id)
         except Exception:
             log_event(log, "scan_suppress_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
 
@@ -314,24 +387,21 @@ def _candidates(dead: Any, after_id: int) -> Any:
 
 def _reservation(now: Any, reserve_seconds: float) -> dict[str, Any]:
     """The values a reservation writes: RECOVERING, epoch + 1, no owner, a reservation of
-    ``reserve_seconds``; an unclaimed reservation of an earlier pass keeps its epoch and is
-    re-sent with a reservation twice as long as its last one."""
-    unclaimed = and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None))
-    # NOTE: a re-sent reservation lasts twice as long as the last one (2, 4, ... 64 leases):
-    # its message may just wait in a queue longer than the workers drain in two leases, and
-    # re-sending the whole backlog every two leases would multiply that queue.
-    windows = [(E.resends == k, now + timedelta(seconds=reserve_seconds * 2 ** (k + 1))) for k in range(5)]
+    ``reserve_seconds``; an unclaimed reservation keeps its epoch (and its status) and is re-sent
+    with a reservation twice as long as its last one (models.lease.reservation_expiry). Unclaimed:
+    a reservation of an earlier pass (RECOVERING, no owner), or a first run still queued (epoch 0:
+    no task ever took it; its creation reservation names its creator, or an earlier pass re-sent
+    it); bumping either would
+    make its queued message stale and send the work to the back of the same queue."""
+    first_run = and_(E.epoch == 0, or_(E.lease_owner.is_not(None), E.resends > 0))
+    unclaimed = or_(and_(E.status == ExecutionStatus.RECOVERING, E.lease_owner.is_(None)), first_run)
     return {
-        "status": ExecutionStatus.RECOVERING,
+        "status": case((first_run, E.status), else_=ExecutionStatus.RECOVERING),
         "epoch": case((unclaimed, E.epoch), else_=E.epoch + 1),
         "resends": case((unclaimed, E.resends + 1), else_=0),
         "lease_owner": None,
         "lease_generation": None,
-        "lease_expires_at": case(
-            (~unclaimed, now + timedelta(seconds=reserve_seconds)),
-            *windows,
-            else_=now + timedelta(seconds=reserve_seconds * 2**6),
-        ),
+        "lease_expires_at": lease.reservation_expiry(E.resends, now, unclaimed, reserve_seconds),
     }
 
 
@@ -551,8 +621,10 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
     cursor = 0
     passed_over = 0
     while True:
-        with transaction() as s:
+        with scan_transaction() as s:
             batch = reserver.batch(s, cursor)
+            if batch.rounds:
+                crash_point("scan.inside_batch")
         cursor = batch.cursor
         passed_over += batch.passed_over
         if batch.rounds:
@@ -570,9 +642,8 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
 
 
 def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seconds: float | None) -> None:
-    settings = get_settings()
     now = utcnow()
-    grace = timedelta(seconds=settings.LEASE_SECONDS if grace_seconds is None else grace_seconds)
+    grace = timedelta(seconds=lease.lease_seconds() if grace_seconds is None else grace_seconds)
     # Only a parent with a terminal PENDING execution can have a round whose executions are all
     # terminal: the subquery reads PENDING rows only (idx_sae_pending: no index names status); the grouping reads
     # their executions only, not every PENDING row (after a big crash, all of them are active).
@@ -589,17 +660,26 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
             .having(
                 and_(
                     func.sum(case((E.status.in_(ACTIVE_EXECUTION), 1), else_=0)) == 0,
+                    func.sum(case((E.quarantined_at.is_not(None), 1), else_=0)) == 0,
                     or_(func.max(E.completed_at).is_(None), func.max(E.completed_at) <= now - grace),
                 )
             )
         ).all()
         if not rows:
             return
-        parent_ids = [int(r[0]) for r in rows]
-        epochs = release_dead_parents(s, parent_ids)
+        _bound_waits(s)
+        wanted = [int(r[0]) for r in rows]
+        # Lock first, never waiting (a delivery, a cancel or a stalled loop holds the others).
+        parent_ids = list(
+            s.execute(select(S.id).where(S.id.in_(wanted)).order_by(S.id).with_for_update(skip_locked=True)).scalars()
+        )
+        report.skipped += len(wanted) - len(parent_ids)
+        epochs = release_dead_parents(s, parent_ids) if parent_ids else {}
         owners = dict(s.execute(select(S.id, S.lease_owner).where(S.id.in_(parent_ids))).all())
     batch = []
     for parent_id, ids in rows:
+        if parent_id not in epochs:
+            continue
         if owners.get(parent_id) is not None:
             report.waiting.append(parent_id)  # its loop still holds it (it yields with the epoch)
             continue
@@ -608,6 +688,43 @@ def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seco
         batch.append((int(parent_id), epochs[parent_id]))
     if batch:
         scheduler.deliver_many(batch)
+
+
+class _Locked(Exception):
+    """The row is held by another path (or gone from the rule): passed over this pass."""
+
+
+@contextmanager
+def scan_transaction() -> Iterator[Session]:
+    """A transaction of the scan: no statement in it waits on a row lock longer than
+    models.lease.lock_timeout_seconds nor runs longer than statement_timeout_seconds."""
+    with transaction() as s:
+        _bound_waits(s)
+        yield s
+
+
+def _bound_waits(s: Session) -> None:
+    """PostgreSQL: the bounds of a scan statement for the rest of this transaction."""
+    if _pg(s):
+        lock_ms = int(lease.lock_timeout_seconds() * 1000)
+        statement_ms = int(lease.statement_timeout_seconds() * 1000)
+        s.execute(text(f"SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}"))
+
+
+#: SQLSTATEs of a wait the server cut: lock_not_available (lock_timeout), query_canceled
+#: (statement_timeout).
+_CUT_WAITS = ("55P03", "57014")
+
+
+def _skipped_on_lock(report: ScanReport, exc: OperationalError, step: str, **ids: Any) -> None:
+    """A row whose lock wait (or statement) the server cut is passed over and counted; any other
+    database error is an infrastructure fault of this row, logged, never a result."""
+    code = getattr(exc.orig, "pgcode", None)
+    if code in _CUT_WAITS:
+        report.skipped += 1
+        log_event(log, "scan_row_skipped", logging.WARNING, step=step, reason="lock_timeout", **ids)
+    else:
+        log_event(log, "scan_row_failed", logging.ERROR, exc_info=True, step=step, **ids)
 
 
 def _pg(s: Session) -> bool:
@@ -633,39 +750,90 @@ def _nothing_pending() -> tuple[Any, ...]:
     )
 
 
-def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport) -> None:
+#: Plain sessions reserved per batch of the resume step (one transaction, one renewal of the
+#: right to scan).
+RESUME_BATCH = 1000
+
+
+def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
+    """Batch by batch, walking the session ids upwards: the right to scan renewed before each
+    batch (the step stops where it is when the right passed to another scanner), then in one
+    transaction: the candidates (read without locks), their rows locked SKIP LOCKED (a row held
+    elsewhere is passed over and counted), the reservation of those locked as ONE UPDATE whose
+    WHERE states the rule again with "nothing pending" (read after the locks: a delegation
+    that committed meanwhile is seen), and the tails of those reserved cleaned."""
     now = utcnow()
-    with transaction() as s:
-        _without_jit(s)
-        rows = s.execute(
-            select(S.id, S.epoch)
-            .where(
-                S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
-                S.phase.in_(ACTIVE_PHASES),
-                lease_free(S, now),
-                *_nothing_pending(),
+    cursor = 0
+    while True:
+        with scan_transaction() as s:
+            _without_jit(s)
+            candidates = list(
+                s.execute(
+                    select(S.id)
+                    .where(
+                        S.id > cursor,
+                        S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
+                        S.phase.in_(ACTIVE_PHASES),
+                        lease_free(S, now),
+                        *_nothing_pending(),
+                    )
+                    .order_by(S.id)
+                    .limit(RESUME_BATCH)
+                ).scalars()
             )
-            .order_by(S.id)
-        ).all()
-    for sid, epoch in rows:
-        try:
-            new_epoch = _take_plain(sid, epoch)
-        except Exception:
-            log_event(log, "scan_session_failed", logging.ERROR, exc_info=True, session_id=sid)
-            continue
-        if new_epoch is not None:
+            if not candidates:
+                return
+            locked = list(
+                s.execute(
+                    select(S.id).where(S.id.in_(candidates)).order_by(S.id).with_for_update(skip_locked=True)
+                ).scalars()
+            )
+            report.skipped += len(candidates) - len(locked)
+            reserved = reserve_sessions(s, locked, to_phase=Phase.RUNNING, extra=_nothing_pending())
+            failed = [sid for sid, epoch in reserved if not _clean_tail(s, sid, epoch)]
+        for sid in failed:
+            log_event(log, "session_stopped", logging.ERROR, session_id=sid, reason="invalid_compaction_boundary")
+            publish_status(sid, Phase.FAILED)
+        for sid, new_epoch in reserved:
+            if sid in failed:
+                continue
             report.resumed_sessions.append(sid)
             log_event(log, "session_recovery_start", session_id=sid, epoch=new_epoch)
             scheduler.resume_parent(sid, new_epoch)
+        if len(candidates) < RESUME_BATCH:
+            return
+        cursor = candidates[-1]
+        right.renew()
+
+
+def _clean_tail(s: Session, sid: int, epoch: int) -> bool:
+    """The incomplete tail of a session just reserved is cleaned (in a savepoint). A session
+    whose compaction boundary is invalid can never get a legal history: it ends FAILED (as the
+    holder of the reservation just written) instead of a take that fails on every pass; False."""
+    try:
+        with s.begin_nested():
+            cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
+        return True
+    except BoundaryInvalid:
+        stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED)
+        return False
 
 
 def _take_plain(sid: int, epoch: int) -> int | None:
-    """Take a plain session; "nothing pending" is part of the UPDATE (a delegation committed
+    """Take ONE plain session (the resume step's rules for a single row; the step itself
+    reserves in batches); "nothing pending" is part of the UPDATE (a delegation committed
     between the SELECT and here makes it miss). A session whose compaction boundary is invalid
     can never get a legal history: it ends FAILED instead of a take that rolls
     back on every pass."""
     try:
-        with transaction() as s:
+        with scan_transaction() as s:
+            # Lock first, skipping a row another path holds; "nothing pending" is then read by
+            # a LATER statement, whose snapshot is taken after the lock: a delegation that
+            # committed while the scan looked is seen. (Checked in the take's own UPDATE after
+            # waiting on the row, the subqueries kept the snapshot of before the wait, and the
+            # released row of a parent whose round just committed looked free.)
+            if s.execute(select(S.id).where(S.id == sid).with_for_update(skip_locked=True)).first() is None:
+                raise _Locked(sid)
             new_epoch = reserve_session(
                 s,
                 sid,

@@ -7,6 +7,7 @@ import logging
 from celery.signals import worker_ready
 
 from logfmt import log_event
+from models import lease
 from recovery.child import recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
@@ -18,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 @app.task(name="recovery.scan")
-def scan_task() -> dict[str, int]:
-    report = scan(CeleryScheduler(app))
+def scan_task(boot: bool = False) -> dict[str, int]:
+    """A beat's pass, or (``boot``) a worker's boot scan: that one is never dropped for a pass
+    in flight, it runs right after it (waiting at most one scan right)."""
+    report = scan(CeleryScheduler(app), wait_for_right=lease.scan_right_seconds() if boot else 0.0)
     return {
         "parents": len(report.parents),
         "suppressed": len(report.suppressed),
@@ -56,6 +59,6 @@ def redeliver_parent_task(parent_session_id: int) -> str:
 def _boot_scan(sender: object = None, **_: object) -> None:
     # N workers -> N boot scans: the right to scan and the compare-and-sets serialize them.
     try:
-        scan_task.apply_async()
+        scan_task.apply_async(kwargs={"boot": True})
     except Exception:
         log_event(log, "boot_scan_not_enqueued", logging.ERROR, exc_info=True)

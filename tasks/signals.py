@@ -12,6 +12,7 @@ from celery.signals import setup_logging as setup_logging_signal
 from celery.signals import worker_init, worker_process_init, worker_ready
 
 from logfmt import log_event
+from models import lease
 from models.db import dispose_engines
 
 log = logging.getLogger(__name__)
@@ -144,10 +145,9 @@ watcher: NameWatcher | None = None
 def _start_name_watcher(consumer: object) -> None:
     global watcher
     from models.worker import identity
-    from settings import get_settings
 
     booted = identity()
     if booted is None:
         return
-    period = max(0.5, get_settings().LEASE_SECONDS / 3)
+    period = lease.renewal_seconds()
     watcher = NameWatcher(consumer, booted[0], booted[1], period).start()

@@ -38,16 +38,24 @@ FILLFACTOR = 70
 
 
 def upgrade() -> None:
-    op.drop_index("idx_sae_recovery", table_name=T)
-    op.create_index(
-        "ix_sae_settled_unfinished",
-        T,
-        ["id"],
-        postgresql_where=sa.text("delivery_status <> 'PENDING' AND completed_at IS NULL"),
-        sqlite_where=sa.text("delivery_status <> 'PENDING' AND completed_at IS NULL"),
-    )
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute(f"ALTER TABLE {T} SET (fillfactor = {FILLFACTOR})")
+    """PostgreSQL: the new index is built CONCURRENTLY and the old one dropped CONCURRENTLY
+    after it, outside the migration's transaction: a plain build holds a lock that blocks every
+    writer for the whole build, and the drop's ACCESS EXCLUSIVE lock, held to the end of the
+    migration's transaction, blocked readers too (minutes on a large table). A build that fails
+    (or is interrupted) leaves an INVALID index: drop it (``DROP INDEX CONCURRENTLY
+    ix_sae_settled_unfinished``) and run the upgrade again."""
+    unfinished = sa.text("delivery_status <> 'PENDING' AND completed_at IS NULL")
+    if op.get_bind().dialect.name != "postgresql":
+        op.drop_index("idx_sae_recovery", table_name=T)
+        op.create_index("ix_sae_settled_unfinished", T, ["id"], sqlite_where=unfinished)
+        return
+    with op.get_context().autocommit_block():
+        op.create_index(
+            "ix_sae_settled_unfinished", T, ["id"], postgresql_where=unfinished, postgresql_concurrently=True
+        )
+        op.drop_index("idx_sae_recovery", table_name=T, postgresql_concurrently=True)
+    # SHARE UPDATE EXCLUSIVE: readers and writers go on.
+    op.execute(f"ALTER TABLE {T} SET (fillfactor = {FILLFACTOR})")
 
 
 def downgrade() -> None:

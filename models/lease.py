@@ -1,0 +1,142 @@
+"""Every duration derived from ``LEASE_SECONDS`` and ``SCAN_INTERVAL_SECONDS``, in one place.
+
+A lease is how long an owner may go silent before its work is taken from it; everything else
+that bounds a wait is a fraction or a multiple of it, and is written here only:
+
+- the lease itself, and its renewal interval (a third of it: two renewals may fail before it
+  lapses);
+- a reservation: how long work handed over without an owner (the scan's re-send, a delivery's
+  hand-over, a fresh submit, a child's creation) waits for the task it was handed before the scan
+  may take it again: TWO leases, whoever writes it. One lease was too short for a task queued
+  behind others; an unclaimed reservation re-sent by the scan doubles at each re-send
+  (:func:`resend_window_seconds`), so a long queue is not flooded;
+- the right to scan: one scan interval, and never less than a lease;
+- the server-side bounds of every connection (:func:`connect_bounds`): an idle transaction is
+  killed within half a lease, TCP keepalives and ``tcp_user_timeout`` find a dead peer within
+  half a lease, so that a stalled client (SIGSTOP, a suspended VM, a path that stopped
+  answering) never holds a row past its lease; and the waits of the scan's statements
+  (:func:`lock_timeout_seconds`, :func:`statement_timeout_seconds`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import case, func, select
+
+from settings import get_settings
+
+#: An unclaimed reservation re-sent by the scan lasts twice as long as the last one, up to
+#: 2**MAX_DOUBLINGS reservations.
+MAX_DOUBLINGS = 6
+
+
+def lease_seconds() -> float:
+    """How long an owner's lease lasts without a renewal (``LEASE_SECONDS``)."""
+    return float(get_settings().LEASE_SECONDS)
+
+
+def renewal_seconds(lease: float | None = None) -> float:
+    """How often a live owner renews its lease (``lease``, default :func:`lease_seconds`): a
+    third of it, so that two renewals may fail before it lapses (at least every half second)."""
+    return max(0.5, (lease_seconds() if lease is None else lease) / 3)
+
+
+def reservation_seconds(lease: float | None = None) -> float:
+    """How long an unowned reservation waits for the task it was handed: two leases (``lease``,
+    default :func:`lease_seconds`), whoever writes it (the scan, a delivery's hand-over, a fresh
+    submit, a child's creation)."""
+    return 2 * (lease_seconds() if lease is None else lease)
+
+
+def resend_window_seconds(resends: int) -> float:
+    """The reservation of an unclaimed reservation re-sent for the ``resends``-th time (0: the
+    first re-send): twice the last one, 2, 4, ... 2**MAX_DOUBLINGS reservations."""
+    return reservation_seconds() * float(2 ** min(resends + 1, MAX_DOUBLINGS))
+
+
+def reservation_expiry(resends: Any, now: Any, unclaimed: Any, reserve_seconds: float | None = None) -> Any:
+    """SQL: the expiry the scan writes when it reserves a row: ``now`` + a reservation
+    (``reserve_seconds``, default :func:`reservation_seconds`) for work taken from an owner;
+    for an ``unclaimed`` reservation re-sent (its message may just wait in a long queue), the
+    window of its ``resends``-th re-send (:func:`resend_window_seconds`)."""
+    base = reservation_seconds() if reserve_seconds is None else reserve_seconds
+    windows = [(resends == k, now + timedelta(seconds=base * 2 ** (k + 1))) for k in range(MAX_DOUBLINGS - 1)]
+    return case(
+        (~unclaimed, now + timedelta(seconds=base)),
+        *windows,
+        else_=now + timedelta(seconds=base * 2**MAX_DOUBLINGS),
+    )
+
+
+def scan_interval_seconds() -> float:
+    """How often the beat asks for a scan (``SCAN_INTERVAL_SECONDS``)."""
+    return float(get_settings().SCAN_INTERVAL_SECONDS)
+
+
+def scan_right_seconds() -> float:
+    """How long the right to scan lasts without a renewal: one scan interval, never less than
+    a lease."""
+    return max(scan_interval_seconds(), lease_seconds())
+
+
+def idle_in_transaction_seconds() -> float:
+    """A transaction left idle this long is ended by the server, its locks released: half a
+    lease, so a stalled client's rows are free before its lease lapses."""
+    return lease_seconds() / 2
+
+
+def lock_timeout_seconds() -> float:
+    """The longest a scan statement waits for a row lock (the scan skips locked rows; this
+    bounds any wait left): a tenth of a lease, at least 100 ms."""
+    return max(0.1, lease_seconds() / 10)
+
+
+def statement_timeout_seconds() -> float:
+    """The longest one scan statement runs: one lease (a pass renews its right between
+    statements, and the right lasts at least a lease)."""
+    return lease_seconds()
+
+
+def tcp_user_timeout_seconds() -> float:
+    """Unacknowledged data on a connection for this long: the peer is dead (half a lease)."""
+    return lease_seconds() / 2
+
+
+def connect_bounds() -> dict[str, object]:
+    """libpq connect arguments that bound what a stalled or vanished client holds on the server:
+    ``idle_in_transaction_session_timeout`` and TCP keepalives probing within half a lease."""
+    idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
+    probe = max(1, int(lease_seconds() / 6))
+    return {
+        "options": f"-c idle_in_transaction_session_timeout={idle_ms}",
+        "keepalives": 1,
+        "keepalives_idle": probe,
+        "keepalives_interval": probe,
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
+    }
+
+
+def in_time(until: Any) -> Any:
+    """SQL: a lease or right written to last until ``until`` (computed from this process's
+    estimate of the database's time, models.clock) still lies in the database's future. A
+    write that fails it is refused: the monotonic clock the estimate runs on stood still (a
+    host suspended) and the write would hand out something already lapsed, which another
+    scanner may take at once."""
+    return until > func.now()
+
+
+def refused_as_lapsed(s: Any, until: Any) -> bool:
+    """After a lease write missed: True when ``until`` was already past in the database's time
+    (the write was refused for it); the clock is then re-measured before its next use. Costs a
+    round trip, on the failure path only. Always False off PostgreSQL (one machine, one clock)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return False
+    if until > s.execute(select(func.now())).scalar_one():
+        return False
+    from models.clock import forget
+
+    forget()
+    return True

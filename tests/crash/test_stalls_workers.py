@@ -1,0 +1,73 @@
+"""Stalls through real workers (``celery -A tasks worker``, LEASE_SECONDS=3 in the stack): a
+process SIGSTOPped with a transaction open holds nothing past its lease, and a parent never
+answers twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.crash.test_liveness import _dead_child, script
+from tests.helpers import executions_of, messages_of, wait_until
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
+
+LEASE = 3.0  # LEASE_SECONDS of the test stack
+
+
+def _final_answers(sid: int) -> list[int]:
+    return [m.id for m in messages_of(sid) if m.role == "ASSISTANT" and not json.loads(m.tool_calls or "[]")]
+
+
+def test_a_parent_stalled_inside_its_delegating_transaction_for_three_leases_answers_once(
+    stack_factory: Any,
+) -> None:
+    stack = stack_factory(script())
+    frozen = stack.worker("frozen", concurrency=1, CRASH_POINT="delegate.after_user_message", CRASH_POINT_MODE="stop")
+    sid = stack.submit("plain")
+    wait_until(lambda: "crash_point=delegate.after_user_message" in frozen.log(), timeout=60, what="the parent froze")
+    stack.worker("other", beat=True)
+    time.sleep(3 * LEASE)  # stalled with its round's transaction open, past its lease
+    os.killpg(frozen.proc.pid, signal.SIGCONT)
+    stack.wait_phase(sid, timeout=90)
+    time.sleep(2 * LEASE)  # a second answer, if any, would come now
+    assert len(_final_answers(sid)) == 1, [(m.role, m.content) for m in messages_of(sid)]
+    assert stack.invariants() == []
+
+
+def test_a_scanner_stalled_inside_its_batch_holds_no_row_and_another_scanner_recovers_the_dead_rows(
+    stack_factory: Any,
+) -> None:
+    stack = stack_factory(script())
+    parent, eid = _dead_child()
+    frozen = stack.worker(
+        "frozen", concurrency=1, queues="recovery", CRASH_POINT="scan.inside_batch", CRASH_POINT_MODE="stop"
+    )
+    wait_until(lambda: "crash_point=scan.inside_batch" in frozen.log(), timeout=60, what="the scanner froze in a batch")
+    other = stack.worker("other", beat=True)
+    ready = time.monotonic()
+    wait_until(
+        lambda: (
+            (executions_of(parent)[0].lease_owner or "").startswith("other")
+            or executions_of(parent)[0].delivery_status == "DELIVERED"
+        ),
+        timeout=60,
+        interval=0.1,
+        what="another scanner recovered the dead row",
+    )
+    took = time.monotonic() - ready
+    # The stalled batch's transaction is ended by the server within half a lease and the frozen
+    # right lapses within one: the other worker's boot scan (or the next beat's, every 2 s)
+    # recovers the row within two leases of its start.
+    assert took < 2 * LEASE + 2, f"the dead row waited {took:.1f}s behind the stalled scanner"
+    assert not other.exited
+    stack.wait_phase(parent, timeout=60)
+    os.killpg(frozen.proc.pid, signal.SIGCONT)
+    assert {e.id: e.delivery_status for e in executions_of(parent)} == {eid: "DELIVERED"}
+    time.sleep(LEASE)
+    assert stack.invariants() == []
