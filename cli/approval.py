@@ -9,9 +9,6 @@ import json
 import sys
 from typing import Any
 
-#: Longest argument text the list shows for one request.
-SUMMARY_CHARS = 60
-
 
 def register(sub: Any) -> None:
     ls = sub.add_parser("approvals", help="pending approval requests, oldest first")
@@ -34,31 +31,12 @@ def register(sub: Any) -> None:
     dn.set_defaults(handler=_decide, approve=False)
 
 
-def _summary(arguments: str) -> str:
-    flat = " ".join(arguments.split())
-    return flat if len(flat) <= SUMMARY_CHARS else flat[: SUMMARY_CHARS - 1] + "…"
-
-
 def _list(args: argparse.Namespace) -> int:
-    from models import transaction, utcnow
-    from models.approval import pending
+    from models import transaction
+    from models.approval import listing
 
-    now = utcnow()
     with transaction() as s:
-        rows = [
-            {
-                "session_id": r.session_id,
-                "call_id": r.call_id,
-                "tool": r.tool,
-                "agent_type": r.agent_type,
-                "execution_id": r.execution_id,
-                "arguments": _summary(r.arguments),
-                "requested_at": r.requested_at.isoformat(),
-                "expires_at": r.expires_at.isoformat(),
-                "age_seconds": round((now - r.requested_at).total_seconds(), 1),
-            }
-            for r in pending(s)
-        ]
+        rows = listing(s)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -76,4 +76,7 @@ def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> Action
         outcome = approvals.decide(request_id, approve=approve, reason=reason.strip(), actor=actor)
     except approvals.ApprovalsNotInstalled:
         return ActionResult(501, "approvals_not_installed")
-    return ActionResult(200 if outcome in ("approved", "denied") else 409, outcome)
+    if outcome == approvals.ConsoleDecision.NOT_FOUND:
+        return ActionResult(404, outcome)
+    landed = outcome in (approvals.ConsoleDecision.APPROVED, approvals.ConsoleDecision.DENIED)
+    return ActionResult(200 if landed else 409, outcome)

@@ -216,9 +216,12 @@ def _health() -> dict[str, Any]:
         return health(s)
 
 
-def _approvals() -> dict[str, Any]:
+def _approvals(request: Request) -> dict[str, Any]:
     with queries.read_only() as s:
-        return {"installed": approvals.installed(), "approvals": approvals.pending(s)}
+        return {
+            "installed": approvals.installed(),
+            "approvals": approvals.pending(s, show_content=_config(request).show_content),
+        }
 
 
 # --- the JSON API -----------------------------------------------------------------------------
@@ -236,7 +239,7 @@ def api_session(request: Request) -> Response:
 
 
 def api_approvals(request: Request) -> Response:
-    return JSONResponse(_approvals())
+    return JSONResponse(_approvals(request))
 
 
 def api_health(request: Request) -> Response:
@@ -351,7 +354,9 @@ def page_health(request: Request) -> Response:
 
 def page_approvals(request: Request) -> Response:
     outcome = request.query_params.get("outcome")
-    return templates.TemplateResponse(request, "approvals.html", _context(request, a=_approvals(), outcome=outcome))
+    return templates.TemplateResponse(
+        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome)
+    )
 
 
 async def login(request: Request) -> Response:

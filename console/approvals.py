@@ -1,15 +1,18 @@
 """The one seam between the console and human approvals of tool calls.
 
-Every view and action of the console that concerns approvals goes through these functions.
-Until approvals are installed they say so: no pending request, no session waiting for one, and
-a decision is refused with :class:`ApprovalsNotInstalled` (HTTP 501).
+Every view and action of the console that concerns approvals goes through these functions,
+and they go through the same functions as the CLI and the Celery tasks: the listing is
+``models.approval.listing`` (the shape of ``agent-recovery approvals --json``), a decision is
+``tasks.approval.approve`` / ``deny`` (``harness.approval.decide``: a compare-and-set on the
+request, the first decision wins). The console addresses a request by its row id; the CLI by
+session and call id: both name the same row.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import false
 from sqlalchemy.orm import Session
 
 
@@ -20,23 +23,59 @@ class ApprovalsNotInstalled(RuntimeError):
         super().__init__(message)
 
 
+class ConsoleDecision(StrEnum):
+    """What a decision asked for in the console ended in."""
+
+    APPROVED = "approved"  #: this approval landed: it is the decision that stands
+    DENIED = "denied"  #: this denial landed: it is the decision that stands
+    REPEATED = "repeated"  #: nothing done: the same decision stood already
+    CONFLICT = "conflict"  #: nothing done: another decision (or an expiry, a cancel) stands
+    NOT_FOUND = "not_found"  #: nothing done: there is no such request
+
+
 def installed() -> bool:
-    """True once approval requests exist in this deployment's schema."""
-    return False
+    """True: approval requests are part of the schema (migration 0013)."""
+    return True
 
 
-def pending(s: Session, *, limit: int = 100) -> list[dict[str, Any]]:
-    """Open approval requests, oldest first: id, session_id, tool name, created_at, expires_at."""
-    return []
+def pending(s: Session, *, show_content: bool = False) -> list[dict[str, Any]]:
+    """Open approval requests, oldest first, in the shape of ``agent-recovery approvals
+    --json``; the argument summary only when the console may show users' data."""
+    from models.approval import listing
+
+    return listing(s, with_arguments=show_content)
 
 
 def waiting_clause() -> Any:
     """SQL over ``agent_session``: the session waits for an approval."""
-    return false()
+    from models.approval import waiting_for_approval
+    from models.session import AgentSession
+
+    return waiting_for_approval(AgentSession)
 
 
-def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> str:
-    """Approve or deny one request through the approvals' domain function (a compare-and-set on
-    the request); returns its outcome's value. A decision that lost its compare-and-set is an
-    outcome, not an error."""
-    raise ApprovalsNotInstalled()
+def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> ConsoleDecision:
+    """Approve or deny one request through the same function as the CLI and ``agent.approve`` /
+    ``agent.deny``; ``actor`` is recorded as who decided. A decision that lost its
+    compare-and-set is an outcome, not an error."""
+    from models import transaction
+    from models.approval import ApprovalRequest, DecisionOutcome
+    from tasks.approval import approve as approve_call
+    from tasks.approval import deny as deny_call
+
+    with transaction() as s:
+        row = s.get(ApprovalRequest, request_id)
+        where = None if row is None else (row.session_id, row.call_id)
+    if where is None:
+        return ConsoleDecision.NOT_FOUND
+    session_id, call_id = where
+    if approve:
+        result = approve_call(session_id, call_id, by=actor, note=reason)
+    else:
+        result = deny_call(session_id, call_id, reason=reason, by=actor)
+    if result.outcome == DecisionOutcome.DECIDED:
+        return ConsoleDecision.APPROVED if approve else ConsoleDecision.DENIED
+    return {
+        DecisionOutcome.REPEATED: ConsoleDecision.REPEATED,
+        DecisionOutcome.CONFLICT: ConsoleDecision.CONFLICT,
+    }.get(result.outcome, ConsoleDecision.NOT_FOUND)

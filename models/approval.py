@@ -288,6 +288,45 @@ def pending(s: Session) -> list[ApprovalRequest]:
     )
 
 
+#: Longest argument text a listing shows for one request.
+SUMMARY_CHARS = 60
+
+
+def summary(arguments: str) -> str:
+    """The arguments on one line, cut to SUMMARY_CHARS (a listing's view of them)."""
+    flat = " ".join(arguments.split())
+    return flat if len(flat) <= SUMMARY_CHARS else flat[: SUMMARY_CHARS - 1] + "…"
+
+
+def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
+    """The pending requests as the CLI's ``approvals --json`` and the console's
+    ``/api/approvals`` show them, oldest first (one shape, a public one). ``with_arguments``
+    False leaves the argument summary out (the console shows users' data only when told)."""
+    now = utcnow()
+    rows = []
+    for r in pending(s):
+        row: dict[str, Any] = {
+            "id": r.id,
+            "session_id": r.session_id,
+            "call_id": r.call_id,
+            "tool": r.tool,
+            "agent_type": r.agent_type,
+            "execution_id": r.execution_id,
+            "requested_at": r.requested_at.isoformat(),
+            "expires_at": r.expires_at.isoformat(),
+            "age_seconds": round((now - r.requested_at).total_seconds(), 1),
+        }
+        if with_arguments:
+            row["arguments"] = summary(r.arguments)
+        rows.append(row)
+    return rows
+
+
+def waiting_for_approval(session: Any) -> Any:
+    """SQL over ``agent_session``: the session is parked for a human decision."""
+    return session.phase == Phase.WAITING_APPROVAL
+
+
 def _nothing_pending_for(session: Any) -> Any:
     return ~exists().where(A.session_id == session, A.status == ApprovalStatus.PENDING)
 

@@ -27,6 +27,8 @@ from tests.helpers import (
     one_child_script,
     phase_of,
 )
+from tests.integration import test_approvals as approval_case
+from tests.integration.test_approvals import Runs
 from tests.types import ModelFactory
 
 TOKEN = "s3cret-console-token-for-tests"
@@ -35,6 +37,8 @@ SECRET_TASK = "the user's private task text"
 SECRET_TASK_HTML = str(escape(SECRET_TASK))
 
 Serve = Callable[..., str]
+#: The approvals' tools (``refund`` needs a human decision), as the fixture ``runs``.
+approval_tools = approval_case.runs
 
 
 @pytest.fixture
@@ -326,16 +330,85 @@ def test_health_shows_the_metrics_figures_the_scan_right_holder_and_the_workers(
     assert page.status_code == 200 and "recovery1@h/abcd" in page.text and "worker1@h" in page.text
 
 
-def test_approvals_answer_that_they_are_not_installed(console: Serve) -> None:
+def _parked_request(model_factory: ModelFactory) -> tuple[int, str]:
+    """A parent whose tool call waits for a human decision (the session parked in
+    WAITING_APPROVAL); returns its session and the request's call id."""
+    from harness.parent import run_agent
+    from harness.views import create_session
+    from tests.helpers import RecordingScheduler, loop_deps
+    from tests.integration.test_approvals import call, parent_script, requests
+
+    model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
+    sid = create_session("main", "refund A-1")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_approval"
+    (req,) = requests()
+    return sid, req.call_id
+
+
+def test_pending_approvals_are_listed_in_the_clis_shape_and_waiting_sessions_are_filtered(
+    console: Serve, model_factory: ModelFactory, approval_tools: Runs
+) -> None:
+    sid, call_id = _parked_request(model_factory)
     base = console()
     http = client(base)
-    assert http.get(f"{base}/api/approvals", timeout=10).json() == {"installed": False, "approvals": []}
-    assert http.post(f"{base}/api/approvals/1/approve", timeout=10).status_code == 501
-    no_reason = http.post(f"{base}/api/approvals/1/deny", json={"reason": " "}, timeout=10)
+    listed = http.get(f"{base}/api/approvals", timeout=10).json()
+    assert listed["installed"] is True
+    (row,) = listed["approvals"]
+    assert (row["session_id"], row["call_id"], row["tool"], row["agent_type"]) == (sid, call_id, "refund", "main")
+    assert {"requested_at", "expires_at", "id"} <= set(row)
+    assert "arguments" not in row  # users' data: only with CONSOLE_SHOW_CONTENT=true
+    shown = console(show_content=True)
+    assert "A-1" in client(shown).get(f"{shown}/api/approvals", timeout=10).json()["approvals"][0]["arguments"]
+    waiting = http.get(f"{base}/api/sessions", params={"waiting_approval": "true"}, timeout=10).json()
+    assert [r["id"] for r in waiting["sessions"]] == [sid]
+    page = http.get(f"{base}/approvals", timeout=10)
+    assert page.status_code == 200 and call_id in page.text and "refund" in page.text
+
+
+def test_an_approval_from_the_console_lands_once_names_the_operator_and_a_conflicting_denial_is_refused(
+    console: Serve, model_factory: ModelFactory, approval_tools: Runs
+) -> None:
+    from tests.integration.test_approvals import requests
+
+    sid, call_id = _parked_request(model_factory)
+    base = console()
+    http = client(base, operator="alice")
+    request_id = http.get(f"{base}/api/approvals", timeout=10).json()["approvals"][0]["id"]
+    approved = http.post(f"{base}/api/approvals/{request_id}/approve", json={}, timeout=10)
+    assert approved.status_code == 200 and approved.json()["outcome"] == "approved"
+    (req,) = requests()
+    assert (req.session_id, req.call_id) == (sid, call_id)
+    assert (req.status, req.decided_by) == ("APPROVED", "console:alice")
+    again = http.post(f"{base}/api/approvals/{request_id}/approve", json={}, timeout=10)
+    assert again.status_code == 409 and again.json()["outcome"] == "repeated"
+    denied = client(base, operator="bob").post(
+        f"{base}/api/approvals/{request_id}/deny", json={"reason": "too late"}, timeout=10
+    )
+    assert denied.status_code == 409 and denied.json()["outcome"] == "conflict"  # lost its compare-and-set
+    (req,) = requests()
+    assert (req.status, req.decided_by) == ("APPROVED", "console:alice")  # the first decision stands
+    assert approval_tools.starts == []  # the console decides; a loop (enqueued) runs the tool
+    assert http.get(f"{base}/api/approvals", timeout=10).json()["approvals"] == []
+    missing = http.post(f"{base}/api/approvals/{request_id + 1000}/approve", json={}, timeout=10)
+    assert missing.status_code == 404
+
+
+def test_a_denial_needs_a_reason_and_read_only_mode_refuses_decisions(
+    console: Serve, model_factory: ModelFactory, approval_tools: Runs
+) -> None:
+    from tests.integration.test_approvals import requests
+
+    _parked_request(model_factory)
+    base = console()
+    http = client(base)
+    request_id = http.get(f"{base}/api/approvals", timeout=10).json()["approvals"][0]["id"]
+    no_reason = http.post(f"{base}/api/approvals/{request_id}/deny", json={"reason": " "}, timeout=10)
     assert no_reason.status_code == 400 and no_reason.json()["outcome"] == "reason_required"
-    denied = http.post(f"{base}/api/approvals/1/deny", json={"reason": "not now"}, timeout=10)
-    assert denied.status_code == 501 and denied.json()["outcome"] == "approvals_not_installed"
-    assert "not installed" in http.get(f"{base}/approvals", timeout=10).text
+    ro = console(read_only=True)
+    refused = client(ro).post(f"{ro}/api/approvals/{request_id}/approve", json={}, timeout=10)
+    assert refused.status_code == 403
+    (req,) = requests()
+    assert req.status == "PENDING"
 
 
 # --- the actions -------------------------------------------------------------------------------
