@@ -1,11 +1,16 @@
 """The console in a real browser, on a real stack: a parent delegates to two children, the worker
-running them is SIGKILLed, a new worker recovers them; the session's page, opened once and never
-reloaded, shows the recovered children with their epochs and then the finished session. The
-screenshots of the README (docs/img/) are taken here."""
+running them is SIGKILLed, a new worker recovers them; each child then asks for a tool that needs
+a human yes (``refund``); the operator presses Approve on the approvals page; the session's page,
+opened once and never reloaded, shows the recovered children with their epochs, the children
+waiting for approval, and then the finished session. The screenshots of the README (docs/img/)
+are taken here."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,8 +41,41 @@ SCRIPT = [
         "when": {"system_contains": "subagent", "turn": 0},
         "reply": {"tool_calls": [{"name": "wait", "arguments": {"seconds": 4}}]},
     },
-    {"when": {"system_contains": "subagent", "turn": 1}, "reply": {"content": "child answer"}},
+    {
+        "when": {"system_contains": "subagent", "turn": 1},
+        "reply": {"tool_calls": [{"name": "refund", "arguments": {"order": "A-1", "amount": 30}}]},
+    },
+    {"when": {"system_contains": "subagent", "turn": 2}, "reply": {"content": "child answer"}},
 ]
+AGENTS = """
+[agents.main]
+system_prompt = "You are the main agent."
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent."
+[agents.researcher]
+system_prompt = "You are the researcher subagent."
+"""
+
+
+@pytest.fixture
+def approval_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """AGENTS_FILE and TOOL_MODULES (``tests.approval_tools``: ``refund`` needs approval) for this
+    process and every worker; returns the file each run of ``refund`` appends a line to."""
+    from harness.agents import _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(AGENTS, encoding="utf-8")
+    runs = tmp_path / "refund.log"
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    monkeypatch.setenv("TOOL_MODULES", "tests.approval_tools")
+    monkeypatch.setenv("APPROVAL_TOOL_LOG", str(runs))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield runs
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
 
 
 def sign_in(page: Any, base: str, operator: str = "alice") -> None:
@@ -53,8 +91,8 @@ def children_running(parent: int) -> bool:
     return len(execs) == 2 and all(e.epoch >= 1 and e.status == "RUNNING" for e in execs)
 
 
-def test_a_sigkilled_delegation_recovers_and_finishes_on_a_page_that_is_never_reloaded(
-    stack_factory: StackFactory, browser_page: Any
+def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_finishes_it_unreloaded(
+    stack_factory: StackFactory, browser_page: Any, approval_env: Path
 ) -> None:
     page = browser_page
     stack = stack_factory(SCRIPT)
@@ -78,6 +116,23 @@ def test_a_sigkilled_delegation_recovers_and_finishes_on_a_page_that_is_never_re
         IMG.mkdir(parents=True, exist_ok=True)
         page.locator("#tree").screenshot(path=str(IMG / "console-tree.png"))
 
+        # Each recovered child asks for `refund`, which needs a human yes: both park.
+        page.wait_for_function(
+            "document.querySelectorAll('li.node.depth-1').length === 2 && "
+            "[...document.querySelectorAll('li.node.depth-1')].every(n => n.innerText.includes('WAITING_APPROVAL'))",
+            timeout=90_000,
+        )
+        assert approval_env.exists() is False  # nothing ran before a decision
+        approvals = page.context.new_page()  # a second tab: the session's page stays as it is
+        approvals.goto(f"{base}/approvals")
+        assert approvals.locator("#approvals tbody tr[data-request-id]").count() == 2
+        approvals.screenshot(path=str(IMG / "console-approvals.png"), full_page=True)
+        for n in (2, 1):
+            approvals.locator("#approvals button.approve").first.click()
+            approvals.wait_for_url(re.compile(r".*outcome=approved"))
+            assert approvals.locator("#approvals tbody tr[data-request-id]").count() == n - 1
+        approvals.close()
+
         page.wait_for_function("document.getElementById('session-phase').innerText === 'WAITING_USER'", timeout=90_000)
         assert page.evaluate("window.__loadedOnce") is True  # the same document: never reloaded
         assert page.locator("#live-badge").count() == 0  # settled: no longer live
@@ -91,6 +146,8 @@ def test_a_sigkilled_delegation_recovers_and_finishes_on_a_page_that_is_never_re
         page.goto(f"{base}/")
         assert page.locator(f'a[href="/sessions/{sid}"]').count() >= 1
         assert TOKEN not in page.content()
+    runs = [json.loads(line) for line in approval_env.read_text().splitlines()]
+    assert len(runs) == 2 and {r["order"] for r in runs} == {"A-1"}  # once per child, after the approval
     assert stack.invariants() == []
 
 
