@@ -64,9 +64,10 @@ def fill(sessions: int, children: int) -> int:
                 INSERT INTO subagent_execution (parent_session_id, child_session_id, agent_type, task_description,
                     status, invocation_type, parent_tool_call_id, delivery_status, parent_result_delivered_at,
                     total_tool_calls, rounds, prompt_tokens, completion_tokens, total_tokens, started_at,
-                    completed_at, epoch, resends)
+                    completed_at, epoch, resends, recoveries)
                 SELECT :p, a.id, 'reviewer', 'task', 'COMPLETED', 'DELEGATE', 'call_' || a.id, 'DELIVERED', now(),
-                       1, 2, 100, 20, 120, now(), now(), CASE WHEN a.id % 4 = 0 THEN 3 ELSE 1 END, 0
+                       1, 2, 100, 20, 120, now(), now(), CASE WHEN a.id % 4 = 0 THEN 3 ELSE 1 END, 0,
+                       CASE WHEN a.id % 4 = 0 THEN 1 ELSE 0 END
                 FROM agent_session a WHERE a.parent_session_id = :p
                 """
             ),

@@ -48,15 +48,10 @@ def read_only() -> Iterator[Session]:
         yield s
 
 
-def recoveries(epoch: int) -> int:
-    """Times an execution was taken back by recovery. The normal path takes a new execution once
-    (epoch 0 -> 1); every take-back moves the epoch twice: the scan's reservation, then the
-    recovery's take."""
-    return max(0, epoch - 1) // 2
-
-
-#: The lowest epoch of an execution that recovery took back at least once.
-RECOVERED_EPOCH = 3
+def recoveries(execution: Any) -> int:
+    """Times recovery took an execution back (``subagent_execution.recoveries``, counted by the
+    scan's reservation). Not the epoch: an approval's hand-back moves the epoch too."""
+    return int(execution.recoveries or 0)
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,7 @@ def _recovered_clause() -> Any:
     """SQL over ``agent_session``: the session is a child whose execution recovery took back,
     or the parent of one. One pass over the executions (no index names the epoch) hashed once,
     rather than a probe of two indexes for every session the list walks past."""
-    taken_back = E.epoch >= RECOVERED_EPOCH
+    taken_back = E.recoveries > 0
     ids = select(E.child_session_id).where(taken_back).union(select(E.parent_session_id).where(taken_back))
     return S.id.in_(ids)
 
@@ -187,7 +182,7 @@ def _execution(e: Any, now: datetime) -> dict[str, Any]:
         "status": str(e.status),
         "delivery_status": str(e.delivery_status),
         "epoch": e.epoch,
-        "recoveries": recoveries(e.epoch),
+        "recoveries": recoveries(e),
         "lease_owner": e.lease_owner,
         "lease_expires_at": _iso(e.lease_expires_at),
         "lease_expired": e.lease_expires_at is not None and e.lease_expires_at < now,

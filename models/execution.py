@@ -110,6 +110,9 @@ class SubagentExecution(Base):
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: Times the scan re-sent this unclaimed reservation (each doubles the reservation window).
     resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: Times recovery took this execution back (the scan's reservation of a dead execution; an
+    #: unclaimed reservation re-sent keeps it). Counted since migration 0015.
+    recoveries: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: Set once by the scan when the row holds a status this code does not know (a corrupt or
     #: a future value): the row and its parent are left alone until an operator repairs them.
     quarantined_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

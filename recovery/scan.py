@@ -399,6 +399,7 @@ def _reservation(now: Any, reserve_seconds: float) -> dict[str, Any]:
         "status": case((first_run, E.status), else_=ExecutionStatus.RECOVERING),
         "epoch": case((unclaimed, E.epoch), else_=E.epoch + 1),
         "resends": case((unclaimed, E.resends + 1), else_=0),
+        "recoveries": case((unclaimed, E.recoveries), else_=E.recoveries + 1),
         "lease_owner": None,
         "lease_generation": None,
         "lease_expires_at": lease.reservation_expiry(E.resends, now, unclaimed, reserve_seconds),

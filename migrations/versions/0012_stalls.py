@@ -12,7 +12,7 @@
 All are new columns, NULL or with a constant default: no rewrite of the table (PostgreSQL 11+).
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 """
 
 from __future__ import annotations

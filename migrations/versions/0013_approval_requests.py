@@ -7,7 +7,7 @@ a partial index over the PENDING ones serves the pending list and the scan's bac
 session phase ``WAITING_APPROVAL`` joins the phase CHECK.
 
 Revision ID: 0013
-Revises: 0010
+Revises: 0012
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ then; the first model answer clears it. A partial index counts the waiting sessi
 ``agent-recovery status`` and the metric. Additive: old rows read NULL (not waiting).
 
 Revision ID: 0014
-Revises: 0010
+Revises: 0013
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_the_session_list_filters_by_every_field_and_pages_newest_first(console:
     _age(old, 7200)
     failed = make_session(phase=Phase.FAILED, agent_type="writer", user_id="u2")
     recovered_parent = make_session(phase=Phase.RUNNING, agent_type="main", user_id="u2")
-    child_exec = make_execution(recovered_parent, epoch=3, status=ExecutionStatus.RECOVERING)
+    child_exec = make_execution(recovered_parent, epoch=3, recoveries=1, status=ExecutionStatus.RECOVERING)
     child = executions_of(recovered_parent)[0].child_session_id
     resuming = make_session(phase=Phase.RESUMING, agent_type="main", user_id="u3")
     parent_with_failed_child = make_session(phase=Phase.RUNNING, user_id="u3")
@@ -225,6 +225,7 @@ def _tree() -> tuple[int, int, int, int, int]:
         tool_call_id="call_a",
         status=ExecutionStatus.RECOVERING,
         epoch=3,
+        recoveries=1,
         lease_owner="w2@host",
         lease_expires_at=utcnow() + timedelta(seconds=30),
         rounds=2,

@@ -590,6 +590,33 @@ def test_an_unclaimed_reservation_is_re_sent_with_a_doubling_reservation_so_a_lo
     assert windows == [2, 4, 8, 16]
 
 
+def test_recoveries_count_each_take_back_and_not_a_re_send_of_an_unclaimed_reservation(db: str) -> None:
+    """``recoveries`` is what the console shows as "recovered ×N": one per take-back of a dead
+    execution, none for a re-send of a reservation nobody picked up (its epoch stays too)."""
+    from models.execution import take_execution
+
+    eid = make_execution(make_session(), lease_expires_at=utcnow() - timedelta(seconds=5), epoch=1)
+
+    def row() -> Any:
+        (found,) = [e for e in executions_of(executions_of_parent(eid)) if e.id == eid]
+        return found
+
+    assert row().recoveries == 0
+    scan(RecordingScheduler(), callback_grace_seconds=0)
+    assert (row().epoch, row().recoveries) == (2, 1)
+    expire_leases()  # nobody picked it up: the next pass re-sends it
+    scan(RecordingScheduler(), callback_grace_seconds=0)
+    assert (row().epoch, row().recoveries) == (2, 1)
+    with transaction() as s:  # a recovery takes it, then dies
+        taken = take_execution(
+            s, eid, expected_epoch=2, owner="w9@h", to_status=ExecutionStatus.RECOVERING, lease_seconds=30
+        )
+        assert taken == 3
+    expire_leases()
+    scan(RecordingScheduler(), callback_grace_seconds=0)
+    assert (row().epoch, row().recoveries) == (4, 2)
+
+
 def executions_of_parent(eid: int) -> int:
     with transaction() as s:
         return int(s.execute(select(E.parent_session_id).where(E.id == eid)).scalar_one())
