@@ -111,6 +111,12 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
         stack.worker("w2", beat=True)
         # The page polls its live part: the recovered children appear without a reload.
         page.wait_for_selector("text=recovered ×1", timeout=90_000)
+        # The scan's reservation counts the recovery (epoch 2); the recovery's take follows (3).
+        page.wait_for_function(
+            "[...document.querySelectorAll('li.node.depth-1 .epoch')]"
+            ".some(e => parseInt(e.innerText.replace(/\\D/g, '')) >= 3)",
+            timeout=90_000,
+        )
         epochs = page.locator("li.node.depth-1 .epoch").all_inner_texts()
         assert any(int(re.sub(r"\D", "", e)) >= 3 for e in epochs), epochs
         IMG.mkdir(parents=True, exist_ok=True)
