@@ -21,6 +21,10 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy import text
+
+from models.db import get_engine, on_dispose
+
 RESYNC_SECONDS = 60.0
 
 _skew: timedelta | None = None  # read from settings on first use
@@ -91,10 +95,6 @@ def _resync() -> None:
 
 def _measure() -> tuple[float, datetime] | None:
     """(monotonic time, the database's time at that instant), or None when unreachable."""
-    from sqlalchemy import text
-
-    from models.db import get_engine
-
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         return monotonic(), local_utcnow()  # the embedded default: one machine, one clock
@@ -115,3 +115,6 @@ def forget() -> None:
     global _synced_at
     with _lock:
         _synced_at = float("-inf")
+
+
+on_dispose(forget)  # engines disposed: the next use measures the (maybe new) database again
