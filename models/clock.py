@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 
 from models.db import get_engine, on_dispose
 
@@ -118,3 +119,24 @@ def forget() -> None:
 
 
 on_dispose(forget)  # engines disposed: the next use measures the (maybe new) database again
+
+
+def in_time(until: Any) -> Any:
+    """SQL: a lease or right written to last until ``until`` (computed from this process's
+    estimate of the database's time, models.clock) still lies in the database's future. A
+    write that fails it is refused: the monotonic clock the estimate runs on stood still (a
+    host suspended) and the write would hand out something already lapsed, which another
+    scanner may take at once."""
+    return until > func.now()
+
+
+def refused_as_lapsed(s: Any, until: Any) -> bool:
+    """After a lease write missed: True when ``until`` was already past in the database's time
+    (the write was refused for it); the clock is then re-measured before its next use. Costs a
+    round trip, on the failure path only. Always False off PostgreSQL (one machine, one clock)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return False
+    if until > s.execute(select(func.now())).scalar_one():
+        return False
+    forget()
+    return True

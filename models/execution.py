@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from models import lease
+import models.clock as db_clock
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
 from models.enums import (
@@ -156,8 +156,8 @@ def _classify(s: Session, eid: int, epoch: int | None, what: str) -> None:
 @built_once
 def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] | None, pg: bool) -> Any:
     """take_execution's compare-and-set for one target status; ``creation``: handed epoch 0;
-    ``pg``: the lease it writes must lie in the database's future (models.lease.in_time)."""
-    in_time = (lease.in_time(bindparam("until", type_=UTCDateTime())),) if pg else ()
+    ``pg``: the lease it writes must lie in the database's future (models.clock.in_time)."""
+    in_time = (db_clock.in_time(bindparam("until", type_=UTCDateTime())),) if pg else ()
     takeable = lease_takeable(E, bindparam("now"))
     if creation:
         # The creation reservation names its creator but belongs to the epoch-0 message,
@@ -216,7 +216,7 @@ def take_execution(
     rows = cas(s, _take_stmt(to_status, expected_epoch == 0, identity_for(owner), pg), params)
     if rows == 1:
         return expected_epoch + 1
-    if lease.refused_as_lapsed(s, params["until"]):
+    if db_clock.refused_as_lapsed(s, params["until"]):
         return None  # this process's clock stood still: measured again, the next message takes it
     row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
     if row is not None and row.epoch == expected_epoch and row.status in sources and row.delivery_status == "PENDING":
@@ -302,13 +302,13 @@ def fence_execution(
     pg = s.get_bind().dialect.name == "postgresql"
     if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
         return True
-    lease.refused_as_lapsed(s, params["b_until"])
+    db_clock.refused_as_lapsed(s, params["b_until"])
     return False
 
 
 @built_once
 def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
-    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(E)
         .where(

@@ -24,7 +24,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import case
 
 from settings import get_settings
 
@@ -130,26 +130,3 @@ def connect_bounds() -> dict[str, object]:
         "keepalives_count": 3,
         "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
     }
-
-
-def in_time(until: Any) -> Any:
-    """SQL: a lease or right written to last until ``until`` (computed from this process's
-    estimate of the database's time, models.clock) still lies in the database's future. A
-    write that fails it is refused: the monotonic clock the estimate runs on stood still (a
-    host suspended) and the write would hand out something already lapsed, which another
-    scanner may take at once."""
-    return until > func.now()
-
-
-def refused_as_lapsed(s: Any, until: Any) -> bool:
-    """After a lease write missed: True when ``until`` was already past in the database's time
-    (the write was refused for it); the clock is then re-measured before its next use. Costs a
-    round trip, on the failure path only. Always False off PostgreSQL (one machine, one clock)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return False
-    if until > s.execute(select(func.now())).scalar_one():
-        return False
-    from models.clock import forget
-
-    forget()
-    return True

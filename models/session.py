@@ -23,6 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from sqlalchemy.sql.dml import Update
 
+import models.clock as db_clock
 from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
@@ -162,13 +163,13 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     False, and nothing written, when the epoch moved on, the session is stopped or unowned, or
     (PostgreSQL) the lease it would write is already past in the database's time: this
     process's clock stood still (a suspended host), and the clock is measured again
-    (models.lease.in_time)."""
+    (models.clock.in_time)."""
     until = utcnow() + timedelta(seconds=lease_seconds)
     params = {"b_sid": sid, "b_epoch": epoch, "b_until": until}
     pg = s.get_bind().dialect.name == "postgresql"
     if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
         return True
-    lease.refused_as_lapsed(s, until)
+    db_clock.refused_as_lapsed(s, until)
     return False
 
 
@@ -186,7 +187,7 @@ def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
 
 @built_once
 def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
-    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
         .where(*_held_by(me), *in_time)
@@ -274,13 +275,13 @@ def take_session(
     rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner), pg), params)
     if rows == 1:
         return expected_epoch + 1
-    lease.refused_as_lapsed(s, params["b_until"])  # a clock that stood still is measured again
+    db_clock.refused_as_lapsed(s, params["b_until"])  # a clock that stood still is measured again
     return None
 
 
 @built_once
 def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool) -> Any:
-    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
         .where(
@@ -390,7 +391,7 @@ def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) 
     when the lease it would write is already past in the database's time (this process's
     clock stood still: it is measured again)."""
     until = utcnow() + timedelta(seconds=lease_seconds)
-    in_time = (lease.in_time(until),) if s.get_bind().dialect.name == "postgresql" else ()
+    in_time = (db_clock.in_time(until),) if s.get_bind().dialect.name == "postgresql" else ()
     rows = cas(
         s,
         update(S)
@@ -399,7 +400,7 @@ def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) 
     )
     if rows == 1:
         return True
-    lease.refused_as_lapsed(s, until)
+    db_clock.refused_as_lapsed(s, until)
     return False
 
 
