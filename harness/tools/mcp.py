@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from crashpoints import crash_point
 from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
-from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message, valid_tool_name
+from harness.tools.registry import MCP_SEPARATOR, McpRoom, Tool, install_mcp, safe_message, valid_tool_name
 from logfmt import log_event
 
 log = logging.getLogger(__name__)
@@ -347,3 +347,6 @@ def _leaf_name(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return type(exc).__name__
+
+
+install_mcp(McpRoom(lookup=lookup_mcp_tool, unavailable_reason=unavailable_reason))
