@@ -349,4 +349,7 @@ def _leaf_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-install_mcp(McpRoom(lookup=lookup_mcp_tool, unavailable_reason=unavailable_reason))
+# Through the module's names at call time (a test may replace lookup_mcp_tool).
+install_mcp(
+    McpRoom(lookup=lambda name: lookup_mcp_tool(name), unavailable_reason=lambda name: unavailable_reason(name))
+)
