@@ -50,6 +50,7 @@ POINTS = (
     "approval.after_decision",  # a decision committed (and the session handed back), its loop not enqueued
     "mcp.after_call",  # an MCP server answered a tools/call; its result not journaled yet
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
+    "field.after_run_recorded",  # field recovery: the platform's run id committed on the invocation, mid-stream
 )
 
 EXIT_CODE = 137

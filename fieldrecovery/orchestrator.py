@@ -332,6 +332,8 @@ class FieldRecoveryOrchestrator:
                 self.store.note_run(key, owner_id, epoch, session_id=session_id, run_id=run_id)
             except FieldRecoveryError as exc:
                 log_event(log, "run_not_recorded", key=key, run_id=run_id, error_code=exc.code)
+                return
+            crash_point("field.after_run_recorded")
 
         return record
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from harness.errors import AgentConfigError, UnknownAgent
 from harness.model import ModelOptions
+from harness.tools.mcp import McpServer
 from models import ExecutionMode
 from settings import get_settings
 
@@ -50,8 +51,6 @@ _KEYS = {
     "approve_destructive",
 }
 _MCP_KEYS = {"name", "url", "timeout_seconds", "command", "args", "env", "cwd", "headers", "trust_annotations"}
-#: ``${NAME}`` in an MCP server's headers, env and args: read from the environment at each use.
-ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 
 DEFAULT_AGENTS_TOML = """
@@ -72,37 +71,6 @@ system_prompt = "You are the researcher subagent. Research what you are asked an
 tools = ["echo", "wait"]
 max_rounds = 10
 """
-
-
-@dataclass(frozen=True)
-class McpServer:
-    """An MCP server whose tools an agent is offered as ``<name>__<tool>``: streamable HTTP
-    (``url``, optional ``headers``) or a local process over stdio (``command``, ``args``,
-    ``env``, ``cwd``). ``${NAME}`` in headers, env and args is read from the environment at each
-    use (a token never sits in the configuration, and is never logged). Its tools' annotations
-    (``readOnlyHint``, ``idempotentHint``) decide whether a call interrupted by a crash runs
-    again only when ``trust_annotations`` is set: a server says what it likes about itself."""
-
-    name: str
-    url: str = ""
-    timeout_seconds: float = 10.0
-    command: str = ""
-    args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    cwd: str | None = None
-    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    trust_annotations: bool = False
-
-    def references(self) -> set[str]:
-        """The environment variables its headers, env and args name (``${NAME}``)."""
-        texts = [*self.args, *(v for _, v in self.env), *(v for _, v in self.headers)]
-        return {m.group(1) for t in texts for m in ENV_REFERENCE.finditer(t)}
-
-
-def expand(text: str) -> str:
-    """``text`` with every ``${NAME}`` replaced by the environment variable's value; KeyError
-    (naming the variable) when it is not set."""
-    return ENV_REFERENCE.sub(lambda m: os.environ[m.group(1)], text)
 
 
 @dataclass(frozen=True)

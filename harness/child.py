@@ -10,7 +10,7 @@ delivers the round in-process (``after_end``, through the ``deliver`` the caller
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
-from harness.child_end import Completed, Failed, RoundState, Stopped, Usage, finish_child
+from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
@@ -39,7 +39,6 @@ from models import (
     ExecutionMode,
     ExecutionStatus,
     IllegalTransition,
-    InvocationType,
     LeaseLost,
     Phase,
     SubagentExecution,
@@ -57,28 +56,6 @@ log = logging.getLogger(__name__)
 class Parked(Exception):
     """Raised inside a child's rounds when its execution was parked for an approval; the run
     ends without writing an end. Control flow, not an error."""
-
-
-@dataclass(frozen=True)
-class ChildInfo:
-    execution_id: int
-    parent_session_id: int
-    child_session_id: int
-    agent_type: str
-    invocation_type: InvocationType | None
-    started_at: datetime
-    execution_start_message_id: int | None
-    execution_mode: ExecutionMode
-    user_id: str
-    task_description: str
-    #: The child session's compaction as the loading transaction read it (its first view).
-    compaction: Compaction = field(default_factory=Compaction)
-    #: As the loading transaction read them (recovery's take: legacy inference, R20).
-    parent_tool_call_id: str | None = None
-    final_message_id: int | None = None
-    child_phase: Phase | None = None
-    #: When the child session began waiting for the model (None: it is not waiting).
-    model_outage_since: datetime | None = None
 
 
 def timeout_reason() -> str:

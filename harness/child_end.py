@@ -8,19 +8,21 @@ epoch; it returns the round's state as that transaction saw it, so the lifecycle
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.events import publish_status
-from harness.history import append_message
+from harness.history import Compaction, append_message
 from harness.results import failure_result, followup_fields, success_result
 from logfmt import log_event
 from models import (
     AgentSession,
+    ExecutionMode,
     ExecutionStatus,
     InvocationType,
     Message,
@@ -33,10 +35,29 @@ from models.db import built_once
 from models.execution import finish_execution
 from models.session import set_child_phase
 
-if TYPE_CHECKING:
-    from harness.child import ChildInfo
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChildInfo:
+    execution_id: int
+    parent_session_id: int
+    child_session_id: int
+    agent_type: str
+    invocation_type: InvocationType | None
+    started_at: datetime
+    execution_start_message_id: int | None
+    execution_mode: ExecutionMode
+    user_id: str
+    task_description: str
+    #: The child session's compaction as the loading transaction read it (its first view).
+    compaction: Compaction = field(default_factory=Compaction)
+    #: As the loading transaction read them (recovery's take: legacy inference, R20).
+    parent_tool_call_id: str | None = None
+    final_message_id: int | None = None
+    child_phase: Phase | None = None
+    #: When the child session began waiting for the model (None: it is not waiting).
+    model_outage_since: datetime | None = None
 
 
 def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:

@@ -20,6 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, text
+
+from models.db import get_engine, on_dispose
 
 RESYNC_SECONDS = 60.0
 
@@ -91,10 +96,6 @@ def _resync() -> None:
 
 def _measure() -> tuple[float, datetime] | None:
     """(monotonic time, the database's time at that instant), or None when unreachable."""
-    from sqlalchemy import text
-
-    from models.db import get_engine
-
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         return monotonic(), local_utcnow()  # the embedded default: one machine, one clock
@@ -115,3 +116,27 @@ def forget() -> None:
     global _synced_at
     with _lock:
         _synced_at = float("-inf")
+
+
+on_dispose(forget)  # engines disposed: the next use measures the (maybe new) database again
+
+
+def in_time(until: Any) -> Any:
+    """SQL: a lease or right written to last until ``until`` (computed from this process's
+    estimate of the database's time, models.clock) still lies in the database's future. A
+    write that fails it is refused: the monotonic clock the estimate runs on stood still (a
+    host suspended) and the write would hand out something already lapsed, which another
+    scanner may take at once."""
+    return until > func.now()
+
+
+def refused_as_lapsed(s: Any, until: Any) -> bool:
+    """After a lease write missed: True when ``until`` was already past in the database's time
+    (the write was refused for it); the clock is then re-measured before its next use. Costs a
+    round trip, on the failure path only. Always False off PostgreSQL (one machine, one clock)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return False
+    if until > s.execute(select(func.now())).scalar_one():
+        return False
+    forget()
+    return True

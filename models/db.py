@@ -100,16 +100,27 @@ def get_engine(url: str | None = None) -> Engine:
         return engine
 
 
+#: Called after :func:`dispose_engines` (models.clock forgets its measurement of the database's
+#: time there): modules that keep state derived from an engine register here, so that this
+#: module imports none of them.
+_on_dispose: list[Callable[[], None]] = []
+
+
+def on_dispose(hook: Callable[[], None]) -> None:
+    """Call ``hook`` after every :func:`dispose_engines`."""
+    _on_dispose.append(hook)
+
+
 def dispose_engines() -> None:
-    """Forget pooled connections, e.g. in a forked worker child (never share sockets)."""
+    """Forget pooled connections, e.g. in a forked worker child (never share sockets), and
+    whatever was derived from them (the ``on_dispose`` hooks)."""
     with _lock:
         for engine in _engines.values():
             engine.dispose(close=False)
         _engines.clear()
         _factories.clear()
-    from models.clock import forget
-
-    forget()
+    for hook in _on_dispose:
+        hook()
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+import models.clock as db_clock
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
 from models.enums import (
@@ -153,8 +154,10 @@ def _classify(s: Session, eid: int, epoch: int | None, what: str) -> None:
 
 
 @built_once
-def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] | None) -> Any:
-    """take_execution's compare-and-set for one target status; ``creation``: handed epoch 0."""
+def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] | None, pg: bool) -> Any:
+    """take_execution's compare-and-set for one target status; ``creation``: handed epoch 0;
+    ``pg``: the lease it writes must lie in the database's future (models.clock.in_time)."""
+    in_time = (db_clock.in_time(bindparam("until", type_=UTCDateTime())),) if pg else ()
     takeable = lease_takeable(E, bindparam("now"))
     if creation:
         # The creation reservation names its creator but belongs to the epoch-0 message,
@@ -169,6 +172,7 @@ def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] |
             E.epoch == bindparam("epoch"),
             *still_current_as(me),  # never taken by a process a newer boot of its name replaced
             takeable,
+            *in_time,
         )
         .values(
             status=to_status,
@@ -208,9 +212,12 @@ def take_execution(
         "generation": generation_of(owner),
         "until": now + timedelta(seconds=lease_seconds),
     }
-    rows = cas(s, _take_stmt(to_status, expected_epoch == 0, identity_for(owner)), params)
+    pg = s.get_bind().dialect.name == "postgresql"
+    rows = cas(s, _take_stmt(to_status, expected_epoch == 0, identity_for(owner), pg), params)
     if rows == 1:
         return expected_epoch + 1
+    if db_clock.refused_as_lapsed(s, params["until"]):
+        return None  # this process's clock stood still: measured again, the next message takes it
     row = s.execute(select(E.status, E.delivery_status, E.epoch).where(E.id == eid)).one_or_none()
     if row is not None and row.epoch == expected_epoch and row.status in sources and row.delivery_status == "PENDING":
         return None  # a live lease: the owner is still working
@@ -282,7 +289,9 @@ def fence_execution(
 ) -> bool:
     """Inside a child loop's write transaction (or its heartbeat): renew the lease of the
     epoch's owner and add a reply's token usage. False, nothing written, when the epoch moved
-    on, the execution is no longer active, or this process was replaced under its name."""
+    on, the execution is no longer active, this process was replaced under its name, or
+    (PostgreSQL) the lease it would write is already past in the database's time: this
+    process's clock stood still (a suspended host), and the clock is measured again."""
     params = {
         "b_eid": eid,
         "b_epoch": epoch,
@@ -290,11 +299,16 @@ def fence_execution(
         "b_prompt": prompt_tokens,
         "b_completion": completion_tokens,
     }
-    return cas(s, _fence_stmt(identity_for()), params) == 1
+    pg = s.get_bind().dialect.name == "postgresql"
+    if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
+        return True
+    db_clock.refused_as_lapsed(s, params["b_until"])
+    return False
 
 
 @built_once
-def _fence_stmt(me: tuple[str, int] | None) -> Any:
+def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(E)
         .where(
@@ -302,6 +316,7 @@ def _fence_stmt(me: tuple[str, int] | None) -> Any:
             E.epoch == bindparam("b_epoch"),
             E.status.in_(ACTIVE_EXECUTION),
             *still_current_as(me),
+            *in_time,
         )
         .values(
             lease_expires_at=bindparam("b_until"),

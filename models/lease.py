@@ -14,7 +14,8 @@ that bounds a wait is a fraction or a multiple of it, and is written here only:
 - the server-side bounds of every connection (:func:`connect_bounds`): an idle transaction is
   killed within half a lease, TCP keepalives and ``tcp_user_timeout`` find a dead peer within
   half a lease, so that a stalled client (SIGSTOP, a suspended VM, a path that stopped
-  answering) never holds a row past its lease; and the waits of the scan's statements
+  answering) never holds a row past its lease; every lock wait on every path is cut at half a
+  lease (:func:`lock_wait_seconds`); and the waits of the scan's statements are shorter still
   (:func:`lock_timeout_seconds`, :func:`statement_timeout_seconds`).
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import case
 
 from settings import get_settings
 
@@ -87,6 +88,15 @@ def idle_in_transaction_seconds() -> float:
     return lease_seconds() / 2
 
 
+def lock_wait_seconds() -> float:
+    """The longest any statement of ours waits for a row lock (every connection, every path:
+    a delivery, a recovery's take, a cancel): half a lease. A holder that stalls with its
+    transaction idle is ended by the server in that time anyway; this bounds the waits behind a
+    holder that is not idle (a statement stuck, a path that itself waits). A wait cut is an
+    infrastructure fault: the task ends without a result and the scan takes the work up."""
+    return lease_seconds() / 2
+
+
 def lock_timeout_seconds() -> float:
     """The longest a scan statement waits for a row lock (the scan skips locked rows; this
     bounds any wait left): a tenth of a lease, at least 100 ms."""
@@ -106,37 +116,17 @@ def tcp_user_timeout_seconds() -> float:
 
 def connect_bounds() -> dict[str, object]:
     """libpq connect arguments that bound what a stalled or vanished client holds on the server:
-    ``idle_in_transaction_session_timeout`` and TCP keepalives probing within half a lease."""
+    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`) and TCP
+    keepalives probing within half a lease. The scan's statements wait less still
+    (:func:`lock_timeout_seconds`, set per transaction)."""
     idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
+    lock_ms = max(1000, int(lock_wait_seconds() * 1000))
     probe = max(1, int(lease_seconds() / 6))
     return {
-        "options": f"-c idle_in_transaction_session_timeout={idle_ms}",
+        "options": f"-c idle_in_transaction_session_timeout={idle_ms} -c lock_timeout={lock_ms}",
         "keepalives": 1,
         "keepalives_idle": probe,
         "keepalives_interval": probe,
         "keepalives_count": 3,
         "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
     }
-
-
-def in_time(until: Any) -> Any:
-    """SQL: a lease or right written to last until ``until`` (computed from this process's
-    estimate of the database's time, models.clock) still lies in the database's future. A
-    write that fails it is refused: the monotonic clock the estimate runs on stood still (a
-    host suspended) and the write would hand out something already lapsed, which another
-    scanner may take at once."""
-    return until > func.now()
-
-
-def refused_as_lapsed(s: Any, until: Any) -> bool:
-    """After a lease write missed: True when ``until`` was already past in the database's time
-    (the write was refused for it); the clock is then re-measured before its next use. Costs a
-    round trip, on the failure path only. Always False off PostgreSQL (one machine, one clock)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return False
-    if until > s.execute(select(func.now())).scalar_one():
-        return False
-    from models.clock import forget
-
-    forget()
-    return True

@@ -23,6 +23,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from sqlalchemy.sql.dml import Update
 
+import models.clock as db_clock
 from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
@@ -162,13 +163,13 @@ def fence_session(s: Session, sid: int, *, epoch: int, lease_seconds: float) -> 
     False, and nothing written, when the epoch moved on, the session is stopped or unowned, or
     (PostgreSQL) the lease it would write is already past in the database's time: this
     process's clock stood still (a suspended host), and the clock is measured again
-    (models.lease.in_time)."""
+    (models.clock.in_time)."""
     until = utcnow() + timedelta(seconds=lease_seconds)
     params = {"b_sid": sid, "b_epoch": epoch, "b_until": until}
     pg = s.get_bind().dialect.name == "postgresql"
     if cas(s, _fence_stmt(identity_for(), pg), params) == 1:
         return True
-    lease.refused_as_lapsed(s, until)
+    db_clock.refused_as_lapsed(s, until)
     return False
 
 
@@ -186,7 +187,7 @@ def _held_by(me: tuple[str, int] | None) -> tuple[Any, ...]:
 
 @built_once
 def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
-    in_time = (lease.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
         .where(*_held_by(me), *in_time)
@@ -254,8 +255,10 @@ def take_session(
     """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease.
 
     Returns the new epoch, or None when the epoch moved on, a live lease is held (an unowned
-    reservation is left for the epoch's holder: ``models.worker.lease_takeable``), or the phase
-    is not one it may start from (a stopped session is never taken).
+    reservation is left for the epoch's holder: ``models.worker.lease_takeable``), the phase
+    is not one it may start from (a stopped session is never taken), or (PostgreSQL) the lease
+    it would write is already past in the database's time (this process's clock stood still:
+    it is measured again).
     """
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
@@ -268,12 +271,17 @@ def take_session(
         "b_generation": generation_of(owner),
         "b_until": now + timedelta(seconds=lease_seconds),
     }
-    rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner)), params)
-    return expected_epoch + 1 if rows == 1 else None
+    pg = s.get_bind().dialect.name == "postgresql"
+    rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner), pg), params)
+    if rows == 1:
+        return expected_epoch + 1
+    db_clock.refused_as_lapsed(s, params["b_until"])  # a clock that stood still is measured again
+    return None
 
 
 @built_once
-def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None) -> Any:
+def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool) -> Any:
+    in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
         .where(
@@ -282,6 +290,7 @@ def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple
             _phase_in(from_phases),
             *still_current_as(me),
             lease_takeable(S, bindparam("b_now")),
+            *in_time,
         )
         .values(
             phase=to_phase,
@@ -378,14 +387,21 @@ def reserve_sessions(
 
 
 def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) -> bool:
-    """Extend the lease of the epoch's owner; False when a newer owner exists."""
+    """Extend the lease of the epoch's owner; False when a newer owner exists, or (PostgreSQL)
+    when the lease it would write is already past in the database's time (this process's
+    clock stood still: it is measured again)."""
+    until = utcnow() + timedelta(seconds=lease_seconds)
+    in_time = (db_clock.in_time(until),) if s.get_bind().dialect.name == "postgresql" else ()
     rows = cas(
         s,
         update(S)
-        .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None), *still_current())
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)),
+        .where(S.id == sid, S.epoch == epoch, S.lease_owner.is_not(None), *still_current(), *in_time)
+        .values(lease_expires_at=until),
     )
-    return rows == 1
+    if rows == 1:
+        return True
+    db_clock.refused_as_lapsed(s, until)
+    return False
 
 
 def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None = None) -> bool:

@@ -28,8 +28,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
+from models.clock import in_time, refused_as_lapsed
 from models.db import cas
-from models.lease import in_time, refused_as_lapsed
 
 
 class WorkerBoot(Base):
@@ -163,7 +163,7 @@ def renew_scan_right(s: Session, holder: str, seconds: float) -> bool:
 
 
 def _in_time(s: Session, until: datetime) -> tuple[ColumnElement[bool], ...]:
-    """PostgreSQL: the right written lasts past the database's now() (models.lease.in_time)."""
+    """PostgreSQL: the right written lasts past the database's now() (models.clock.in_time)."""
     return (in_time(literal(until, UTCDateTime())),) if s.get_bind().dialect.name == "postgresql" else ()
 
 

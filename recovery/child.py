@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.child import (
     ChildEnd,
-    ChildInfo,
     ChildOutcome,
     FirstRound,
     after_end,
@@ -40,7 +39,7 @@ from harness.child import (
     run_rounds,
     timeout_reason,
 )
-from harness.child_end import Completed, Failed, finish_child
+from harness.child_end import ChildInfo, Completed, Failed, finish_child
 from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from harness.tools import builtins as _builtins  # noqa: F401  (registers the built-ins)
+from harness.tools import mcp as _mcp  # noqa: F401  (installs the MCP room in the registry; not the SDK)
 from harness.tools.context import ToolContext
 from harness.tools.loading import ENTRY_POINT_GROUP, ToolModuleError, load_tool_modules
 from harness.tools.registry import (

@@ -26,23 +26,57 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from crashpoints import crash_point
 from harness.errors import AgentConfigError, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
-from harness.tools.registry import MCP_SEPARATOR, Tool, safe_message, valid_tool_name
+from harness.tools.registry import MCP_SEPARATOR, McpRoom, Tool, install_mcp, safe_message, valid_tool_name
 from logfmt import log_event
 
-if TYPE_CHECKING:
-    from harness.agents import McpServer
-
 log = logging.getLogger(__name__)
+
+#: ``${NAME}`` in an MCP server's headers, env and args: read from the environment at each use.
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """An MCP server whose tools an agent is offered as ``<name>__<tool>``: streamable HTTP
+    (``url``, optional ``headers``) or a local process over stdio (``command``, ``args``,
+    ``env``, ``cwd``). ``${NAME}`` in headers, env and args is read from the environment at each
+    use (a token never sits in the configuration, and is never logged). Its tools' annotations
+    (``readOnlyHint``, ``idempotentHint``) decide whether a call interrupted by a crash runs
+    again only when ``trust_annotations`` is set: a server says what it likes about itself."""
+
+    name: str
+    url: str = ""
+    timeout_seconds: float = 10.0
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    cwd: str | None = None
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    trust_annotations: bool = False
+
+    def references(self) -> set[str]:
+        """The environment variables its headers, env and args name (``${NAME}``)."""
+        texts = [*self.args, *(v for _, v in self.env), *(v for _, v in self.headers)]
+        return {m.group(1) for t in texts for m in ENV_REFERENCE.finditer(t)}
+
+
+def expand(text: str) -> str:
+    """``text`` with every ``${NAME}`` replaced by the environment variable's value; KeyError
+    (naming the variable) when it is not set."""
+    return ENV_REFERENCE.sub(lambda m: os.environ[m.group(1)], text)
+
 
 T = TypeVar("T")
 
@@ -161,8 +195,6 @@ def _listing(server: McpServer) -> _Listing:
 async def _client(server: McpServer) -> AsyncIterator[Any]:
     """A connected client of the server (a new session: a stdio server is a new process)."""
     from mcp import Client
-
-    from harness.agents import expand
 
     if server.command:
         from mcp import StdioServerParameters
@@ -315,3 +347,9 @@ def _leaf_name(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return type(exc).__name__
+
+
+# Through the module's names at call time (a test may replace lookup_mcp_tool).
+install_mcp(
+    McpRoom(lookup=lambda name: lookup_mcp_tool(name), unavailable_reason=lambda name: unavailable_reason(name))
+)

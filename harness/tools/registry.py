@@ -130,6 +130,24 @@ def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
 
 
+@dataclass(frozen=True)
+class McpRoom:
+    """What the registry asks of the MCP room for a name ``<server>__<tool>``: installed by
+    harness.tools.mcp when it is imported, so that the registry imports nothing of it."""
+
+    lookup: Callable[[str], Tool | None]
+    unavailable_reason: Callable[[str], str]
+
+
+_mcp: McpRoom | None = None
+
+
+def install_mcp(room: McpRoom) -> None:
+    """Called once by harness.tools.mcp: MCP tools are looked up through ``room``."""
+    global _mcp
+    _mcp = room
+
+
 def tool_names() -> tuple[str, ...]:
     """The names of every registered Python tool, in registration order."""
     return tuple(REGISTRY)
@@ -139,11 +157,9 @@ def lookup(name: str) -> Tool | None:
     """The tool of that name: a registered Python tool, or an MCP tool (``<server>__<tool>``) of
     a configured server whose tool list could be read; None otherwise."""
     found = REGISTRY.get(name)
-    if found is not None or MCP_SEPARATOR not in name:
+    if found is not None or MCP_SEPARATOR not in name or _mcp is None:
         return found
-    from harness.tools.mcp import lookup_mcp_tool
-
-    return lookup_mcp_tool(name)
+    return _mcp.lookup(name)
 
 
 @overload
@@ -488,11 +504,9 @@ def error_result(exc: BaseException) -> str:
 
 
 def _unavailable_reason(name: str) -> str:
-    if MCP_SEPARATOR not in name:
+    if MCP_SEPARATOR not in name or _mcp is None:
         return ""
-    from harness.tools.mcp import unavailable_reason
-
-    reason = unavailable_reason(name)
+    reason = _mcp.unavailable_reason(name)
     return f" ({reason})" if reason else ""
 
 

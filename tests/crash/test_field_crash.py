@@ -103,3 +103,25 @@ def test_a_sigkilled_owners_key_is_listed_as_stale_and_released_by_an_operator(
     )
     assert again.returncode == 0 and json.loads(again.stdout)["provider_calls"] == 1  # a new attempt runs
     assert _streams(stub_process) == 1
+
+
+def test_an_owner_killed_mid_stream_after_its_run_was_recorded_has_that_run_cancelled_by_the_takeover(
+    field_env: dict[str, str],  # noqa: F811
+    stub_process: str,  # noqa: F811
+) -> None:
+    # The owner dies while the platform runs its call (the run id is committed): the run would
+    # go on paying for an answer nobody reads. The takeover cancels it before calling again.
+    crashed = _recover(field_env, CRASH_POINT="field.after_run_recorded", BOOKING_FIELD_RECOVERY__LEASE_SECONDS="0.5")
+    assert crashed.returncode == 137, crashed.stderr
+    assert "crash_point=field.after_run_recorded" in crashed.stderr
+    stats = requests.get(stub_process + "/_stats", timeout=5).json()
+    assert (stats["streams"], stats["cancels"]) == (1, 0)
+    time.sleep(0.6)  # the dead owner's lease runs out
+
+    on = _recover(field_env, BOOKING_FIELD_RECOVERY__STALE_TAKEOVER="true")
+    result = json.loads(on.stdout)
+    assert on.returncode == 0, on.stderr
+    assert (result["status"], result["replayed"], result["provider_calls"]) == ("SUCCEEDED", False, 1)
+    stats = requests.get(stub_process + "/_stats", timeout=5).json()
+    assert (stats["streams"], stats["cancels"]) == (2, 1)  # the dead run cancelled once, one new call
+    assert json.loads(_recover(field_env).stdout)["replayed"] is True

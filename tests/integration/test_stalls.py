@@ -424,3 +424,87 @@ def test_a_session_lease_written_by_a_clock_that_stood_still_is_refused_and_the_
         assert fence_session(s, sid, epoch=1, lease_seconds=30), "once resynced, the owner renews"
         until = s.execute(select(S.lease_expires_at).where(S.id == sid)).scalar_one()
     assert until is not None and until > _db_now()
+
+
+def _stand_still(seconds: float = 120) -> None:
+    """The host was suspended: CLOCK_MONOTONIC did not advance meanwhile, so this process's
+    estimate of the database's time is ``seconds`` behind it."""
+    import models.clock as clock
+
+    utcnow()  # synced
+    anchor = clock._anchor
+    assert anchor is not None
+    clock._anchor = (anchor[0], anchor[1] - timedelta(seconds=seconds))
+
+
+def test_a_session_take_and_renewal_by_a_clock_that_stood_still_are_refused_and_the_clock_resynced(db: str) -> None:
+    from models.session import renew_session_lease, take_session
+
+    sid = make_session(phase=Phase.RUNNING, epoch=1)
+    _stand_still()
+    with transaction() as s:
+        taken = take_session(s, sid, expected_epoch=1, owner="sleeper@host", lease_seconds=30, to_phase=Phase.RUNNING)
+    assert taken is None, "a lease already past was written by a take"
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=1, owner="sleeper@host", lease_seconds=30, to_phase=Phase.RUNNING)
+    _stand_still()
+    with transaction() as s:
+        assert not renew_session_lease(s, sid, 2, 30), "a lease already past was written by a renewal"
+    with transaction() as s:
+        assert renew_session_lease(s, sid, 2, 30), "once resynced, the owner renews"
+        until = s.execute(select(S.lease_expires_at).where(S.id == sid)).scalar_one()
+    assert until is not None and until > _db_now()
+
+
+def test_an_execution_take_and_fence_by_a_clock_that_stood_still_are_refused_and_the_clock_resynced(db: str) -> None:
+    from models import ExecutionStatus
+    from models import SubagentExecution as E
+    from models.execution import fence_execution, take_execution
+
+    eid = make_execution(make_session(), epoch=1, lease_expires_at=utcnow() - timedelta(seconds=5))
+    _stand_still()
+    with transaction() as s:
+        taken = take_execution(
+            s, eid, expected_epoch=1, owner="sleeper@host", to_status=ExecutionStatus.RECOVERING, lease_seconds=30
+        )
+    assert taken is None, "a lease already past was written by a take"
+    with transaction() as s:
+        taken = take_execution(
+            s, eid, expected_epoch=1, owner="sleeper@host", to_status=ExecutionStatus.RECOVERING, lease_seconds=30
+        )
+    assert taken == 2, "once resynced, the take lands"
+    _stand_still()
+    with transaction() as s:
+        assert not fence_execution(s, eid, epoch=2, lease_seconds=30), "a lease already past was written by a fence"
+    with transaction() as s:
+        assert fence_execution(s, eid, epoch=2, lease_seconds=30), "once resynced, the owner renews"
+        until = s.execute(select(E.lease_expires_at).where(E.id == eid)).scalar_one()
+    assert until is not None and until > _db_now()
+
+
+def test_every_path_waits_for_a_row_lock_at_most_half_a_lease_as_an_infrastructure_fault(short_lease: None) -> None:
+    """A holder that is NOT idle (a statement of its own still running) keeps its row past the
+    idle timeout; a delivery (and any other path) waiting behind it gives up within half a lease,
+    as an infrastructure fault, and writes nothing."""
+    from sqlalchemy.exc import OperationalError
+
+    from harness.errors import is_infrastructure_error
+    from recovery.delivery import deliver_round
+
+    sid = make_session(phase=Phase.RUNNING, epoch=1)
+    holder = _open_transaction(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE")
+    busy = threading.Thread(target=lambda: holder.execute(text("SELECT pg_sleep(4)")), daemon=True)
+    busy.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError) as cut:
+            deliver_round(sid, 1)
+        waited = time.monotonic() - started
+        assert 1.0 < waited < 3.0, f"the wait was cut at half a lease (1.5 s), not {waited:.1f} s"
+        assert getattr(cut.value.orig, "pgcode", None) == "55P03"  # lock_not_available
+        assert is_infrastructure_error(cut.value)
+        with pytest.raises(OperationalError), transaction() as s:
+            s.execute(text(f"UPDATE agent_session SET updated_at = now() WHERE id = {sid}"))
+    finally:
+        busy.join(timeout=10)
+        holder.close()
