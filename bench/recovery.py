@@ -121,12 +121,28 @@ def _counts() -> dict[str, int]:
     return dict(row._mapping)
 
 
+def _lapse_scan_right() -> None:
+    """The right to scan of the killed worker (its boot scan may hold it when the SIGKILL lands)
+    has lapsed, as it would have by the time a real restart's workers boot: the fresh workers'
+    boot scans run at once instead of waiting for it (with ``CRASH_LEASE_SECONDS`` the right
+    lasts as long as a lease)."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    with transaction() as s:
+        s.execute(
+            text("UPDATE recovery_scan SET held_until = now() - interval '1 second' WHERE held_until IS NOT NULL")
+        )
+
+
 def _expire_leases() -> None:
     """The passage of time after the crash: every lease and reservation has lapsed."""
     from sqlalchemy import text
 
     from models import transaction
 
+    _lapse_scan_right()
     with transaction() as s:
         for table in ("subagent_execution", "agent_session"):
             s.execute(
@@ -230,6 +246,7 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
         )
 
         # 2. the recovery
+        _lapse_scan_right()
         instant = stack.model(RECOVERY_SCRIPT)
         env = bench_env(url, instant.base_url)
         apply_env(env)
