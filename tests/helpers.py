@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -419,3 +419,24 @@ def installation_key(call_id: str) -> str:
     with transaction() as s:
         space = installation_id(s)
     return hashlib.sha256(f"{space}:{call_id}".encode()).hexdigest()
+
+
+def approval_environment(monkeypatch: Any, tmp_path: Any, agents_toml: str) -> Iterator[Any]:
+    """For an approval fixture: AGENTS_FILE (``agents_toml``) and TOOL_MODULES
+    (``tests.approval_tools``: ``refund`` needs approval) for this process and every worker it
+    starts; yields the file each run of ``refund`` appends a line to."""
+    from harness.agents import _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml, encoding="utf-8")
+    runs = tmp_path / "refund.log"
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    monkeypatch.setenv("TOOL_MODULES", "tests.approval_tools")
+    monkeypatch.setenv("APPROVAL_TOOL_LOG", str(runs))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield runs
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()

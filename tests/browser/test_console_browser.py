@@ -18,7 +18,7 @@ import pytest
 from console.auth import ConsoleConfig
 from demo.stack import ROOT
 from tests.console_server import serve
-from tests.helpers import executions_of, make_session, wait_until
+from tests.helpers import approval_environment, executions_of, make_session, wait_until
 from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(240)]
@@ -61,21 +61,7 @@ system_prompt = "You are the researcher subagent."
 def approval_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """AGENTS_FILE and TOOL_MODULES (``tests.approval_tools``: ``refund`` needs approval) for this
     process and every worker; returns the file each run of ``refund`` appends a line to."""
-    from harness.agents import _load
-    from settings import get_settings
-
-    agents = tmp_path / "agents.toml"
-    agents.write_text(AGENTS, encoding="utf-8")
-    runs = tmp_path / "refund.log"
-    monkeypatch.setenv("AGENTS_FILE", str(agents))
-    monkeypatch.setenv("TOOL_MODULES", "tests.approval_tools")
-    monkeypatch.setenv("APPROVAL_TOOL_LOG", str(runs))
-    get_settings.cache_clear()
-    _load.cache_clear()
-    yield runs
-    monkeypatch.undo()
-    get_settings.cache_clear()
-    _load.cache_clear()
+    yield from approval_environment(monkeypatch, tmp_path, AGENTS)
 
 
 def sign_in(page: Any, base: str, operator: str = "alice") -> None:

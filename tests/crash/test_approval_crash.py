@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from models import ApprovalRequest, ApprovalStatus, transaction
-from tests.helpers import executions_of, messages_of, phase_of, wait_until
+from tests.helpers import approval_environment, executions_of, messages_of, phase_of, wait_until
 from tests.types import StackFactory
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
@@ -48,21 +48,7 @@ SCRIPT: list[dict[str, Any]] = [
 def approval_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """AGENTS_FILE, TOOL_MODULES (``tests.approval_tools``: ``refund`` needs approval) and the
     file each run of ``refund`` appends a line to, for this process and every worker."""
-    from harness.agents import _load
-    from settings import get_settings
-
-    agents = tmp_path / "agents.toml"
-    agents.write_text(AGENTS, encoding="utf-8")
-    runs = tmp_path / "refund.log"
-    monkeypatch.setenv("AGENTS_FILE", str(agents))
-    monkeypatch.setenv("TOOL_MODULES", "tests.approval_tools")
-    monkeypatch.setenv("APPROVAL_TOOL_LOG", str(runs))
-    get_settings.cache_clear()
-    _load.cache_clear()
-    yield runs
-    monkeypatch.undo()
-    get_settings.cache_clear()
-    _load.cache_clear()
+    yield from approval_environment(monkeypatch, tmp_path, AGENTS)
 
 
 def pending_request() -> ApprovalRequest | None:
