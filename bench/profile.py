@@ -54,7 +54,7 @@ def _drain(deps: Any) -> None:
     from harness.child import start_child
     from harness.parent import run_agent
     from recovery.child import recover_child
-    from recovery.delivery import deliver_and_resume
+    from harness.delivery import deliver_and_resume
 
     sched = deps.scheduler
     while sched.pending():

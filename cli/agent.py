@@ -154,7 +154,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from recovery.cancel import CancelOutcome, cancel
+    from harness.cancel import CancelOutcome, cancel
 
     result = cancel(args.id, actor=cli_actor())
     if result.outcome == CancelOutcome.NOT_FOUND:

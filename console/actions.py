@@ -1,5 +1,5 @@
 """The console's actions, each a call of the one domain function the CLI and the Celery tasks
-call too (``recovery.cancel.cancel``, ``recovery.ops.redeliver`` and ``redeliver_parent``, the
+call too (``harness.cancel.cancel``, ``recovery.ops.redeliver`` and ``redeliver_parent``, the
 approvals' decision), with ``actor`` naming the operator: the domain function's log line says
 who did it. Here only the outcome becomes an HTTP status: 200 when something was done, 409
 when nothing was (the compare-and-set did not land, or there was nothing to do), 404 when the
@@ -35,8 +35,8 @@ def _scheduler() -> Any:
 
 
 def cancel(session_id: int, actor: str) -> ActionResult:
-    from recovery.cancel import CancelOutcome
-    from recovery.cancel import cancel as cancel_session
+    from harness.cancel import CancelOutcome
+    from harness.cancel import cancel as cancel_session
 
     result = cancel_session(session_id, actor=actor)
     status = {CancelOutcome.CANCELLED: 200, CancelOutcome.ALREADY_STOPPED: 409, CancelOutcome.NOT_FOUND: 404}

@@ -53,7 +53,7 @@ def worker_id() -> str:
 
 
 #: Delivers a parent's complete round in-process and enqueues its run (``parent_id, epoch,
-#: scheduler``): recovery's transactional delivery (recovery.delivery.deliver_and_resume),
+#: scheduler``): recovery's transactional delivery (harness.delivery.deliver_and_resume),
 #: handed in by the caller because harness does not import recovery.
 Deliver = Callable[[int, int, Scheduler], object]
 

@@ -82,7 +82,7 @@ class SubagentExecution(Base):
     agent_type: Mapped[str] = mapped_column(String(64))
     task_description: Mapped[str] = mapped_column(Text)
     status: Mapped[ExecutionStatus] = mapped_column(StrEnumType(ExecutionStatus))
-    #: NULL on pre-upgrade rows (inferred and written back by recovery.legacy).
+    #: NULL on pre-upgrade rows (inferred and written back by models.legacy).
     invocation_type: Mapped[InvocationType | None] = mapped_column(StrEnumType(InvocationType), nullable=True)
     #: The parent's tool_call id; NULL on pre-upgrade rows.
     parent_tool_call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
@@ -329,7 +329,7 @@ def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
 
 
 def store_inferred(s: Session, eid: int, *, invocation: InvocationType | None, tool_call_id: str | None) -> None:
-    """Write back what the legacy inference found (recovery.legacy) where the row still has NULL, so
+    """Write back what the legacy inference found (models.legacy) where the row still has NULL, so
     a concurrent writer is never overwritten (``None``: nothing to write for that column)."""
     if invocation is not None:
         s.execute(

@@ -23,7 +23,7 @@ from models import (
 )
 from models.base import utcnow
 from models.session import release_dead_parents
-from recovery.delivery import DeliveryKind, deliver_round
+from harness.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def redeliver_parent(parent_id: int, scheduler: Scheduler, *, actor: str = SYSTE
         if row is None:
             raise ExecutionNotFound(f"no session {parent_id}")
         if row.phase in STOPPED_PHASES:
-            from recovery.delivery import suppress_parent
+            from harness.delivery import suppress_parent
 
             suppressed = suppress_parent(s, parent_id)
             log_event(

@@ -100,7 +100,7 @@ from models.session import (
     stop_session,
 )
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
-from recovery.delivery import suppress_parent
+from harness.delivery import suppress_parent
 from recovery.errors import RecoveryError
 from settings import get_settings
 

@@ -1,4 +1,4 @@
-"""Agent tasks: thin adapters over harness.parent, harness.child and recovery.delivery."""
+"""Agent tasks: thin adapters over harness.parent, harness.child and harness.delivery."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
-from recovery.delivery import deliver_and_resume
+from harness.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 

@@ -135,7 +135,7 @@ class RecordingScheduler:
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
     from harness.loop import LoopDeps
     from harness.model import ModelClient
-    from recovery.delivery import deliver_and_resume
+    from harness.delivery import deliver_and_resume
 
     model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
     return LoopDeps(
@@ -205,7 +205,7 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     from harness.child import start_child
     from harness.parent import run_agent
     from recovery.child import recover_child
-    from recovery.delivery import deliver_and_resume
+    from harness.delivery import deliver_and_resume
     from recovery.scan import scan
 
     deps = deps or loop_deps(model_url)

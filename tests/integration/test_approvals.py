@@ -21,9 +21,9 @@ from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import AgentSession, ApprovalRequest, ApprovalStatus, Phase, SubagentExecution, transaction, utcnow
 from models.approval import Decision, DecisionOutcome
-from recovery.cancel import cancel_session
+from harness.cancel import cancel_session
 from recovery.child import recover_child
-from recovery.delivery import deliver_and_resume
+from harness.delivery import deliver_and_resume
 from recovery.scan import scan
 from tests.helpers import RecordingScheduler, executions_of, expire_leases, invariants, loop_deps, messages_of, phase_of
 from tests.types import ModelFactory

@@ -37,7 +37,7 @@ from models.execution import (
     set_delivery_status,
 )
 from recovery.child import recover_child
-from recovery.delivery import deliver_round
+from harness.delivery import deliver_round
 from recovery.ops import RedeliverOutcome, redeliver_parent
 from recovery.scan import scan
 from tests.helpers import (
@@ -289,7 +289,7 @@ def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
     model_factory: ModelFactory, attempt: int
 ) -> None:
     """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
-    from recovery.delivery import deliver_round
+    from harness.delivery import deliver_round
     from tests.helpers import children_done_callback_lost, invariants, messages_of
 
     script = [
@@ -370,7 +370,7 @@ def test_a_delivery_to_a_parent_whose_loop_holds_its_lease_is_parent_busy_and_wr
     """A loop holds the parent (it has not yielded yet): the delivery says PARENT_BUSY, not
     STALE (the epoch is right), writes nothing, and the same delivery lands once the lease is
     gone."""
-    from recovery.delivery import DeliveryKind
+    from harness.delivery import DeliveryKind
 
     model = model_factory(TWO_CHILDREN)
     sid, epoch = children_done_callback_lost(model.base_url)

@@ -32,7 +32,7 @@ from models import (
 )
 from models.base import utcnow
 from recovery.child import recover_child
-from recovery.delivery import deliver_round
+from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,

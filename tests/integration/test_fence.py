@@ -122,7 +122,7 @@ def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory: ModelF
     )
     import threading
 
-    from recovery.cancel import cancel_session
+    from harness.cancel import cancel_session
 
     deps = loop_deps(model.base_url, RecordingScheduler())
     sid = create_session("main", "go")

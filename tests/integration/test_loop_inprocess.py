@@ -16,7 +16,7 @@ from harness.parent import run_agent
 from harness.tools import TOOL_NAMES
 from harness.views import create_session
 from models import AgentSession, PendingRound, Phase, transaction
-from recovery.delivery import deliver_round
+from harness.delivery import deliver_round
 from tests.helpers import (
     TWO_CHILDREN,
     RecordingScheduler,
@@ -228,7 +228,7 @@ def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factor
 
 
 def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory: ModelFactory) -> None:
-    from recovery.cancel import cancel_session
+    from harness.cancel import cancel_session
 
     model = model_factory(TWO_CHILDREN)
     sid, epoch = children_done_callback_lost(model.base_url)

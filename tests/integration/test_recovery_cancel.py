@@ -16,9 +16,9 @@ from models import (
     SubagentExecution,
     transaction,
 )
-from recovery.cancel import cancel_session
+from harness.cancel import cancel_session
 from recovery.child import recover_child
-from recovery.delivery import deliver_round
+from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     TWO,

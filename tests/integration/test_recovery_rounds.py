@@ -24,7 +24,7 @@ from models import (
     transaction,
 )
 from recovery.child import recover_child
-from recovery.delivery import deliver_round
+from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     MAIN,
@@ -261,7 +261,7 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
 
     assert redeliver(e.id, RecordingScheduler()) == "already_delivered"
     with transaction() as s:
-        from recovery.delivery import deliver_one
+        from harness.delivery import deliver_one
 
         row = s.execute(select(SubagentExecution).where(SubagentExecution.id == e.id)).scalar_one()
         assert deliver_one(s, row, sid) is False

@@ -31,7 +31,7 @@ from models import (
 )
 from models.base import utcnow
 from models.worker import take_scan_right
-from recovery.cancel import cancel_session
+from harness.cancel import cancel_session
 from recovery.child import recover_child
 from recovery.scan import ScanRight, ScanRightLost, scan
 from tests.helpers import (

@@ -15,7 +15,7 @@ from logfmt import log_event
 from models import AgentSession, Phase, transaction
 from models.approval import cancel_for_tree
 from models.session import request_cancel
-from recovery.delivery import suppress_parent
+from harness.delivery import suppress_parent
 
 log = logging.getLogger(__name__)
 
