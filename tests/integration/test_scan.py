@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, event, select, text, update
 
+from harness.cancel import cancel_session
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -31,7 +32,6 @@ from models import (
 )
 from models.base import utcnow
 from models.worker import take_scan_right
-from harness.cancel import cancel_session
 from recovery.child import recover_child
 from recovery.scan import ScanRight, ScanRightLost, scan
 from tests.helpers import (
@@ -652,11 +652,12 @@ def test_the_scans_reservation_is_an_in_place_update(db: str) -> None:
     0010): the reservation (status, epoch, lease) is a HOT update, which writes no index entry.
     An index on status makes every reservation write all five indexes of the table again
     (178 ms against 42 ms for a batch of 5,000)."""
-    from recovery.scan import _Reserver, reservation_seconds
+    from models.reservation import Reserver
+    from recovery.scan import BATCH, reservation_seconds
 
     rows = [make_execution(make_session()) for _ in range(6)]
     with transaction() as s:
-        batch = _Reserver(utcnow(), reservation_seconds()).batch(s, 0)
+        batch = Reserver(utcnow(), reservation_seconds(), limit=BATCH).batch(s, 0)
         updated, in_place = s.execute(
             text("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'subagent_execution'")
         ).one()
