@@ -290,7 +290,7 @@ def explain_scan() -> list[Plan]:
         cursor = raw.cursor()
         for statement, parameters in captured:
             sql = cursor.mogrify(statement, parameters).decode()
-            cursor.execute("SET LOCAL jit = off")  # as the scan runs them (models.db.without_jit)
+            cursor.execute("SET LOCAL jit = off")  # as the scan runs them (recovery.scan._bound_waits)
             cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql)
             plans.append(Plan(" ".join(statement.split())[:60], [r[0] for r in cursor.fetchall()]))
             raw.rollback()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Engine, Executable, create_engine, event, text
+from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy import exc as exc_mod
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -146,18 +146,6 @@ def dialect_name(url: str | None = None) -> str:
 
 def is_postgresql(s: Session) -> bool:
     return s.get_bind().dialect.name == "postgresql"
-
-
-def without_jit(s: Session) -> None:
-    """No JIT compiling for the rest of this transaction (PostgreSQL).
-
-    NOTE: the planner costs lease_free's EXISTS as if it ran for every row it filters (it runs
-    only for a live lease), so a scan statement over some ten thousand rows crosses
-    jit_above_cost and PostgreSQL compiles it first: measured at 10,000 crashed parents, 13-34
-    ms of JIT for the 60-110 ms query of the resume step, and up to 72 ms for one reservation
-    batch that runs in 110. Compiling never pays for statements this short."""
-    if is_postgresql(s):
-        s.execute(text("SET LOCAL jit = off"))
 
 
 def cas(s: Session, stmt: Executable, params: dict[str, Any] | None = None) -> int:

@@ -10,7 +10,7 @@ that bounds a wait is a fraction or a multiple of it, and is written here only:
   may take it again: TWO leases, whoever writes it. One lease was too short for a task queued
   behind others; an unclaimed reservation re-sent by the scan doubles at each re-send
   (:func:`resend_window_seconds`), so a long queue is not flooded;
-- the right to scan: one scan interval, and never less than a lease;
+- the right to scan: one scan interval, and never less than a lease, renewed every third of it;
 - the server-side bounds of every connection (:func:`connect_bounds`): an idle transaction is
   killed within half a lease, TCP keepalives and ``tcp_user_timeout`` find a dead peer within
   half a lease, so that a stalled client (SIGSTOP, a suspended VM, a path that stopped
@@ -80,6 +80,13 @@ def scan_right_seconds() -> float:
     """How long the right to scan lasts without a renewal: one scan interval, never less than
     a lease."""
     return max(scan_interval_seconds(), lease_seconds())
+
+
+def scan_right_renewal_seconds() -> float:
+    """How often a pass renews its right to scan: a third of it (as a lease is renewed). Between
+    renewals every batch and step still checks, in its own transaction, that the right is held
+    (a read, no commit)."""
+    return scan_right_seconds() / 3
 
 
 def idle_in_transaction_seconds() -> float:

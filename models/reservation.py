@@ -11,8 +11,9 @@ and what it returns is what landed. recovery.scan walks the batches and sends th
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from itertools import groupby
 from operator import itemgetter
 from typing import Any
@@ -30,7 +31,6 @@ from sqlalchemy import (
     func,
     or_,
     select,
-    true,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, aggregate_order_by
@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from models import lease
 from models.base import utcnow
-from models.db import is_postgresql, without_jit
+from models.db import is_postgresql
 from models.enums import ACTIVE_EXECUTION, DeliveryStatus, ExecutionStatus, Phase
 from models.execution import SubagentExecution
 from models.session import AgentSession, not_stopped, parent_release, release_dead_parents
@@ -86,11 +86,32 @@ def _not_waiting_for_approval() -> Any:
 
 @dataclass(frozen=True)
 class ReservedBatch:
-    rounds: list[tuple[int, int, list[tuple[int, int]]]]  #: (parent, parent epoch, its executions reserved), by id
+    """One batch reserved: where the walk goes on, and what landed. The rounds are built on
+    first use (recovery.scan builds them on the thread that sends them, off the walk's)."""
+
     cursor: int  #: the last execution id of the batch: the next one starts after it
     full: bool  #: the batch was full: more candidates may follow the cursor
     #: Dead rows up to the cursor passed over because another path held their parent's lock.
     passed_over: int = 0
+    #: The executions reserved as three lists in one order (by parent, then id): their parents,
+    #: ids and epochs.
+    reserved: tuple[list[int], list[int], list[int]] = ([], [], [])
+    #: The epoch of every parent of the batch after the hand-over.
+    parent_epochs: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def executions(self) -> int:
+        """How many executions the batch reserved."""
+        return len(self.reserved[1])
+
+    @cached_property
+    def rounds(self) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """(parent, parent epoch, its executions reserved as (id, epoch)), by parent id."""
+        parents, ids, epochs = self.reserved
+        return [
+            (parent_id, self.parent_epochs[parent_id], [(eid, epoch) for _, eid, epoch in group])
+            for parent_id, group in groupby(zip(parents, ids, epochs, strict=True), key=itemgetter(0))
+        ]
 
 
 def _candidates(dead: Any, after_id: int, limit: int) -> Any:
@@ -142,53 +163,50 @@ class Reserver:
         self.pass_started = pass_started
         self.reserve_seconds = reserve_seconds
         self.limit = limit
-        self._statements: tuple[Any, Any, Any] | None = None
+        self._statements: tuple[Any, Any] | None = None
 
     def batch(self, s: Session, after_id: int) -> ReservedBatch:
-        """PostgreSQL: three statements, each set-based and one round trip, built once per pass:
-        lock (:meth:`_lock`), reserve (:meth:`_reserve`), release (:meth:`_release`)."""
+        """PostgreSQL: two statements, each set-based and one round trip, built once per pass:
+        lock (:meth:`_lock`), then reserve and release (:meth:`_reserve`). The caller's
+        transaction turns JIT off (recovery.scan's transactions do: its statements are too short to
+        pay for compiling)."""
         if not is_postgresql(s):
             return _reserve_batch_in_steps(s, self.reserve_seconds, self.pass_started, after_id, self.limit)
         if self._statements is None:
-            self._statements = (self._lock(), self._reserve(), self._release())
-        lock, reserve, release = self._statements
-        without_jit(s)
+            self._statements = (self._lock(), self._reserve())
+        lock, reserve = self._statements
         cursor, seen, free, locked_ids, locked_epochs, locked = s.execute(lock, {"after_id": after_id}).one()
         passed_over = int(seen or 0) - int(locked or 0)
         if cursor is None:
-            return ReservedBatch([], after_id, False, passed_over)
-        rounds: list[tuple[int, int, list[tuple[int, int]]]] = []
-        if free:
-            now = utcnow()
-            parents, ids, epochs = s.execute(reserve, {"ids": _id_array(free), "now": now}).one()
-            if parents:
-                parent_epoch = dict(zip(locked_ids, locked_epochs, strict=True))
-                params = {"parent_ids": _id_array(sorted(set(parents))), "now": now}
-                bumped_ids, bumped_epochs = s.execute(release, params).one()
-                parent_epoch.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
-                rounds = [
-                    (parent_id, parent_epoch[parent_id], [(eid, epoch) for _, eid, epoch in group])
-                    for parent_id, group in groupby(zip(parents, ids, epochs, strict=True), key=itemgetter(0))
-                ]
-        return ReservedBatch(rounds, int(cursor), seen == self.limit, passed_over)
+            return ReservedBatch(after_id, False, passed_over)
+        if not free:
+            return ReservedBatch(int(cursor), seen == self.limit, passed_over)
+        # NOTE: ``free`` is the array's text, handed back as it came (never parsed here).
+        parents, ids, epochs, bumped_ids, bumped_epochs = s.execute(reserve, {"ids": free, "now": utcnow()}).one()
+        parent_epochs = dict(zip(locked_ids, locked_epochs, strict=True))
+        parent_epochs.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
+        reserved = (parents or [], ids or [], epochs or [])
+        return ReservedBatch(int(cursor), seen == self.limit, passed_over, reserved, parent_epochs)
 
     def _lock(self) -> Any:
         """Up to ``limit`` dead executions above the cursor (``after_id``) whose parent is not
-        stopped, by id (the candidates, read without locks); their parent rows locked (SKIP
-        LOCKED, the rule re-checked under the lock); then the executions of the parents locked
-        (SKIP LOCKED). The row: the batch's cursor and size (the last candidate, how many), the
-        executions locked, the locked parents and their epochs (arrays), and how many
-        candidates had their parent locked.
+        stopped, by id (the candidates, read without locks); their parent rows locked, each
+        once (SKIP LOCKED, the rule re-checked under the lock); then the executions of the
+        parents locked (SKIP LOCKED). The row: the batch's cursor and size (the last
+        candidate, how many), the executions locked, the locked parents and their epochs
+        (arrays), and how many candidates had their parent locked.
 
         NOTE: a candidate whose parent is locked elsewhere is passed over (visited once) and
         counted: the next batch starts after the last candidate, and the pass walks again for
-        what it passed over (recovery.scan). Lock order: the executions'
-        lock takes only executions found in ``locked_parent``, whose rows exist only once their
-        parent is locked, and it takes them
-        after a sort on the execution id, which reads all of its input before it yields a row:
-        every parent is locked before any execution of it. A row changed after the statement's
-        snapshot and before its lock is re-read at the lock (READ COMMITTED), so the parent
-        epochs returned are the ones in the locked rows."""
+        what it passed over (recovery.scan). Lock order: the executions' lock reads its ids
+        from an array that the join of the candidates with ``locked_parent`` builds in full
+        (an InitPlan, evaluated before the first execution is read): every parent is locked
+        before any execution. Both locks drive their reads by the primary key from an array
+        (``= ANY``): no join whose plan rests on the planner's guess of a WITH part's size (a
+        join of the candidates with the sessions, so planned, hashed every session of the
+        table). A row changed after the statement's snapshot and before its lock is re-read at
+        the lock (READ COMMITTED), so the parent epochs returned are the ones in the locked
+        rows."""
         dead = dead_at(self.pass_started)
         candidate = (
             select(E.id, E.parent_session_id)
@@ -198,24 +216,16 @@ class Reserver:
             .limit(self.limit)
             .cte("candidate")
         )
-        # Each candidate's parent by its primary key (LATERAL): a join the planner chose from
-        # its guess of the WITH part's size hashed every session of the table instead.
-        locked_session = (
-            select(S.id, S.epoch)
-            .where(S.id == candidate.c.parent_session_id, not_stopped())
-            .with_for_update(skip_locked=True)
-            .lateral("locked_session")
-        )
         parent = (
-            select(candidate.c.id.label("execution_id"), locked_session.c.id, locked_session.c.epoch)
-            .select_from(candidate.join(locked_session, true()))
+            select(S.id, S.epoch)
+            .where(S.id == any_(_ids(_array(candidate.c.parent_session_id.distinct()))), not_stopped())
+            .with_for_update(skip_locked=True)
             .cte("locked_parent")
         )
-        # No condition on the execution here but its id: nothing but the ids found above can
-        # drive this read (see _reserve's NOTE).
+        of_locked = candidate.join(parent, parent.c.id == candidate.c.parent_session_id)
         free = (
             select(E.id)
-            .where(E.id.in_(select(parent.c.execution_id)))
+            .where(E.id == any_(_ids(select(func.array_agg(candidate.c.id)).select_from(of_locked).scalar_subquery())))
             .order_by(E.id)
             .with_for_update(skip_locked=True)
             .cte("free_execution")
@@ -223,23 +233,29 @@ class Reserver:
         return select(
             select(func.max(candidate.c.id)).scalar_subquery(),
             select(func.count()).select_from(candidate).scalar_subquery(),
-            _array(free.c.id, free.c.id),
+            cast(_array(free.c.id, free.c.id), String()),
             _array(parent.c.id, parent.c.id),
             _array(parent.c.epoch, parent.c.id),
-            select(func.count()).select_from(parent).scalar_subquery(),
+            select(func.count()).select_from(of_locked).scalar_subquery(),
         )
 
     def _reserve(self) -> Any:
         """The reservation of the executions the lock took (``ids``): an UPDATE whose WHERE
-        states the dead rule again under the locks, RETURNING; the row: the executions
-        reserved as (parent, id, epoch), three arrays in one order.
+        states the dead rule again under the locks, RETURNING; then the hand-over of their
+        parents (all locked by :meth:`_lock`): models.session.parent_release, UPDATEs whose
+        WHERE states their rules. One statement, whose snapshot follows the locks (the dead
+        rule's subqueries see what committed before them). The row: the executions reserved
+        as (parent, id, epoch), three arrays in one order; the parents whose epoch moved and
+        their new epochs (arrays).
 
-        NOTE: the ids come from Python as one array constant, never from a WITH part of the
-        same statement. The planner knows nothing of a WITH part's size (after an upgrade day it
-        guessed one row for a thousand): it joined the executions found by the dead rule's index
-        to a WITH part of the ids in a nested loop, quadratic in the batch (a batch of 1,000:
-        half a million comparisons, 100 ms). Against a constant it knows the size, drives the
-        read by the primary key or hashes the constant: linear whatever it guesses."""
+        NOTE: the ids come from Python as one array constant, never from a join with a WITH
+        part of the same statement. The planner knows nothing of a WITH part's size (after an
+        upgrade day it guessed one row for a thousand): it joined the executions found by the
+        dead rule's index to a WITH part of the ids in a nested loop, quadratic in the batch (a
+        batch of 1,000: half a million comparisons, 100 ms). Against a constant it knows the
+        size, drives the read by the primary key or hashes the constant: linear whatever it
+        guesses. The parents are read the same way, by the primary key from an array of the
+        reserved rows' parents (``= ANY``, no join)."""
         now = bindparam("now", type_=DateTime(timezone=True))
         reserved = (
             update(E)
@@ -248,27 +264,29 @@ class Reserver:
             .returning(E.id, E.epoch, E.parent_session_id)
             .cte("reserved")
         )
+        which = S.id == any_(_ids(_array(reserved.c.parent_session_id.distinct())))
+        lapsed, waiting = parent_release(which, now)
+        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
+        shown = waiting.returning(S.id).cte("shown_parent")
         order = (reserved.c.parent_session_id, reserved.c.id)
         return select(
             _array(reserved.c.parent_session_id, *order),
             _array(reserved.c.id, *order),
             _array(reserved.c.epoch, *order),
-        )
-
-    def _release(self) -> Any:
-        """The hand-over of the parents with an execution reserved (``parent_ids``, all locked
-        by :meth:`_lock`): models.session.parent_release, UPDATEs whose WHERE states their
-        rules; the row: the parents whose epoch moved and their new epochs (arrays)."""
-        which = S.id == any_(_ids_param("parent_ids"))
-        lapsed, waiting = parent_release(which, bindparam("now", type_=DateTime(timezone=True)))
-        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
-        shown = waiting.returning(S.id).cte("shown_parent")
-        return select(_array(bumped.c.id, bumped.c.id), _array(bumped.c.epoch, bumped.c.id)).add_cte(shown)
+            _array(bumped.c.id, bumped.c.id),
+            _array(bumped.c.epoch, bumped.c.id),
+        ).add_cte(shown)
 
 
 def _ids_param(name: str) -> Any:
     """SQL: the bound parameter ``name`` as a bigint[] constant, from :func:`_id_array`'s text."""
     return cast(bindparam(name, type_=String()), ARRAY(BigInteger()))
+
+
+def _ids(array: Any) -> Any:
+    """SQL: an array of ids computed in the statement (an ``array_agg`` subquery), as one value
+    for ``= ANY`` (bare, ``= ANY (SELECT ...)`` would compare each id with the whole array)."""
+    return cast(array, ARRAY(BigInteger()))
 
 
 def _id_array(ids: Any) -> str:
@@ -279,8 +297,10 @@ def _id_array(ids: Any) -> str:
 
 
 def _array(column: Any, *order: Any) -> Any:
-    """SQL: ``(SELECT array_agg(column ORDER BY order...) FROM its WITH part)``: NULL when empty."""
-    return select(func.array_agg(aggregate_order_by(column, *order))).scalar_subquery()
+    """SQL: ``(SELECT array_agg(column ORDER BY order...) FROM its WITH part)``: NULL when empty
+    (no ``order``: in no order)."""
+    aggregated = aggregate_order_by(column, *order) if order else column
+    return select(func.array_agg(aggregated)).scalar_subquery()
 
 
 def _reserve_batch_in_steps(
@@ -291,7 +311,7 @@ def _reserve_batch_in_steps(
     dead = dead_at(pass_started)
     candidates = s.execute(_candidates(dead, after_id, limit)).all()
     if not candidates:
-        return ReservedBatch([], after_id, False)
+        return ReservedBatch(after_id, False)
     cursor = int(candidates[-1][0])
     parents = sorted({int(p) for _, p in candidates})
     locked = set(
@@ -312,5 +332,6 @@ def _reserve_batch_in_steps(
         ).all():
             by_parent[int(parent_id)].append((int(eid), int(epoch)))
     epochs = release_dead_parents(s, list(by_parent)) if by_parent else {}
-    rounds = [(pid, epochs[pid], sorted(children)) for pid, children in sorted(by_parent.items())]
-    return ReservedBatch(rounds, cursor, len(candidates) == limit)
+    rows = [(pid, eid, epoch) for pid, children in sorted(by_parent.items()) for eid, epoch in sorted(children)]
+    reserved = ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    return ReservedBatch(cursor, len(candidates) == limit, 0, reserved, epochs)

@@ -162,6 +162,16 @@ def renew_scan_right(s: Session, holder: str, seconds: float) -> bool:
     return s.execute(select(R.id).where(R.id == 1, R.holder == holder, R.held_until > now)).first() is not None
 
 
+def holds_scan_right(s: Session, holder: str) -> bool:
+    """True when the committed right names ``holder`` and has not lapsed (the database's time).
+    A plain read: it takes no lock and waits for none, so a batch checks its right in its own
+    transaction before it locks a row, at the cost of one round trip."""
+    from models.base import utcnow
+
+    R = RecoveryScan
+    return s.execute(select(R.id).where(R.id == 1, R.holder == holder, R.held_until > utcnow())).first() is not None
+
+
 def _in_time(s: Session, until: datetime) -> tuple[ColumnElement[bool], ...]:
     """PostgreSQL: the right written lasts past the database's now() (models.clock.in_time)."""
     return (in_time(literal(until, UTCDateTime())),) if s.get_bind().dialect.name == "postgresql" else ()

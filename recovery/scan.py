@@ -12,13 +12,13 @@ concurrent scans (or two beats) are harmless. In order:
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
    the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards,
-   each batch one transaction of three statements on PostgreSQL: lock (the dead executions
-   with their parents ``FOR UPDATE SKIP LOCKED``, then the executions), reserve (``UPDATE …
-   RETURNING``: RECOVERING, epoch + 1, no owner, a reservation of two leases — except an
-   unclaimed reservation of an earlier scan, which keeps its epoch: its message may just be
-   late in a long queue, and bumping would make it stale over and over), release their
-   parents (``UPDATE … RETURNING``: a parent whose own lease lapsed — it died before yielding —
-   the same way, epoch + 1, RESUMING, no owner; a waiting one shown RESUMING).
+   each batch one transaction of two statements on PostgreSQL (models.reservation): lock (the
+   dead executions' parents ``FOR UPDATE SKIP LOCKED``, then the executions), then reserve
+   (``UPDATE … RETURNING``: RECOVERING, epoch + 1, no owner, a reservation of two leases —
+   except an unclaimed reservation of an earlier scan, which keeps its epoch: its message may
+   just be late in a long queue, and bumping would make it stale over and over) and release
+   their parents in the same statement (a parent whose own lease lapsed — it died before
+   yielding — the same way, epoch + 1, RESUMING, no owner; a waiting one shown RESUMING).
 3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
    and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
@@ -36,6 +36,8 @@ late messages lose their compare-and-set and do nothing.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -71,8 +73,8 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.db import is_postgresql, without_jit
-from models.reservation import Reserver
+from models.db import is_postgresql
+from models.reservation import ReservedBatch, Reserver
 from models.session import (
     not_stopped,
     release_dead_parents,
@@ -81,14 +83,20 @@ from models.session import (
     reserve_sessions,
     stop_session,
 )
-from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
+from models.worker import (
+    holds_scan_right,
+    lease_free,
+    record_scan,
+    release_scan_right,
+    renew_scan_right,
+    take_scan_right,
+)
 from recovery.errors import RecoveryError
 
 log = logging.getLogger(__name__)
 
-#: Executions reserved per batch (one transaction, one renewal of the right to scan). Each
-#: batch costs a few milliseconds beyond its rows (its commit, the renewal's commit, planning,
-#: the scheduler's publish): at 10,000 crashed parents x 3, batches of 1,000 -> 5,000 took a
+#: Executions reserved per batch (one transaction). Each batch costs a few milliseconds beyond
+#: its rows (its commit, planning, the scheduler's publish; once also a renewal's commit): at 10,000 crashed parents x 3, batches of 1,000 -> 5,000 took a
 #: pass from 2.13 to 1.66 s (load 5). A batch of 5,000 holds its parents' rows some 100-150 ms
 #: (load 1-2): a cancel or a finishing child of one of them waits that long at most.
 BATCH = 5000
@@ -122,33 +130,71 @@ class ScanRightLost(RecoveryError):
 
 
 def scan_right_seconds() -> float:
-    """How long the right to scan lasts without a renewal (renewed before every batch and
-    step): one scan interval, and never less than a lease."""
+    """How long the right to scan lasts without a renewal (renewed every third of it, checked
+    before every batch and step): one scan interval, and never less than a lease."""
     return lease.scan_right_seconds()
 
 
 class ScanRight:
     """The right to scan, held for one pass (models.worker.take_scan_right): taken in a short
-    transaction of its own, renewed before every batch, given back at the end. Nothing is held
-    between those transactions, so a frozen scanner blocks nobody and a lock never outlives
-    its pass."""
+    transaction of its own, renewed every third of its length (models.lease
+    .scan_right_renewal_seconds), given back at the end. Between renewals, every batch checks in
+    its own transaction, and every step in a short one, that the right is still held (a read:
+    no write, no commit), so that no batch runs once the right passed to another scanner.
+    Nothing is held between those transactions, so a frozen scanner blocks nobody and a lock
+    never outlives its pass.
+
+    NOTE: a renewal is a write and a commit, a check a read in a transaction already open: a
+    pass of 10,000 parents renewed 12 times (before every batch and step) where it now renews
+    once at most. The time since the last renewal runs on the monotonic clock, from the moment
+    before that renewal's transaction began; a host suspended meanwhile (its monotonic clock
+    stood still) is caught by the check, which compares in the database's time."""
 
     def __init__(self) -> None:
         from harness.loop import worker_id
 
         self.holder = f"{worker_id()}/{uuid.uuid4().hex[:8]}"[:128]
         self.seconds = scan_right_seconds()
+        self.renew_every = lease.scan_right_renewal_seconds()
+        #: Monotonic time before the last take or renewal that landed.
+        self._renewed_at = float("-inf")
 
     def take(self) -> bool:
+        started = time.monotonic()
         with transaction() as s:
-            return take_scan_right(s, self.holder, self.seconds)
+            took = take_scan_right(s, self.holder, self.seconds)
+        if took:
+            self._renewed_at = started
+        return took
 
     def renew(self) -> None:
         """Raises ScanRightLost when the right passed to another scanner (even if it is free
         again now: this pass was frozen longer than its right lasted, and stops)."""
+        started = time.monotonic()
         with transaction() as s:
             if not renew_scan_right(s, self.holder, self.seconds):
                 raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
+        self._renewed_at = started
+
+    def renew_if_due(self) -> bool:
+        """Renews when a third of the right has passed since the last renewal; True if it did.
+        Raises ScanRightLost."""
+        if time.monotonic() - self._renewed_at < self.renew_every:
+            return False
+        self.renew()
+        return True
+
+    def check(self, s: Session) -> None:
+        """Raises ScanRightLost unless the right is still this pass's (in ``s``, a transaction of
+        the pass: a batch's own, so that it never runs without the right)."""
+        if not holds_scan_right(s, self.holder):
+            raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
+
+    def hold(self) -> None:
+        """Before a step: renewed if due, otherwise checked in a short transaction."""
+        if not self.renew_if_due():
+            with transaction() as s:
+                self.check(s)
 
     def release(self) -> None:
         with transaction() as s:
@@ -224,7 +270,7 @@ def scan(
 def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
     """A step that fails is logged and the next one still runs (one bad row never stops a
     scan); a step starts only while the pass still holds the right to scan."""
-    right.renew()
+    right.hold()
     try:
         fn(*args)
     except ScanRightLost:
@@ -326,35 +372,98 @@ def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: Sc
     for walk in range(1 + FOLLOW_UP_WALKS):
         if walk:
             time.sleep(FOLLOW_UP_WAIT_SECONDS)
-            right.renew()
         if not _walk(scheduler, report, right, reserver):
             return
 
 
 def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: Reserver) -> int:
     """One walk by id over the dead executions; returns how many it passed over (a parent
-    locked elsewhere)."""
+    locked elsewhere). Each batch is one transaction, which checks the right to scan before it
+    locks a row (unless the right was just renewed) and again before it commits. A batch is
+    handed to the scheduler by a :class:`_Sender` while the walk reserves the next one; the next
+    one commits only once that hand-over is done, with the right still held (a pass whose right
+    passed to another scanner during a hand-over stops there, nothing more committed)."""
     cursor = 0
     passed_over = 0
-    while True:
-        with scan_transaction() as s:
-            batch = reserver.batch(s, cursor)
-            if batch.rounds:
-                crash_point("scan.inside_batch")
-        cursor = batch.cursor
-        passed_over += batch.passed_over
-        if batch.rounds:
-            crash_point("scan.after_take_parent")
-            logging_waits = log.isEnabledFor(logging.INFO)
-            for pid, _, children in batch.rounds:
-                report.parents.append(pid)
-                report.recovering += [eid for eid, _ in children]
-                if logging_waits:
-                    log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
-            scheduler.recover_many(batch.rounds)
-        if not batch.full:
-            return passed_over
-        right.renew()
+    with _Sender(scheduler, report) as sender:
+        while True:
+            renewed = right.renew_if_due()
+            with scan_transaction() as s:
+                if not renewed:
+                    right.check(s)
+                batch = reserver.batch(s, cursor)
+                if batch.executions:
+                    crash_point("scan.inside_batch")
+                    sender.wait()
+                    right.check(s)
+            cursor = batch.cursor
+            passed_over += batch.passed_over
+            if batch.executions:
+                crash_point("scan.after_take_parent")
+                sender.send(batch)
+            if not batch.full:
+                return passed_over
+
+
+class _Sender:
+    """Hands the walk's reserved batches to the scheduler, in order, on a thread of its own:
+    building the rounds, the report and the messages (a tenth of a second of CPU per 10,000
+    parents) overlaps the database's work on the next batch, during which the walk's thread
+    only waits on its connection (the driver releases the GIL). At most one batch is in hand:
+    the walk waits for it (:meth:`wait`) before the next batch commits.
+
+    A hand-over that fails is raised by the next :meth:`wait` (the next batch is then rolled
+    back) or when the ``with`` is left; leaving it always waits for the batch in hand, whatever
+    ends the walk (a lost right stops the reserving, not the sending of what is committed)."""
+
+    def __init__(self, scheduler: Scheduler, report: ScanReport) -> None:
+        self.scheduler = scheduler
+        self.report = report
+        self._batches: queue.Queue[ReservedBatch | None] = queue.Queue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="scan-sender", daemon=True)
+
+    def __enter__(self) -> _Sender:
+        self._thread.start()
+        return self
+
+    def send(self, batch: ReservedBatch) -> None:
+        self._batches.put(batch)
+
+    def wait(self) -> None:
+        """Returns once every batch sent was handed over; raises the failure of one."""
+        self._batches.join()
+        if self._failure is not None:
+            raise self._failure
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._batches.put(None)
+        self._thread.join()
+        if self._failure is not None and exc is None:
+            raise self._failure
+
+    def _run(self) -> None:
+        while True:
+            batch = self._batches.get()
+            try:
+                if batch is None:
+                    return
+                if self._failure is None:
+                    self._hand_over(batch)
+            except BaseException as exc:  # raised in the walk's thread
+                self._failure = exc
+            finally:
+                self._batches.task_done()
+
+    def _hand_over(self, batch: ReservedBatch) -> None:
+        rounds = batch.rounds
+        logging_waits = log.isEnabledFor(logging.INFO)
+        for pid, _, children in rounds:
+            self.report.parents.append(pid)
+            self.report.recovering += [eid for eid, _ in children]
+            if logging_waits:
+                log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
+        self.scheduler.recover_many(rounds)
 
 
 def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seconds: float | None) -> None:
@@ -420,11 +529,19 @@ def scan_transaction() -> Iterator[Session]:
 
 
 def _bound_waits(s: Session) -> None:
-    """PostgreSQL: the bounds of a scan statement for the rest of this transaction."""
+    """PostgreSQL: the bounds of a scan statement for the rest of this transaction, and no JIT
+    compiling; one round trip.
+
+    NOTE: the planner costs lease_free's EXISTS as if it ran for every row it filters (it runs
+    only for a live lease), so a scan statement over some ten thousand rows crosses
+    jit_above_cost and PostgreSQL compiles it first: measured at 10,000 crashed parents, 13-34
+    ms of JIT for the 60-110 ms query of the resume step, and up to 72 ms for one reservation
+    batch that runs in 110. Compiling never pays for statements this short."""
     if is_postgresql(s):
         lock_ms = int(lease.lock_timeout_seconds() * 1000)
         statement_ms = int(lease.statement_timeout_seconds() * 1000)
-        s.execute(text(f"SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}"))
+        bounds = f"SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}"
+        s.execute(text(f"{bounds}; SET LOCAL jit = off"))
 
 
 #: SQLSTATEs of a wait the server cut: lock_not_available (lock_timeout), query_canceled
@@ -450,23 +567,24 @@ def _nothing_pending() -> tuple[Any, ...]:
     )
 
 
-#: Plain sessions reserved per batch of the resume step (one transaction, one renewal of the
-#: right to scan).
+#: Plain sessions reserved per batch of the resume step (one transaction).
 RESUME_BATCH = 1000
 
 
 def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
-    """Batch by batch, walking the session ids upwards: the right to scan renewed before each
-    batch (the step stops where it is when the right passed to another scanner), then in one
-    transaction: the candidates (read without locks), their rows locked SKIP LOCKED (a row held
+    """Batch by batch, walking the session ids upwards, in one transaction each: the right to
+    scan checked (renewed before, when due; the step stops where it is when the right passed to
+    another scanner), the candidates (read without locks), their rows locked SKIP LOCKED (a row held
     elsewhere is passed over and counted), the reservation of those locked as ONE UPDATE whose
     WHERE states the rule again with "nothing pending" (read after the locks: a delegation
     that committed meanwhile is seen), and the tails of those reserved cleaned."""
     now = utcnow()
     cursor = 0
     while True:
+        renewed = right.renew_if_due()
         with scan_transaction() as s:
-            without_jit(s)
+            if not renewed:
+                right.check(s)
             candidates = list(
                 s.execute(
                     select(S.id)
@@ -503,7 +621,6 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: Scan
         if len(candidates) < RESUME_BATCH:
             return
         cursor = candidates[-1]
-        right.renew()
 
 
 def _clean_tail(s: Session, sid: int, epoch: int) -> bool:
