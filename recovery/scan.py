@@ -96,9 +96,10 @@ from recovery.errors import RecoveryError
 log = logging.getLogger(__name__)
 
 #: Executions reserved per batch (one transaction). Each batch costs a few milliseconds beyond
-#: its rows (its commit, planning, the scheduler's publish; once also a renewal's commit): at 10,000 crashed parents x 3, batches of 1,000 -> 5,000 took a
-#: pass from 2.13 to 1.66 s (load 5). A batch of 5,000 holds its parents' rows some 100-150 ms
-#: (load 1-2): a cancel or a finishing child of one of them waits that long at most.
+#: its rows (its commit, planning, the scheduler's publish; once also a renewal's commit): at
+#: 10,000 crashed parents x 3, batches of 1,000 -> 5,000 took a pass from 2.13 to 1.66 s (load
+#: 5). A batch of 5,000 holds its parents' rows some 100-150 ms (load 1-2): a cancel or a
+#: finishing child of one of them waits that long at most.
 BATCH = 5000
 
 E, S = SubagentExecution, AgentSession
