@@ -175,8 +175,8 @@ class Reserver:
         if self._statements is None:
             self._statements = (self._lock(), self._reserve())
         lock, reserve = self._statements
-        cursor, seen, free, locked_ids, locked_epochs, locked = s.execute(lock, {"after_id": after_id}).one()
-        passed_over = int(seen or 0) - int(locked or 0)
+        cursor, seen, free, locked_ids, locked_epochs, passed = s.execute(lock, {"after_id": after_id}).one()
+        passed_over = int(passed or 0)
         if cursor is None:
             return ReservedBatch(after_id, False, passed_over)
         if not free:
@@ -189,29 +189,31 @@ class Reserver:
         return ReservedBatch(int(cursor), seen == self.limit, passed_over, reserved, parent_epochs)
 
     def _lock(self) -> Any:
-        """Up to ``limit`` dead executions above the cursor (``after_id``) whose parent is not
-        stopped, by id (the candidates, read without locks); their parent rows locked, each
-        once (SKIP LOCKED, the rule re-checked under the lock); then the executions of the
-        parents locked (SKIP LOCKED). The row: the batch's cursor and size (the last
-        candidate, how many), the executions locked, the locked parents and their epochs
-        (arrays), and how many candidates had their parent locked.
+        """Up to ``limit`` dead executions above the cursor (``after_id``), by id (the
+        candidates, read without locks); their parent rows locked, each once, unless stopped
+        (SKIP LOCKED, the rule checked under the lock); then the executions of the parents
+        locked (SKIP LOCKED). The row: the batch's cursor and size (the last candidate, how
+        many), the executions locked, the locked parents and their epochs (arrays), and how
+        many candidates were passed over: their parent not locked here, yet not stopped.
 
         NOTE: a candidate whose parent is locked elsewhere is passed over (visited once) and
         counted: the next batch starts after the last candidate, and the pass walks again for
-        what it passed over (recovery.scan). Lock order: the executions' lock reads its ids
-        from an array that the join of the candidates with ``locked_parent`` builds in full
-        (an InitPlan, evaluated before the first execution is read): every parent is locked
-        before any execution. Both locks drive their reads by the primary key from an array
-        (``= ANY``): no join whose plan rests on the planner's guess of a WITH part's size (a
-        join of the candidates with the sessions, so planned, hashed every session of the
-        table). A row changed after the statement's snapshot and before its lock is re-read at
-        the lock (READ COMMITTED), so the parent epochs returned are the ones in the locked
-        rows."""
+        what it passed over (recovery.scan). A candidate of a stopped parent (the pass's first
+        step suppresses those; one left by a race or a quarantined sibling) is neither locked
+        nor counted: the candidates read no session, which costs a lookup per candidate, and
+        only those whose parent was not locked are looked at again. Lock order: the
+        executions' lock reads its ids from an array that the join of the candidates with
+        ``locked_parent`` builds in full (an InitPlan, evaluated before the first execution is
+        read): every parent is locked before any execution. Both locks drive their reads by the
+        primary key from an array (``= ANY``): no join whose plan rests on the planner's guess
+        of a WITH part's size (a join of the candidates with the sessions, so planned, hashed
+        every session of the table). A row changed after the statement's snapshot and before
+        its lock is re-read at the lock (READ COMMITTED), so the parent epochs returned are the
+        ones in the locked rows."""
         dead = dead_at(self.pass_started)
         candidate = (
             select(E.id, E.parent_session_id)
-            .join(S, S.id == E.parent_session_id)
-            .where(E.id > bindparam("after_id", type_=BigInteger()), dead, not_stopped())
+            .where(E.id > bindparam("after_id", type_=BigInteger()), dead)
             .order_by(E.id)
             .limit(self.limit)
             .cte("candidate")
@@ -230,13 +232,33 @@ class Reserver:
             .with_for_update(skip_locked=True)
             .cte("free_execution")
         )
+        # Passed over: a candidate whose parent is not locked here and not stopped. The parents
+        # not locked (few) are looked up by primary key from an array, like the locks: a join
+        # of the candidates with the sessions would be planned from a guess again.
+        unlocked = (
+            select(func.array_agg(candidate.c.parent_session_id.distinct()))
+            .where(~exists().where(parent.c.id == candidate.c.parent_session_id))
+            .scalar_subquery()
+        )
+        held = S.__table__.alias("held_parent")
+        held_elsewhere = (
+            select(func.array_agg(held.c.id))
+            .where(held.c.id == any_(_ids(unlocked)), not_stopped(held))
+            .scalar_subquery()
+        )
+        passed_over = (
+            select(func.count())
+            .select_from(candidate)
+            .where(candidate.c.parent_session_id == any_(_ids(held_elsewhere)))
+            .scalar_subquery()
+        )
         return select(
             select(func.max(candidate.c.id)).scalar_subquery(),
             select(func.count()).select_from(candidate).scalar_subquery(),
             cast(_array(free.c.id, free.c.id), String()),
             _array(parent.c.id, parent.c.id),
             _array(parent.c.epoch, parent.c.id),
-            select(func.count()).select_from(of_locked).scalar_subquery(),
+            passed_over,
         )
 
     def _reserve(self) -> Any:
