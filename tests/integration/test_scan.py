@@ -440,6 +440,38 @@ def test_a_pass_whose_every_dead_row_has_its_parent_locked_elsewhere_ends_having
     assert sched.recoveries == []
 
 
+def test_a_dead_row_of_a_stopped_parent_left_by_the_suppress_step_is_neither_taken_nor_walked_for_again(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled parent with a quarantined execution keeps its other PENDING rows (the suppress
+    step leaves such a parent alone): the walk meets them as dead rows, takes none and does not
+    count them as passed over (which would walk again after a wait, pass after pass)."""
+    import recovery.scan as scan_module
+
+    stopped = make_session(phase=Phase.CANCELLED)
+    dead = make_execution(stopped, lease_expires_at=utcnow() - timedelta(seconds=5))
+    corrupt = make_execution(stopped, lease_expires_at=utcnow() - timedelta(seconds=5))
+    with transaction() as s:  # a status written by a newer version: quarantined, its parent left alone
+        s.execute(text("ALTER TABLE subagent_execution DROP CONSTRAINT ck_subagent_execution_status"))
+        s.execute(text(f"UPDATE subagent_execution SET status = 'PAUSED_BY_FUTURE' WHERE id = {corrupt}"))
+    walks = []
+    real_walk = scan_module._walk
+
+    def counted(*args: Any) -> int:
+        walks.append(1)
+        return real_walk(*args)
+
+    monkeypatch.setattr(scan_module, "_walk", counted)
+    monkeypatch.setattr(scan_module, "FOLLOW_UP_WAIT_SECONDS", 0)
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert report.quarantined == [corrupt] and report.suppressed == []
+    assert sched.recoveries == [] and len(walks) == 1, f"{len(walks)} walks"
+    with transaction() as s:
+        row = s.execute(select(text("status"), text("epoch")).select_from(E).where(E.id == dead)).one()
+    assert tuple(row) == ("RUNNING", 0)
+
+
 def test_an_execution_locked_elsewhere_is_skipped_while_its_siblings_are_reserved(db: str) -> None:
     parent = make_session()
     locked, sibling = make_execution(parent), make_execution(parent)
