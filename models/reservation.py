@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from models import lease
 from models.base import utcnow
-from models.db import is_postgresql
+from models.db import built_once, is_postgresql
 from models.enums import ACTIVE_EXECUTION, DeliveryStatus, ExecutionStatus, Phase
 from models.execution import SubagentExecution
 from models.session import AgentSession, not_stopped, parent_release, release_dead_parents
@@ -48,7 +48,7 @@ from settings import get_settings
 E, S = SubagentExecution, AgentSession
 
 
-def dead_at(pass_started: datetime) -> Any:
+def dead_at(pass_started: Any, overdue: Any = None) -> Any:
     """SQL: an execution is dead at ``pass_started``: its lease is free (lapsed, never taken, or
     held by a replaced boot generation), or it is past its absolute deadline + cancel grace and
     still held by the OWNER of its normal run (RUNNING: a stuck worker must not hold it). A
@@ -61,11 +61,12 @@ def dead_at(pass_started: datetime) -> Any:
     lapses.
 
     NOTE: "dead" is judged at ``pass_started``: a reservation this pass wrote lapses only after
-    it, so a pass longer than its reservations never takes its own rows again."""
-    settings = get_settings()
-    overdue = pass_started - timedelta(
-        seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS
-    )
+    it, so a pass longer than its reservations never takes its own rows again.
+
+    ``pass_started`` is a time, or a bound parameter; then ``overdue`` is one too, whose value
+    is :func:`overdue_before` of the pass's start (a statement built once for every pass)."""
+    if overdue is None:
+        overdue = overdue_before(pass_started)
     return and_(
         E.delivery_status == DeliveryStatus.PENDING,
         E.status.in_(ACTIVE_EXECUTION),
@@ -75,6 +76,17 @@ def dead_at(pass_started: datetime) -> Any:
             and_(E.started_at < overdue, E.status == ExecutionStatus.RUNNING, E.lease_owner.is_not(None)),
         ),
     )
+
+
+def overdue_before(pass_started: datetime) -> datetime:
+    """An execution started before this is past its absolute deadline + cancel grace."""
+    settings = get_settings()
+    return pass_started - timedelta(seconds=settings.SUBAGENT_TIMEOUT_SECONDS + settings.SUBAGENT_CANCEL_GRACE_SECONDS)
+
+
+#: The pass's start and its overdue bound in the statements built once (:func:`dead_at`).
+_PASS_STARTED = bindparam("pass_started", type_=DateTime(timezone=True))
+_OVERDUE = bindparam("overdue", type_=DateTime(timezone=True))
 
 
 def _not_waiting_for_approval() -> Any:
@@ -163,141 +175,144 @@ class Reserver:
         self.pass_started = pass_started
         self.reserve_seconds = reserve_seconds
         self.limit = limit
-        self._statements: tuple[Any, Any] | None = None
+        self._pass = {"pass_started": pass_started, "overdue": overdue_before(pass_started)}
 
     def batch(self, s: Session, after_id: int) -> ReservedBatch:
-        """PostgreSQL: two statements, each set-based and one round trip, built once per pass:
-        lock (:meth:`_lock`), then reserve and release (:meth:`_reserve`). The caller's
-        transaction turns JIT off (recovery.scan's transactions do: its statements are too short to
-        pay for compiling)."""
+        """PostgreSQL: two statements, each set-based and one round trip, built once per
+        process: lock (:func:`_lock`), then reserve and release (:func:`_reserve`). The caller's
+        transaction turns JIT off (recovery.scan's transactions do: its statements are too short
+        to pay for compiling)."""
         if not is_postgresql(s):
             return _reserve_batch_in_steps(s, self.reserve_seconds, self.pass_started, after_id, self.limit)
-        if self._statements is None:
-            self._statements = (self._lock(), self._reserve())
-        lock, reserve = self._statements
-        cursor, seen, free, locked_ids, locked_epochs, passed = s.execute(lock, {"after_id": after_id}).one()
+        lock, reserve = _lock(self.limit), _reserve(self.reserve_seconds)
+        cursor, seen, free, locked_ids, locked_epochs, passed = s.execute(
+            lock, {"after_id": after_id, **self._pass}
+        ).one()
         passed_over = int(passed or 0)
         if cursor is None:
             return ReservedBatch(after_id, False, passed_over)
         if not free:
             return ReservedBatch(int(cursor), seen == self.limit, passed_over)
         # NOTE: ``free`` is the array's text, handed back as it came (never parsed here).
-        parents, ids, epochs, bumped_ids, bumped_epochs = s.execute(reserve, {"ids": free, "now": utcnow()}).one()
+        params = {"ids": free, "now": utcnow(), **self._pass}
+        parents, ids, epochs, bumped_ids, bumped_epochs = s.execute(reserve, params).one()
         parent_epochs = dict(zip(locked_ids, locked_epochs, strict=True))
         parent_epochs.update(zip(bumped_ids or (), bumped_epochs or (), strict=True))
         reserved = (parents or [], ids or [], epochs or [])
         return ReservedBatch(int(cursor), seen == self.limit, passed_over, reserved, parent_epochs)
 
-    def _lock(self) -> Any:
-        """Up to ``limit`` dead executions above the cursor (``after_id``), by id (the
-        candidates, read without locks); their parent rows locked, each once, unless stopped
-        (SKIP LOCKED, the rule checked under the lock); then the executions of the parents
-        locked (SKIP LOCKED). The row: the batch's cursor and size (the last candidate, how
-        many), the executions locked, the locked parents and their epochs (arrays), and how
-        many candidates were passed over: their parent not locked here, yet not stopped.
 
-        NOTE: a candidate whose parent is locked elsewhere is passed over (visited once) and
-        counted: the next batch starts after the last candidate, and the pass walks again for
-        what it passed over (recovery.scan). A candidate of a stopped parent (the pass's first
-        step suppresses those; one left by a race or a quarantined sibling) is neither locked
-        nor counted: the candidates read no session, which costs a lookup per candidate, and
-        only those whose parent was not locked are looked at again. Lock order: the
-        executions' lock reads its ids from an array that the join of the candidates with
-        ``locked_parent`` builds in full (an InitPlan, evaluated before the first execution is
-        read): every parent is locked before any execution. Both locks drive their reads by the
-        primary key from an array (``= ANY``): no join whose plan rests on the planner's guess
-        of a WITH part's size (a join of the candidates with the sessions, so planned, hashed
-        every session of the table). A row changed after the statement's snapshot and before
-        its lock is re-read at the lock (READ COMMITTED), so the parent epochs returned are the
-        ones in the locked rows."""
-        dead = dead_at(self.pass_started)
-        candidate = (
-            select(E.id, E.parent_session_id)
-            .where(E.id > bindparam("after_id", type_=BigInteger()), dead)
-            .order_by(E.id)
-            .limit(self.limit)
-            .cte("candidate")
-        )
-        parent = (
-            select(S.id, S.epoch)
-            .where(S.id == any_(_ids(_array(candidate.c.parent_session_id.distinct()))), not_stopped())
-            .with_for_update(skip_locked=True)
-            .cte("locked_parent")
-        )
-        of_locked = candidate.join(parent, parent.c.id == candidate.c.parent_session_id)
-        free = (
-            select(E.id)
-            .where(E.id == any_(_ids(select(func.array_agg(candidate.c.id)).select_from(of_locked).scalar_subquery())))
-            .order_by(E.id)
-            .with_for_update(skip_locked=True)
-            .cte("free_execution")
-        )
-        # Passed over: a candidate whose parent is not locked here and not stopped. The parents
-        # not locked (few) are looked up by primary key from an array, like the locks: a join
-        # of the candidates with the sessions would be planned from a guess again.
-        unlocked = (
-            select(func.array_agg(candidate.c.parent_session_id.distinct()))
-            .where(~exists().where(parent.c.id == candidate.c.parent_session_id))
-            .scalar_subquery()
-        )
-        held = S.__table__.alias("held_parent")
-        held_elsewhere = (
-            select(func.array_agg(held.c.id))
-            .where(held.c.id == any_(_ids(unlocked)), not_stopped(held))
-            .scalar_subquery()
-        )
-        passed_over = (
-            select(func.count())
-            .select_from(candidate)
-            .where(candidate.c.parent_session_id == any_(_ids(held_elsewhere)))
-            .scalar_subquery()
-        )
-        return select(
-            select(func.max(candidate.c.id)).scalar_subquery(),
-            select(func.count()).select_from(candidate).scalar_subquery(),
-            cast(_array(free.c.id, free.c.id), String()),
-            _array(parent.c.id, parent.c.id),
-            _array(parent.c.epoch, parent.c.id),
-            passed_over,
-        )
+@built_once
+def _lock(limit: int) -> Any:
+    """Up to ``limit`` dead executions above the cursor (``after_id``), by id (the
+    candidates, read without locks); their parent rows locked, each once, unless stopped
+    (SKIP LOCKED, the rule checked under the lock); then the executions of the parents
+    locked (SKIP LOCKED). The row: the batch's cursor and size (the last candidate, how
+    many), the executions locked, the locked parents and their epochs (arrays), and how
+    many candidates were passed over: their parent not locked here, yet not stopped.
 
-    def _reserve(self) -> Any:
-        """The reservation of the executions the lock took (``ids``): an UPDATE whose WHERE
-        states the dead rule again under the locks, RETURNING; then the hand-over of their
-        parents (all locked by :meth:`_lock`): models.session.parent_release, UPDATEs whose
-        WHERE states their rules. One statement, whose snapshot follows the locks (the dead
-        rule's subqueries see what committed before them). The row: the executions reserved
-        as (parent, id, epoch), three arrays in one order; the parents whose epoch moved and
-        their new epochs (arrays).
+    NOTE: a candidate whose parent is locked elsewhere is passed over (visited once) and
+    counted: the next batch starts after the last candidate, and the pass walks again for
+    what it passed over (recovery.scan). A candidate of a stopped parent (the pass's first
+    step suppresses those; one left by a race or a quarantined sibling) is neither locked
+    nor counted: the candidates read no session, which costs a lookup per candidate, and
+    only those whose parent was not locked are looked at again. Lock order: the
+    executions' lock reads its ids from an array that the join of the candidates with
+    ``locked_parent`` builds in full (an InitPlan, evaluated before the first execution is
+    read): every parent is locked before any execution. Both locks drive their reads by the
+    primary key from an array (``= ANY``): no join whose plan rests on the planner's guess
+    of a WITH part's size (a join of the candidates with the sessions, so planned, hashed
+    every session of the table). A row changed after the statement's snapshot and before
+    its lock is re-read at the lock (READ COMMITTED), so the parent epochs returned are the
+    ones in the locked rows."""
+    dead = dead_at(_PASS_STARTED, _OVERDUE)
+    candidate = (
+        select(E.id, E.parent_session_id)
+        .where(E.id > bindparam("after_id", type_=BigInteger()), dead)
+        .order_by(E.id)
+        .limit(limit)
+        .cte("candidate")
+    )
+    parent = (
+        select(S.id, S.epoch)
+        .where(S.id == any_(_ids(_array(candidate.c.parent_session_id.distinct()))), not_stopped())
+        .with_for_update(skip_locked=True)
+        .cte("locked_parent")
+    )
+    of_locked = candidate.join(parent, parent.c.id == candidate.c.parent_session_id)
+    free = (
+        select(E.id)
+        .where(E.id == any_(_ids(select(func.array_agg(candidate.c.id)).select_from(of_locked).scalar_subquery())))
+        .order_by(E.id)
+        .with_for_update(skip_locked=True)
+        .cte("free_execution")
+    )
+    # Passed over: a candidate whose parent is not locked here and not stopped. The parents
+    # not locked (few) are looked up by primary key from an array, like the locks: a join
+    # of the candidates with the sessions would be planned from a guess again.
+    unlocked = (
+        select(func.array_agg(candidate.c.parent_session_id.distinct()))
+        .where(~exists().where(parent.c.id == candidate.c.parent_session_id))
+        .scalar_subquery()
+    )
+    held = S.__table__.alias("held_parent")
+    held_elsewhere = (
+        select(func.array_agg(held.c.id)).where(held.c.id == any_(_ids(unlocked)), not_stopped(held)).scalar_subquery()
+    )
+    passed_over = (
+        select(func.count())
+        .select_from(candidate)
+        .where(candidate.c.parent_session_id == any_(_ids(held_elsewhere)))
+        .scalar_subquery()
+    )
+    return select(
+        select(func.max(candidate.c.id)).scalar_subquery(),
+        select(func.count()).select_from(candidate).scalar_subquery(),
+        cast(_array(free.c.id, free.c.id), String()),
+        _array(parent.c.id, parent.c.id),
+        _array(parent.c.epoch, parent.c.id),
+        passed_over,
+    )
 
-        NOTE: the ids come from Python as one array constant, never from a join with a WITH
-        part of the same statement. The planner knows nothing of a WITH part's size (after an
-        upgrade day it guessed one row for a thousand): it joined the executions found by the
-        dead rule's index to a WITH part of the ids in a nested loop, quadratic in the batch (a
-        batch of 1,000: half a million comparisons, 100 ms). Against a constant it knows the
-        size, drives the read by the primary key or hashes the constant: linear whatever it
-        guesses. The parents are read the same way, by the primary key from an array of the
-        reserved rows' parents (``= ANY``, no join)."""
-        now = bindparam("now", type_=DateTime(timezone=True))
-        reserved = (
-            update(E)
-            .where(E.id == any_(_ids_param("ids")), dead_at(self.pass_started))  # re-checked under the locks
-            .values(**reservation_values(now, self.reserve_seconds))
-            .returning(E.id, E.epoch, E.parent_session_id)
-            .cte("reserved")
-        )
-        which = S.id == any_(_ids(_array(reserved.c.parent_session_id.distinct())))
-        lapsed, waiting = parent_release(which, now)
-        bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
-        shown = waiting.returning(S.id).cte("shown_parent")
-        order = (reserved.c.parent_session_id, reserved.c.id)
-        return select(
-            _array(reserved.c.parent_session_id, *order),
-            _array(reserved.c.id, *order),
-            _array(reserved.c.epoch, *order),
-            _array(bumped.c.id, bumped.c.id),
-            _array(bumped.c.epoch, bumped.c.id),
-        ).add_cte(shown)
+
+@built_once
+def _reserve(reserve_seconds: float) -> Any:
+    """The reservation of the executions the lock took (``ids``): an UPDATE whose WHERE
+    states the dead rule again under the locks, RETURNING; then the hand-over of their
+    parents (all locked by :func:`_lock`): models.session.parent_release, UPDATEs whose
+    WHERE states their rules. One statement, whose snapshot follows the locks (the dead
+    rule's subqueries see what committed before them). The row: the executions reserved
+    as (parent, id, epoch), three arrays in one order; the parents whose epoch moved and
+    their new epochs (arrays).
+
+    NOTE: the ids come from Python as one array constant, never from a join with a WITH
+    part of the same statement. The planner knows nothing of a WITH part's size (after an
+    upgrade day it guessed one row for a thousand): it joined the executions found by the
+    dead rule's index to a WITH part of the ids in a nested loop, quadratic in the batch (a
+    batch of 1,000: half a million comparisons, 100 ms). Against a constant it knows the
+    size, drives the read by the primary key or hashes the constant: linear whatever it
+    guesses. The parents are read the same way, by the primary key from an array of the
+    reserved rows' parents (``= ANY``, no join)."""
+    now = bindparam("now", type_=DateTime(timezone=True))
+    reserved = (
+        update(E)
+        .where(E.id == any_(_ids_param("ids")), dead_at(_PASS_STARTED, _OVERDUE))  # re-checked under the locks
+        .values(**reservation_values(now, reserve_seconds))
+        .returning(E.id, E.epoch, E.parent_session_id)
+        .cte("reserved")
+    )
+    which = S.id == any_(_ids(_array(reserved.c.parent_session_id.distinct())))
+    lapsed, waiting = parent_release(which, now)
+    bumped = lapsed.returning(S.id, S.epoch).cte("bumped_parent")
+    shown = waiting.returning(S.id).cte("shown_parent")
+    order = (reserved.c.parent_session_id, reserved.c.id)
+    return select(
+        _array(reserved.c.parent_session_id, *order),
+        _array(reserved.c.id, *order),
+        _array(reserved.c.epoch, *order),
+        _array(bumped.c.id, bumped.c.id),
+        _array(bumped.c.epoch, bumped.c.id),
+    ).add_cte(shown)
 
 
 def _ids_param(name: str) -> Any:

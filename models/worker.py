@@ -22,14 +22,28 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, String, and_, exists, func, insert, literal, not_, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    String,
+    and_,
+    bindparam,
+    exists,
+    func,
+    insert,
+    literal,
+    not_,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, UTCDateTime
 from models.clock import in_time, refused_as_lapsed
-from models.db import cas
+from models.db import built_once, cas
 
 
 class WorkerBoot(Base):
@@ -168,8 +182,15 @@ def holds_scan_right(s: Session, holder: str) -> bool:
     transaction before it locks a row, at the cost of one round trip."""
     from models.base import utcnow
 
-    R = RecoveryScan
-    return s.execute(select(R.id).where(R.id == 1, R.holder == holder, R.held_until > utcnow())).first() is not None
+    return s.execute(_holds_stmt(), {"b_holder": holder, "b_now": utcnow()}).first() is not None
+
+
+@built_once
+def _holds_stmt() -> Any:
+    R = RecoveryScan.__table__.c
+    return select(R.id).where(
+        R.id == 1, R.holder == bindparam("b_holder"), R.held_until > bindparam("b_now", type_=UTCDateTime())
+    )
 
 
 def _in_time(s: Session, until: datetime) -> tuple[ColumnElement[bool], ...]:
