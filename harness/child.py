@@ -3,8 +3,7 @@
 The normal path's start (``start_child``, task ``agent.run_child``) takes the execution and
 runs it; recovery's take is recovery.child's. Both run the same rounds (``run_rounds``), end
 in the same transaction (harness.child_end), and then the last execution of a round to end
-delivers the round in-process (``after_end``, through the ``deliver`` the caller gave in
-``LoopDeps``: recovery's transactional delivery, which harness does not import).
+delivers the round in-process (``after_end``, with harness.delivery).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
+from harness.delivery import deliver_and_resume
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
@@ -385,13 +385,11 @@ def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
         return
     if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
         return  # delivered already, siblings still running, or the parent is not waiting
-    if deps.deliver is None:
-        return  # the chord callback (or the scan) delivers it
     log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
     try:
         # Delivered right here (one short transaction): no task hop between the last child and
         # its parent. A duplicate request or the chord callback loses the epoch check.
-        deps.deliver(state.parent_id, state.parent_epoch, deps.scheduler)
+        deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
         log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -52,20 +51,12 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-#: Delivers a parent's complete round in-process and enqueues its run (``parent_id, epoch,
-#: scheduler``): recovery's transactional delivery (harness.delivery.deliver_and_resume),
-#: handed in by the caller because harness does not import recovery.
-Deliver = Callable[[int, int, Scheduler], object]
-
-
 @dataclass
 class LoopDeps:
     scheduler: Scheduler
     model: ModelClient | None = None
     owner: str = ""
     lease_seconds: float = 0.0
-    #: The last child of a round delivers it with this (None: the chord callback or the scan does).
-    deliver: Deliver | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model or ModelClient.from_settings()

@@ -25,7 +25,7 @@ def _model() -> ModelClient:
 
 
 def deps() -> LoopDeps:
-    return LoopDeps(scheduler=CeleryScheduler(app), model=_model(), deliver=deliver_and_resume)
+    return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
 
 
 @app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write

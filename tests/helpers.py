@@ -135,7 +135,6 @@ class RecordingScheduler:
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
     from harness.loop import LoopDeps
     from harness.model import ModelClient
-    from harness.delivery import deliver_and_resume
 
     model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
     return LoopDeps(
@@ -143,7 +142,6 @@ def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease
         model=model,
         owner="test",
         lease_seconds=lease_seconds,
-        deliver=deliver_and_resume,
     )
 
 
