@@ -51,8 +51,8 @@ from models import (
 from models.base import utcnow
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
-from models.session import cancel_child, hand_over, stop_session
 from models.legacy import infer_and_store
+from models.session import cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
 E = SubagentExecution

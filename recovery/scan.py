@@ -69,6 +69,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, aliased
 
 from crashpoints import crash_point
+from harness.delivery import suppress_parent
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, validated_boundary
@@ -100,7 +101,6 @@ from models.session import (
     stop_session,
 )
 from models.worker import lease_free, record_scan, release_scan_right, renew_scan_right, take_scan_right
-from harness.delivery import suppress_parent
 from recovery.errors import RecoveryError
 from settings import get_settings
 

@@ -201,9 +201,9 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
     loop (-> its own chords) -> ..."""
     from harness.child import start_child
+    from harness.delivery import deliver_and_resume
     from harness.parent import run_agent
     from recovery.child import recover_child
-    from harness.delivery import deliver_and_resume
     from recovery.scan import scan
 
     deps = deps or loop_deps(model_url)

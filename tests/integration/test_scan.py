@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, event, select, text, update
 
+from harness.cancel import cancel_session
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -31,7 +32,6 @@ from models import (
 )
 from models.base import utcnow
 from models.worker import take_scan_right
-from harness.cancel import cancel_session
 from recovery.child import recover_child
 from recovery.scan import ScanRight, ScanRightLost, scan
 from tests.helpers import (
