@@ -3,7 +3,7 @@
 The normal path's start (``start_child``, task ``agent.run_child``) takes the execution and
 runs it; recovery's take is recovery.child's. Both run the same rounds (``run_rounds``), end
 in the same transaction (harness.child_end), and then the last execution of a round to end
-delivers the round in-process (``after_end``, with harness.delivery).
+delivers the round in-process (``after_end``, with harness.delivery; docs/exactly-once.md).
 """
 
 from __future__ import annotations
@@ -376,10 +376,8 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
 
 def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
     """The last execution of a round to end delivers the round, in the normal path and in
-    recovery alike (docs/tasks.md). The round's state comes from the finishing transaction itself
-    (no extra trip). In the normal path the chord callback that follows finds the parent
-    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
-    and the scan is the one behind it."""
+    recovery alike; the round's state comes from the finishing transaction itself (no extra
+    trip). Its backstops, and why a second delivery writes nothing: docs/exactly-once.md."""
     state = end.state
     if not end.outcome.ended or state is None:
         return
@@ -388,7 +386,7 @@ def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
     log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
     try:
         # Delivered right here (one short transaction): no task hop between the last child and
-        # its parent. A duplicate request or the chord callback loses the epoch check.
+        # its parent.
         deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
