@@ -193,7 +193,7 @@ def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
         if in_flight is not None:
             return FirstRound(in_flight=in_flight)
     try:
-        return FirstRound(view=model_messages(info.child_session_id, agent, s, info.compaction))
+        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction))
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 
@@ -213,7 +213,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
             allowed = agent.tool_names(tool_names(), subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
-                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first)
+                final = _child_rounds(
+                    info, fence, agent=agent, allowed=allowed, deadline=deadline, deps=deps, local=local, first=first
+                )
             usage = Usage(final.prompt_tokens, final.completion_tokens)
             result, outcome = _final_result(final)
             state = finish_child(info, epoch, result, usage=usage)
@@ -280,6 +282,7 @@ def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result:
 def _child_rounds(
     info: ChildInfo,
     fence: ExecutionFence,
+    *,
     agent: AgentDef,
     allowed: tuple[str, ...],
     deadline: datetime,
@@ -313,7 +316,7 @@ def _child_rounds(
             rnd, in_flight = in_flight, None
         else:
             view, first_view = first_view or model_messages(info.child_session_id, agent), None
-            reply = ask(deps, view, allowed, deadline, agent.model_options)
+            reply = ask(deps, view, tools=allowed, deadline=deadline, options=agent.model_options)
             if model_waiting:
                 model_answered(info.child_session_id)
                 model_waiting = False

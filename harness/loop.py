@@ -69,19 +69,20 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def model_messages(
-    session_id: int, agent: AgentDef, s: Session | None = None, compaction: Compaction | None = None
+    session_id: int, agent: AgentDef, *, s: Session | None = None, compaction: Compaction | None = None
 ) -> list[dict[str, Any]]:
     """The system prompt and the session's model view, in ``s`` when given (with the
     session's ``compaction`` when that transaction has read it)."""
     if s is None:
         with transaction() as own:
-            return model_messages(session_id, agent, own)
+            return model_messages(session_id, agent, s=own)
     return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction)]
 
 
 def ask(
     deps: LoopDeps,
     messages: list[dict[str, Any]],
+    *,
     tools: tuple[str, ...],
     deadline: datetime | None,
     options: ModelOptions | None = None,
