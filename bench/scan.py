@@ -419,7 +419,7 @@ def time_scale_pass(parents: int, executions: int) -> ScalePass:
 def run_scale(args: argparse.Namespace) -> int:
     from bench._common import bench_database, flush_redis, progress
     from bench._figures import median, system_load
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
 
     executions = args.parents * args.per_parent
     with bench_database("bench_scan") as url:
