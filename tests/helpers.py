@@ -8,8 +8,10 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from crashpoints import armed_fault
+from harness.history import pair_state
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -438,3 +440,15 @@ def approval_environment(monkeypatch: Any, tmp_path: Any, agents_toml: str) -> I
     monkeypatch.undo()
     get_settings.cache_clear()
     _load.cache_clear()
+
+
+def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[int, int] | None:
+    """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
+
+    Malformed tool_calls JSON counts as incomplete. Delivery asks ``pair_state`` (which also
+    names the rows to repair); this answer is the complete-pair half of it, for tests and ops.
+    """
+    state = pair_state(s, session_id, tool_call_id)
+    if state.assistant_id is not None and state.tool_id is not None:
+        return state.assistant_id, state.tool_id
+    return None
