@@ -94,7 +94,7 @@ def call_provider(
 
 
 def list_artifacts(s: Session, source: SourceRef) -> list[tuple[ArtifactType, dict[str, Any]]]:
-    """The source's artifacts in write order (tests, ops)."""
+    """The source's artifacts in write order."""
     rows = s.execute(
         select(Art.artifact_type, Art.content)
         .where(Art.source_message_id == source.message_id, Art.source_revision == source.revision)

@@ -446,7 +446,7 @@ def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[
     """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
 
     Malformed tool_calls JSON counts as incomplete. Delivery asks ``pair_state`` (which also
-    names the rows to repair); this answer is the complete-pair half of it, for tests and ops.
+    names the rows to repair); this answer is the complete-pair half of it.
     """
     state = pair_state(s, session_id, tool_call_id)
     if state.assistant_id is not None and state.tool_id is not None:
