@@ -82,8 +82,8 @@ def bench_database(prefix: str = "bench", *, migrate: bool = True) -> Iterator[s
 
 
 def bench_env(pg_url: str, model_url: str, **extra: str) -> dict[str, str]:
-    """``demo.stack.service_env`` on the bench's own Redis databases."""
-    from demo.stack import service_env
+    """``devstack.processes.service_env`` on the bench's own Redis databases."""
+    from devstack.processes import service_env
 
     broker, backend, events = REDIS_DBS
     urls = {
@@ -124,7 +124,7 @@ class Stack:
         return server
 
     def worker(self, env: dict[str, str], name: str, concurrency: int = 2, **extra_env: str) -> Any:
-        from demo.stack import Worker
+        from devstack.processes import Worker
 
         w = Worker({**env, **extra_env}, self.log_dir, name=name, concurrency=concurrency)
         self.workers.append(w)

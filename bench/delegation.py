@@ -87,7 +87,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
 
 def app_worker(app: str, queue: str, name: str, env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
     """``celery -A APP worker -Q QUEUE``, prefork like ours."""
-    from demo.stack import Service
+    from devstack.processes import Service
 
     cmd = [
         sys.executable,
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench._common import Stack, bench_database, bench_env, flush_redis, percentile, progress
     from bench._figures import median, system_load
     from bench._naive_app import NAIVE_QUEUE, naive_app
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
 
     runs: list[Run] = []
     with bench_database("bench_delegation") as url, bench_database("bench_naive") as naive_url:

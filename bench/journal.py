@@ -65,7 +65,7 @@ def run(url: str, *, parents: int, wait_seconds: float, settle_seconds: float) -
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench.recovery import _expire_leases
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
     from harness.views import create_session
     from models import transaction
     from recovery.invariants import check_all

@@ -113,7 +113,7 @@ def _status() -> dict[str, int]:
 
 
 def _dbos_process(env: dict[str, str], log_dir: Path, *args: str, name: str = "") -> Any:
-    from demo.stack import Service
+    from devstack.processes import Service
 
     cmd = [sys.executable, "-m", "bench._dbos_app", *args]
     return Service(cmd, env, log_dir / f"dbos-{name or args[0]}.log", "event=launched")
@@ -306,7 +306,7 @@ def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) 
     from bench._common import Stack, bench_env, flush_redis, wait_for
     from bench.delegation import instant_script
     from bench.recovery import _counts, _db_times
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
     from harness.views import create_session
     from models import transaction
     from models.base import utcnow
@@ -363,7 +363,7 @@ def run_ours_restart(
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench.recovery import RECOVERY_SCRIPT, _counts, _db_times, crash_script
-    from demo.stack import Worker, apply_env
+    from devstack.processes import Worker, apply_env
     from harness.views import create_session
     from models import transaction
     from recovery.invariants import check_all

@@ -52,9 +52,9 @@ def script(children: int) -> list[dict[str, Any]]:
 def _drain(deps: Any) -> None:
     """Run what the recording scheduler holds until nothing is left (the broker's part)."""
     from harness.child import start_child
+    from harness.delivery import deliver_and_resume
     from harness.parent import run_agent
     from recovery.child import recover_child
-    from harness.delivery import deliver_and_resume
 
     sched = deps.scheduler
     while sched.pending():

@@ -203,7 +203,7 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
     """Crash and recover P x K on ``url`` (a migrated, empty database); see the module doc."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
     from harness.views import create_session
     from models import transaction
     from models.base import utcnow
@@ -293,7 +293,7 @@ def run_delivery_only(url: str, *, parents: int, children: int, workers: int, co
     undelivered, no callback on its way; timed from the scan to every parent resumed."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
     from models import transaction
     from models.base import utcnow
     from recovery.invariants import check_all

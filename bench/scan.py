@@ -47,8 +47,8 @@ HISTORY_BATCH = 250_000
 
 class CountingScheduler:
     """A Scheduler (harness.scheduler) that enqueues nothing: the scan's own cost, without the broker.
-    (Both shapes of the scheduler: one chord per parent, or recoveries in batches, where one
-    parent's executions may span two batches.)"""
+    It counts the parents and executions of the recoveries the scan hands over in batches (one
+    parent's executions may span two batches) and the parents whose delivery it asks for."""
 
     def __init__(self) -> None:
         self.parent_ids: set[int] = set()
@@ -244,7 +244,7 @@ def time_scan(repeat: int) -> Timing:
         report = scan(sched, callback_grace_seconds=0)
         elapsed = time.perf_counter() - started
         if not report.ran:
-            raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+            raise RuntimeError("the scan did not run (another process holds the right to scan?)")
         if n:
             scans.append(elapsed)
     return Timing(statistics.median(scans), sched.parents, sched.executions, scans)
@@ -371,7 +371,7 @@ def time_counting_pass() -> tuple[float, int]:
     report = scan(scheduler, callback_grace_seconds=0)
     elapsed = time.perf_counter() - started
     if not report.ran:
-        raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+        raise RuntimeError("the scan did not run (another process holds the right to scan?)")
     return elapsed, scheduler.parents
 
 
@@ -388,8 +388,8 @@ def expected_messages(executions: int) -> int:
 
 def time_scale_pass(parents: int, executions: int) -> ScalePass:
     """One pass of the real scan with the real Celery scheduler over the crashed state. A
-    parent's recovery is enqueued when its executions' recover_child messages are in the
-    broker (one per execution, in a chord or alone)."""
+    parent's recovery is enqueued when its executions' messages are in the broker (one
+    recover_child per execution, or recovery.fan_out batches: ``expected_messages``)."""
     import tasks
     from bench._common import flush_redis, wait_for
     from recovery.scan import scan
@@ -403,7 +403,7 @@ def time_scale_pass(parents: int, executions: int) -> ScalePass:
     report = scan(scheduler, callback_grace_seconds=0)
     scan_s = time.perf_counter() - started
     if not report.ran:
-        raise RuntimeError("the scan did not run (another scan holds the advisory lock?)")
+        raise RuntimeError("the scan did not run (another process holds the right to scan?)")
     expected = expected_messages(executions)
     wait_for(
         lambda: _broker_messages() >= expected,
@@ -419,7 +419,7 @@ def time_scale_pass(parents: int, executions: int) -> ScalePass:
 def run_scale(args: argparse.Namespace) -> int:
     from bench._common import bench_database, flush_redis, progress
     from bench._figures import median, system_load
-    from demo.stack import apply_env
+    from devstack.processes import apply_env
 
     executions = args.parents * args.per_parent
     with bench_database("bench_scan") as url:

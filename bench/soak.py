@@ -151,7 +151,7 @@ class Soak:
         with self.admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{self.db_name}"'))
         self.url = PG_ADMIN.rsplit("/", 1)[0] + "/" + self.db_name
-        from demo.stack import apply_env, flush_broker, service_env
+        from devstack.processes import apply_env, flush_broker, service_env
         from doubles.scripted_model import ScriptedModelServer
         from migrations import upgrade
 
@@ -179,7 +179,7 @@ class Soak:
         self.started: list[Any] = []
 
     def worker(self, beat: bool = False, name: str | None = None, bare: bool = False) -> Any:
-        from demo.stack import Worker
+        from devstack.processes import Worker
 
         if name is None:
             self.counter += 1
@@ -208,7 +208,7 @@ class Soak:
         from sqlalchemy import text
         from sqlalchemy.exc import OperationalError
 
-        from demo.stack import flush_broker
+        from devstack.processes import flush_broker
         from models import get_engine
 
         self.proxy.clear()

@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
     rd.add_argument("--parent", action="store_true", help="ID is a parent session: deliver all its results")
     rd.set_defaults(handler=_redeliver)
 
-    sc = sub.add_parser("scan", help="run one recovery scan now (enqueues the recovery chords)")
+    sc = sub.add_parser("scan", help="run one recovery scan now (sends the recoveries, deliveries, resumes it finds)")
     sc.set_defaults(handler=_scan)
 
     lc = sub.add_parser("local-client", help="LOCAL client presence, as a gateway would set it")

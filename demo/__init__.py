@@ -1,2 +1,2 @@
-"""The runnable demo (`make demo`) and the process stack it shares with tests and benchmarks:
-scripted model server, Celery worker subprocesses, service environment."""
+"""The runnable demo (`make demo`, from a clone): its worker and beat processes are the ones
+the tests and benchmarks run (devstack.processes)."""

@@ -112,7 +112,7 @@ def run() -> None:
     upgrade()
     from sqlalchemy import select
 
-    from demo.stack import Beat, Worker
+    from devstack.processes import Beat, Worker
     from doubles.scripted_model import ScriptedModelServer
     from harness.views import create_session, snapshot
     from models import SubagentExecution, transaction

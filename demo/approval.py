@@ -55,7 +55,7 @@ def run() -> None:
     from migrations import upgrade
 
     upgrade()
-    from demo.stack import Beat, Worker
+    from devstack.processes import Beat, Worker
     from doubles.scripted_model import ScriptedModelServer
     from harness.agents import load_at_start
     from harness.views import create_session, snapshot

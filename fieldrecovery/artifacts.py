@@ -107,13 +107,3 @@ def put_artifacts(
         .returning(Art.id)
     ).all()
     return len(inserted)
-
-
-def list_artifacts(s: Session, source: SourceRef) -> list[tuple[ArtifactType, dict[str, Any]]]:
-    """The source's artifacts in write order (tests, ops)."""
-    rows = s.execute(
-        select(Art.artifact_type, Art.content)
-        .where(Art.source_message_id == source.message_id, Art.source_revision == source.revision)
-        .order_by(Art.id)
-    ).all()
-    return [(ArtifactType(r.artifact_type), r.content) for r in rows]

@@ -53,6 +53,19 @@ from settings import FieldRecoverySettings, get_settings
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _OwnedCall:
+    """One provider call made as the key's owner: what fences its writes (``owner_id``,
+    ``epoch``) and what its audit and log lines carry."""
+
+    key: str
+    request_id: str
+    owner_id: str
+    epoch: int
+    progress: CallProgress
+    started: float  #: ``time.monotonic()`` when the call began (the audit's duration)
+
+
 class RecoveryStatus(StrEnum):
     SUCCEEDED = "SUCCEEDED"  #: a stored PatchSet was assembled and applied once (see needs_review)
     FAILED = "FAILED"  #: failed closed; the view is the parser baseline; error_code says why
@@ -221,7 +234,14 @@ class FieldRecoveryOrchestrator:
         crash_point("field.after_claim")  # owner recorded, provider not called yet
         dead_run = claim.record.provider_run_id if claim.outcome == ClaimOutcome.TAKEN_OVER and claim.record else None
         return self._call_as_owner(
-            facts, request, message, owner_id, claim.epoch, deadline, claim_sent, dead_run=dead_run
+            facts,
+            request,
+            message,
+            owner_id=owner_id,
+            epoch=claim.epoch,
+            deadline=deadline,
+            claim_sent=claim_sent,
+            dead_run=dead_run,
         )
 
     def _call_as_owner(
@@ -229,25 +249,30 @@ class FieldRecoveryOrchestrator:
         facts: ParsedFactSet,
         request: RecoveryRequestSet,
         message: str,
+        *,
         owner_id: str,
         epoch: int,
         deadline: Deadline,
         claim_sent: float,
         dead_run: str | None = None,
     ) -> RecoveryRun:
-        """``dead_run``: the platform run of the owner this one took over, cancelled before calling
-        again (it may still be running and paid for)."""
+        """Call the provider as the key's owner, then record how the call ended: the answer
+        stored and applied (``_store_answer``), or the invocation failed closed
+        (``_call_failed``, ``_call_broke``). ``dead_run``: the platform run of the owner this
+        one took over, cancelled before calling again (it may still be running and paid for)."""
         key = request.idempotency_key
-        progress = CallProgress(on_run=self._run_recorder(key, owner_id, epoch))
+        call = _OwnedCall(
+            key=key,
+            request_id=request.request_id,
+            owner_id=owner_id,
+            epoch=epoch,
+            progress=CallProgress(on_run=self._run_recorder(key, owner_id, epoch)),
+            started=time.monotonic(),
+        )
         answer: ProviderAnswer | None = None
-        started = time.monotonic()
         log_event(log, "provider_call_start", key=key, request_id=request.request_id, epoch=epoch)
         try:
-            if len(message) > self.settings.max_message_chars:
-                raise RequestTooLarge()
-            client = self._client_factory(self.settings)
-            if dead_run is not None:
-                log_event(log, "takeover_cancel", key=key, run_id=dead_run, ok=client.cancel(dead_run))
+            client = self._client_for(message, call, dead_run)
             with LeaseKeeper(self.store, key, owner_id, epoch, claimed_at=claim_sent) as lease:
                 # A lost lease (a newer epoch took the key) stops the call: the answer could
                 # never be stored, so calling on would only spend the provider's time.
@@ -256,64 +281,112 @@ class FieldRecoveryOrchestrator:
                     idempotency_key=key,
                     subject_id=sha256_hex(facts.source.message_id),
                     deadline=deadline,
-                    progress=progress,
+                    progress=call.progress,
                     stop=lease.lost,
                 )
                 patch_set = parse_patch_set(answer.content, max_chars=self.settings.max_response_chars)
         except FieldRecoveryError as exc:
-            audit = self._audit(progress, answer, started)
-            log_event(
-                log,
-                "provider_call_end",
-                key=key,
-                request_id=request.request_id,
-                run_id=progress.run_id,
-                duration_ms=audit.duration_ms,
-                error_code=exc.code,
-                cancel_sent=progress.cancel_sent,
-            )
-            try:
-                landed = self.store.finish_failure(key, owner_id, epoch, code=exc.code, summary=str(exc), audit=audit)
-            except FieldRecoveryError as store_exc:  # e.g. a run-status value the database refused
-                log_event(log, "finish_failure_retry", key=key, error_code=store_exc.code)
-                landed = self._finish_failed(key, owner_id, epoch, exc.code, self._audit(progress, None, started))
-            return self._failed(facts, key, exc.code if landed else "invocation_lost", provider_calls=progress.called)
+            return self._call_failed(facts, call, exc, answer)
         except Exception as exc:
-            # A bug: fail closed in the record too and return a FAILED result (never a traceback).
-            error = type(exc).__name__
-            log_event(
-                log, "provider_call_end", key=key, run_id=progress.run_id, error_code="internal_error", error=error
-            )
-            self._finish_failed(key, owner_id, epoch, "internal_error", self._audit(progress, None, started))
-            return self._failed(facts, key, "internal_error", provider_calls=progress.called)
+            return self._call_broke(facts, call, type(exc).__name__)
         except BaseException:
             # An interrupt: fail closed in the record too, then let it propagate.
-            log_event(log, "provider_call_end", key=key, run_id=progress.run_id, error_code="interrupted")
-            self._finish_failed(key, owner_id, epoch, "interrupted", self._audit(progress, None, started))
+            log_event(log, "provider_call_end", key=key, run_id=call.progress.run_id, error_code="interrupted")
+            self._finish_failed(key, owner_id, epoch, "interrupted", self._audit(call.progress, None, call.started))
             raise
-        audit = self._audit(progress, answer, started)
+        return self._store_answer(facts, request, call, answer, patch_set)
+
+    def _client_for(self, message: str, call: _OwnedCall, dead_run: str | None) -> OpenApiClient:
+        """Step 1: the provider's client, after what comes before any call: a message over the
+        limit is refused (``RequestTooLarge``), the dead owner's run is cancelled."""
+        if len(message) > self.settings.max_message_chars:
+            raise RequestTooLarge()
+        client = self._client_factory(self.settings)
+        if dead_run is not None:
+            log_event(log, "takeover_cancel", key=call.key, run_id=dead_run, ok=client.cancel(dead_run))
+        return client
+
+    def _call_failed(
+        self, facts: ParsedFactSet, call: _OwnedCall, exc: FieldRecoveryError, answer: ProviderAnswer | None
+    ) -> RecoveryRun:
+        """Step 2, a classified failure (the provider, the deadline, the answer's strict parse):
+        the invocation FAILED with its code; ``invocation_lost`` when a newer owner fenced us out."""
+        audit = self._audit(call.progress, answer, call.started)
         log_event(
             log,
             "provider_call_end",
-            key=key,
-            request_id=request.request_id,
-            run_id=progress.run_id,
+            key=call.key,
+            request_id=call.request_id,
+            run_id=call.progress.run_id,
+            duration_ms=audit.duration_ms,
+            error_code=exc.code,
+            cancel_sent=call.progress.cancel_sent,
+        )
+        try:
+            landed = self.store.finish_failure(
+                call.key, call.owner_id, call.epoch, code=exc.code, summary=str(exc), audit=audit
+            )
+        except FieldRecoveryError as store_exc:  # e.g. a run-status value the database refused
+            log_event(log, "finish_failure_retry", key=call.key, error_code=store_exc.code)
+            landed = self._finish_failed(
+                call.key, call.owner_id, call.epoch, exc.code, self._audit(call.progress, None, call.started)
+            )
+        return self._failed(
+            facts, call.key, exc.code if landed else "invocation_lost", provider_calls=call.progress.called
+        )
+
+    def _call_broke(self, facts: ParsedFactSet, call: _OwnedCall, error: str) -> RecoveryRun:
+        """Step 2, a bug: fail closed in the record too and return a FAILED result (never a
+        traceback)."""
+        log_event(
+            log,
+            "provider_call_end",
+            key=call.key,
+            run_id=call.progress.run_id,
+            error_code="internal_error",
+            error=error,
+        )
+        self._finish_failed(
+            call.key, call.owner_id, call.epoch, "internal_error", self._audit(call.progress, None, call.started)
+        )
+        return self._failed(facts, call.key, "internal_error", provider_calls=call.progress.called)
+
+    def _store_answer(
+        self,
+        facts: ParsedFactSet,
+        request: RecoveryRequestSet,
+        call: _OwnedCall,
+        answer: ProviderAnswer,
+        patch_set: RecoveryPatchSet,
+    ) -> RecoveryRun:
+        """Step 2, an answer: stored under the owner's epoch (SUCCEEDED), then applied once."""
+        audit = self._audit(call.progress, answer, call.started)
+        log_event(
+            log,
+            "provider_call_end",
+            key=call.key,
+            request_id=call.request_id,
+            run_id=call.progress.run_id,
             duration_ms=audit.duration_ms,
             error_code=None,
             profile_version=answer.resolved_profile_version,
         )
         try:
-            landed = self.store.finish_success(key, owner_id, epoch, patch_set.model_dump(mode="json"), audit)
+            landed = self.store.finish_success(
+                call.key, call.owner_id, call.epoch, patch_set.model_dump(mode="json"), audit
+            )
         except FieldRecoveryError as exc:
             # The answer could not be stored (a value the database refused, the database gone):
             # the key must not stay IN_PROGRESS; FAILED with the minimal audit, if the store lets us.
-            log_event(log, "provider_answer_not_stored", key=key, run_id=progress.run_id, error_code=exc.code)
-            self._finish_failed(key, owner_id, epoch, exc.code, self._audit(progress, None, started))
-            return self._failed(facts, key, exc.code, provider_calls=progress.called)
+            log_event(log, "provider_answer_not_stored", key=call.key, run_id=call.progress.run_id, error_code=exc.code)
+            self._finish_failed(
+                call.key, call.owner_id, call.epoch, exc.code, self._audit(call.progress, None, call.started)
+            )
+            return self._failed(facts, call.key, exc.code, provider_calls=call.progress.called)
         if not landed:
             # NOTE: a newer owner fenced us out; our answer is never used (it may differ).
-            return self._failed(facts, key, "invocation_lost", provider_calls=progress.called)
-        return self._apply(facts, request, patch_set, replayed=False, provider_calls=progress.called)
+            return self._failed(facts, call.key, "invocation_lost", provider_calls=call.progress.called)
+        return self._apply(facts, request, patch_set, replayed=False, provider_calls=call.progress.called)
 
     def _finish_failed(self, key: str, owner_id: str, epoch: int, code: str, audit: ProviderAudit) -> bool:
         """IN_PROGRESS -> FAILED on a path that is already failing: never raises (False if not written)."""

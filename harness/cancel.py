@@ -10,12 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from harness.delivery import suppress_parent
 from harness.events import publish_status
 from logfmt import log_event
 from models import AgentSession, Phase, transaction
 from models.approval import cancel_for_tree
 from models.session import request_cancel
-from harness.delivery import suppress_parent
 
 log = logging.getLogger(__name__)
 

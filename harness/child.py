@@ -3,8 +3,7 @@
 The normal path's start (``start_child``, task ``agent.run_child``) takes the execution and
 runs it; recovery's take is recovery.child's. Both run the same rounds (``run_rounds``), end
 in the same transaction (harness.child_end), and then the last execution of a round to end
-delivers the round in-process (``after_end``, through the ``deliver`` the caller gave in
-``LoopDeps``: recovery's transactional delivery, which harness does not import).
+delivers the round in-process (``after_end``, with harness.delivery; docs/exactly-once.md).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from crashpoints import crash_point
 from harness.agents import AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
+from harness.delivery import deliver_and_resume
 from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.fence import ExecutionFence, Heartbeat
@@ -193,7 +193,7 @@ def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
         if in_flight is not None:
             return FirstRound(in_flight=in_flight)
     try:
-        return FirstRound(view=model_messages(info.child_session_id, agent, s, info.compaction))
+        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction))
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 
@@ -213,7 +213,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
             allowed = agent.tool_names(tool_names(), subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
-                final = _child_rounds(info, fence, agent, allowed, deadline, deps, local, first)
+                final = _child_rounds(
+                    info, fence, agent=agent, allowed=allowed, deadline=deadline, deps=deps, local=local, first=first
+                )
             usage = Usage(final.prompt_tokens, final.completion_tokens)
             result, outcome = _final_result(final)
             state = finish_child(info, epoch, result, usage=usage)
@@ -280,6 +282,7 @@ def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result:
 def _child_rounds(
     info: ChildInfo,
     fence: ExecutionFence,
+    *,
     agent: AgentDef,
     allowed: tuple[str, ...],
     deadline: datetime,
@@ -313,7 +316,7 @@ def _child_rounds(
             rnd, in_flight = in_flight, None
         else:
             view, first_view = first_view or model_messages(info.child_session_id, agent), None
-            reply = ask(deps, view, allowed, deadline, agent.model_options)
+            reply = ask(deps, view, tools=allowed, deadline=deadline, options=agent.model_options)
             if model_waiting:
                 model_answered(info.child_session_id)
                 model_waiting = False
@@ -376,22 +379,18 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
 
 def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
     """The last execution of a round to end delivers the round, in the normal path and in
-    recovery alike (docs/tasks.md). The round's state comes from the finishing transaction itself
-    (no extra trip). In the normal path the chord callback that follows finds the parent
-    handed over (a new epoch) and does nothing: it is the backstop when this delivery fails,
-    and the scan is the one behind it."""
+    recovery alike; the round's state comes from the finishing transaction itself (no extra
+    trip). Its backstops, and why a second delivery writes nothing: docs/exactly-once.md."""
     state = end.state
     if not end.outcome.ended or state is None:
         return
     if state.pending == 0 or state.active > 0 or state.parent_owner is not None:
         return  # delivered already, siblings still running, or the parent is not waiting
-    if deps.deliver is None:
-        return  # the chord callback (or the scan) delivers it
     log_event(log, "round_delivery_requested", parent_id=state.parent_id, execution_id=execution_id)
     try:
         # Delivered right here (one short transaction): no task hop between the last child and
-        # its parent. A duplicate request or the chord callback loses the epoch check.
-        deps.deliver(state.parent_id, state.parent_epoch, deps.scheduler)
+        # its parent.
+        deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
         # The scan delivers a round whose results wait longer than the callback grace.
         log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)

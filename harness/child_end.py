@@ -102,11 +102,9 @@ class RoundState:
 
 
 def _round_state(s: Any, parent: _Parent) -> RoundState:
-    """The round as the finishing transaction sees it, after the execution's end.
-
-    NOTE: the caller holds the parent row's lock (taken first in its transaction): siblings
-    finishing at the same moment serialize on it, so the later one counts the earlier one's
-    end (READ COMMITTED: a new snapshot per statement) and one of them sees the round complete."""
+    """The round as the finishing transaction sees it, after the execution's end, read under
+    the parent row's lock: of siblings ending at once, the last sees the round complete
+    (docs/exactly-once.md, "At least once")."""
     active, max_epoch, pending = s.execute(_round_state_stmt(), {"b_parent": parent.id}).one()
     return RoundState(parent.id, parent.epoch, parent.owner, int(pending), int(active), int(max_epoch or 0))
 
@@ -215,11 +213,11 @@ class _Parent:
 
 
 def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
-    """Step 1. NOTE: the parent row first, as delivery and cancel lock it (parent, then its
-    executions): the same order everywhere, so a finishing child never deadlocks with them,
-    and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
-    The execution's token counters are read in the same statement (not locked: only the
-    epoch's owner adds to them, and the end's compare-and-set checks the epoch)."""
+    """Step 1. The parent row first, as delivery and cancel lock it (parent, then its
+    executions; docs/exactly-once.md, "At most once"): a finishing child never deadlocks with
+    them, and siblings finishing at once serialize here. The execution's token counters are
+    read in the same statement (not locked: only the epoch's owner adds to them, and the end's
+    compare-and-set checks the epoch)."""
     row = s.execute(_lock_parent_stmt(), {"b_parent": info.parent_session_id, "b_eid": info.execution_id}).one()
     return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
 

@@ -1,4 +1,4 @@
-"""Exactly-once delivery of child results into the parent's history (docs/invariants.md, I1).
+"""Delivery of child results into the parent's history, exactly once (why: docs/exactly-once.md).
 
 ``deliver_round(parent_id, epoch)`` runs in-process in the last execution of a round to end (in
 both paths), in the normal path's chord callback (a backstop), and when the scan asks for it:
@@ -11,7 +11,6 @@ both paths), in the normal path's chord callback (a backstop), and when the scan
 5. the open pending round is written whole in ONE transaction (one assistant, every TOOL in
    tool-call order with source_session_id, every delivered marker, round closed), together
    with the hand-over of the parent to a new epoch.
-Duplicate and late callbacks lose the epoch compare-and-set and write nothing.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ from models import (
 from models.base import utcnow
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
-from models.session import cancel_child, hand_over, stop_session
 from models.legacy import infer_and_store
+from models.session import cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
 E = SubagentExecution

@@ -341,18 +341,6 @@ def _tool_run(rows: Sequence[Any], idx: int) -> list[Any]:
     return run
 
 
-def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[int, int] | None:
-    """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
-
-    Malformed tool_calls JSON counts as incomplete. Delivery asks ``pair_state`` (which also
-    names the rows to repair); this answer is the complete-pair half of it, for tests and ops.
-    """
-    state = pair_state(s, session_id, tool_call_id)
-    if state.assistant_id is not None and state.tool_id is not None:
-        return state.assistant_id, state.tool_id
-    return None
-
-
 def delete_rows(s: Session, session_id: int, ids: Sequence[int]) -> None:
     if ids:
         s.execute(

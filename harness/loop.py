@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -52,20 +51,12 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-#: Delivers a parent's complete round in-process and enqueues its run (``parent_id, epoch,
-#: scheduler``): recovery's transactional delivery (harness.delivery.deliver_and_resume),
-#: handed in by the caller because harness does not import recovery.
-Deliver = Callable[[int, int, Scheduler], object]
-
-
 @dataclass
 class LoopDeps:
     scheduler: Scheduler
     model: ModelClient | None = None
     owner: str = ""
     lease_seconds: float = 0.0
-    #: The last child of a round delivers it with this (None: the chord callback or the scan does).
-    deliver: Deliver | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model or ModelClient.from_settings()
@@ -78,19 +69,20 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def model_messages(
-    session_id: int, agent: AgentDef, s: Session | None = None, compaction: Compaction | None = None
+    session_id: int, agent: AgentDef, *, s: Session | None = None, compaction: Compaction | None = None
 ) -> list[dict[str, Any]]:
     """The system prompt and the session's model view, in ``s`` when given (with the
     session's ``compaction`` when that transaction has read it)."""
     if s is None:
         with transaction() as own:
-            return model_messages(session_id, agent, own)
+            return model_messages(session_id, agent, s=own)
     return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction)]
 
 
 def ask(
     deps: LoopDeps,
     messages: list[dict[str, Any]],
+    *,
     tools: tuple[str, ...],
     deadline: datetime | None,
     options: ModelOptions | None = None,

@@ -86,7 +86,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             in_flight = resume_in(s, session_id, new_epoch)
             if in_flight is None:
                 compaction = Compaction(row.compaction_boundary_message_id, row.compaction_summary)
-                first_view = model_messages(session_id, get_agent(agent_type), s, compaction)
+                first_view = model_messages(session_id, get_agent(agent_type), s=s, compaction=compaction)
     if fault:
         return RunOutcome.INFRA_ERROR
     if new_epoch is None or agent_type is None:
@@ -102,7 +102,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         # resumes the session (R18). The boundary stops it before the handlers below.
         with Heartbeat(fence), infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
             return _parent_rounds(
-                session_id, fence, agent, allowed, deps, first_view, in_flight, model_waiting=model_waiting
+                session_id,
+                fence,
+                agent=agent,
+                allowed=allowed,
+                deps=deps,
+                view=first_view,
+                in_flight=in_flight,
+                model_waiting=model_waiting,
             )
         return RunOutcome.INFRA_ERROR
     except LeaseLost:
@@ -144,12 +151,12 @@ def _release(fence: Fence, phase: Phase | None) -> None:
 def _parent_rounds(
     session_id: int,
     fence: SessionFence,
+    *,
     agent: AgentDef,
     allowed: tuple[str, ...],
     deps: LoopDeps,
     view: list[dict[str, Any]] | None = None,
     in_flight: RoundInFlight | None = None,
-    *,
     model_waiting: bool = False,
 ) -> RunOutcome:
     gate = Gate(agent)
@@ -158,7 +165,13 @@ def _parent_rounds(
         if in_flight is not None:
             rnd, in_flight = in_flight, None  # continued from the journal: no model call
         else:
-            reply = ask(deps, view or model_messages(session_id, agent), allowed, None, agent.model_options)
+            reply = ask(
+                deps,
+                view or model_messages(session_id, agent),
+                tools=allowed,
+                deadline=None,
+                options=agent.model_options,
+            )
             view = None
             if model_waiting:
                 model_answered(session_id)
@@ -184,7 +197,7 @@ def _parent_rounds(
             else:
                 rnd = journal_reply(fence, session_id, reply, approval=gate)
         if _delegates(rnd.reply, allowed, rnd.refused):
-            if _delegating_round(session_id, fence, rnd, allowed, deps):
+            if _delegating_round(session_id, fence, rnd, allowed=allowed, deps=deps):
                 return RunOutcome.YIELDED
             continue
         try:
@@ -297,6 +310,7 @@ def _delegating_round(
     session_id: int,
     fence: SessionFence,
     rnd: RoundInFlight,
+    *,
     allowed: tuple[str, ...],
     deps: LoopDeps,
 ) -> bool:

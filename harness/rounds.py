@@ -1,6 +1,7 @@
 """Writing one complete tool round: one ASSISTANT with tool_calls + every TOOL, in tool-call
-order, in the caller's transaction (docs/invariants.md, I1 and I2). The named crash points inside let tests prove
-the whole round rolls back (docs/fault-model.md, R25)."""
+order, in the caller's transaction (docs/invariants.md, I2; delivery's use of it:
+docs/exactly-once.md). The named crash points inside let tests prove the whole round rolls back
+(docs/fault-model.md, R25)."""
 
 from __future__ import annotations
 

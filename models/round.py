@@ -12,7 +12,8 @@ from models.base import Base, BigId, UTCDateTime, utcnow
 
 
 class PendingRound(Base):
-    """Written in the transaction that creates the round's children; closed by delivery.
+    """Written in the transaction that creates the round's children; closed by delivery, in
+    the transaction that writes the round into the history (docs/exactly-once.md).
 
     ``tool_calls`` is the OpenAI list as the model returned it (ids, names, argument strings);
     ``inline_results`` maps tool_call_id -> TOOL content for the non-delegate calls.

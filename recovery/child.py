@@ -12,8 +12,8 @@ Then the same steps: finish from an existing final without calling the model, or
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
 last execution of a round to end delivers the round itself (harness.child ``after_end``, with
 harness.delivery), in one short transaction, and enqueues the parent's run: its original
-chord may have lost a header for good, so its callback may never come. Delivery's barrier is
-the database's (I3): trying early is harmless. Never raises.
+chord may have lost a header for good, so its callback may never come (docs/exactly-once.md).
+Never raises.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import take_execution
-from models.session import set_child_phase
 from models.legacy import infer_and_store
+from models.session import set_child_phase
 
 log = logging.getLogger(__name__)
 E = SubagentExecution

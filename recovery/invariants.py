@@ -10,6 +10,7 @@ Each check returns human-readable violations; an empty list means it holds.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import pairwise
 
@@ -36,82 +37,131 @@ from models import (
 from settings import get_settings
 
 
-def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float = 15.0) -> list[str]:
-    """I1–I5. With ``settled`` the system must also be at rest: nothing PENDING, no session
-    RUNNING/RESUMING, no open round."""
-    problems: list[str] = []
+@dataclass(frozen=True)
+class _Snapshot:
+    """What the checks of I1-I5 read, once: every session, every execution (by id), and each
+    session's live messages (by id)."""
+
+    sessions: dict[int, AgentSession]
+    executions: list[SubagentExecution]
+    live: dict[int, list[Message]]
+
+
+def _snapshot(s: Session) -> _Snapshot:
     sessions = {r.id: r for r in s.execute(select(AgentSession)).scalars()}
     executions = list(s.execute(select(SubagentExecution).order_by(SubagentExecution.id)).scalars())
     live: dict[int, list[Message]] = defaultdict(list)
     for m in s.execute(select(Message).where(Message.deleted.is_(False)).order_by(Message.id)).scalars():
         live[m.session_id].append(m)
+    return _Snapshot(sessions, executions, live)
 
-    # I2: every session's live history is legal: the part after its compaction boundary, which
-    # is what the model is sent (rows at or before the boundary are replaced by the summary, and
-    # delivery never deletes them: a broken pair there stays, summarized).
-    for sid, rows in live.items():
-        session = sessions.get(sid)
+
+def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float = 15.0) -> list[str]:
+    """I1–I5, then J1-J2, K1-K2 and A1-A3. With ``settled`` the system must also be at rest:
+    nothing PENDING, no session RUNNING/RESUMING, no open round."""
+    db = _snapshot(s)
+    return [
+        *_legal_histories(db),
+        *_exactly_once(db, settled=settled),
+        *_barrier(s, db, settled=settled),
+        *_no_duplicate_child(db),
+        *_absolute_deadlines(db, slack_seconds=deadline_slack_seconds),
+        *check_journal(s),
+        *check_call_ids(db.live),
+        *check_approvals(s),
+    ]
+
+
+def _legal_histories(db: _Snapshot) -> list[str]:
+    """I2: every session's live history is legal: the part after its compaction boundary, which
+    is what the model is sent (rows at or before the boundary are replaced by the summary, and
+    delivery never deletes them: a broken pair there stays, summarized)."""
+    problems: list[str] = []
+    for sid, rows in db.live.items():
+        session = db.sessions.get(sid)
         boundary = session.compaction_boundary_message_id if session is not None else None
         for p in check_legal([m for m in rows if boundary is None or m.id > boundary]):
             problems.append(f"I2 session {sid}: {p}")
+    return problems
 
-    # I1: exactly once.
-    for sid, rows in live.items():
+
+def _exactly_once(db: _Snapshot, *, settled: bool) -> list[str]:
+    """I1 (docs/exactly-once.md): one TOOL per call in a session, and each execution's result
+    in its parent exactly when its delivery status says so."""
+    problems: list[str] = []
+    for sid, rows in db.live.items():
         counts = Counter(m.tool_call_id for m in rows if m.role == Role.TOOL)
         for call_id, n in counts.items():
             if n > 1:
                 problems.append(f"I1 session {sid}: {n} TOOL messages for {call_id}")
-    for e in executions:
-        tools = [
-            m
-            for m in live.get(e.parent_session_id, [])
-            if m.role == Role.TOOL and m.tool_call_id == e.parent_tool_call_id
-        ]
-        if e.delivery_status == DeliveryStatus.DELIVERED:
-            if len(tools) != 1:
-                problems.append(f"I1 execution {e.id}: DELIVERED but {len(tools)} TOOL messages in parent")
-            elif e.parent_tool_message_id is not None and tools[0].id != e.parent_tool_message_id:
-                problems.append(f"I1 execution {e.id}: parent_tool_message_id does not point at its TOOL")
-            elif tools and tools[0].source_session_id not in (None, e.child_session_id):
-                problems.append(f"I1 execution {e.id}: TOOL source_session_id is not the child")
-        elif e.delivery_status == DeliveryStatus.SUPPRESSED and tools:
-            problems.append(f"I1 execution {e.id}: SUPPRESSED but its result is in the parent")
-        elif e.delivery_status == DeliveryStatus.PENDING:
-            if tools and e.parent_tool_call_id is not None:
-                problems.append(f"I1 execution {e.id}: PENDING but a TOOL for it is already in the parent")
-            if settled:
-                problems.append(f"I1 execution {e.id}: still PENDING ({e.status})")
-        if e.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED) and e.status in ACTIVE_EXECUTION:
-            problems.append(f"I1 execution {e.id}: {e.delivery_status} but still {e.status}")
+    for e in db.executions:
+        problems += _delivery_of(db, e, settled=settled)
+    return problems
 
-    # I3: barrier. A parent with an open round wrote nothing after it; a delivered round's
-    # TOOLs share one assistant; a parent never runs while it has PENDING executions.
+
+def _delivery_of(db: _Snapshot, e: SubagentExecution, *, settled: bool) -> list[str]:
+    """I1 for one execution: DELIVERED has its one TOOL (the one it points at, from its child),
+    SUPPRESSED and PENDING have none, and neither DELIVERED nor SUPPRESSED is still active."""
+    problems: list[str] = []
+    tools = [
+        m
+        for m in db.live.get(e.parent_session_id, [])
+        if m.role == Role.TOOL and m.tool_call_id == e.parent_tool_call_id
+    ]
+    if e.delivery_status == DeliveryStatus.DELIVERED:
+        if len(tools) != 1:
+            problems.append(f"I1 execution {e.id}: DELIVERED but {len(tools)} TOOL messages in parent")
+        elif e.parent_tool_message_id is not None and tools[0].id != e.parent_tool_message_id:
+            problems.append(f"I1 execution {e.id}: parent_tool_message_id does not point at its TOOL")
+        elif tools and tools[0].source_session_id not in (None, e.child_session_id):
+            problems.append(f"I1 execution {e.id}: TOOL source_session_id is not the child")
+    elif e.delivery_status == DeliveryStatus.SUPPRESSED and tools:
+        problems.append(f"I1 execution {e.id}: SUPPRESSED but its result is in the parent")
+    elif e.delivery_status == DeliveryStatus.PENDING:
+        if tools and e.parent_tool_call_id is not None:
+            problems.append(f"I1 execution {e.id}: PENDING but a TOOL for it is already in the parent")
+        if settled:
+            problems.append(f"I1 execution {e.id}: still PENDING ({e.status})")
+    if e.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED) and e.status in ACTIVE_EXECUTION:
+        problems.append(f"I1 execution {e.id}: {e.delivery_status} but still {e.status}")
+    return problems
+
+
+def _barrier(s: Session, db: _Snapshot, *, settled: bool) -> list[str]:
+    """I3: a parent with an open round wrote nothing after it; a delivered round's TOOLs share
+    one assistant; a parent never runs while it has PENDING executions. With ``settled``, no
+    round is open and no session is active."""
+    problems: list[str] = []
     open_rounds = list(s.execute(select(PendingRound).where(PendingRound.closed_at.is_(None))).scalars())
     for rnd in open_rounds:
-        later = [m.id for m in live.get(rnd.session_id, []) if m.created_at > rnd.created_at]
+        later = [m.id for m in db.live.get(rnd.session_id, []) if m.created_at > rnd.created_at]
         if later:
             problems.append(f"I3 session {rnd.session_id}: messages {later} written while round {rnd.id} is open")
         if settled:
             problems.append(f"I3 session {rnd.session_id}: round {rnd.id} still open")
     by_round: dict[int, set[int | None]] = defaultdict(set)
-    for e in executions:
+    for e in db.executions:
         if e.pending_round_id is not None and e.delivery_status == DeliveryStatus.DELIVERED:
             by_round[e.pending_round_id].add(e.parent_assistant_message_id)
-    problems += _answers_inside_rounds(s, live, by_round)
+    problems += _answers_inside_rounds(s, db.live, by_round)
     for rid, assistants in by_round.items():
         if len(assistants) != 1:
             problems.append(f"I3 round {rid}: delivered under {len(assistants)} assistant messages")
     if settled:
-        for sid, row in sessions.items():
+        for sid, row in db.sessions.items():
             if row.phase in ACTIVE_PHASES:
                 problems.append(f"settled: session {sid} is still {row.phase}")
+    return problems
 
-    # I4: no duplicate child. Every SUBAGENT session has exactly one DELEGATE execution, the
-    # earliest; no execution points at a session that is not a SUBAGENT of that parent.
+
+def _no_duplicate_child(db: _Snapshot) -> list[str]:
+    """I4: every SUBAGENT session has exactly one DELEGATE execution, the earliest; no
+    execution points at a session that is not a SUBAGENT of that parent."""
+    problems: list[str] = []
     per_child: dict[int, list[SubagentExecution]] = defaultdict(list)
-    for e in executions:
+    for e in db.executions:
         per_child[e.child_session_id].append(e)
-        child = sessions.get(e.child_session_id)
+        child = db.sessions.get(e.child_session_id)
         if (
             child is None
             or child.session_type != SessionType.SUBAGENT
@@ -120,7 +170,7 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
             problems.append(
                 f"I4 execution {e.id}: child {e.child_session_id} is not a subagent of {e.parent_session_id}"
             )
-    for sid, row in sessions.items():
+    for sid, row in db.sessions.items():
         if row.session_type != SessionType.SUBAGENT:
             continue
         child_execs = per_child.get(sid, [])
@@ -130,14 +180,18 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
         delegates = [e for e in child_execs if e.invocation_type == InvocationType.DELEGATE]
         if len(delegates) > 1 or (delegates and delegates[0].id != child_execs[0].id):
             problems.append(f"I4 subagent session {sid}: {len(delegates)} DELEGATE executions")
+    return problems
 
-    # I5: the deadline is absolute: no result was produced later than started_at + timeout +
-    # grace. A recovery that comes later still ENDS the execution late — as a timeout, or as
-    # the final answer that was already written in time (R20) — never as new work.
+
+def _absolute_deadlines(db: _Snapshot, *, slack_seconds: float) -> list[str]:
+    """I5: the deadline is absolute: no result was produced later than started_at + timeout +
+    grace. A recovery that comes later still ENDS the execution late — as a timeout, or as
+    the final answer that was already written in time (R20) — never as new work."""
+    problems: list[str] = []
     cfg = get_settings()
-    limit = timedelta(seconds=cfg.SUBAGENT_TIMEOUT_SECONDS + cfg.SUBAGENT_CANCEL_GRACE_SECONDS + deadline_slack_seconds)
-    created = {m.id: m.created_at for rows in live.values() for m in rows}
-    for e in executions:
+    limit = timedelta(seconds=cfg.SUBAGENT_TIMEOUT_SECONDS + cfg.SUBAGENT_CANCEL_GRACE_SECONDS + slack_seconds)
+    created = {m.id: m.created_at for rows in db.live.values() for m in rows}
+    for e in db.executions:
         if e.completed_at is None or e.delivery_status == DeliveryStatus.LEGACY:
             continue
         if e.status == ExecutionStatus.COMPLETED:
@@ -155,9 +209,6 @@ def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float
             problems.append(
                 f"I5 execution {e.id}: failed {e.completed_at - e.started_at} after its start, not as a timeout"
             )
-    problems += check_journal(s)
-    problems += check_call_ids(live)
-    problems += check_approvals(s)
     return problems
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from harness.delivery import DeliveryKind, deliver_round
 from harness.scheduler import Scheduler
 from logfmt import log_event
 from models import (
@@ -23,7 +24,6 @@ from models import (
 )
 from models.base import utcnow
 from models.session import release_dead_parents
-from harness.delivery import DeliveryKind, deliver_round
 from recovery.errors import ExecutionNotFound
 
 log = logging.getLogger(__name__)

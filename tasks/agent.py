@@ -7,11 +7,11 @@ from functools import lru_cache
 from typing import Any
 
 from harness.child import ChildOutcome, start_child
+from harness.delivery import deliver_and_resume
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
-from harness.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 
@@ -25,7 +25,7 @@ def _model() -> ModelClient:
 
 
 def deps() -> LoopDeps:
-    return LoopDeps(scheduler=CeleryScheduler(app), model=_model(), deliver=deliver_and_resume)
+    return LoopDeps(scheduler=CeleryScheduler(app), model=_model())
 
 
 @app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from xdist.remote import Producer
     from xdist.scheduler import LoadScopeScheduling
 
-    from demo.stack import Beat, Service, Worker
+    from devstack.processes import Beat, Service, Worker
     from doubles.scripted_model import Script, ScriptedModelServer
     from tests.types import ModelFactory, StackFactory
 
@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
-# Set before anything imports demo.stack (it reads them at import) and before the settings are
+# Set before anything imports devstack.processes (it reads them at import) and before the settings are
 # read: in-process code (session_status events, presence, the Celery app of the test process)
 # uses this worker's databases too, never a default database of a shared server.
 os.environ["STACK_REDIS_URL"] = REDIS_BASE
@@ -189,7 +189,7 @@ def redis_url() -> Iterator[str]:
     """A Redis database reserved for tests, flushed before use."""
     import redis
 
-    from demo.stack import EVENTS_DB
+    from devstack.processes import EVENTS_DB
 
     url = f"{REDIS_BASE}/{EVENTS_DB}"
     try:
@@ -219,7 +219,7 @@ def fresh_db_url() -> Iterator[str]:
 # --- a full stack: PostgreSQL + Redis + scripted model + real Celery workers ----------------
 
 
-#: What demo.stack.apply_env sets in this process; a Stack puts it back when it closes, so no
+#: What devstack.processes.apply_env sets in this process; a Stack puts it back when it closes, so no
 #: later test (in whatever order xdist runs them) inherits a stack's broker, lease or timeouts.
 STACK_ENV_KEYS = (
     "DATABASE_URL",
@@ -238,7 +238,7 @@ class Stack:
     """One test's services; workers are real `celery -A tasks worker` subprocesses."""
 
     def __init__(self, pg_url: str, log_dir: Path, script: Script) -> None:
-        from demo.stack import apply_env, flush_broker, service_env
+        from devstack.processes import apply_env, flush_broker, service_env
         from doubles.scripted_model import ScriptedModelServer
 
         self._saved_env = {key: os.environ.get(key) for key in STACK_ENV_KEYS}
@@ -262,7 +262,7 @@ class Stack:
     ) -> Worker:
         """A real ``celery -A tasks worker`` subprocess: bare (every queue) unless ``queues``
         narrows it with -Q; ``argv`` is a whole command line after ``celery`` (a Procfile line)."""
-        from demo.stack import Worker
+        from devstack.processes import Worker
 
         w = Worker(
             {**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat, queues=queues, argv=argv
@@ -272,7 +272,7 @@ class Stack:
 
     def beat(self) -> Beat:
         """``celery -A tasks beat`` (scans every SCAN_INTERVAL_SECONDS)."""
-        from demo.stack import Beat
+        from devstack.processes import Beat
 
         b = Beat(self.env, self.log_dir)
         self.workers.append(b)
@@ -319,7 +319,7 @@ class Stack:
             return check_all(s, settled=settled)
 
     def close(self) -> None:
-        from demo.stack import apply_env
+        from devstack.processes import apply_env
 
         for w in self.workers:
             w.stop()

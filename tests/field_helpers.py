@@ -7,9 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
-from fieldrecovery.tables import DEFAULT_SCHEMA, FieldBase
+from fieldrecovery.schemas import SourceRef
+from fieldrecovery.tables import DEFAULT_SCHEMA, ArtifactType, FieldBase
+from fieldrecovery.tables import FieldRecoveryArtifact as Art
 from models.db import get_engine
 
 #: tests/data, where the sample EML files live.
@@ -88,3 +91,13 @@ def call_provider(
         **kwargs,
     )
     return answer, progress
+
+
+def list_artifacts(s: Session, source: SourceRef) -> list[tuple[ArtifactType, dict[str, Any]]]:
+    """The source's artifacts in write order."""
+    rows = s.execute(
+        select(Art.artifact_type, Art.content)
+        .where(Art.source_message_id == source.message_id, Art.source_revision == source.revision)
+        .order_by(Art.id)
+    ).all()
+    return [(ArtifactType(r.artifact_type), r.content) for r in rows]

@@ -8,8 +8,10 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from crashpoints import armed_fault
+from harness.history import pair_state
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -135,7 +137,6 @@ class RecordingScheduler:
 def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease_seconds: float = 5.0) -> Any:
     from harness.loop import LoopDeps
     from harness.model import ModelClient
-    from harness.delivery import deliver_and_resume
 
     model = ModelClient(model_url, "", "scripted", connect_timeout=2, read_timeout=30)
     return LoopDeps(
@@ -143,7 +144,6 @@ def loop_deps(model_url: str, scheduler: RecordingScheduler | None = None, lease
         model=model,
         owner="test",
         lease_seconds=lease_seconds,
-        deliver=deliver_and_resume,
     )
 
 
@@ -203,9 +203,9 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
     loop (-> its own chords) -> ..."""
     from harness.child import start_child
+    from harness.delivery import deliver_and_resume
     from harness.parent import run_agent
     from recovery.child import recover_child
-    from harness.delivery import deliver_and_resume
     from recovery.scan import scan
 
     deps = deps or loop_deps(model_url)
@@ -440,3 +440,15 @@ def approval_environment(monkeypatch: Any, tmp_path: Any, agents_toml: str) -> I
     monkeypatch.undo()
     get_settings.cache_clear()
     _load.cache_clear()
+
+
+def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[int, int] | None:
+    """(assistant_id, tool_id) of a complete pair for the id on raw rows, else None.
+
+    Malformed tool_calls JSON counts as incomplete. Delivery asks ``pair_state`` (which also
+    names the rows to repair); this answer is the complete-pair half of it.
+    """
+    state = pair_state(s, session_id, tool_call_id)
+    if state.assistant_id is not None and state.tool_id is not None:
+        return state.assistant_id, state.tool_id
+    return None

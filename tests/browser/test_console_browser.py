@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from console.auth import ConsoleConfig
-from demo.stack import ROOT
+from devstack.processes import ROOT
 from tests.console_server import serve
 from tests.helpers import approval_environment, executions_of, make_session, wait_until
 from tests.types import StackFactory

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from demo.stack import Worker, service_env
+from devstack.processes import Worker, service_env
 from doubles.scripted_model import ScriptedModelServer
 from harness.views import create_session
 from tests.helpers import executions_of, wait_until

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from demo.stack import Worker, service_env
+from devstack.processes import Worker, service_env
 from doubles.scripted_model import ScriptedModelServer
 from harness.views import create_session, snapshot
 from models import transaction

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from demo.stack import ROOT, procfile_commands
+from devstack.processes import ROOT, procfile_commands
 from models import AgentSession, Phase, Role, SessionType, transaction
 from models.base import utcnow
 from tests.helpers import add_message, executions_of, make_execution, make_session, wait_until

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.stack import ROOT
+from devstack.processes import ROOT
 from tests.helpers import executions_of, messages_of, wait_until
 from tests.types import StackFactory
 

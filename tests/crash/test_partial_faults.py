@@ -124,7 +124,7 @@ def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_ba
     import signal
     import subprocess
 
-    from demo.stack import Service, Worker
+    from devstack.processes import Service, Worker
 
     stack = stack_factory(script(wait=6))
     env = {**stack.env, "LEASE_SECONDS": "30", "SCAN_INTERVAL_SECONDS": "30"}

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from demo.stack import AMQP_URL, purge_amqp
+from devstack.processes import AMQP_URL, purge_amqp
 from models import AgentSession, SessionType, transaction
 from tests.conftest import _missing
 from tests.helpers import children_done_callback_lost, executions_of, expire_leases, messages_of, wait_until

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.stack import ROOT
+from devstack.processes import ROOT
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(240)]

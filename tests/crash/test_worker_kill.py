@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from demo.stack import flush_broker
+from devstack.processes import flush_broker
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, wait_until
 from tests.types import StackFactory
@@ -52,7 +52,7 @@ def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
             _missing("RabbitMQ", exc)
         monkeypatch.setenv("STACK_BROKER", "amqp")
         yield AMQP_URL
-        from demo.stack import purge_amqp
+        from devstack.processes import purge_amqp
 
         purge_amqp()
         return

@@ -21,7 +21,7 @@ from tests.helpers import executions_of, wait_until
 from tests.types import StackFactory
 
 if TYPE_CHECKING:
-    from demo.stack import Service
+    from devstack.processes import Service
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
@@ -52,7 +52,7 @@ def script() -> list[dict]:  # type: ignore[type-arg]
 def operator_worker(env: dict[str, str], log_path: Path, node: str, bare: bool) -> Service:
     """A worker as an operator starts it: the bare command (`celery -A tasks worker -n NODE`),
     or the Procfile's line."""
-    from demo.stack import Service
+    from devstack.processes import Service
 
     cmd = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", node, "-l", "INFO"]
     if not bare:
@@ -66,7 +66,7 @@ def test_an_older_worker_sharing_its_name_with_a_newer_one_says_so_stops_taking_
 ) -> None:
     import uuid
 
-    from demo.stack import Beat
+    from devstack.processes import Beat
     from recovery.ops import status_report
 
     stack = stack_factory(script())

@@ -15,11 +15,11 @@ from sqlalchemy import select, update
 
 from crashpoints import InjectedKill, armed_fault
 from harness.approval import decide
+from harness.cancel import cancel_session
 from harness.parent import run_agent
 from harness.views import create_session
 from models import ApprovalRequest, ApprovalStatus, Phase, transaction, utcnow
 from models.approval import Decision
-from harness.cancel import cancel_session
 from recovery.scan import scan
 from tests.helpers import RecordingScheduler, expire_leases, invariants, loop_deps, messages_of, phase_of
 from tests.integration.test_approvals import Runs, call, parent_script, runs  # noqa: F401 (fixture)

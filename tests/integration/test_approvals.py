@@ -15,15 +15,15 @@ from sqlalchemy import select, update
 
 import harness.journal
 from harness.approval import DecisionRefused, decide
+from harness.cancel import cancel_session
 from harness.child import start_child
+from harness.delivery import deliver_and_resume
 from harness.parent import run_agent
 from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import AgentSession, ApprovalRequest, ApprovalStatus, Phase, SubagentExecution, transaction, utcnow
 from models.approval import Decision, DecisionOutcome
-from harness.cancel import cancel_session
 from recovery.child import recover_child
-from harness.delivery import deliver_and_resume
 from recovery.scan import scan
 from tests.helpers import RecordingScheduler, executions_of, expire_leases, invariants, loop_deps, messages_of, phase_of
 from tests.types import ModelFactory

@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 
 from crashpoints import InjectedFault, armed_fault
 from harness.child import start_child
+from harness.delivery import deliver_round
 from harness.parent import run_agent
 from models import (
     AgentSession,
@@ -37,7 +38,6 @@ from models.execution import (
     set_delivery_status,
 )
 from recovery.child import recover_child
-from harness.delivery import deliver_round
 from recovery.ops import RedeliverOutcome, redeliver_parent
 from recovery.scan import scan
 from tests.helpers import (

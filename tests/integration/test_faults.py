@@ -18,6 +18,7 @@ from sqlalchemy import event, select, text, update
 from sqlalchemy.exc import OperationalError
 
 from harness.child import start_child
+from harness.delivery import deliver_round
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -32,7 +33,6 @@ from models import (
 )
 from models.base import utcnow
 from recovery.child import recover_child
-from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from fieldrecovery.artifacts import ArtifactDraft, list_artifacts
+from fieldrecovery.artifacts import ArtifactDraft
 from fieldrecovery.errors import FieldRecoveryError, StoreUnavailable
 from fieldrecovery.schemas import SourceKind, SourceRef
 from fieldrecovery.store import (
@@ -24,7 +24,7 @@ from fieldrecovery.store import (
     ProviderAudit,
 )
 from fieldrecovery.tables import ArtifactType, FieldRecoveryInvocation, InvocationStatus
-from tests.field_helpers import clean_field_tables, wait_until
+from tests.field_helpers import clean_field_tables, list_artifacts, wait_until
 
 SOURCE = SourceRef(message_id="<store@test>", revision=1, channel=SourceKind.MANUAL_EML)
 PATCH_SET = {"schema_version": "1", "request_id": "frq_1", "attempt": 1, "idempotency_key": "k1", "patches": []}

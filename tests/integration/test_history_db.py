@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import select, update
 
 from harness.errors import BoundaryInvalid
-from harness.history import cleanup_incomplete_tail, find_complete_pair, load_raw, pair_state, validated_boundary
+from harness.history import cleanup_incomplete_tail, load_raw, pair_state, validated_boundary
 from models import AgentSession, Message, Role, transaction
-from tests.helpers import add_message, make_session
+from tests.helpers import add_message, find_complete_pair, make_session
 
 pytestmark = pytest.mark.usefixtures("db")
 

@@ -12,11 +12,11 @@ from sqlalchemy import select
 from crashpoints import InjectedFault, armed_fault
 from harness.agents import DELEGATION_TOOLS, get_agent
 from harness.child import start_child as run_child
+from harness.delivery import deliver_round
 from harness.parent import run_agent
 from harness.tools import TOOL_NAMES
 from harness.views import create_session
 from models import AgentSession, PendingRound, Phase, transaction
-from harness.delivery import deliver_round
 from tests.helpers import (
     TWO_CHILDREN,
     RecordingScheduler,

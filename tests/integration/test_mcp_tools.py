@@ -113,7 +113,7 @@ SCRIPT = [
 def test_a_worker_offers_mcp_tools_and_a_down_server_is_a_tool_error_not_a_failed_session(
     stack_factory: Any, travel: McpTestServer, tmp_path: Path
 ) -> None:
-    from demo.stack import ROOT
+    from devstack.processes import ROOT
 
     agents = tmp_path / "agents.toml"
     agents.write_text(

@@ -10,15 +10,15 @@ import time
 import pytest
 from sqlalchemy import select, update
 
+from harness.cancel import cancel_session
+from harness.delivery import deliver_round
 from models import (
     AgentSession,
     Phase,
     SubagentExecution,
     transaction,
 )
-from harness.cancel import cancel_session
 from recovery.child import recover_child
-from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     TWO,

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from harness.child import start_child as run_child
+from harness.delivery import deliver_round
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
@@ -24,7 +25,6 @@ from models import (
     transaction,
 )
 from recovery.child import recover_child
-from harness.delivery import deliver_round
 from recovery.scan import scan
 from tests.helpers import (
     MAIN,

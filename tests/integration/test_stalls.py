@@ -488,8 +488,8 @@ def test_every_path_waits_for_a_row_lock_at_most_half_a_lease_as_an_infrastructu
     as an infrastructure fault, and writes nothing."""
     from sqlalchemy.exc import OperationalError
 
-    from harness.errors import is_infrastructure_error
     from harness.delivery import deliver_round
+    from harness.errors import is_infrastructure_error
 
     sid = make_session(phase=Phase.RUNNING, epoch=1)
     holder = _open_transaction(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE")

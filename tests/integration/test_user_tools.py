@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.stack import ROOT
+from devstack.processes import ROOT
 from tests.helpers import installation_key, model_ids, results_by_model_id
 from tests.types import StackFactory
 

@@ -19,6 +19,7 @@ PRODUCT = (
     "cli",
     "doubles",
     "demo",
+    "devstack",
     "bench",
     "migrations",
     "settings.py",

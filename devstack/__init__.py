@@ -1,0 +1,1 @@
+"""What tests, benchmarks, the soak and the demo run the product with; not part of the product."""
