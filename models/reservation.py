@@ -99,7 +99,7 @@ def _not_waiting_for_approval() -> Any:
 @dataclass(frozen=True)
 class ReservedBatch:
     """One batch reserved: where the walk goes on, and what landed. The rounds are built on
-    first use (recovery.scan builds them on the thread that sends them, off the walk's)."""
+    first use, after the batch's transaction."""
 
     cursor: int  #: the last execution id of the batch: the next one starts after it
     full: bool  #: the batch was full: more candidates may follow the cursor
