@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -51,8 +51,9 @@ from models import (
 from models.base import utcnow
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
-from models.session import cancel_child, hand_over, stop_session
 from models.legacy import infer_and_store
+from models.round import close_open_round
+from models.session import cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
@@ -119,12 +120,7 @@ def suppress_parent(s: Session, parent_id: int) -> list[int]:
             suppressed.append(row.id)
             if was_active:
                 cancel_child(s, row.child_session_id)
-    s.execute(
-        update(PendingRound)
-        .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
-        .values(closed_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
+    close_open_round(s, parent_id)
     for eid in suppressed:
         log_event(
             log, "subagent_result_delivery_skipped", execution_id=eid, parent_id=parent_id, reason="parent_stopped"

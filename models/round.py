@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, text
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, text, update
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
 
@@ -41,3 +41,14 @@ class PendingRound(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+def close_open_round(s: Session, session_id: int) -> None:
+    """Close the session's open round, if it has one (its parent is stopped: the round is never
+    delivered)."""
+    s.execute(
+        update(PendingRound)
+        .where(PendingRound.session_id == session_id, PendingRound.closed_at.is_(None))
+        .values(closed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )

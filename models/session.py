@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -12,9 +12,11 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     bindparam,
     case,
+    insert,
     or_,
     select,
     text,
@@ -125,6 +127,30 @@ def _child_phase_stmt(to_phase: Phase) -> Any:
         .where(S.id == bindparam("b_sid"), child_not_cancelled())
         .values(phase=to_phase, updated_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
+    )
+
+
+def create_child_session(
+    s: Session, *, user_id: str, parent_id: int, agent_type: str, execution_mode: ExecutionMode
+) -> int:
+    """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id."""
+    now = utcnow()
+    sessions = cast(Table, AgentSession.__table__)
+    return int(
+        s.execute(
+            insert(sessions)
+            .values(
+                user_id=user_id,
+                session_type=SessionType.SUBAGENT,
+                parent_session_id=parent_id,
+                agent_type=agent_type,
+                execution_mode=execution_mode,
+                phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
+                started_at=now,
+                updated_at=now,
+            )
+            .returning(sessions.c.id)
+        ).scalar_one()
     )
 
 
