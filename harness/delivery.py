@@ -48,11 +48,10 @@ from models import (
     lease,
     transaction,
 )
-from models.base import utcnow
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.legacy import infer_and_store
-from models.round import close_open_round
+from models.round import close_open_round, close_round
 from models.session import cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
@@ -229,7 +228,7 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
             parent_id=parent_id,
             tool_call_id=member.parent_tool_call_id,
         )
-    rnd.closed_at = utcnow()
+    close_round(s, rnd.id)
     return [m.id for m in ordered]
 
 

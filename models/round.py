@@ -5,10 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, text, update
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, bindparam, text, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
+from models.db import built_once, cas
+from models.errors import IllegalTransition
 
 
 class PendingRound(Base):
@@ -50,5 +52,24 @@ def close_open_round(s: Session, session_id: int) -> None:
         update(PendingRound)
         .where(PendingRound.session_id == session_id, PendingRound.closed_at.is_(None))
         .values(closed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def close_round(s: Session, round_id: int) -> None:
+    """Close a delivered round: open -> closed, ONE compare-and-set. The caller holds the
+    round's row lock (it read the round FOR UPDATE and wrote it in this transaction), so it
+    always lands; IllegalTransition (rolling the delivery back) when it does not: the round
+    was closed by another path, and its results must not be written twice."""
+    if cas(s, _close_stmt(), {"b_round": round_id, "b_now": utcnow()}) != 1:
+        raise IllegalTransition(f"pending round {round_id} is closed already")
+
+
+@built_once
+def _close_stmt() -> Any:
+    return (
+        update(PendingRound)
+        .where(PendingRound.id == bindparam("b_round"), PendingRound.closed_at.is_(None))
+        .values(closed_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
     )
