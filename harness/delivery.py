@@ -194,8 +194,12 @@ def _open_round_stmt() -> Any:
     )
 
 
-def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
-    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
+def round_results(
+    rnd: PendingRound, pending: Sequence[SubagentExecution]
+) -> tuple[list[SubagentExecution], list[ToolResult]]:
+    """The open round's members (its PENDING executions, ascending id) and its TOOL results in
+    tool-call order: every delegation's result, every inline call's recorded result (or the
+    interrupted one)."""
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
     # R23: delegation results in ascending execution id. They take the delegation slots
     # of the round in that order; inline results keep their own slots.
@@ -215,9 +219,14 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
                 fn = call.get("function") or {}
                 result = interrupted_result(ToolCall(call_id, str(fn.get("name")), str(fn.get("arguments") or "")))
             results.append(ToolResult(call_id, result))
+    return sorted(members.values(), key=lambda m: m.id), results
+
+
+def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
+    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
+    ordered, results = round_results(rnd, pending)
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
-    ordered = sorted(members.values(), key=lambda m: m.id)
     marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
     mark_all_delivered(s, marked, assistant_message_id=assistant_id)
     for member in ordered:

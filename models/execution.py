@@ -454,6 +454,38 @@ def _mark_delivered_stmt(n: int) -> Any:
     )
 
 
+def mark_rounds_delivered(s: Session, marks: dict[int, tuple[int, int]]) -> int:
+    """PENDING -> DELIVERED for the executions of several parents' delivered rounds, in ONE
+    statement (execution id -> (its round's ASSISTANT id, its TOOL id)). Returns how many rows
+    it moved: fewer than ``len(marks)`` means some row was not a terminal PENDING execution,
+    and the caller (which holds the rows' locks and read them so) rolls back."""
+    if not marks:
+        return 0
+    params: dict[str, Any] = {"now": utcnow()}
+    for n, (eid, (assistant_id, tool_id)) in enumerate(marks.items()):
+        params[f"e{n}"], params[f"a{n}"], params[f"t{n}"] = eid, assistant_id, tool_id
+    return cas(s, _mark_rounds_delivered_stmt(len(marks)), params)
+
+
+@built_once
+def _mark_rounds_delivered_stmt(n: int) -> Any:
+    """mark_rounds_delivered's compare-and-set for ``n`` executions."""
+    ids = [bindparam(f"e{i}", type_=BigInteger()) for i in range(n)]
+    return (
+        update(E)
+        .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
+        .values(
+            delivery_status=DeliveryStatus.DELIVERED,
+            parent_result_delivered_at=bindparam("now"),
+            parent_assistant_message_id=case(
+                {ids[i]: bindparam(f"a{i}", type_=BigInteger()) for i in range(n)}, value=E.id
+            ),
+            parent_tool_message_id=case({ids[i]: bindparam(f"t{i}", type_=BigInteger()) for i in range(n)}, value=E.id),
+        )
+        .execution_options(synchronize_session=False)
+    )
+
+
 def suppress_execution(s: Session, eid: int) -> bool:
     """PENDING -> SUPPRESSED; an active execution is cancelled in the same UPDATE (the parent is stopped).
 

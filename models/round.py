@@ -73,3 +73,24 @@ def _close_stmt() -> Any:
         .values(closed_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
     )
+
+
+def close_rounds(s: Session, round_ids: list[int]) -> int:
+    """Close several delivered rounds: open -> closed, ONE compare-and-set. Returns how many
+    it closed: fewer than ``len(round_ids)`` means one was closed already, and the caller
+    (which holds the rounds' locks) rolls back."""
+    if not round_ids:
+        return 0
+    params: dict[str, Any] = {"b_now": utcnow(), **{f"r{i}": rid for i, rid in enumerate(round_ids)}}
+    return cas(s, _close_many_stmt(len(round_ids)), params)
+
+
+@built_once
+def _close_many_stmt(n: int) -> Any:
+    ids = [bindparam(f"r{i}", type_=BigInteger()) for i in range(n)]
+    return (
+        update(PendingRound)
+        .where(PendingRound.id.in_(ids), PendingRound.closed_at.is_(None))
+        .values(closed_at=bindparam("b_now"))
+        .execution_options(synchronize_session=False)
+    )

@@ -14,6 +14,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     bindparam,
     case,
     insert,
@@ -496,6 +497,44 @@ def _hand_over_stmt(to_phase: Phase) -> Any:
             lease_expires_at=bindparam("b_until"),
             updated_at=bindparam("b_now"),
         )
+        .execution_options(synchronize_session=False)
+    )
+
+
+def hand_over_many(
+    s: Session, epochs: dict[int, int], *, to_phase: Phase, reserve_seconds: float = 0
+) -> dict[int, int]:
+    """``hand_over`` for several sessions in ONE statement (session id -> the epoch its caller
+    holds). Returns {session id: new epoch} for those it landed on; a session missing from it
+    is no longer held at that epoch (nothing written for it)."""
+    if not epochs:
+        return {}
+    now = utcnow()
+    until = now + timedelta(seconds=reserve_seconds) if reserve_seconds else None
+    params: dict[str, Any] = {"b_now": now, "b_until": until}
+    for n, (sid, epoch) in enumerate(epochs.items()):
+        params[f"s{n}"], params[f"e{n}"] = sid, epoch
+    rows = s.execute(_hand_over_many_stmt(to_phase, len(epochs)), params).all()
+    return {int(sid): int(epoch) for sid, epoch in rows}
+
+
+@built_once
+def _hand_over_many_stmt(to_phase: Phase, n: int) -> Any:
+    pairs = [
+        and_(S.id == bindparam(f"s{i}", type_=BigInteger()), S.epoch == bindparam(f"e{i}", type_=Integer()))
+        for i in range(n)
+    ]
+    return (
+        update(S)
+        .where(or_(*pairs), _phase_in(STARTABLE_PHASES))
+        .values(
+            phase=to_phase,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_expires_at=bindparam("b_until"),
+            updated_at=bindparam("b_now"),
+        )
+        .returning(S.id, S.epoch)
         .execution_options(synchronize_session=False)
     )
 

@@ -7,11 +7,12 @@ from functools import lru_cache
 from typing import Any
 
 from harness.child import ChildOutcome, start_child
+from harness.delivery import DeliveryKind, deliver_and_resume
+from harness.delivery_batch import deliver_rounds_and_resume
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
-from harness.delivery import deliver_and_resume
 from tasks import app
 from tasks.scheduler import CeleryScheduler
 
@@ -50,4 +51,12 @@ def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 
-__all__ = ["deliver_round_task", "run", "run_child_task"]
+@app.task(name="agent.deliver_rounds", ignore_result=True)
+def deliver_rounds_task(parents: list[list[int]]) -> int:
+    """Several parents' deliveries in one message ([[parent_id, epoch], ...]: the scan's
+    batches); returns how many parents were handed a new epoch."""
+    outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], CeleryScheduler(app))
+    return sum(1 for outcome in outcomes.values() if outcome.kind == DeliveryKind.RESUME)
+
+
+__all__ = ["deliver_round_task", "deliver_rounds_task", "run", "run_child_task"]

@@ -7,6 +7,7 @@ never wait behind hour-long children on the default queue.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,10 @@ from harness.scheduler import Children
 FAN_OUT_ABOVE = 200
 #: Executions per recovery.fan_out message: a worker publishes them in a second or two.
 FAN_OUT_BATCH = 1000
+#: Parents per agent.deliver_rounds message at most: its transaction holds their rows' locks.
+DELIVER_BATCH = 25
+#: A scan's deliveries go out in at least this many messages (when it has that many parents).
+DELIVER_SPREAD = 4
 
 
 class CeleryScheduler:
@@ -34,9 +39,20 @@ class CeleryScheduler:
         chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
 
     def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
+        """One ``agent.deliver_round`` for a single parent; otherwise ``agent.deliver_rounds``
+        messages of several parents each (one transaction delivers a message's parents), spread
+        over at least DELIVER_SPREAD messages so that several pool processes share the work."""
         with self.app.producer_or_acquire() as producer:
-            for parent_id, epoch in parents:
+            if len(parents) == 1:
+                parent_id, epoch = parents[0]
                 self._sig("agent.deliver_round", None, parent_id, epoch).apply_async(producer=producer)
+                return
+            size = min(DELIVER_BATCH, max(1, math.ceil(len(parents) / DELIVER_SPREAD)))
+            for i in range(0, len(parents), size):
+                batch = [[int(pid), int(epoch)] for pid, epoch in parents[i : i + size]]
+                self._sig("agent.deliver_rounds", batch).apply_async(
+                    producer=producer, argsrepr=f"({len(batch)} parents)"
+                )
 
     def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
         """One recover_child message per execution; the last of a round to end asks for its
