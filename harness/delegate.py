@@ -60,15 +60,16 @@ def tool_name(invocation: InvocationType) -> str:
 
 @dataclass(frozen=True)
 class Parent:
-    """What a delegation needs of its parent session."""
+    """What a delegation needs of its parent session: its id (a child's user is the parent's,
+    copied by the child's INSERT itself), or ``user_id`` when the caller has it."""
 
     id: int
-    user_id: str
+    user_id: str | None = None
 
 
 def parent_of(s: Session, session_id: int) -> Parent:
-    row = s.execute(select(AgentSession.id, AgentSession.user_id).where(AgentSession.id == session_id)).one()
-    return Parent(row.id, row.user_id)
+    """The parent of the delegations of ``session_id``'s round (nothing read)."""
+    return Parent(session_id)
 
 
 def _delegate(
@@ -89,7 +90,7 @@ def _delegate(
     # NOTE: nothing below refuses: from here on only the database can fail, and that fails
     # the whole round's transaction (an infrastructure error), never just this call.
     child_id = create_child_session(
-        s, user_id=parent.user_id, parent_id=parent.id, agent_type=agent.name, execution_mode=agent.execution_mode
+        s, parent_id=parent.id, agent_type=agent.name, execution_mode=agent.execution_mode, user_id=parent.user_id
     )
     crash_point("delegate.after_child_session")
     start = append_message(s, child_id, Role.USER, task)

@@ -132,16 +132,18 @@ def _child_phase_stmt(to_phase: Phase) -> Any:
 
 
 def create_child_session(
-    s: Session, *, user_id: str, parent_id: int, agent_type: str, execution_mode: ExecutionMode
+    s: Session, *, parent_id: int, agent_type: str, execution_mode: ExecutionMode, user_id: str | None = None
 ) -> int:
-    """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id."""
+    """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id.
+    Without ``user_id`` the child takes its parent's, read by the INSERT itself (no trip)."""
     now = utcnow()
     sessions = cast(Table, AgentSession.__table__)
+    user = user_id if user_id is not None else select(S.user_id).where(S.id == parent_id).scalar_subquery()
     return int(
         s.execute(
             insert(sessions)
             .values(
-                user_id=user_id,
+                user_id=user,
                 session_type=SessionType.SUBAGENT,
                 parent_session_id=parent_id,
                 agent_type=agent_type,
