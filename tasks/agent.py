@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
@@ -14,7 +15,7 @@ from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
 from tasks import app
-from tasks.scheduler import CeleryScheduler
+from tasks.scheduler import CeleryScheduler, ResumeHere
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,25 @@ def run(session_id: int, epoch: int) -> str:
     return run_agent(int(session_id), int(epoch), deps())
 
 
+def child_deps() -> tuple[LoopDeps, ResumeHere]:
+    """A child task's dependencies: the parent whose round its end delivers is run by the same
+    task afterwards (tasks.scheduler.ResumeHere)."""
+    here = ResumeHere(CeleryScheduler(app))
+    return replace(deps(), scheduler=here), here
+
+
 @app.task(name="agent.run_child")
 def run_child_task(execution_id: int, epoch: int) -> str:
-    """Chord header: never raises (a failure becomes a FAILED execution)."""
+    """Chord header: never raises (a failure becomes a FAILED execution). The last child of a
+    round delivers it and then runs its parent here."""
+    child, here = child_deps()
     try:
-        return start_child(int(execution_id), int(epoch), deps())
+        outcome = start_child(int(execution_id), int(epoch), child)
     except Exception:
         log_event(log, "run_child_error", logging.ERROR, exc_info=True, execution_id=execution_id)
-        return ChildOutcome.ERROR
+        outcome = ChildOutcome.ERROR
+    here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+    return outcome
 
 
 @app.task(name="agent.deliver_round", ignore_result=True)
