@@ -289,6 +289,33 @@ def take_session(
     it would write is already past in the database's time (this process's clock stood still:
     it is measured again).
     """
+    taken = take_session_facts(
+        s,
+        sid,
+        expected_epoch=expected_epoch,
+        owner=owner,
+        lease_seconds=lease_seconds,
+        to_phase=to_phase,
+        from_phases=from_phases,
+        facts=(),
+    )
+    return None if taken is None else expected_epoch + 1
+
+
+def take_session_facts(
+    s: Session,
+    sid: int,
+    *,
+    expected_epoch: int,
+    owner: str,
+    lease_seconds: float,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
+    facts: tuple[str, ...],
+) -> Any:
+    """``take_session`` that also returns the session's columns named in ``facts`` as the take
+    wrote them (one statement: ``UPDATE ... RETURNING``): the row (``row.epoch`` the new
+    epoch), or None when the take did not land (the same cases as ``take_session``)."""
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
     now = utcnow()
@@ -301,15 +328,18 @@ def take_session(
         "b_until": now + timedelta(seconds=lease_seconds),
     }
     pg = s.get_bind().dialect.name == "postgresql"
-    rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner), pg), params)
-    if rows == 1:
-        return expected_epoch + 1
+    stmt = _take_stmt(to_phase, from_phases, identity_for(owner), pg, facts)
+    row = s.execute(stmt, params).one_or_none()
+    if row is not None:
+        return row
     db_clock.refused_as_lapsed(s, params["b_until"])  # a clock that stood still is measured again
     return None
 
 
 @built_once
-def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool) -> Any:
+def _take_stmt(
+    to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool, facts: tuple[str, ...]
+) -> Any:
     in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
@@ -329,6 +359,7 @@ def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple
             lease_expires_at=bindparam("b_until"),
             updated_at=bindparam("b_now"),
         )
+        .returning(S.epoch, *(getattr(S, name) for name in facts))
         .execution_options(synchronize_session=False)
     )
 
