@@ -56,8 +56,8 @@ from models import (
 )
 from models.base import utcnow
 from models.execution import take_execution
-from models.session import set_child_phase
 from models.legacy import infer_and_store
+from models.session import set_child_phase
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
