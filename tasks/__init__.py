@@ -1,8 +1,8 @@
 """The Celery app (`celery -A tasks worker`). Tasks are thin adapters over the domain.
 
 A worker's boot is mostly imports, and the cyclic garbage collector, run every few hundred
-allocations while they run, walks every object they made so far, again and again: a fifth of
-the boot's CPU. So the collector is paused while this package imports the app. In any process
+allocations while they run, walks every object they made so far, again and again. So the
+collector is paused while this package imports the app. In any process
 it is back on when the import returns, except in ``celery ... worker``, where the pause lasts
 through the task modules until ``worker_init``, just before the pool forks: there the boot's
 objects are frozen (``gc.freeze``, as Python's documentation advises for a process that forks
@@ -32,7 +32,7 @@ def _booting_a_worker() -> bool:
     return ctx is not None and ctx.invoked_subcommand == "worker"
 
 
-def resume_collector(*, freeze: bool) -> None:
+def _resume_collector(*, freeze: bool) -> None:
     """End the boot's pause of the collector (later calls do nothing). ``freeze``: the objects
     made so far move to the permanent generation first (no collection walks them again; the few
     cycles they already left unreachable stay allocated: a bounded, one-time cost)."""
@@ -48,7 +48,7 @@ def resume_collector(*, freeze: bool) -> None:
 
 @worker_init.connect
 def _resume_collector_before_fork(**_: object) -> None:
-    resume_collector(freeze=True)
+    _resume_collector(freeze=True)
 
 
 def _load_tools() -> None:
@@ -76,9 +76,9 @@ try:
 
     _load_tools()
 except BaseException:
-    resume_collector(freeze=False)
+    _resume_collector(freeze=False)
     raise
 if not _booting_a_worker():
-    resume_collector(freeze=False)
+    _resume_collector(freeze=False)
 
-__all__ = ["app", "resume_collector"]
+__all__ = ["app"]
