@@ -70,7 +70,7 @@ class Answers:
         import redis
 
         self._client = redis.Redis.from_url(redis_url)
-        self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         self._pubsub.subscribe("session_status")
         self._lock = threading.Lock()
         self.watching: set[int] = set()
@@ -248,12 +248,18 @@ class DbCounters:
     updated: int
     deleted: int
     wal_lsn: str
+    server_statements: int = 0  #: pg_stat_statements calls of the database (BEGIN/COMMIT left out)
+    server_wal: int = 0  #: pg_stat_statements WAL bytes of the database
 
     def minus(self, before: DbCounters, wal_bytes: int) -> dict[str, int]:
         return {
+            "server_statements": self.server_statements - before.server_statements,
+            "db_wal": self.server_wal - before.server_wal,
             "statements": self.statements - before.statements,
             "xacts": self.xacts - before.xacts,
-            "rows": (self.inserted - before.inserted) + (self.updated - before.updated) + (self.deleted - before.deleted),
+            "rows": (self.inserted - before.inserted)
+            + (self.updated - before.updated)
+            + (self.deleted - before.deleted),
             "inserted": self.inserted - before.inserted,
             "updated": self.updated - before.updated,
             "wal": wal_bytes,
@@ -264,7 +270,58 @@ def statements_key(kind: str) -> str:
     return f"bench:scale:statements:{os.getpid()}:{kind}"
 
 
-def db_counters(admin: Any, database: str, kind: str) -> DbCounters:
+class ServerStatements:
+    """pg_stat_statements, when the server preloads it (a private server: the shared one does
+    not): exact statement counts and WAL bytes per database. Its view lives in a small database
+    of its own, so reading it adds nothing to the kinds' databases."""
+
+    def __init__(self, url: str | None) -> None:
+        self.engine: Any = None
+        self.why = ""
+        if url is None:
+            return
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=_null_pool())
+        try:
+            with engine.connect() as conn:
+                preload = str(conn.execute(text("SHOW shared_preload_libraries")).scalar_one())
+                if "pg_stat_statements" not in preload:
+                    self.why = "the server does not preload pg_stat_statements"
+                else:
+                    conn.execute(text("CREATE EXTENSION IF NOT EXISTS pg_stat_statements"))
+                    conn.execute(text("SELECT 1 FROM pg_stat_statements LIMIT 1")).all()
+                    self.engine = engine
+                    return
+        except Exception as exc:  # the figures fall back to the client's counts
+            self.why = f"pg_stat_statements unusable: {type(exc).__name__}"
+        engine.dispose()
+
+    def read(self, database: str) -> tuple[int, int]:
+        """(calls, WAL bytes) of every top-level statement but BEGIN/COMMIT/ROLLBACK in ``database``
+        (with ``pg_stat_statements.track = all`` the foreign keys' checks are nested statements:
+        a top-level statement's figures already hold theirs)."""
+        if self.engine is None:
+            return 0, 0
+        from sqlalchemy import text
+
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT coalesce(sum(calls), 0), coalesce(sum(wal_bytes), 0) FROM pg_stat_statements"
+                    " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = :d)"
+                    " AND toplevel AND upper(query) NOT IN ('BEGIN', 'COMMIT', 'ROLLBACK')"
+                ),
+                {"d": database},
+            ).one()
+        return int(row[0]), int(row[1])
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.dispose()
+
+
+def db_counters(admin: Any, database: str, kind: str, server: ServerStatements) -> DbCounters:
     """The kind's database counters, read from the admin connection (not the bench database:
     the reading itself is no transaction there)."""
     import redis
@@ -286,7 +343,25 @@ def db_counters(admin: Any, database: str, kind: str) -> DbCounters:
         statements = int(client.get(statements_key(kind)) or 0)
     finally:
         client.close()
-    return DbCounters(statements, int(row[0]), int(row[1]), int(row[2]), int(row[3]), str(row[4]))
+    calls, wal = server.read(database)
+    return DbCounters(statements, int(row[0]), int(row[1]), int(row[2]), int(row[3]), str(row[4]), calls, wal)
+
+
+def table_counters(url: str) -> dict[str, tuple[int, int, int, int]]:
+    """Per table of the kind's database: (rows inserted, updated, of those HOT, deleted), on a
+    connection of its own (read before the step's counters, or after them: not the step's)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url, poolclass=_null_pool())
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            rows = conn.execute(
+                text("SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables")
+            ).all()
+    finally:
+        engine.dispose()
+    return {str(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
 
 
 def wal_between(admin: Any, before: str, after: str) -> int:
@@ -340,6 +415,7 @@ class Step:
     cost: dict[str, int]  #: database counters of the step (whole step, not per parent)
     main_mb: float
     pool_mb: float
+    tables: dict[str, tuple[int, ...]]  #: per table: rows inserted, updated, HOT updated, deleted
 
     def per_parent(self, name: str) -> float:
         return self.cost[name] / self.parents
@@ -381,6 +457,7 @@ def run_step(
     database: str,
     ours_url: str,
     naive_url: str,
+    server: ServerStatements,
 ) -> Step:
     """One load on one kind's fresh workers, which it stops at the end: a PostgreSQL backend
     publishes its counters when idle at most every 10 s, always when its connection ends."""
@@ -391,9 +468,10 @@ def run_step(
     answers.watch(ids)
     url = ours_url if kind == OURS else naive_url
     checker = Checker(url, ids)
+    tables_before = table_counters(url)
     dispose_engines()  # this process's backends publish the sessions' writes: not the step's
     time.sleep(STATS_SETTLE_SECONDS)
-    before = db_counters(admin, database, kind)
+    before = db_counters(admin, database, kind, server)
     sent = submit(kind, ids)
     try:
         wait_for(
@@ -410,7 +488,12 @@ def run_step(
     finally:
         checker.close()
     time.sleep(STATS_SETTLE_SECONDS)  # the workers' and the checker's backends ended and published
-    after = db_counters(admin, database, kind)
+    after = db_counters(admin, database, kind, server)
+    tables_after = table_counters(url)
+    tables = {
+        name: tuple(a - b for a, b in zip(counts, tables_before.get(name, (0, 0, 0, 0)), strict=True))
+        for name, counts in tables_after.items()
+    }
     answered = answer_times(url, ids)
     if len(answered) != parents:
         raise RuntimeError(f"{parents - len(answered)} {kind} parents have no answer")
@@ -418,7 +501,7 @@ def run_step(
     wall = max(answered.values()) - min(sent.values())
     cost = after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn))
     cost["xacts"] -= checker.checks
-    return Step(kind, len(workers), parents, parents / wall, latencies, cost, main_mb, pool_mb)
+    return Step(kind, len(workers), parents, parents / wall, latencies, cost, main_mb, pool_mb, tables)
 
 
 # --- the scan against history -------------------------------------------------------------------
@@ -479,8 +562,17 @@ def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
             row = [cells[(kind, w, n)] for n in loads if (kind, w, n) in cells]
             xs = [n for n in loads if (kind, w, n) in cells]
             lat.plot(xs, [c.p50 * 1000 for c in row], style, color=color, marker="o", label=f"{kind}, {w}w p50")
-            lat.plot(xs, [c.p99 * 1000 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99")
-            thr.plot(xs, [c.median(lambda s: s.throughput) for c in row], style, color=color, marker="o", label=f"{kind}, {w}w")
+            lat.plot(
+                xs, [c.p99 * 1000 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99"
+            )
+            thr.plot(
+                xs,
+                [c.median(lambda s: s.throughput) for c in row],
+                style,
+                color=color,
+                marker="o",
+                label=f"{kind}, {w}w",
+            )
     for ax in (lat, thr):
         ax.set_xscale("log")
         ax.set_xticks(loads, [str(n) for n in loads])
@@ -549,7 +641,12 @@ def start_workers(
     from demo.stack import Worker
 
     ours = [
-        Worker({**env, "BENCH_STATEMENTS_KEY": statements_key(OURS)}, stack.log_dir, name=f"scale-{i}", concurrency=concurrency)
+        Worker(
+            {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS)},
+            stack.log_dir,
+            name=f"scale-{i}",
+            concurrency=concurrency,
+        )
         for i in range(count)
     ]
     naive = [
@@ -573,7 +670,16 @@ def start_workers(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench._common import REDIS_BASE, REDIS_DBS, Stack, admin_engine, bench_database, bench_env, flush_redis, progress
+    from bench._common import (
+        REDIS_BASE,
+        REDIS_DBS,
+        Stack,
+        admin_engine,
+        bench_database,
+        bench_env,
+        flush_redis,
+        progress,
+    )
     from bench._figures import system_load
     from bench._naive_app import naive_app
     from demo.stack import apply_env
@@ -587,9 +693,21 @@ def main(argv: list[str] | None = None) -> int:
         f"for each trial, {args.trials} trial(s); {system_load()}",
         flush=True,
     )
-    with bench_database("bench_scale_ours") as url, bench_database("bench_scale_naive") as naive_url:
+    with (
+        bench_database("bench_scale_ours") as url,
+        bench_database("bench_scale_naive") as naive_url,
+        bench_database("bench_scale_stats", migrate=False) as stats_url,
+    ):
         flush_redis()
         admin = admin_engine()
+        server = ServerStatements(stats_url)
+        if server.engine is None:
+            print(
+                f"  ({server.why}: statements are counted in the workers only, WAL bytes cluster-wide; a private "
+                f"server with shared_preload_libraries = 'pg_stat_statements' via BENCH_PG_ADMIN_URL gives both "
+                f"per database)",
+                flush=True,
+            )
         counting = {
             "PYTHONPATH": f"{COUNTING}{os.pathsep}{ROOT}",
             "BENCH_STATEMENTS_REDIS": events_url,
@@ -625,10 +743,12 @@ def main(argv: list[str] | None = None) -> int:
                                     database=database,
                                     ours_url=url,
                                     naive_url=naive_url,
+                                    server=server,
                                 )
                                 cells.setdefault((kind, count, n), Cell()).steps.append(step)
                                 progress(
-                                    f"{kind:5} workers {count} N {n:5} trial {trial}: {step.throughput:7.1f} parents/s, "
+                                    f"{kind:5} workers {count} N {n:5} trial {trial}: "
+                                    f"{step.throughput:7.1f} parents/s, "
                                     f"p50 {statistics.median(step.latencies) * 1000:8.1f} ms, "
                                     f"{step.per_parent('statements'):5.1f} statements/parent, "
                                     f"{step.per_parent('xacts'):4.1f} tx/parent; {system_load()}"
@@ -647,10 +767,12 @@ def main(argv: list[str] | None = None) -> int:
                 problems = check_all(s, settled=True)
             _drop_result_subscriptions(naive_app)
             naive_app.close()
+        per_database = server.engine is not None
+        server.close()
         admin.dispose()
     scans = measure_scan(args.history, args.scan_pending, args.scan_repeat) if args.history else []
     load = system_load()
-    print_table(cells, args)
+    print_table(cells, args, per_database=per_database)
     if scans:
         print(
             f"scan per pass ({scans[0].executions} crashed executions taken each pass, median of "
@@ -685,28 +807,31 @@ def _drop_result_subscriptions(app: Any) -> None:
     drop(app)
 
 
-def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespace) -> None:
-    spread = "" if args.trials < 2 else f"; medians of {args.trials} trials, (min..max) beside"
+def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespace, *, per_database: bool) -> None:
+    spread = "" if args.trials < 2 else f"; medians of {args.trials} trials, (min..max) of parents/s at the end"
     print(
         f"per (kind, workers, N){spread}; p99 over every parent; per parent = one delegating round of "
         f"{args.children} children and the answer after it"
     )
     header = (
-        f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'stmts':>6} {'tx':>5} "
-        f"{'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
+        f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'stmts':>6} {'srv':>6} "
+        f"{'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
     )
     print(header)
     print("-" * len(header))
+    wal = "db_wal" if per_database else "wal"
+
+    def per(cell: Cell, name: str) -> float:
+        return cell.median(lambda s: s.per_parent(name))
+
     for (kind, w, n), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0] != OURS)):
+        server = f"{per(cell, 'server_statements'):6.1f}" if per_database else f"{'-':>6}"
         print(
             f"{kind:5} {w:>2} {n:>5} | {cell.median(lambda s: s.throughput):9.1f} {cell.p50 * 1000:8.1f} "
-            f"{cell.p99 * 1000:8.1f} | {cell.median(lambda s: s.per_parent('statements')):6.1f} "
-            f"{cell.median(lambda s: s.per_parent('xacts')):5.1f} {cell.median(lambda s: s.per_parent('rows')):5.1f} "
-            f"{cell.median(lambda s: s.per_parent('wal')) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
-            f"{cell.median(lambda s: s.pool_mb):7.1f}"
-            + cell.spread(lambda s: s.throughput, "{:.0f}")
+            f"{cell.p99 * 1000:8.1f} | {per(cell, 'statements'):6.1f} {server} {per(cell, 'xacts'):5.1f} "
+            f"{per(cell, 'rows'):5.1f} {per(cell, wal) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
+            f"{cell.median(lambda s: s.pool_mb):7.1f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
         )
-    print("ratios ours/naive (medians): ", end="")
     parts = []
     for (kind, w, n), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         other = cells.get((NAIVE, w, n))
@@ -714,13 +839,31 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
             continue
         parts.append(
             f"w{w} N{n}: throughput {cell.median(lambda s: s.throughput) / other.median(lambda s: s.throughput):.2f}, "
-            f"p50 {cell.p50 / other.p50:.2f}, statements "
-            f"{cell.median(lambda s: s.per_parent('statements')) / max(other.median(lambda s: s.per_parent('statements')), 1e-9):.2f}"
+            f"p50 {cell.p50 / other.p50:.2f}, "
+            f"statements {per(cell, 'statements') / max(per(other, 'statements'), 1e-9):.2f}"
         )
-    print("; ".join(parts))
+    print("ratios ours/naive (medians): " + "; ".join(parts))
+    for kind in (OURS, NAIVE):
+        key = max((k for k in cells if k[0] == kind), key=lambda k: (k[2], k[1]))
+        step = cells[key].steps[-1]
+        tables = [
+            f"{name} +{ins / step.parents:.1f}/~{upd / step.parents:.1f} (HOT {hot / step.parents:.1f})"
+            + (f"/-{dele / step.parents:.1f}" if dele else "")
+            for name, (ins, upd, hot, dele) in sorted(step.tables.items())
+            if ins or upd or dele
+        ]
+        print(
+            f"rows per parent by table, {kind} (w{key[1]} N{key[2]}; +inserted/~updated/-deleted): " + ", ".join(tables)
+        )
+    where = (
+        "WAL kB = WAL of the kind's database (pg_stat_statements)"
+        if per_database
+        else "WAL kB = WAL written cluster-wide (other writers count too)"
+    )
     print(
-        "columns: stmts = SQL statements the workers sent, tx = transactions committed, rows = rows inserted + "
-        "updated + deleted, WAL kB = WAL written cluster-wide (other writers count too), all per parent; "
+        "columns: stmts = SQL statements the workers sent (SQLAlchemy), srv = statements the server ran "
+        "(pg_stat_statements, BEGIN/COMMIT left out; - without it), tx = transactions committed (each worker's boot "
+        f"scan included: a few per worker), rows = rows inserted + updated + deleted, {where}, all per parent; "
         "main/pool MB = the largest VmHWM of a worker's main / pool process in the step"
     )
 
