@@ -1,4 +1,4 @@
-"""How cost grows with load: ``python bench/scale.py [--parents 100,1000,5000] [--workers 1,2,4]
+"""How cost grows with load: ``python bench/scale.py [--parents 10,100,1000] [--workers 1,2,4]
 [--children 3] [--trials 1] [--out docs/img/scale.png] [--quick]``.
 
 For each worker count W (``--workers``), load N (``--parents``) and trial, W fresh real
@@ -402,6 +402,33 @@ def peak_memory(workers: list[Any]) -> tuple[float, float]:
     return main_kb / 1024, pool_kb / 1024
 
 
+def cpu_seconds(workers: list[Any]) -> float:
+    """CPU time (user + system) the workers' main and pool processes have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for w in workers:
+        for pid in [w.proc.pid, *_children(w.proc.pid)]:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
+def storage_per_parent(url: str, parents: int) -> str:
+    """Bytes on disk (heap, indexes, TOAST) of the tables a parent writes, per parent so far."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    tables = ("agent_session", "message", "subagent_execution", "pending_round", "round_journal")
+    with transaction(url) as s:
+        sizes = {t: int(s.execute(text("SELECT pg_total_relation_size(:t)"), {"t": t}).scalar_one()) for t in tables}
+    parts = ", ".join(f"{t} {b / parents / 1024:.1f}" for t, b in sizes.items() if b)
+    return f"{sum(sizes.values()) / parents / 1024:.1f} kB ({parts})"
+
+
 # --- one step ----------------------------------------------------------------------------------
 
 
@@ -468,10 +495,13 @@ def run_step(
     answers.watch(ids)
     url = ours_url if kind == OURS else naive_url
     checker = Checker(url, ids)
-    tables_before = table_counters(url)
     dispose_engines()  # this process's backends publish the sessions' writes: not the step's
     time.sleep(STATS_SETTLE_SECONDS)
+    tables_before = table_counters(url)
+    time.sleep(STATS_SETTLE_SECONDS)  # that reading's backend ended and published
     before = db_counters(admin, database, kind, server)
+    cpu_before = cpu_seconds(workers)
+    cost: dict[str, int] = {}
     sent = submit(kind, ids)
     try:
         wait_for(
@@ -482,6 +512,7 @@ def run_step(
             interval=0.02,
         )
         main_mb, pool_mb = peak_memory(workers)
+        cost["cpu_ms"] = round((cpu_seconds(workers) - cpu_before) * 1000)
         time.sleep(STATS_SETTLE_SECONDS)  # the statement counters' last flush
         for w in workers:
             w.stop()
@@ -499,7 +530,7 @@ def run_step(
         raise RuntimeError(f"{parents - len(answered)} {kind} parents have no answer")
     latencies = [answered[sid] - sent[sid] for sid in ids]
     wall = max(answered.values()) - min(sent.values())
-    cost = after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn))
+    cost.update(after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn)))
     cost["xacts"] -= checker.checks
     return Step(kind, len(workers), parents, parents / wall, latencies, cost, main_mb, pool_mb, tables)
 
@@ -550,6 +581,7 @@ def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter, NullFormatter
     except ImportError:
         return 'plot: skipped (matplotlib is not installed: install with pip install -e ".[bench]")'
     worker_counts = sorted({w for _, w, _ in cells})
@@ -561,10 +593,8 @@ def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
         for kind, style in ((OURS, "-"), (NAIVE, "--")):
             row = [cells[(kind, w, n)] for n in loads if (kind, w, n) in cells]
             xs = [n for n in loads if (kind, w, n) in cells]
-            lat.plot(xs, [c.p50 * 1000 for c in row], style, color=color, marker="o", label=f"{kind}, {w}w p50")
-            lat.plot(
-                xs, [c.p99 * 1000 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99"
-            )
+            lat.plot(xs, [c.p50 for c in row], style, color=color, marker="o", label=f"{kind}, {w}w p50")
+            lat.plot(xs, [c.p99 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99")
             thr.plot(
                 xs,
                 [c.median(lambda s: s.throughput) for c in row],
@@ -580,7 +610,9 @@ def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
         ax.set_xlabel("concurrent parents (N)")
         ax.grid(True, which="both", alpha=0.3)
     lat.set_yscale("log")
-    lat.set_ylabel("submission -> answer (ms)")
+    lat.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    lat.yaxis.set_minor_formatter(NullFormatter())
+    lat.set_ylabel("submission -> answer (s)")
     lat.set_title("latency (p50 o, p99 ^)")
     thr.set_ylabel("parents / s")
     thr.set_title("throughput")
@@ -603,7 +635,9 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--parents", default="100,1000,5000", help="loads N, concurrent parents (100,1000,5000)")
+    parser.add_argument(
+        "--parents", default="10,100,1000", help="loads N, concurrent parents (10,100,1000: ~10 min in all)"
+    )
     parser.add_argument("--workers", default="1,2,4", help="worker processes of each kind (1,2,4)")
     parser.add_argument("--children", type=int, default=3, help="children per parent (3)")
     parser.add_argument("--concurrency", type=int, default=1, help="prefork pool size of each worker (1)")
@@ -765,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
 
             with transaction() as s:
                 problems = check_all(s, settled=True)
+            ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers)
+            storage = {OURS: storage_per_parent(url, ours_parents), NAIVE: storage_per_parent(naive_url, ours_parents)}
             _drop_result_subscriptions(naive_app)
             naive_app.close()
         per_database = server.engine is not None
@@ -783,9 +819,9 @@ def main(argv: list[str] | None = None) -> int:
         f"bench/scale.py: {args.children} children per parent, instant model; workers -c {args.concurrency}; "
         f"{args.trials} trial(s); {load}"
     )
+    print(f"on disk per parent (tables and their indexes, kB): ours {storage[OURS]}; naive {storage[NAIVE]}")
     print(plot(cells, Path(args.out), title))
     print(f"run time: {time.monotonic() - started:.0f} s; {load}")
-    ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers)
     if problems:
         print(f"invariants I1-I5: VIOLATED ({len(problems)})")
         for problem in problems[:50]:
@@ -814,8 +850,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         f"{args.children} children and the answer after it"
     )
     header = (
-        f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'stmts':>6} {'srv':>6} "
-        f"{'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
+        f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'cpu ms':>6} {'stmts':>6} "
+        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -828,7 +864,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         server = f"{per(cell, 'server_statements'):6.1f}" if per_database else f"{'-':>6}"
         print(
             f"{kind:5} {w:>2} {n:>5} | {cell.median(lambda s: s.throughput):9.1f} {cell.p50 * 1000:8.1f} "
-            f"{cell.p99 * 1000:8.1f} | {per(cell, 'statements'):6.1f} {server} {per(cell, 'xacts'):5.1f} "
+            f"{cell.p99 * 1000:8.1f} | {per(cell, 'cpu_ms'):6.1f} {per(cell, 'statements'):6.1f} {server} "
+            f"{per(cell, 'xacts'):5.1f} "
             f"{per(cell, 'rows'):5.1f} {per(cell, wal) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
             f"{cell.median(lambda s: s.pool_mb):7.1f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
         )
@@ -861,7 +898,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         else "WAL kB = WAL written cluster-wide (other writers count too)"
     )
     print(
-        "columns: stmts = SQL statements the workers sent (SQLAlchemy), srv = statements the server ran "
+        "columns: cpu ms = CPU time of the kind's worker processes (main and pool), stmts = SQL statements the "
+        "workers sent (SQLAlchemy), srv = statements the server ran "
         "(pg_stat_statements, BEGIN/COMMIT left out; - without it), tx = transactions committed (each worker's boot "
         f"scan included: a few per worker), rows = rows inserted + updated + deleted, {where}, all per parent; "
         "main/pool MB = the largest VmHWM of a worker's main / pool process in the step"

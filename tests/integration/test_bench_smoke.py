@@ -165,7 +165,8 @@ def test_benchmark_runs_with_tiny_sizes_and_prints_its_figures(case: str, pg_url
 #: What bench/scale.py --quick must print: its table, the ratios, the scan against history, a
 #: line about the plot (written, or skipped without matplotlib) and the invariants.
 SCALE_LINES = [
-    "kind   w     N | parents/s   p50 ms   p99 ms |  stmts    tx  rows  WAL kB | main MB pool MB",
+    "kind   w     N | parents/s   p50 ms   p99 ms | cpu ms  stmts    srv    tx  rows  WAL kB | main MB pool MB",
+    "on disk per parent (tables and their indexes, kB): ours ",
     "ours   1    10 |",
     "naive  2    30 |",
     "ratios ours/naive (medians): w1 N10: throughput",
