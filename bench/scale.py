@@ -429,6 +429,16 @@ def storage_per_parent(url: str, parents: int) -> str:
     return f"{sum(sizes.values()) / parents / 1024:.1f} kB ({parts})"
 
 
+def close_connections() -> None:
+    """Close this process's pooled connections: their backends end, and publish their counters
+    (``models.db.dispose_engines`` only forgets them, for a forked child's sake)."""
+    from models import db
+
+    for engine in list(db._engines.values()):
+        engine.dispose()
+    db.dispose_engines()
+
+
 # --- one step ----------------------------------------------------------------------------------
 
 
@@ -489,13 +499,12 @@ def run_step(
     """One load on one kind's fresh workers, which it stops at the end: a PostgreSQL backend
     publishes its counters when idle at most every 10 s, always when its connection ends."""
     from bench._common import wait_for
-    from models.db import dispose_engines
 
     ids = create_ours(parents, label) if kind == OURS else create_naive(parents, naive_url, label)
     answers.watch(ids)
     url = ours_url if kind == OURS else naive_url
     checker = Checker(url, ids)
-    dispose_engines()  # this process's backends publish the sessions' writes: not the step's
+    close_connections()  # this process's backends publish the sessions' writes: not the step's
     time.sleep(STATS_SETTLE_SECONDS)
     tables_before = table_counters(url)
     time.sleep(STATS_SETTLE_SECONDS)  # that reading's backend ended and published
