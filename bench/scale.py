@@ -673,6 +673,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def stack_helpers() -> Any:
+    """The stack helpers' module (Worker, apply_env): the one line to change if it moves."""
+    import demo.stack as helpers
+
+    return helpers
+
+
 def start_workers(
     stack: Any, *, count: int, concurrency: int, env: dict[str, str], naive_env: dict[str, str]
 ) -> tuple[list[Any], list[Any]]:
@@ -681,10 +688,9 @@ def start_workers(
 
     from bench._naive_app import NAIVE_QUEUE
     from bench.delegation import app_worker
-    from demo.stack import Worker
 
     ours = [
-        Worker(
+        stack_helpers().Worker(
             {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS)},
             stack.log_dir,
             name=f"scale-{i}",
@@ -725,7 +731,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from bench._figures import system_load
     from bench._naive_app import naive_app
-    from demo.stack import apply_env
 
     started = time.monotonic()
     cells: dict[tuple[str, int, int], Cell] = {}
@@ -762,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             model = stack.model(_script(args.children))
             env = bench_env(url, model.base_url, **counting)
             naive_env = bench_env(naive_url, model.base_url, **counting)
-            apply_env(env)
+            stack_helpers().apply_env(env)
             naive_app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
             try:
                 for count in args.workers:
