@@ -356,7 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def stack_helpers() -> Any:
     """The stack helpers' module (Worker, apply_env): the one line to change if it moves."""
-    import demo.stack as helpers
+    import devstack.processes as helpers
 
     return helpers
 
