@@ -54,6 +54,7 @@ def build() -> dict[str, Any]:
             "recovery.recover_child": {"queue": DEFAULT_QUEUE},
             "recovery.*": {"queue": s.RECOVERY_QUEUE},
             "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
+            "agent.deliver_rounds": {"queue": s.RECOVERY_QUEUE},
             "agent.approve": {"queue": s.RECOVERY_QUEUE},
             "agent.deny": {"queue": s.RECOVERY_QUEUE},
         },

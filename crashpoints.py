@@ -37,6 +37,7 @@ POINTS = (
     "round.after_all_tools",  # inside a round transaction: all TOOL rows, markers not yet
     "deliver.mid_round",  # inside the delivery transaction
     "deliver.before_resume",  # delivery committed, parent run not yet enqueued
+    "deliver.batch_mid_round",  # inside a batch delivery's transaction: every round written, nothing marked
     "parent.after_resume",  # the parent's loop took its session again
     "recover.after_take",  # recovery took the execution, child loop not yet started
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-import jsonschema
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -267,6 +266,8 @@ class DecisionResult:
 def validated_arguments(tool: str, arguments: str) -> str:
     """Edited arguments as a canonical JSON object, valid for the tool's schema. Raises
     DecisionRefused."""
+    import jsonschema  # only an approver's edited arguments need it: not imported at every worker's boot
+
     try:
         value = json.loads(arguments)
     except ValueError:

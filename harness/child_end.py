@@ -60,18 +60,18 @@ class ChildInfo:
     model_outage_since: datetime | None = None
 
 
-def _child_counters(s: Any, child_session_id: int, start_id: int | None) -> tuple[int, int]:
-    """(rounds, tool calls) of the execution: live assistant and TOOL rows after its USER."""
-    counts = dict(s.execute(_counters_stmt(), {"b_sid": child_session_id, "b_after": start_id or 0}).all())
-    return int(counts.get(Role.ASSISTANT, 0)), int(counts.get(Role.TOOL, 0))
-
-
-@built_once
-def _counters_stmt() -> Any:
+def _live_after_start(role: Role) -> Any:
+    """SQL: how many live ``role`` rows the child session holds after the execution's USER
+    (its rounds: ASSISTANT rows; its tool calls: TOOL rows)."""
     return (
-        select(Message.role, func.count())
-        .where(Message.session_id == bindparam("b_sid"), Message.deleted.is_(False), Message.id > bindparam("b_after"))
-        .group_by(Message.role)
+        select(func.count())
+        .where(
+            Message.session_id == bindparam("b_sid"),
+            Message.deleted.is_(False),
+            Message.id > bindparam("b_after"),
+            Message.role == role,
+        )
+        .scalar_subquery()
     )
 
 
@@ -184,7 +184,8 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
         with transaction() as s:
             parent = _lock_parent(s, info)
             final_id = _final_message(s, info, result)
-            end = _build_end(s, info, result, parent=parent, usage=usage)
+            appended = isinstance(result, Completed) and result.final_message_id is None
+            end = _build_end(s, info, result, parent=parent, usage=usage, appended=appended)
             _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
             state = _round_state(s, parent)
     except _Lost:
@@ -210,23 +211,47 @@ class _Parent:
     owner: str | None
     prompt_tokens: int  #: the execution's, before this end's usage
     completion_tokens: int
+    rounds: int  #: the child's live ASSISTANT rows after the execution's USER, before this end
+    tool_calls: int  #: its live TOOL rows after that USER
 
 
 def _lock_parent(s: Session, info: ChildInfo) -> _Parent:
     """Step 1. The parent row first, as delivery and cancel lock it (parent, then its
     executions; docs/exactly-once.md, "At most once"): a finishing child never deadlocks with
-    them, and siblings finishing at once serialize here. The execution's token counters are
-    read in the same statement (not locked: only the epoch's owner adds to them, and the end's
-    compare-and-set checks the epoch)."""
-    row = s.execute(_lock_parent_stmt(), {"b_parent": info.parent_session_id, "b_eid": info.execution_id}).one()
-    return _Parent(info.parent_session_id, int(row.epoch), row.lease_owner, row.prompt_tokens, row.completion_tokens)
+    them, and siblings finishing at once serialize here (``_round_state`` counts the earlier end).
+    The execution's token counters and the child's rounds and tool calls are read in the same
+    statement (not locked: only the epoch's owner adds to them, and the end's compare-and-set
+    checks the epoch)."""
+    params = {
+        "b_parent": info.parent_session_id,
+        "b_eid": info.execution_id,
+        "b_sid": info.child_session_id,
+        "b_after": info.execution_start_message_id or 0,
+    }
+    row = s.execute(_lock_parent_stmt(), params).one()
+    return _Parent(
+        info.parent_session_id,
+        int(row.epoch),
+        row.lease_owner,
+        row.prompt_tokens,
+        row.completion_tokens,
+        int(row.rounds),
+        int(row.tool_calls),
+    )
 
 
 @built_once
 def _lock_parent_stmt() -> Any:
     E, S = SubagentExecution, AgentSession
     return (
-        select(S.epoch, S.lease_owner, E.prompt_tokens, E.completion_tokens)
+        select(
+            S.epoch,
+            S.lease_owner,
+            E.prompt_tokens,
+            E.completion_tokens,
+            _live_after_start(Role.ASSISTANT).label("rounds"),
+            _live_after_start(Role.TOOL).label("tool_calls"),
+        )
         .join(E, E.parent_session_id == S.id)
         .where(S.id == bindparam("b_parent"), E.id == bindparam("b_eid"))
         .with_for_update(of=S)
@@ -242,12 +267,15 @@ def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | No
     return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
 
 
-def _build_end(s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage) -> _End:
+def _build_end(
+    s: Session, info: ChildInfo, result: ChildResult, *, parent: _Parent, usage: Usage, appended: bool
+) -> _End:
     """Step 2: the result JSON from what the transaction sees: the execution's token counters
-    with this end's usage, the child's rounds and tool calls."""
+    with this end's usage, the child's rounds (the final ASSISTANT this end ``appended``
+    counted) and tool calls."""
     prompt = parent.prompt_tokens + usage.prompt_tokens
     completion = parent.completion_tokens + usage.completion_tokens
-    rounds, tool_calls = _child_counters(s, info.child_session_id, info.execution_start_message_id)
+    rounds, tool_calls = parent.rounds + (1 if appended else 0), parent.tool_calls
     followup = _followup_info(s, info)
     if isinstance(result, Completed):
         success = success_result(

@@ -13,10 +13,9 @@ written with Core statements (no unit of work on the hot path).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -26,17 +25,12 @@ from harness.history import append_message, cleanup_incomplete_tail, validated_b
 from harness.tools import parse_arguments
 from models import (
     AgentSession,
-    DeliveryStatus,
-    ExecutionStatus,
     InvocationType,
     Role,
     SessionType,
-    SubagentExecution,
-    lease,
 )
-from models.base import utcnow
-from models.session import reopen_child_for_followup
-from models.worker import identity
+from models.execution import create_execution_row
+from models.session import create_child_session, reopen_child_for_followup
 
 
 class DelegationRefused(HarnessError):
@@ -66,56 +60,16 @@ def tool_name(invocation: InvocationType) -> str:
 
 @dataclass(frozen=True)
 class Parent:
-    """What a delegation needs of its parent session."""
+    """What a delegation needs of its parent session: its id (a child's user is the parent's,
+    copied by the child's INSERT itself), or ``user_id`` when the caller has it."""
 
     id: int
-    user_id: str
+    user_id: str | None = None
 
 
 def parent_of(s: Session, session_id: int) -> Parent:
-    row = s.execute(select(AgentSession.id, AgentSession.user_id).where(AgentSession.id == session_id)).one()
-    return Parent(row.id, row.user_id)
-
-
-def _new_execution(
-    s: Session,
-    *,
-    parent: Parent,
-    child_id: int,
-    agent_type: str,
-    task: str,
-    invocation: InvocationType,
-    tool_call_id: str,
-    start_message_id: int,
-    pending_round_id: int | None,
-    lease_seconds: float,
-) -> int:
-    """Insert the execution row (epoch 0, the creation reservation); its id."""
-    now = utcnow()
-    booted = identity()
-    values = dict(
-        parent_session_id=parent.id,
-        child_session_id=child_id,
-        agent_type=agent_type,
-        task_description=task,
-        status=ExecutionStatus.RUNNING,
-        delivery_status=DeliveryStatus.PENDING,  # always explicit; the default is only a backstop
-        invocation_type=invocation,
-        parent_tool_call_id=tool_call_id,
-        execution_start_message_id=start_message_id,
-        started_at=now,
-        pending_round_id=pending_round_id,
-        # A reservation for the epoch-0 message (the chord's run_child), not an owner: it covers
-        # the enqueue window so the scan leaves it alone. It names the creating worker's boot
-        # identity: when that worker restarts under its name, the reservation is known dead at
-        # once (a broker that lost the message then costs no lease wait).
-        lease_owner=booted[0] if booted else None,
-        lease_generation=booted[1] if booted else None,
-        lease_expires_at=now + timedelta(seconds=lease.reservation_seconds(lease_seconds)),
-        epoch=0,
-    )
-    table = cast(Table, SubagentExecution.__table__)
-    return int(s.execute(insert(table).values(**values).returning(table.c.id)).scalar_one())
+    """The parent of the delegations of ``session_id``'s round (nothing read)."""
+    return Parent(session_id)
 
 
 def _delegate(
@@ -135,30 +89,15 @@ def _delegate(
         raise DelegationRefused(str(exc)) from None
     # NOTE: nothing below refuses: from here on only the database can fail, and that fails
     # the whole round's transaction (an infrastructure error), never just this call.
-    now = utcnow()
-    sessions = cast(Table, AgentSession.__table__)
-    child_id = int(
-        s.execute(
-            insert(sessions)
-            .values(
-                user_id=parent.user_id,
-                session_type=SessionType.SUBAGENT,
-                parent_session_id=parent.id,
-                agent_type=agent.name,
-                execution_mode=agent.execution_mode,
-                phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
-                started_at=now,
-                updated_at=now,
-            )
-            .returning(sessions.c.id)
-        ).scalar_one()
+    child_id = create_child_session(
+        s, parent_id=parent.id, agent_type=agent.name, execution_mode=agent.execution_mode, user_id=parent.user_id
     )
     crash_point("delegate.after_child_session")
     start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")
-    execution_id = _new_execution(
+    execution_id = create_execution_row(
         s,
-        parent=parent,
+        parent_id=parent.id,
         child_id=child_id,
         agent_type=agent.name,
         task=task,
@@ -200,9 +139,9 @@ def _followup(
     cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))
     start = append_message(s, child_id, Role.USER, task)
     crash_point("delegate.after_user_message")
-    execution_id = _new_execution(
+    execution_id = create_execution_row(
         s,
-        parent=parent,
+        parent_id=parent.id,
         child_id=child_id,
         agent_type=child.agent_type,
         task=task,

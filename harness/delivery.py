@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -47,10 +47,10 @@ from models import (
     lease,
     transaction,
 )
-from models.base import utcnow
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.legacy import infer_and_store
+from models.round import close_open_round, close_round
 from models.session import cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
@@ -118,12 +118,7 @@ def suppress_parent(s: Session, parent_id: int) -> list[int]:
             suppressed.append(row.id)
             if was_active:
                 cancel_child(s, row.child_session_id)
-    s.execute(
-        update(PendingRound)
-        .where(PendingRound.session_id == parent_id, PendingRound.closed_at.is_(None))
-        .values(closed_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
+    close_open_round(s, parent_id)
     for eid in suppressed:
         log_event(
             log, "subagent_result_delivery_skipped", execution_id=eid, parent_id=parent_id, reason="parent_stopped"
@@ -198,8 +193,12 @@ def _open_round_stmt() -> Any:
     )
 
 
-def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
-    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
+def round_results(
+    rnd: PendingRound, pending: Sequence[SubagentExecution]
+) -> tuple[list[SubagentExecution], list[ToolResult]]:
+    """The open round's members (its PENDING executions, ascending id) and its TOOL results in
+    tool-call order: every delegation's result, every inline call's recorded result (or the
+    interrupted one)."""
     members = {r.parent_tool_call_id: r for r in pending if r.pending_round_id == rnd.id}
     # R23: delegation results in ascending execution id. They take the delegation slots
     # of the round in that order; inline results keep their own slots.
@@ -219,9 +218,14 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
                 fn = call.get("function") or {}
                 result = interrupted_result(ToolCall(call_id, str(fn.get("name")), str(fn.get("arguments") or "")))
             results.append(ToolResult(call_id, result))
+    return sorted(members.values(), key=lambda m: m.id), results
+
+
+def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
+    """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
+    ordered, results = round_results(rnd, pending)
     assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
     crash_point("deliver.mid_round")
-    ordered = sorted(members.values(), key=lambda m: m.id)
     marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
     mark_all_delivered(s, marked, assistant_message_id=assistant_id)
     for member in ordered:
@@ -232,7 +236,7 @@ def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: 
             parent_id=parent_id,
             tool_call_id=member.parent_tool_call_id,
         )
-    rnd.closed_at = utcnow()
+    close_round(s, rnd.id)
     return [m.id for m in ordered]
 
 

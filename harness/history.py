@@ -353,13 +353,14 @@ def delete_rows(s: Session, session_id: int, ids: Sequence[int]) -> None:
 
 def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]]) -> list[int]:
     """Insert ``rows`` (``role``, ``content`` and optionally ``tool_calls``, ``tool_call_id``,
-    ``source_session_id``) in ONE statement in the caller's transaction; returns their ids in
-    the order given, which is their history order (``sort_by_parameter_order``: on PostgreSQL
-    the rows are inserted, and their ids drawn, in parameter order)."""
+    ``source_session_id``, and ``session_id`` when a row goes to another session than
+    ``session_id``) in ONE statement in the caller's transaction; returns their ids in the
+    order given, which is their history order (``sort_by_parameter_order``: on PostgreSQL the
+    rows are inserted, and their ids drawn, in parameter order)."""
     now = utcnow()
     params = [
         {
-            "session_id": session_id,
+            "session_id": r.get("session_id", session_id),
             "role": r["role"],
             "content": r.get("content"),
             "tool_calls": json.dumps(r["tool_calls"]) if r.get("tool_calls") else None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -40,9 +40,8 @@ from harness.outage import model_answered, wait_for_model
 from harness.scheduler import Handed
 from harness.tools import run_inline, tool_names
 from logfmt import log_event
-from models import AgentSession, LeaseLost, PendingRound, Phase, Role, transaction
-from models.db import built_once
-from models.session import end_run, release_session, take_session
+from models import LeaseLost, PendingRound, Phase, Role, transaction
+from models.session import end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +65,21 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     (``RunOutcome``); on INFRA_ERROR nothing was written: the lease lapses and the scan
     resumes the session."""
     with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault, transaction() as s:
-        new_epoch = take_session(
+        # The take returns the run's facts (one statement).
+        row = take_session_facts(
             s,
             session_id,
             expected_epoch=epoch,
             owner=deps.owner,
             lease_seconds=deps.lease_seconds,
             to_phase=Phase.RUNNING,
+            facts=RUN_FACTS,
         )
+        new_epoch = None if row is None else int(row.epoch)
         agent_type: str | None = None
         in_flight = first_view = None
         model_waiting = False
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
-            row = s.execute(_run_facts_stmt(), {"b_sid": session_id}).one()
             agent_type = row.agent_type
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
@@ -133,12 +134,8 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         return RunOutcome.FAILED
 
 
-@built_once
-def _run_facts_stmt() -> Any:
-    S = AgentSession
-    return select(S.agent_type, S.compaction_boundary_message_id, S.compaction_summary, S.model_outage_since).where(
-        S.id == bindparam("b_sid")
-    )
+#: What a run reads of its session, returned by its take.
+RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since")
 
 
 def _release(fence: Fence, phase: Phase | None) -> None:

@@ -34,12 +34,27 @@ def write_round(
 
     ``results`` must answer every tool call exactly once (I2); anything else is a bug.
     """
+    # ONE statement for the whole round: the assistant first, then every TOOL in the order
+    # given (delivery orders by execution id); the crash points stay inside the transaction.
+    rows = _round_rows(assistant_content, tool_calls, results)
+    assistant_id, *tool_row_ids = insert_messages(s, session_id, rows)
+    crash_point("round.after_assistant")
+    tool_ids = {r.tool_call_id: i for r, i in zip(results, tool_row_ids, strict=True)}
+    if results:
+        crash_point("round.after_some_tools")
+    crash_point("round.after_all_tools")
+    return assistant_id, tool_ids
+
+
+def _round_rows(
+    assistant_content: str | None, tool_calls: list[dict[str, Any]], results: Sequence[ToolResult]
+) -> list[dict[str, Any]]:
+    """The message rows of one round: the assistant, then every TOOL in the order given.
+    ``results`` must answer every tool call exactly once (I2); anything else is a bug."""
     ids = [str(c["id"]) for c in tool_calls]
     by_id = {r.tool_call_id: r for r in results}
     if sorted(by_id) != sorted(ids) or len(results) != len(ids):
         raise ValueError("a round must answer every tool call exactly once")
-    # ONE statement for the whole round: the assistant first, then every TOOL in the order
-    # given (delivery orders by execution id); the crash points stay inside the transaction.
     rows: list[dict[str, Any]] = [
         {"role": Role.ASSISTANT, "content": assistant_content or "", "tool_calls": tool_calls}
     ]
@@ -52,10 +67,32 @@ def write_round(
         }
         for r in results
     ]
-    assistant_id, *tool_row_ids = insert_messages(s, session_id, rows)
-    crash_point("round.after_assistant")
-    tool_ids = {r.tool_call_id: i for r, i in zip(results, tool_row_ids, strict=True)}
-    if results:
-        crash_point("round.after_some_tools")
-    crash_point("round.after_all_tools")
-    return assistant_id, tool_ids
+    return rows
+
+
+@dataclass(frozen=True)
+class RoundWrite:
+    """One session's complete round, for :func:`write_rounds`."""
+
+    session_id: int
+    assistant_content: str | None
+    tool_calls: list[dict[str, Any]]
+    results: Sequence[ToolResult]
+
+
+def write_rounds(s: Session, rounds: Sequence[RoundWrite]) -> list[tuple[int, dict[str, int]]]:
+    """``write_round`` for several sessions' rounds in ONE statement, in the caller's
+    transaction; (assistant id, {tool_call_id: TOOL id}) per round, in the order given. Each
+    round is checked as ``write_round`` checks it (I2) before anything is written."""
+    rows: list[dict[str, Any]] = []
+    for rnd in rounds:
+        rows += [
+            {**row, "session_id": rnd.session_id}
+            for row in _round_rows(rnd.assistant_content, rnd.tool_calls, rnd.results)
+        ]
+    ids = iter(insert_messages(s, rounds[0].session_id, rows) if rows else [])
+    written = []
+    for rnd in rounds:
+        assistant_id = next(ids)
+        written.append((assistant_id, {r.tool_call_id: next(ids) for r in rnd.results}))
+    return written

@@ -11,7 +11,7 @@ from is a caller bug (IllegalTransition).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -21,10 +21,12 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
     bindparam,
     case,
+    insert,
     or_,
     select,
     text,
@@ -33,6 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 import models.clock as db_clock
+from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas
 from models.enums import (
@@ -43,7 +46,7 @@ from models.enums import (
     InvocationType,
 )
 from models.errors import IllegalTransition
-from models.worker import generation_of, identity_for, lease_takeable, still_current_as, superseded
+from models.worker import generation_of, identity, identity_for, lease_takeable, still_current_as, superseded
 
 
 class SubagentExecution(Base):
@@ -328,6 +331,47 @@ def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
     )
 
 
+def create_execution_row(
+    s: Session,
+    *,
+    parent_id: int,
+    child_id: int,
+    agent_type: str,
+    task: str,
+    invocation: InvocationType,
+    tool_call_id: str,
+    start_message_id: int,
+    pending_round_id: int | None,
+    lease_seconds: float,
+) -> int:
+    """Insert the execution row (epoch 0, the creation reservation); its id."""
+    now = utcnow()
+    booted = identity()
+    values = dict(
+        parent_session_id=parent_id,
+        child_session_id=child_id,
+        agent_type=agent_type,
+        task_description=task,
+        status=ExecutionStatus.RUNNING,
+        delivery_status=DeliveryStatus.PENDING,  # always explicit; the default is only a backstop
+        invocation_type=invocation,
+        parent_tool_call_id=tool_call_id,
+        execution_start_message_id=start_message_id,
+        started_at=now,
+        pending_round_id=pending_round_id,
+        # A reservation for the epoch-0 message (the chord's run_child), not an owner: it covers
+        # the enqueue window so the scan leaves it alone. It names the creating worker's boot
+        # identity: when that worker restarts under its name, the reservation is known dead at
+        # once (a broker that lost the message then costs no lease wait).
+        lease_owner=booted[0] if booted else None,
+        lease_generation=booted[1] if booted else None,
+        lease_expires_at=now + timedelta(seconds=lease.reservation_seconds(lease_seconds)),
+        epoch=0,
+    )
+    table = cast(Table, SubagentExecution.__table__)
+    return int(s.execute(insert(table).values(**values).returning(table.c.id)).scalar_one())
+
+
 def store_inferred(s: Session, eid: int, *, invocation: InvocationType | None, tool_call_id: str | None) -> None:
     """Write back what the legacy inference found (models.legacy) where the row still has NULL, so
     a concurrent writer is never overwritten (``None``: nothing to write for that column)."""
@@ -404,6 +448,38 @@ def _mark_delivered_stmt(n: int) -> Any:
             delivery_status=DeliveryStatus.DELIVERED,
             parent_result_delivered_at=bindparam("now"),
             parent_assistant_message_id=bindparam("assistant_id"),
+            parent_tool_message_id=case({ids[i]: bindparam(f"t{i}", type_=BigInteger()) for i in range(n)}, value=E.id),
+        )
+        .execution_options(synchronize_session=False)
+    )
+
+
+def mark_rounds_delivered(s: Session, marks: dict[int, tuple[int, int]]) -> int:
+    """PENDING -> DELIVERED for the executions of several parents' delivered rounds, in ONE
+    statement (execution id -> (its round's ASSISTANT id, its TOOL id)). Returns how many rows
+    it moved: fewer than ``len(marks)`` means some row was not a terminal PENDING execution,
+    and the caller (which holds the rows' locks and read them so) rolls back."""
+    if not marks:
+        return 0
+    params: dict[str, Any] = {"now": utcnow()}
+    for n, (eid, (assistant_id, tool_id)) in enumerate(marks.items()):
+        params[f"e{n}"], params[f"a{n}"], params[f"t{n}"] = eid, assistant_id, tool_id
+    return cas(s, _mark_rounds_delivered_stmt(len(marks)), params)
+
+
+@built_once
+def _mark_rounds_delivered_stmt(n: int) -> Any:
+    """mark_rounds_delivered's compare-and-set for ``n`` executions."""
+    ids = [bindparam(f"e{i}", type_=BigInteger()) for i in range(n)]
+    return (
+        update(E)
+        .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
+        .values(
+            delivery_status=DeliveryStatus.DELIVERED,
+            parent_result_delivered_at=bindparam("now"),
+            parent_assistant_message_id=case(
+                {ids[i]: bindparam(f"a{i}", type_=BigInteger()) for i in range(n)}, value=E.id
+            ),
             parent_tool_message_id=case({ids[i]: bindparam(f"t{i}", type_=BigInteger()) for i in range(n)}, value=E.id),
         )
         .execution_options(synchronize_session=False)

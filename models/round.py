@@ -5,10 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, text
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Text, bindparam, text, update
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
+from models.db import built_once, cas
+from models.errors import IllegalTransition
 
 
 class PendingRound(Base):
@@ -42,3 +44,54 @@ class PendingRound(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+def close_open_round(s: Session, session_id: int) -> None:
+    """Close the session's open round, if it has one (its parent is stopped: the round is never
+    delivered)."""
+    s.execute(
+        update(PendingRound)
+        .where(PendingRound.session_id == session_id, PendingRound.closed_at.is_(None))
+        .values(closed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def close_round(s: Session, round_id: int) -> None:
+    """Close a delivered round: open -> closed, ONE compare-and-set. The caller holds the
+    round's row lock (it read the round FOR UPDATE and wrote it in this transaction), so it
+    always lands; IllegalTransition (rolling the delivery back) when it does not: the round
+    was closed by another path, and its results must not be written twice."""
+    if cas(s, _close_stmt(), {"b_round": round_id, "b_now": utcnow()}) != 1:
+        raise IllegalTransition(f"pending round {round_id} is closed already")
+
+
+@built_once
+def _close_stmt() -> Any:
+    return (
+        update(PendingRound)
+        .where(PendingRound.id == bindparam("b_round"), PendingRound.closed_at.is_(None))
+        .values(closed_at=bindparam("b_now"))
+        .execution_options(synchronize_session=False)
+    )
+
+
+def close_rounds(s: Session, round_ids: list[int]) -> int:
+    """Close several delivered rounds: open -> closed, ONE compare-and-set. Returns how many
+    it closed: fewer than ``len(round_ids)`` means one was closed already, and the caller
+    (which holds the rounds' locks) rolls back."""
+    if not round_ids:
+        return 0
+    params: dict[str, Any] = {"b_now": utcnow(), **{f"r{i}": rid for i, rid in enumerate(round_ids)}}
+    return cas(s, _close_many_stmt(len(round_ids)), params)
+
+
+@built_once
+def _close_many_stmt(n: int) -> Any:
+    ids = [bindparam(f"r{i}", type_=BigInteger()) for i in range(n)]
+    return (
+        update(PendingRound)
+        .where(PendingRound.id.in_(ids), PendingRound.closed_at.is_(None))
+        .values(closed_at=bindparam("b_now"))
+        .execution_options(synchronize_session=False)
+    )

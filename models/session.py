@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -12,9 +12,12 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
+    and_,
     bindparam,
     case,
+    insert,
     or_,
     select,
     text,
@@ -125,6 +128,32 @@ def _child_phase_stmt(to_phase: Phase) -> Any:
         .where(S.id == bindparam("b_sid"), child_not_cancelled())
         .values(phase=to_phase, updated_at=bindparam("b_now"))
         .execution_options(synchronize_session=False)
+    )
+
+
+def create_child_session(
+    s: Session, *, parent_id: int, agent_type: str, execution_mode: ExecutionMode, user_id: str | None = None
+) -> int:
+    """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id.
+    Without ``user_id`` the child takes its parent's, read by the INSERT itself (no trip)."""
+    now = utcnow()
+    sessions = cast(Table, AgentSession.__table__)
+    user = user_id if user_id is not None else select(S.user_id).where(S.id == parent_id).scalar_subquery()
+    return int(
+        s.execute(
+            insert(sessions)
+            .values(
+                user_id=user,
+                session_type=SessionType.SUBAGENT,
+                parent_session_id=parent_id,
+                agent_type=agent_type,
+                execution_mode=execution_mode,
+                phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
+                started_at=now,
+                updated_at=now,
+            )
+            .returning(sessions.c.id)
+        ).scalar_one()
     )
 
 
@@ -260,6 +289,33 @@ def take_session(
     it would write is already past in the database's time (this process's clock stood still:
     it is measured again).
     """
+    taken = take_session_facts(
+        s,
+        sid,
+        expected_epoch=expected_epoch,
+        owner=owner,
+        lease_seconds=lease_seconds,
+        to_phase=to_phase,
+        from_phases=from_phases,
+        facts=(),
+    )
+    return None if taken is None else expected_epoch + 1
+
+
+def take_session_facts(
+    s: Session,
+    sid: int,
+    *,
+    expected_epoch: int,
+    owner: str,
+    lease_seconds: float,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
+    facts: tuple[str, ...],
+) -> Any:
+    """``take_session`` that also returns the session's columns named in ``facts`` as the take
+    wrote them (one statement: ``UPDATE ... RETURNING``): the row (``row.epoch`` the new
+    epoch), or None when the take did not land (the same cases as ``take_session``)."""
     if to_phase in STOPPED_PHASES_:
         raise IllegalTransition(f"take_session cannot move session {sid} to stopped phase {to_phase}")
     now = utcnow()
@@ -272,15 +328,18 @@ def take_session(
         "b_until": now + timedelta(seconds=lease_seconds),
     }
     pg = s.get_bind().dialect.name == "postgresql"
-    rows = cas(s, _take_stmt(to_phase, from_phases, identity_for(owner), pg), params)
-    if rows == 1:
-        return expected_epoch + 1
+    stmt = _take_stmt(to_phase, from_phases, identity_for(owner), pg, facts)
+    row = s.execute(stmt, params).one_or_none()
+    if row is not None:
+        return row
     db_clock.refused_as_lapsed(s, params["b_until"])  # a clock that stood still is measured again
     return None
 
 
 @built_once
-def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool) -> Any:
+def _take_stmt(
+    to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool, facts: tuple[str, ...]
+) -> Any:
     in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
     return (
         update(S)
@@ -300,6 +359,7 @@ def _take_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple
             lease_expires_at=bindparam("b_until"),
             updated_at=bindparam("b_now"),
         )
+        .returning(S.epoch, *(getattr(S, name) for name in facts))
         .execution_options(synchronize_session=False)
     )
 
@@ -470,6 +530,44 @@ def _hand_over_stmt(to_phase: Phase) -> Any:
             lease_expires_at=bindparam("b_until"),
             updated_at=bindparam("b_now"),
         )
+        .execution_options(synchronize_session=False)
+    )
+
+
+def hand_over_many(
+    s: Session, epochs: dict[int, int], *, to_phase: Phase, reserve_seconds: float = 0
+) -> dict[int, int]:
+    """``hand_over`` for several sessions in ONE statement (session id -> the epoch its caller
+    holds). Returns {session id: new epoch} for those it landed on; a session missing from it
+    is no longer held at that epoch (nothing written for it)."""
+    if not epochs:
+        return {}
+    now = utcnow()
+    until = now + timedelta(seconds=reserve_seconds) if reserve_seconds else None
+    params: dict[str, Any] = {"b_now": now, "b_until": until}
+    for n, (sid, epoch) in enumerate(epochs.items()):
+        params[f"s{n}"], params[f"e{n}"] = sid, epoch
+    rows = s.execute(_hand_over_many_stmt(to_phase, len(epochs)), params).all()
+    return {int(sid): int(epoch) for sid, epoch in rows}
+
+
+@built_once
+def _hand_over_many_stmt(to_phase: Phase, n: int) -> Any:
+    pairs = [
+        and_(S.id == bindparam(f"s{i}", type_=BigInteger()), S.epoch == bindparam(f"e{i}", type_=Integer()))
+        for i in range(n)
+    ]
+    return (
+        update(S)
+        .where(or_(*pairs), _phase_in(STARTABLE_PHASES))
+        .values(
+            phase=to_phase,
+            epoch=S.epoch + 1,
+            lease_owner=None,
+            lease_expires_at=bindparam("b_until"),
+            updated_at=bindparam("b_now"),
+        )
+        .returning(S.id, S.epoch)
         .execution_options(synchronize_session=False)
     )
 

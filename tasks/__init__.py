@@ -1,15 +1,54 @@
-"""The Celery app (`celery -A tasks worker`). Tasks are thin adapters over the domain."""
+"""The Celery app (`celery -A tasks worker`). Tasks are thin adapters over the domain.
+
+A worker's boot is mostly imports, and the cyclic garbage collector, run every few hundred
+allocations while they run, walks every object they made so far, again and again. So the
+collector is paused while this package imports the app. In any process
+it is back on when the import returns, except in ``celery ... worker``, where the pause lasts
+through the task modules until ``worker_init``, just before the pool forks: there the boot's
+objects are frozen (``gc.freeze``, as Python's documentation advises for a process that forks
+without exec) and the collector is back on. No later collection, in the worker or in a pool
+process, walks them again, and a pool process's collections leave their pages shared.
+"""
 
 from __future__ import annotations
 
+import gc
+
 from celery import Celery
+from celery.signals import worker_init
 
-import celeryconfig
+#: Whether the collector was on when this package's import began (set back to that at resume).
+_COLLECTOR_WAS_ENABLED = gc.isenabled()
+_paused = True
+gc.disable()
 
-app = Celery("agent_recovery")
-app.conf.update(celeryconfig.build())
 
-import tasks.queues  # noqa: E402,F401  (every publisher stamps sent_at: `status` shows queue waits)
+def _booting_a_worker() -> bool:
+    """True inside ``celery -A tasks worker``: Celery's command line imports the app in its
+    group's callback, where click already knows the subcommand it will run."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.invoked_subcommand == "worker"
+
+
+def _resume_collector(*, freeze: bool) -> None:
+    """End the boot's pause of the collector (later calls do nothing). ``freeze``: the objects
+    made so far move to the permanent generation first (no collection walks them again; the few
+    cycles they already left unreachable stay allocated: a bounded, one-time cost)."""
+    global _paused
+    if not _paused:
+        return
+    _paused = False
+    if freeze:
+        gc.freeze()
+    if _COLLECTOR_WAS_ENABLED:
+        gc.enable()
+
+
+@worker_init.connect
+def _resume_collector_before_fork(**_: object) -> None:
+    _resume_collector(freeze=True)
 
 
 def _load_tools() -> None:
@@ -27,6 +66,19 @@ def _load_tools() -> None:
         raise SystemExit(2) from None
 
 
-_load_tools()
+try:
+    import celeryconfig
+
+    app = Celery("agent_recovery")
+    app.conf.update(celeryconfig.build())
+
+    import tasks.queues  # noqa: F401  (every publisher stamps sent_at: `status` shows queue waits)
+
+    _load_tools()
+except BaseException:
+    _resume_collector(freeze=False)
+    raise
+if not _booting_a_worker():
+    _resume_collector(freeze=False)
 
 __all__ = ["app"]

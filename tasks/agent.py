@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
 from harness.child import ChildOutcome, start_child
-from harness.delivery import deliver_and_resume
+from harness.delivery import DeliveryKind, deliver_and_resume
+from harness.delivery_batch import deliver_rounds_and_resume
 from harness.loop import LoopDeps
 from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
 from tasks import app
-from tasks.scheduler import CeleryScheduler
+from tasks.scheduler import CeleryScheduler, ResumeHere
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +35,25 @@ def run(session_id: int, epoch: int) -> str:
     return run_agent(int(session_id), int(epoch), deps())
 
 
+def child_deps() -> tuple[LoopDeps, ResumeHere]:
+    """A child task's dependencies: the parent whose round its end delivers is run by the same
+    task afterwards (tasks.scheduler.ResumeHere)."""
+    here = ResumeHere(CeleryScheduler(app))
+    return replace(deps(), scheduler=here), here
+
+
 @app.task(name="agent.run_child")
 def run_child_task(execution_id: int, epoch: int) -> str:
-    """Chord header: never raises (a failure becomes a FAILED execution)."""
+    """Chord header: never raises (a failure becomes a FAILED execution). The last child of a
+    round delivers it and then runs its parent here."""
+    child, here = child_deps()
     try:
-        return start_child(int(execution_id), int(epoch), deps())
+        outcome = start_child(int(execution_id), int(epoch), child)
     except Exception:
         log_event(log, "run_child_error", logging.ERROR, exc_info=True, execution_id=execution_id)
-        return ChildOutcome.ERROR
+        outcome = ChildOutcome.ERROR
+    here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+    return outcome
 
 
 @app.task(name="agent.deliver_round", ignore_result=True)
@@ -50,4 +63,12 @@ def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 
-__all__ = ["deliver_round_task", "run", "run_child_task"]
+@app.task(name="agent.deliver_rounds", ignore_result=True)
+def deliver_rounds_task(parents: list[list[int]]) -> int:
+    """Several parents' deliveries in one message ([[parent_id, epoch], ...]: the scan's
+    batches); returns how many parents were handed a new epoch."""
+    outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], CeleryScheduler(app))
+    return sum(1 for outcome in outcomes.values() if outcome.kind == DeliveryKind.RESUME)
+
+
+__all__ = ["deliver_round_task", "deliver_rounds_task", "run", "run_child_task"]

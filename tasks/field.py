@@ -6,6 +6,9 @@ backstop just above it (Celery enforces time limits on the prefork pool only).
 ``field.recover_eml`` returns the run's summary only (status, needs_review, error code,
 idempotency key): Celery logs a task's return value at INFO and keeps it in the result backend,
 so the effective view (guest names, confirmation numbers) must never be one.
+
+``fieldrecovery`` is imported by the tasks when they run, not with this module: every worker
+imports this module at boot, and most never run a field task.
 """
 
 from __future__ import annotations
@@ -13,11 +16,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fieldrecovery.errors import AttemptInvalid, EmlInvalid
-from fieldrecovery.orchestrator import RecoveryStatus, recover_eml
-from fieldrecovery.retention import purge_expired
-from fieldrecovery.schemas import SourceKind
-from fieldrecovery.store import store_from_settings
 from logfmt import log_event
 from settings import get_settings
 from tasks import app
@@ -41,6 +39,10 @@ def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> 
 
     Bad input (an EML the parser refuses, an attempt or source out of range) is a FAILED
     summary with its code, like the CLI's exit 1/2, never a task failure with a traceback."""
+    from fieldrecovery.errors import AttemptInvalid, EmlInvalid
+    from fieldrecovery.orchestrator import recover_eml
+    from fieldrecovery.schemas import SourceKind
+
     try:
         # Parsed here, apart from the pipeline: a ValueError from inside it is not bad input.
         kind, number = SourceKind(source), int(attempt)
@@ -54,6 +56,8 @@ def recover_eml_task(eml: str, source: str = "MANUAL_EML", attempt: int = 1) -> 
 
 def _input_invalid(code: str) -> dict[str, Any]:
     """The summary of bad input: FAILED like any failed run's summary, with the input's code."""
+    from fieldrecovery.orchestrator import RecoveryStatus
+
     log_event(log, "field_input_invalid", logging.WARNING, error_code=code)
     return {"status": RecoveryStatus.FAILED.value, "needs_review": False, "error_code": code, "idempotency_key": None}
 
@@ -61,4 +65,7 @@ def _input_invalid(code: str) -> dict[str, Any]:
 @app.task(name="field.purge_expired", time_limit=600)
 def purge_expired_task() -> dict[str, Any]:
     """Delete invocations and artifacts past retention_until, in batches (beat, e.g. hourly)."""
+    from fieldrecovery.retention import purge_expired
+    from fieldrecovery.store import store_from_settings
+
     return purge_expired(store_from_settings()).to_json()

@@ -6,13 +6,14 @@ import logging
 
 from celery.signals import worker_ready
 
+from harness.parent import run_agent
 from logfmt import log_event
 from models import lease
 from recovery.child import recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
 from tasks import app
-from tasks.agent import deps
+from tasks.agent import child_deps, deps
 from tasks.scheduler import CeleryScheduler
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,12 @@ def scan_task(boot: bool = False) -> dict[str, int]:
 @app.task(name="recovery.recover_child", ignore_result=True)
 def recover_child_task(execution_id: int, epoch: int) -> str:
     """Sent alone, one per execution (no chord: the last recovered execution of a round
-    delivers it). Never raises: every failure becomes a FAILED execution."""
-    return recover_child(int(execution_id), int(epoch), deps())
+    delivers it, and then runs its parent here). Never raises: every failure becomes a FAILED
+    execution."""
+    child, here = child_deps()
+    outcome = recover_child(int(execution_id), int(epoch), child)
+    here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+    return outcome
 
 
 @app.task(name="recovery.fan_out", ignore_result=True)

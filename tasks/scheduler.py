@@ -7,17 +7,26 @@ never wait behind hour-long children on the default queue.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import chord
 
 from harness.scheduler import Children
+from logfmt import log_event
+
+log = logging.getLogger(__name__)
 
 #: Recoveries sent one message each up to this many executions in a pass; above, in batches.
 FAN_OUT_ABOVE = 200
 #: Executions per recovery.fan_out message: a worker publishes them in a second or two.
 FAN_OUT_BATCH = 1000
+#: Parents per agent.deliver_rounds message at most: its transaction holds their rows' locks.
+DELIVER_BATCH = 25
+#: A scan's deliveries go out in at least this many messages (when it has that many parents).
+DELIVER_SPREAD = 4
 
 
 class CeleryScheduler:
@@ -34,9 +43,20 @@ class CeleryScheduler:
         chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
 
     def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
+        """One ``agent.deliver_round`` for a single parent; otherwise ``agent.deliver_rounds``
+        messages of several parents each (one transaction delivers a message's parents), spread
+        over at least DELIVER_SPREAD messages so that several pool processes share the work."""
         with self.app.producer_or_acquire() as producer:
-            for parent_id, epoch in parents:
+            if len(parents) == 1:
+                parent_id, epoch = parents[0]
                 self._sig("agent.deliver_round", None, parent_id, epoch).apply_async(producer=producer)
+                return
+            size = min(DELIVER_BATCH, max(1, math.ceil(len(parents) / DELIVER_SPREAD)))
+            for i in range(0, len(parents), size):
+                batch = [[int(pid), int(epoch)] for pid, epoch in parents[i : i + size]]
+                self._sig("agent.deliver_rounds", batch).apply_async(
+                    producer=producer, argsrepr=f"({len(batch)} parents)"
+                )
 
     def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
         """One recover_child message per execution; the last of a round to end asks for its
@@ -65,3 +85,53 @@ class CeleryScheduler:
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self._sig("agent.run", parent_id, epoch).apply_async()
+
+
+class ResumeHere:
+    """The scheduler of a child's task (``agent.run_child``, ``recovery.recover_child``): what
+    the child's run sends goes out as CeleryScheduler sends it, except the run of the parent
+    whose round this child's end delivered: that one is kept, and the task runs the parent's
+    loop right after the child, in the same process (:meth:`run_kept`), with no task hop.
+
+    NOTE: nothing is lost when that process dies: the delivery committed the parent's hand-over
+    (a new epoch under a reservation) before the run was asked for, so a parent never taken
+    is resumed by the scan once the reservation lapses (R18), as when an ``agent.run`` message
+    is lost; one taken holds a lease that lapses the same way. The chord callback that follows
+    finds the parent handed over and does nothing."""
+
+    def __init__(self, inner: CeleryScheduler) -> None:
+        self.inner = inner
+        self.kept: list[tuple[int, int]] = []
+
+    def start_children(self, parent_id: int, parent_epoch: int, children: Children) -> None:
+        self.inner.start_children(parent_id, parent_epoch, children)
+
+    def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
+        self.inner.recover_many(rounds)
+
+    def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
+        self.inner.deliver_many(parents)
+
+    def resume_parent(self, parent_id: int, epoch: int) -> None:
+        self.kept.append((parent_id, epoch))
+
+    def run_kept(self, run: Callable[[int, int], object]) -> None:
+        """Run each kept parent with ``run(parent_id, epoch)``; one whose run raises (it never
+        should: the loop turns every fault into its outcome) is sent as ``agent.run`` instead,
+        where a run that took the epoch meanwhile makes that message stale."""
+        kept, self.kept = self.kept, []
+        for parent_id, epoch in kept:
+            try:
+                run(parent_id, epoch)
+            except Exception:
+                log_event(log, "parent_run_here_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
+                try:
+                    self.inner.resume_parent(parent_id, epoch)
+                except Exception as exc:
+                    log_event(
+                        log,
+                        "parent_resume_not_enqueued",
+                        logging.WARNING,
+                        parent_id=parent_id,
+                        error=type(exc).__name__,
+                    )

@@ -160,3 +160,48 @@ def test_benchmark_runs_with_tiny_sizes_and_prints_its_figures(case: str, pg_url
         lines = [MISSING_EXTRA]
     missing = [line for line in lines if line not in out]
     assert not missing, f"bench/{script}.py did not print {missing}\n{out}"
+
+
+#: What bench/scale.py --quick must print: its table, the ratios, the scan against history, a
+#: line about the plot (written, or skipped without matplotlib) and the invariants.
+SCALE_LINES = [
+    "kind   w     N | parents/s   p50 ms   p99 ms | cpu ms  stmts    srv    tx  rows  WAL kB | main MB pool MB",
+    "on disk per parent (tables and their indexes, kB): ours ",
+    "ours   1    10 |",
+    "naive  2    30 |",
+    "ratios ours/naive (medians): w1 N10: throughput",
+    "scan per pass (",
+    "2000 historic rows",
+    "plot: ",
+    "invariants I1-I5: ok",
+]
+
+
+@pytest.mark.timeout(330)
+def test_scale_bench_quick_prints_its_table_plot_line_and_invariants(
+    pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    # Four steps of each kind on fresh workers (1 and 2 of each, 10 and 30 parents): a longer
+    # bound than the other benches' (boots, not speed), and nothing about the figures asserted.
+    env = {
+        **os.environ,
+        "BENCH_REDIS_URL": os.environ["STACK_REDIS_URL"],
+        "BENCH_REDIS_DBS": os.environ["STACK_REDIS_DBS"],
+    }
+    out_png = tmp_path / "scale.png"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--out", str(out_png)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,  # a bound on a hung bench under a loaded CI, not a speed figure
+    )
+    out = done.stdout
+    assert done.returncode == 0, f"bench/scale.py exited {done.returncode}\n{out}\n{done.stderr[-4000:]}"
+    missing = [line for line in SCALE_LINES if line not in out]
+    assert not missing, f"bench/scale.py did not print {missing}\n{out}"
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "plot: skipped (matplotlib is not installed" in out
+    else:
+        assert f"plot: written to {out_png}" in out and out_png.stat().st_size > 0

@@ -1,0 +1,605 @@
+"""How cost grows with load: ``python bench/scale.py [--parents 10,100,1000] [--workers 1,2,4]
+[--children 3] [--trials 1] [--out docs/img/scale.png] [--quick]``.
+
+For each worker count W (``--workers``), load N (``--parents``) and trial, W fresh real
+``celery -A tasks worker`` processes (each a prefork pool of ``--concurrency`` processes) and W
+fresh naive workers (``bench/_naive_app.py``, its own queue and database, as
+``bench/delegation.py`` uses it) start; N parents are submitted at once to ours, then N to the
+naive baseline, and each kind's workers stop when their step is done (a PostgreSQL backend
+publishes its counters when its connection ends; idle, only every 10 s). Each parent delegates
+``--children`` children of the instant scripted model (``doubles/``), gets their results back
+in one round and answers. Before a step the parents' sessions and first messages are written
+(outside the figures); the step is timed from the first task sent to the last parent's answer,
+each parent from its own submission to its answer committed (the message's timestamp, written
+by the worker; the session_status events only say when to look). No beat runs: the scan is measured on its own (below).
+
+Per (kind, W, N), medians over the trials (spread beside): throughput (parents/s), p50 and p99
+of submission -> answer (p99 over every parent of every trial), and what each parent cost the
+database, measured during the step: SQL statements the workers sent (counted by SQLAlchemy in
+each worker process, ``bench/_counting/``: the shared server does not preload
+pg_stat_statements), transactions committed and rows inserted/updated/deleted
+(``pg_stat_database`` of the kind's own database), WAL bytes (``pg_current_wal_lsn()`` before and
+after: cluster-wide, so every other writer on the server counts too; take it on a quiet
+server); and the high-water mark of resident memory (``VmHWM``) of each worker's main process
+and of its pool processes, read at the end of the step.
+
+Then the scan's cost per pass as history grows (``--history``, bench/scan.py's functions): one
+pass of the real ``recovery.scan.scan`` over a few crashed parents (``--scan-pending``
+executions) above 0, 100k and 1M finished executions.
+
+A PNG of p50/p99 and throughput against N, one line per worker count, ours solid and naive
+dashed, is written to ``--out`` (needs the ``bench`` extra's matplotlib; without it the plot is
+skipped, said in one line). Exactly-once (I1-I5) is checked over our database at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the project root, not bench/, comes first
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from bench._scale_probes import (
+    Answers,
+    Checker,
+    ServerStatements,
+    answer_times,
+    close_connections,
+    cpu_seconds,
+    db_counters,
+    peak_memory,
+    statements_key,
+    storage_per_parent,
+    table_counters,
+    wal_between,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTING = ROOT / "bench" / "_counting"
+OURS, NAIVE = "ours", "naive"
+#: Seconds for an ended backend to publish its counters, and for the statement counters'
+#: flusher threads (every 0.1 s).
+STATS_SETTLE_SECONDS = 0.5
+QUICK = {"parents": "10,30", "workers": "1,2", "history": "0,2000", "scan_pending": 30}
+
+
+# --- the two kinds ---------------------------------------------------------------------------
+
+
+def create_ours(n: int, label: str) -> list[int]:
+    """N sessions through the real submit path (``harness.views.create_session``)."""
+    from harness.views import create_session
+
+    return [create_session("main", f"{label} parent {i}: split the work") for i in range(n)]
+
+
+def create_naive(n: int, url: str, label: str) -> list[int]:
+    """N sessions and their first USER messages on the naive database (as bench/delegation.py)."""
+    from harness.history import append_message
+    from models import AgentSession, Phase, Role, SessionType, transaction
+    from models.base import utcnow
+
+    ids = []
+    with transaction(url) as s:
+        for i in range(n):
+            now = utcnow()
+            row = AgentSession(
+                user_id="bench",
+                session_type=SessionType.NORMAL,
+                agent_type="main",
+                phase=Phase.RUNNING,
+                started_at=now,
+                updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            append_message(s, row.id, Role.USER, f"{label} parent {i}: split the work")
+            ids.append(row.id)
+    return ids
+
+
+def submit(kind: str, ids: list[int]) -> dict[int, float]:
+    """Sends every parent's first task; returns each one's submission time (epoch seconds)."""
+    import tasks
+    from bench._naive_app import run
+
+    sent: dict[int, float] = {}
+    for sid in ids:
+        sent[sid] = time.time()
+        if kind == OURS:
+            tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
+        else:
+            run.apply_async((sid,))
+    return sent
+
+
+# --- one step ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    kind: str
+    workers: int
+    parents: int
+    throughput: float  #: parents / (first submission -> last answer)
+    latencies: list[float]  #: submission -> answer of each parent, seconds
+    cost: dict[str, int]  #: database counters of the step (whole step, not per parent)
+    main_mb: float
+    pool_mb: float
+    tables: dict[str, tuple[int, ...]]  #: per table: rows inserted, updated, HOT updated, deleted
+
+    def per_parent(self, name: str) -> float:
+        return self.cost[name] / self.parents
+
+
+@dataclass
+class Cell:
+    """Every trial of one (kind, workers, parents)."""
+
+    steps: list[Step] = field(default_factory=list)
+
+    def median(self, fn: Any) -> float:
+        return float(statistics.median(fn(s) for s in self.steps))
+
+    def spread(self, fn: Any, fmt: str) -> str:
+        values = [fn(s) for s in self.steps]
+        return "" if len(values) < 2 else f" ({fmt.format(min(values))}..{fmt.format(max(values))})"
+
+    @property
+    def p50(self) -> float:
+        return self.median(lambda s: statistics.median(s.latencies))
+
+    @property
+    def p99(self) -> float:
+        from bench._common import percentile
+
+        return percentile([x for s in self.steps for x in s.latencies], 99)
+
+
+def run_step(
+    *,
+    kind: str,
+    workers: list[Any],
+    parents: int,
+    children: int,
+    label: str,
+    answers: Answers,
+    admin: Any,
+    database: str,
+    ours_url: str,
+    naive_url: str,
+    server: ServerStatements,
+) -> Step:
+    """One load on one kind's fresh workers, which it stops at the end: a PostgreSQL backend
+    publishes its counters when idle at most every 10 s, always when its connection ends."""
+    from bench._common import wait_for
+
+    ids = create_ours(parents, label) if kind == OURS else create_naive(parents, naive_url, label)
+    answers.watch(ids)
+    url = ours_url if kind == OURS else naive_url
+    checker = Checker(url, ids)
+    close_connections()  # this process's backends publish the sessions' writes: not the step's
+    time.sleep(STATS_SETTLE_SECONDS)
+    tables_before = table_counters(url)
+    time.sleep(STATS_SETTLE_SECONDS)  # that reading's backend ended and published
+    before = db_counters(admin, database, kind, server)
+    cpu_before = cpu_seconds(workers)
+    cost: dict[str, int] = {}
+    sent = submit(kind, ids)
+    try:
+        wait_for(
+            lambda: checker.done(answers),
+            timeout=120 + parents * children * 0.2,
+            what=f"{parents} {kind} parents answered",
+            describe=lambda: f"{answers.hints()[0]}/{parents} answer events",
+            interval=0.02,
+        )
+        main_mb, pool_mb = peak_memory(workers)
+        cost["cpu_ms"] = round((cpu_seconds(workers) - cpu_before) * 1000)
+        time.sleep(STATS_SETTLE_SECONDS)  # the statement counters' last flush
+        for w in workers:
+            w.stop()
+    finally:
+        checker.close()
+    time.sleep(STATS_SETTLE_SECONDS)  # the workers' and the checker's backends ended and published
+    after = db_counters(admin, database, kind, server)
+    tables_after = table_counters(url)
+    tables = {
+        name: tuple(a - b for a, b in zip(counts, tables_before.get(name, (0, 0, 0, 0)), strict=True))
+        for name, counts in tables_after.items()
+    }
+    answered = answer_times(url, ids)
+    if len(answered) != parents:
+        raise RuntimeError(f"{parents - len(answered)} {kind} parents have no answer")
+    latencies = [answered[sid] - sent[sid] for sid in ids]
+    wall = max(answered.values()) - min(sent.values())
+    cost.update(after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn)))
+    cost["xacts"] -= checker.checks
+    return Step(kind, len(workers), parents, parents / wall, latencies, cost, main_mb, pool_mb, tables)
+
+
+# --- the scan against history -------------------------------------------------------------------
+
+
+@dataclass
+class ScanPass:
+    history: int
+    ms: float  #: median pass
+    spread: str
+    executions: int
+
+
+def measure_scan(history: list[int], pending: int, repeat: int) -> list[ScanPass]:
+    """One database; ``pending`` crashed executions (3 per parent), then history added up to
+    each size in ``history`` (ascending), timing ``repeat`` scan passes at each."""
+    from bench._common import bench_database, progress
+    from bench.scan import insert_history, insert_pending, time_scan, vacuum_analyze
+
+    out = []
+    with bench_database("bench_scale_scan"):
+        insert_pending(pending, 3)
+        vacuum_analyze()
+        have = 0
+        for size in sorted(history):
+            if size > have:
+                # NOTE: a second call maps its executions onto the first call's child sessions
+                # (bench/scan.py numbers children from the first); the foreign keys hold and the
+                # scan reads none of those rows, which is what is measured here.
+                insert_history(size - have)
+                vacuum_analyze()
+                have = size
+            timing = time_scan(repeat)
+            out.append(ScanPass(size, timing.scan_s * 1000, timing.spread_ms, timing.executions))
+            progress(f"scan over {size} historic rows: {timing.scan_s * 1000:.1f} ms per pass ({timing.spread_ms})")
+    return out
+
+
+# --- the plot ----------------------------------------------------------------------------------
+
+
+def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
+    """Writes the PNG; returns the line to print."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter, NullFormatter
+    except ImportError:
+        return 'plot: skipped (matplotlib is not installed: install with pip install -e ".[bench]")'
+    worker_counts = sorted({w for _, w, _ in cells})
+    loads = sorted({n for _, _, n in cells})
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, w in enumerate(worker_counts):
+        color = colors[i % len(colors)]
+        for kind, style in ((OURS, "-"), (NAIVE, "--")):
+            row = [cells[(kind, w, n)] for n in loads if (kind, w, n) in cells]
+            xs = [n for n in loads if (kind, w, n) in cells]
+            lat.plot(xs, [c.p50 for c in row], style, color=color, marker="o", label=f"{kind}, {w}w p50")
+            lat.plot(xs, [c.p99 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99")
+            thr.plot(
+                xs,
+                [c.median(lambda s: s.throughput) for c in row],
+                style,
+                color=color,
+                marker="o",
+                label=f"{kind}, {w}w",
+            )
+    for ax in (lat, thr):
+        ax.set_xscale("log")
+        ax.set_xticks(loads, [str(n) for n in loads])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent parents (N)")
+        ax.grid(True, which="both", alpha=0.3)
+    lat.set_yscale("log")
+    lat.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    lat.yaxis.set_minor_formatter(NullFormatter())
+    lat.set_ylabel("submission -> answer (s)")
+    lat.set_title("latency (p50 o, p99 ^)")
+    thr.set_ylabel("parents / s")
+    thr.set_title("throughput")
+    thr.legend(fontsize=7, ncol=2)
+    lat.legend(fontsize=6, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return f"plot: written to {out}"
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--parents", default="10,100,1000", help="loads N, concurrent parents (10,100,1000: ~10 min in all)"
+    )
+    parser.add_argument("--workers", default="1,2,4", help="worker processes of each kind (1,2,4)")
+    parser.add_argument("--children", type=int, default=3, help="children per parent (3)")
+    parser.add_argument("--concurrency", type=int, default=1, help="prefork pool size of each worker (1)")
+    parser.add_argument("--trials", type=int, default=1, help="trials per (kind, workers, N); medians printed (1)")
+    parser.add_argument("--history", default="0,100000,1000000", help="finished executions under the scan")
+    parser.add_argument("--scan-pending", type=int, default=300, help="crashed executions each scan pass takes")
+    parser.add_argument("--scan-repeat", type=int, default=5, help="timed scan passes per history size (5)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "scale.png"), help="the PNG plot")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test: " + str(QUICK))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.parents, args.workers, args.history = QUICK["parents"], QUICK["workers"], QUICK["history"]
+        args.scan_pending, args.scan_repeat = QUICK["scan_pending"], 1
+    args.parents, args.workers, args.history = _ints(args.parents), _ints(args.workers), _ints(args.history)
+    if (
+        not args.parents
+        or not args.workers
+        or min(args.parents + args.workers) < 1
+        or min(args.history or [0]) < 0
+        or min(args.children, args.concurrency, args.trials, args.scan_pending, args.scan_repeat) < 1
+    ):
+        parser.error("loads, worker counts, --children, --concurrency, --trials and the scan's sizes must be >= 1")
+    args.parents.sort()
+    return args
+
+
+def stack_helpers() -> Any:
+    """The stack helpers' module (Worker, apply_env): the one line to change if it moves."""
+    import devstack.processes as helpers
+
+    return helpers
+
+
+def start_workers(
+    stack: Any, *, count: int, concurrency: int, env: dict[str, str], naive_env: dict[str, str]
+) -> tuple[list[Any], list[Any]]:
+    """``count`` fresh workers of each kind, booted in parallel (each ready line awaited)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench._naive_app import NAIVE_QUEUE
+    from bench.delegation import app_worker
+
+    ours = [
+        stack_helpers().Worker(
+            {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS)},
+            stack.log_dir,
+            name=f"scale-{i}",
+            concurrency=concurrency,
+        )
+        for i in range(count)
+    ]
+    naive = [
+        app_worker(
+            "bench._naive_app:naive_app",
+            NAIVE_QUEUE,
+            f"naive-{i}-{int(time.time() * 1000)}",
+            {**naive_env, "BENCH_STATEMENTS_KEY": statements_key(NAIVE)},
+            stack.log_dir,
+            concurrency,
+        )
+        for i in range(count)
+    ]
+    for w in ours + naive:
+        stack.add_worker(w)
+    with ThreadPoolExecutor(len(ours + naive)) as pool:
+        for started in [pool.submit(w.start, 90) for w in ours + naive]:
+            started.result()
+    return ours, naive
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from bench._common import (
+        REDIS_BASE,
+        REDIS_DBS,
+        Stack,
+        admin_engine,
+        bench_database,
+        bench_env,
+        flush_redis,
+        progress,
+    )
+    from bench._figures import system_load
+    from bench._naive_app import naive_app
+
+    started = time.monotonic()
+    cells: dict[tuple[str, int, int], Cell] = {}
+    events_url = f"{REDIS_BASE}/{REDIS_DBS[2]}"
+    print(
+        f"scale: N concurrent parents {args.parents} x {args.children} children (instant model) over "
+        f"{args.workers} worker processes of each kind (celery worker -c {args.concurrency}), ours then naive "
+        f"for each trial, {args.trials} trial(s); {system_load()}",
+        flush=True,
+    )
+    with (
+        bench_database("bench_scale_ours") as url,
+        bench_database("bench_scale_naive") as naive_url,
+        bench_database("bench_scale_stats", migrate=False) as stats_url,
+    ):
+        flush_redis()
+        admin = admin_engine()
+        server = ServerStatements(stats_url)
+        if server.engine is None:
+            print(
+                f"  ({server.why}: statements are counted in the workers only, WAL bytes cluster-wide; a private "
+                f"server with shared_preload_libraries = 'pg_stat_statements' via BENCH_PG_ADMIN_URL gives both "
+                f"per database)",
+                flush=True,
+            )
+        counting = {
+            "PYTHONPATH": f"{COUNTING}{os.pathsep}{ROOT}",
+            "BENCH_STATEMENTS_REDIS": events_url,
+            "LEASE_SECONDS": "30",  # production's: a deep queue is no reason to take work back
+            "SCAN_INTERVAL_SECONDS": "30",
+        }
+        answers = Answers(events_url)
+        with Stack("bench-scale") as stack:
+            model = stack.model(_script(args.children))
+            env = bench_env(url, model.base_url, **counting)
+            naive_env = bench_env(naive_url, model.base_url, **counting)
+            stack_helpers().apply_env(env)
+            naive_app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
+            try:
+                for count in args.workers:
+                    for n in args.parents:
+                        for trial in range(1, args.trials + 1):
+                            ours_w, naive_w = start_workers(
+                                stack, count=count, concurrency=args.concurrency, env=env, naive_env=naive_env
+                            )
+                            for kind, workers, database in (
+                                (OURS, ours_w, url.rsplit("/", 1)[1]),
+                                (NAIVE, naive_w, naive_url.rsplit("/", 1)[1]),
+                            ):
+                                step = run_step(
+                                    kind=kind,
+                                    workers=workers,
+                                    parents=n,
+                                    children=args.children,
+                                    label=f"w{count} n{n} t{trial}",
+                                    answers=answers,
+                                    admin=admin,
+                                    database=database,
+                                    ours_url=url,
+                                    naive_url=naive_url,
+                                    server=server,
+                                )
+                                cells.setdefault((kind, count, n), Cell()).steps.append(step)
+                                progress(
+                                    f"{kind:5} workers {count} N {n:5} trial {trial}: "
+                                    f"{step.throughput:7.1f} parents/s, "
+                                    f"p50 {statistics.median(step.latencies) * 1000:8.1f} ms, "
+                                    f"{step.per_parent('statements'):5.1f} statements/parent, "
+                                    f"{step.per_parent('xacts'):4.1f} tx/parent; {system_load()}"
+                                )
+                            stack.workers = [w for w in stack.workers if w not in ours_w + naive_w]
+            except Exception:
+                stack.failed = True
+                stack.dump_logs()
+                raise
+            finally:
+                answers.close()
+            from models import transaction
+            from recovery.invariants import check_all
+
+            with transaction() as s:
+                problems = check_all(s, settled=True)
+            ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers)
+            storage = {OURS: storage_per_parent(url, ours_parents), NAIVE: storage_per_parent(naive_url, ours_parents)}
+            _drop_result_subscriptions(naive_app)
+            naive_app.close()
+        per_database = server.engine is not None
+        server.close()
+        admin.dispose()
+    scans = measure_scan(args.history, args.scan_pending, args.scan_repeat) if args.history else []
+    load = system_load()
+    print_table(cells, args, per_database=per_database)
+    if scans:
+        print(
+            f"scan per pass ({scans[0].executions} crashed executions taken each pass, median of "
+            f"{args.scan_repeat} passes): "
+            + ", ".join(f"{s.history} historic rows {s.ms:.1f} ms ({s.spread})" for s in scans)
+        )
+    title = (
+        f"bench/scale.py: {args.children} children per parent, instant model; workers -c {args.concurrency}; "
+        f"{args.trials} trial(s); {load}"
+    )
+    print(f"on disk per parent (tables and their indexes, kB): ours {storage[OURS]}; naive {storage[NAIVE]}")
+    print(plot(cells, Path(args.out), title))
+    print(f"run time: {time.monotonic() - started:.0f} s; {load}")
+    if problems:
+        print(f"invariants I1-I5: VIOLATED ({len(problems)})")
+        for problem in problems[:50]:
+            print(f"  {problem}")
+        return 1
+    print(f"invariants I1-I5: ok ({ours_parents} parents of ours)")
+    return 0
+
+
+def _script(children: int) -> list[dict[str, Any]]:
+    from bench.delegation import instant_script
+
+    return instant_script(children)
+
+
+def _drop_result_subscriptions(app: Any) -> None:
+    from bench.delegation import _drop_result_subscriptions as drop
+
+    drop(app)
+
+
+def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespace, *, per_database: bool) -> None:
+    spread = "" if args.trials < 2 else f"; medians of {args.trials} trials, (min..max) of parents/s at the end"
+    print(
+        f"per (kind, workers, N){spread}; p99 over every parent; per parent = one delegating round of "
+        f"{args.children} children and the answer after it"
+    )
+    header = (
+        f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'cpu ms':>6} {'stmts':>6} "
+        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    wal = "db_wal" if per_database else "wal"
+
+    def per(cell: Cell, name: str) -> float:
+        return cell.median(lambda s: s.per_parent(name))
+
+    for (kind, w, n), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0] != OURS)):
+        server = f"{per(cell, 'server_statements'):6.1f}" if per_database else f"{'-':>6}"
+        print(
+            f"{kind:5} {w:>2} {n:>5} | {cell.median(lambda s: s.throughput):9.1f} {cell.p50 * 1000:8.1f} "
+            f"{cell.p99 * 1000:8.1f} | {per(cell, 'cpu_ms'):6.1f} {per(cell, 'statements'):6.1f} {server} "
+            f"{per(cell, 'xacts'):5.1f} "
+            f"{per(cell, 'rows'):5.1f} {per(cell, wal) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
+            f"{cell.median(lambda s: s.pool_mb):7.1f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
+        )
+    parts = []
+    for (kind, w, n), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        other = cells.get((NAIVE, w, n))
+        if kind != OURS or other is None:
+            continue
+        parts.append(
+            f"w{w} N{n}: throughput {cell.median(lambda s: s.throughput) / other.median(lambda s: s.throughput):.2f}, "
+            f"p50 {cell.p50 / other.p50:.2f}, "
+            f"statements {per(cell, 'statements') / max(per(other, 'statements'), 1e-9):.2f}"
+        )
+    print("ratios ours/naive (medians): " + "; ".join(parts))
+    for kind in (OURS, NAIVE):
+        key = max((k for k in cells if k[0] == kind), key=lambda k: (k[2], k[1]))
+        step = cells[key].steps[-1]
+        tables = [
+            f"{name} +{ins / step.parents:.1f}/~{upd / step.parents:.1f} (HOT {hot / step.parents:.1f})"
+            + (f"/-{dele / step.parents:.1f}" if dele else "")
+            for name, (ins, upd, hot, dele) in sorted(step.tables.items())
+            if ins or upd or dele
+        ]
+        print(
+            f"rows per parent by table, {kind} (w{key[1]} N{key[2]}; +inserted/~updated/-deleted): " + ", ".join(tables)
+        )
+    where = (
+        "WAL kB = WAL of the kind's database (pg_stat_statements)"
+        if per_database
+        else "WAL kB = WAL written cluster-wide (other writers count too)"
+    )
+    print(
+        "columns: cpu ms = CPU time of the kind's worker processes (main and pool), stmts = SQL statements the "
+        "workers sent (SQLAlchemy), srv = statements the server ran "
+        "(pg_stat_statements, BEGIN/COMMIT left out; - without it), tx = transactions committed (each worker's boot "
+        f"scan included: a few per worker), rows = rows inserted + updated + deleted, {where}, all per parent; "
+        "main/pool MB = the largest VmHWM of a worker's main / pool process in the step"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
