@@ -427,31 +427,11 @@ def mark_all_delivered(s: Session, tool_message_ids: dict[int, int], *, assistan
     a row already delivered or suppressed is left as it is)."""
     if not tool_message_ids:
         return
-    params: dict[str, Any] = {"assistant_id": assistant_message_id, "now": utcnow()}
-    for n, (eid, tool_id) in enumerate(tool_message_ids.items()):
-        params[f"e{n}"], params[f"t{n}"] = eid, tool_id
-    rows = cas(s, _mark_delivered_stmt(len(tool_message_ids)), params)
-    if rows == len(tool_message_ids):
+    marks = {eid: (assistant_message_id, tool_id) for eid, tool_id in tool_message_ids.items()}
+    if mark_rounds_delivered(s, marks) == len(tool_message_ids):
         return
     for eid, tool_id in tool_message_ids.items():
         mark_delivered(s, eid, assistant_message_id=assistant_message_id, tool_message_id=tool_id)
-
-
-@built_once
-def _mark_delivered_stmt(n: int) -> Any:
-    """mark_all_delivered's compare-and-set for a round of ``n`` executions."""
-    ids = [bindparam(f"e{i}", type_=BigInteger()) for i in range(n)]
-    return (
-        update(E)
-        .where(E.id.in_(ids), E.delivery_status == DeliveryStatus.PENDING, E.status.in_(TERMINAL_EXECUTION))
-        .values(
-            delivery_status=DeliveryStatus.DELIVERED,
-            parent_result_delivered_at=bindparam("now"),
-            parent_assistant_message_id=bindparam("assistant_id"),
-            parent_tool_message_id=case({ids[i]: bindparam(f"t{i}", type_=BigInteger()) for i in range(n)}, value=E.id),
-        )
-        .execution_options(synchronize_session=False)
-    )
 
 
 def mark_rounds_delivered(s: Session, marks: dict[int, tuple[int, int]]) -> int:
