@@ -72,14 +72,37 @@ def parent_of(s: Session, session_id: int) -> Parent:
     return Parent(session_id)
 
 
-def _delegate(
-    s: Session,
-    parent: Parent,
-    args: dict[str, Any],
-    tool_call_id: str,
-    pending_round_id: int | None,
-    lease_seconds: float,
+@dataclass(frozen=True)
+class _Call:
+    """Where one delegation call stands: its tool call, the parent's round, the lease."""
+
+    tool_call_id: str
+    pending_round_id: int | None
+    lease_seconds: float
+
+
+def _start_execution(
+    s: Session, parent: Parent, call: _Call, *, child_id: int, agent_type: str, task: str, invocation: InvocationType
 ) -> CreatedExecution:
+    """The child's USER (the task) and the execution row: the last two writes of both kinds."""
+    start = append_message(s, child_id, Role.USER, task)
+    crash_point("delegate.after_user_message")
+    execution_id = create_execution_row(
+        s,
+        parent_id=parent.id,
+        child_id=child_id,
+        agent_type=agent_type,
+        task=task,
+        invocation=invocation,
+        tool_call_id=call.tool_call_id,
+        start_message_id=start,
+        pending_round_id=call.pending_round_id,
+        lease_seconds=call.lease_seconds,
+    )
+    return CreatedExecution(execution_id, child_id, call.tool_call_id, invocation)
+
+
+def _delegate(s: Session, parent: Parent, args: dict[str, Any], call: _Call) -> CreatedExecution:
     agent_type, task = args.get("agent_type"), args.get("task")
     if not isinstance(agent_type, str) or not isinstance(task, str) or not task.strip():
         raise DelegationRefused("delegate needs string arguments 'agent_type' and a non-empty 'task'")
@@ -93,31 +116,12 @@ def _delegate(
         s, parent_id=parent.id, agent_type=agent.name, execution_mode=agent.execution_mode, user_id=parent.user_id
     )
     crash_point("delegate.after_child_session")
-    start = append_message(s, child_id, Role.USER, task)
-    crash_point("delegate.after_user_message")
-    execution_id = create_execution_row(
-        s,
-        parent_id=parent.id,
-        child_id=child_id,
-        agent_type=agent.name,
-        task=task,
-        invocation=InvocationType.DELEGATE,
-        tool_call_id=tool_call_id,
-        start_message_id=start,
-        pending_round_id=pending_round_id,
-        lease_seconds=lease_seconds,
+    return _start_execution(
+        s, parent, call, child_id=child_id, agent_type=agent.name, task=task, invocation=InvocationType.DELEGATE
     )
-    return CreatedExecution(execution_id, child_id, tool_call_id, InvocationType.DELEGATE)
 
 
-def _followup(
-    s: Session,
-    parent: Parent,
-    args: dict[str, Any],
-    tool_call_id: str,
-    pending_round_id: int | None,
-    lease_seconds: float,
-) -> CreatedExecution:
+def _followup(s: Session, parent: Parent, args: dict[str, Any], call: _Call) -> CreatedExecution:
     child_id, task = args.get("child_session_id"), args.get("task")
     if isinstance(child_id, str) and child_id.isdigit():
         child_id = int(child_id)
@@ -137,21 +141,9 @@ def _followup(
         raise DelegationRefused(f"child session {child_id} is busy or stopped; the follow-up was not sent")
     # The child's incomplete tail goes before the new instruction is added.
     cleanup_incomplete_tail(s, child_id, validated_boundary(s, child_id))
-    start = append_message(s, child_id, Role.USER, task)
-    crash_point("delegate.after_user_message")
-    execution_id = create_execution_row(
-        s,
-        parent_id=parent.id,
-        child_id=child_id,
-        agent_type=child.agent_type,
-        task=task,
-        invocation=InvocationType.FOLLOWUP,
-        tool_call_id=tool_call_id,
-        start_message_id=start,
-        pending_round_id=pending_round_id,
-        lease_seconds=lease_seconds,
+    return _start_execution(
+        s, parent, call, child_id=child_id, agent_type=child.agent_type, task=task, invocation=InvocationType.FOLLOWUP
     )
-    return CreatedExecution(execution_id, child_id, tool_call_id, InvocationType.FOLLOWUP)
 
 
 def create_execution(
@@ -170,10 +162,11 @@ def create_execution(
         args = parse_arguments(raw_arguments)
     except ToolError as exc:
         return f"error: {exc}"
+    call = _Call(tool_call_id, pending_round_id, lease_seconds)
     try:
         if name == "delegate":
-            return _delegate(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
+            return _delegate(s, parent, args, call)
         with s.begin_nested():
-            return _followup(s, parent, args, tool_call_id, pending_round_id, lease_seconds)
+            return _followup(s, parent, args, call)
     except DelegationRefused as exc:
         return f"error: {exc}"
