@@ -66,6 +66,19 @@ class _OwnedCall:
     started: float  #: ``time.monotonic()`` when the call began (the audit's duration)
 
 
+def _log_call_end(call: _OwnedCall, audit: ProviderAudit, **fields: Any) -> None:
+    """The ``provider_call_end`` line of a call that got as far as an audit."""
+    log_event(
+        log,
+        "provider_call_end",
+        key=call.key,
+        request_id=call.request_id,
+        run_id=call.progress.run_id,
+        duration_ms=audit.duration_ms,
+        **fields,
+    )
+
+
 class RecoveryStatus(StrEnum):
     SUCCEEDED = "SUCCEEDED"  #: a stored PatchSet was assembled and applied once (see needs_review)
     FAILED = "FAILED"  #: failed closed; the view is the parser baseline; error_code says why
@@ -312,16 +325,7 @@ class FieldRecoveryOrchestrator:
         """Step 2, a classified failure (the provider, the deadline, the answer's strict parse):
         the invocation FAILED with its code; ``invocation_lost`` when a newer owner fenced us out."""
         audit = self._audit(call.progress, answer, call.started)
-        log_event(
-            log,
-            "provider_call_end",
-            key=call.key,
-            request_id=call.request_id,
-            run_id=call.progress.run_id,
-            duration_ms=audit.duration_ms,
-            error_code=exc.code,
-            cancel_sent=call.progress.cancel_sent,
-        )
+        _log_call_end(call, audit, error_code=exc.code, cancel_sent=call.progress.cancel_sent)
         try:
             landed = self.store.finish_failure(
                 call.key, call.owner_id, call.epoch, code=exc.code, summary=str(exc), audit=audit
@@ -361,16 +365,7 @@ class FieldRecoveryOrchestrator:
     ) -> RecoveryRun:
         """Step 2, an answer: stored under the owner's epoch (SUCCEEDED), then applied once."""
         audit = self._audit(call.progress, answer, call.started)
-        log_event(
-            log,
-            "provider_call_end",
-            key=call.key,
-            request_id=call.request_id,
-            run_id=call.progress.run_id,
-            duration_ms=audit.duration_ms,
-            error_code=None,
-            profile_version=answer.resolved_profile_version,
-        )
+        _log_call_end(call, audit, error_code=None, profile_version=answer.resolved_profile_version)
         try:
             landed = self.store.finish_success(
                 call.key, call.owner_id, call.epoch, patch_set.model_dump(mode="json"), audit
