@@ -186,3 +186,29 @@ def wait_for(
             progress(f"waiting for {what} ({now - started:.0f}s){status}")
             last = now
         time.sleep(interval)
+
+
+def naive_sessions(url: str, tasks: Sequence[str]) -> list[int]:
+    """One RUNNING session per task, with the task as its first USER message, on the naive
+    baseline's database (bench/_naive_app.py), in one transaction; returns their ids."""
+    from harness.history import append_message
+    from models import AgentSession, Phase, Role, SessionType, transaction
+    from models.base import utcnow
+
+    ids = []
+    with transaction(url) as s:
+        for task in tasks:
+            now = utcnow()
+            row = AgentSession(
+                user_id="bench",
+                session_type=SessionType.NORMAL,
+                agent_type="main",
+                phase=Phase.RUNNING,
+                started_at=now,
+                updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            append_message(s, row.id, Role.USER, task)
+            ids.append(row.id)
+    return ids

@@ -179,26 +179,11 @@ def naive_round(n: int, url: str, timeout: float) -> float:
     the parent's answer committed, in seconds."""
     from sqlalchemy import text
 
-    from bench._common import wait_for
+    from bench._common import naive_sessions, wait_for
     from bench._naive_app import run
-    from harness.history import append_message
-    from models import AgentSession, Phase, Role, SessionType, transaction
-    from models.base import utcnow
+    from models import transaction
 
-    with transaction(url) as s:
-        now = utcnow()
-        row = AgentSession(
-            user_id="bench",
-            session_type=SessionType.NORMAL,
-            agent_type="main",
-            phase=Phase.RUNNING,
-            started_at=now,
-            updated_at=now,
-        )
-        s.add(row)
-        s.flush()
-        append_message(s, row.id, Role.USER, f"round {n}: split the work")
-        sid = row.id
+    (sid,) = naive_sessions(url, [f"round {n}: split the work"])
     run.apply_async((sid,))
 
     def phase() -> str | None:

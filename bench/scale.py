@@ -82,27 +82,9 @@ def create_ours(n: int, label: str) -> list[int]:
 
 def create_naive(n: int, url: str, label: str) -> list[int]:
     """N sessions and their first USER messages on the naive database (as bench/delegation.py)."""
-    from harness.history import append_message
-    from models import AgentSession, Phase, Role, SessionType, transaction
-    from models.base import utcnow
+    from bench._common import naive_sessions
 
-    ids = []
-    with transaction(url) as s:
-        for i in range(n):
-            now = utcnow()
-            row = AgentSession(
-                user_id="bench",
-                session_type=SessionType.NORMAL,
-                agent_type="main",
-                phase=Phase.RUNNING,
-                started_at=now,
-                updated_at=now,
-            )
-            s.add(row)
-            s.flush()
-            append_message(s, row.id, Role.USER, f"{label} parent {i}: split the work")
-            ids.append(row.id)
-    return ids
+    return naive_sessions(url, [f"{label} parent {i}: split the work" for i in range(n)])
 
 
 def submit(kind: str, ids: list[int]) -> dict[int, float]:
