@@ -60,19 +60,23 @@ def service_env(
     return env
 
 
+#: What apply_env sets in this process (a test's Stack puts these back when it closes).
+APPLIED_ENV_KEYS = (
+    "DATABASE_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_RESULT_BACKEND",
+    "REDIS_URL",
+    "MODEL_BASE_URL",
+    "LEASE_SECONDS",
+    "SCAN_INTERVAL_SECONDS",
+    "SUBAGENT_TIMEOUT_SECONDS",
+    "SUBAGENT_CANCEL_GRACE_SECONDS",
+)
+
+
 def apply_env(env: dict[str, str]) -> None:
     """Make this (test) process use the same services as the workers."""
-    for key in (
-        "DATABASE_URL",
-        "CELERY_BROKER_URL",
-        "CELERY_RESULT_BACKEND",
-        "REDIS_URL",
-        "MODEL_BASE_URL",
-        "LEASE_SECONDS",
-        "SCAN_INTERVAL_SECONDS",
-        "SUBAGENT_TIMEOUT_SECONDS",
-        "SUBAGENT_CANCEL_GRACE_SECONDS",
-    ):
+    for key in APPLIED_ENV_KEYS:
         if key in env:
             os.environ[key] = env[key]
     from settings import get_settings

@@ -219,29 +219,16 @@ def fresh_db_url() -> Iterator[str]:
 # --- a full stack: PostgreSQL + Redis + scripted model + real Celery workers ----------------
 
 
-#: What devstack.processes.apply_env sets in this process; a Stack puts it back when it closes, so no
-#: later test (in whatever order xdist runs them) inherits a stack's broker, lease or timeouts.
-STACK_ENV_KEYS = (
-    "DATABASE_URL",
-    "CELERY_BROKER_URL",
-    "CELERY_RESULT_BACKEND",
-    "REDIS_URL",
-    "MODEL_BASE_URL",
-    "LEASE_SECONDS",
-    "SCAN_INTERVAL_SECONDS",
-    "SUBAGENT_TIMEOUT_SECONDS",
-    "SUBAGENT_CANCEL_GRACE_SECONDS",
-)
-
-
 class Stack:
     """One test's services; workers are real `celery -A tasks worker` subprocesses."""
 
     def __init__(self, pg_url: str, log_dir: Path, script: Script) -> None:
-        from devstack.processes import apply_env, flush_broker, service_env
+        from devstack.processes import APPLIED_ENV_KEYS, apply_env, flush_broker, service_env
         from doubles.scripted_model import ScriptedModelServer
 
-        self._saved_env = {key: os.environ.get(key) for key in STACK_ENV_KEYS}
+        # What apply_env sets goes back when the stack closes: no later test (in whatever
+        # order xdist runs them) inherits a stack's broker, lease or timeouts.
+        self._saved_env = {key: os.environ.get(key) for key in APPLIED_ENV_KEYS}
         flush_broker()
         self.model = ScriptedModelServer(script)
         self.model.start()
