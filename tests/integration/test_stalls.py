@@ -321,13 +321,21 @@ def test_an_execution_with_an_unknown_status_is_quarantined_once_and_the_rest_of
     corrupt = make_execution(corrupt_parent, status=ExecutionStatus.COMPLETED, completed_at=done)
     make_execution(healthy_parent, status=ExecutionStatus.COMPLETED, completed_at=done)
     with transaction() as s:  # a value written by a newer version (or a corrupt one)
+        check = s.execute(
+            text("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'ck_subagent_execution_status'")
+        ).scalar_one()
         s.execute(text("ALTER TABLE subagent_execution DROP CONSTRAINT ck_subagent_execution_status"))
         s.execute(text(f"UPDATE subagent_execution SET status = 'PAUSED_BY_FUTURE' WHERE id = {corrupt}"))
     caplog.set_level(logging.INFO)
-    for _ in range(3):
-        sched = RecordingScheduler()
-        scan(sched, callback_grace_seconds=0)
-        assert [p for p, _ in sched.deliveries] == [healthy_parent], "the corrupt parent is left alone"
+    try:
+        for _ in range(3):
+            sched = RecordingScheduler()
+            scan(sched, callback_grace_seconds=0)
+            assert [p for p, _ in sched.deliveries] == [healthy_parent], "the corrupt parent is left alone"
+    finally:  # this worker's later tests share the database: its schema goes back as it was
+        with transaction() as s:
+            s.execute(text(f"UPDATE subagent_execution SET status = 'COMPLETED' WHERE id = {corrupt}"))
+            s.execute(text(f"ALTER TABLE subagent_execution ADD CONSTRAINT ck_subagent_execution_status {check}"))
     errors = [r.getMessage() for r in caplog.records if "event=execution_quarantined" in r.getMessage()]
     assert len(errors) == 1 and f"execution_id={corrupt}" in errors[0] and "PAUSED_BY_FUTURE" in errors[0]
     assert all(r.levelno == logging.ERROR for r in caplog.records if "event=execution_quarantined" in r.getMessage())
