@@ -364,18 +364,22 @@ def _act_on_approvals(scheduler: Scheduler, report: ScanReport) -> None:
 
 #: Follow-up walks of a pass over the dead rows it passed over because another path held their
 #: parent (a finishing sibling, a delivery, a cancel: short transactions), and the wait before
-#: each. Without them such a round waited for the next scan (SCAN_INTERVAL_SECONDS): a worker
-#: restarted under its name, whose boot scan met a child of a round finishing, left the rest of
-#: that round to the beat, 30 s later (bench/peer_dbos.py --modes restart).
-FOLLOW_UP_WALKS = 3
-FOLLOW_UP_WAIT_SECONDS = 0.2
+#: the first (doubled before each next: 0.05, 0.1, 0.2, 0.4 s, 0.75 s in all). Without them such
+#: a round waited for the next scan (SCAN_INTERVAL_SECONDS): a worker restarted under its name,
+#: whose boot scan met a child of a round finishing, left the rest of that round to the beat,
+#: 30 s later (bench/peer_dbos.py --modes restart). NOTE: the wait holds a pool process of the
+#: worker that restarts; the lock it waits out is a finishing child's transaction (milliseconds),
+#: so the first wait is short: 0.2 s at every walk held it 0.2 s at least, 0.6 s at most.
+FOLLOW_UP_WALKS = 4
+FOLLOW_UP_WAIT_SECONDS = 0.05
 
 
 def _recover_dead_executions(
     scheduler: Scheduler, report: ScanReport, right: ScanRight, leave_first_runs: int = 0
 ) -> None:
     """Walk the dead executions by id, batch by batch; then, while a walk passed rows over (their
-    parent was locked elsewhere), walk again after a short wait, at most FOLLOW_UP_WALKS times.
+    parent was locked elsewhere), walk again after a short wait (doubled each time), at most
+    FOLLOW_UP_WALKS times.
     NOTE: every walk judges "dead" at the pass's start, like the first: a row an earlier walk
     reserved is not dead then (its reservation lapses after the start), so no execution is
     reserved twice by one pass, however long it runs.
@@ -402,7 +406,7 @@ def _recover_dead_executions(
     reserver = Reserver(started, reservation_seconds(), limit=BATCH, leave_from=leave_from)
     for walk in range(1 + FOLLOW_UP_WALKS):
         if walk:
-            time.sleep(FOLLOW_UP_WAIT_SECONDS)
+            time.sleep(FOLLOW_UP_WAIT_SECONDS * 2 ** (walk - 1))
         if not _walk(scheduler, report, right, reserver):
             return
 
