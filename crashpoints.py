@@ -43,6 +43,7 @@ POINTS = (
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
     "scan.holding_right",  # scan took the right to scan, nothing else done yet
     "scan.inside_batch",  # inside a scan batch's transaction: dead rows and their parents locked and reserved
+    "scan.before_pass_behind_queue",  # a boot pass left first runs to their queued messages; its follow-up not sent
     "journal.after_reply",  # the model's reply of a round committed to the journal, no tool run yet
     "journal.after_tool_start",  # a tool not safe to repeat: its start committed, the tool not run yet
     "journal.after_tool_result",  # one tool's result committed to the journal, the round not yet

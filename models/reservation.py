@@ -42,13 +42,13 @@ from models.db import built_once, is_postgresql
 from models.enums import ACTIVE_EXECUTION, DeliveryStatus, ExecutionStatus, Phase
 from models.execution import SubagentExecution
 from models.session import AgentSession, not_stopped, parent_release, release_dead_parents
-from models.worker import lease_free
+from models.worker import creation_reservation_alive, lease_free
 from settings import get_settings
 
 E, S = SubagentExecution, AgentSession
 
 
-def dead_at(pass_started: Any, overdue: Any = None) -> Any:
+def dead_at(pass_started: Any, overdue: Any = None, *, leave_from: Any = None) -> Any:
     """SQL: an execution is dead at ``pass_started``: its lease is free (lapsed, never taken, or
     held by a replaced boot generation), or it is past its absolute deadline + cancel grace and
     still held by the OWNER of its normal run (RUNNING: a stuck worker must not hold it). A
@@ -64,9 +64,15 @@ def dead_at(pass_started: Any, overdue: Any = None) -> Any:
     it, so a pass longer than its reservations never takes its own rows again.
 
     ``pass_started`` is a time, or a bound parameter; then ``overdue`` is one too, whose value
-    is :func:`overdue_before` of the pass's start (a statement built once for every pass)."""
+    is :func:`overdue_before` of the pass's start (a statement built once for every pass).
+
+    ``leave_from`` (an execution id, or a bound parameter): a first run with an id from there up
+    whose creation reservation still runs (models.worker.creation_reservation_alive: dead only
+    because its creator's name booted again) is not dead to this pass: a boot pass leaves those
+    to their messages still queued in the broker (recovery.scan)."""
     if overdue is None:
         overdue = overdue_before(pass_started)
+    left = () if leave_from is None else (~and_(creation_reservation_alive(E, pass_started), E.id >= leave_from),)
     return and_(
         E.delivery_status == DeliveryStatus.PENDING,
         E.status.in_(ACTIVE_EXECUTION),
@@ -75,7 +81,22 @@ def dead_at(pass_started: Any, overdue: Any = None) -> Any:
             lease_free(E, pass_started),
             and_(E.started_at < overdue, E.status == ExecutionStatus.RUNNING, E.lease_owner.is_not(None)),
         ),
+        *left,
     )
+
+
+def newest_first_runs(s: Session, pass_started: datetime, newest: int) -> tuple[int | None, int]:
+    """The ``newest`` (by id) dead executions whose creation reservation still runs (see
+    :func:`dead_at`): the lowest of their ids (None: there is none) and how many they are."""
+    ids = (
+        select(E.id)
+        .where(dead_at(pass_started), creation_reservation_alive(E, pass_started))
+        .order_by(E.id.desc())
+        .limit(newest)
+        .subquery()
+    )
+    lowest, count = s.execute(select(func.min(ids.c.id), func.count()).select_from(ids)).one()
+    return (None if lowest is None else int(lowest)), int(count)
 
 
 def overdue_before(pass_started: datetime) -> datetime:
@@ -86,6 +107,8 @@ def overdue_before(pass_started: datetime) -> datetime:
 
 #: The pass's start and its overdue bound in the statements built once (:func:`dead_at`).
 _PASS_STARTED = bindparam("pass_started", type_=DateTime(timezone=True))
+#: The lowest id of the first runs a boot pass leaves (:func:`dead_at`).
+_LEAVE_FROM = bindparam("leave_from", type_=BigInteger())
 _OVERDUE = bindparam("overdue", type_=DateTime(timezone=True))
 
 
@@ -171,11 +194,18 @@ class Reserver:
     a delivery or a finishing child is skipped for this pass, never waited for; so is an
     execution locked by its own finishing child."""
 
-    def __init__(self, pass_started: datetime, reserve_seconds: float, *, limit: int) -> None:
+    def __init__(
+        self, pass_started: datetime, reserve_seconds: float, *, limit: int, leave_from: int | None = None
+    ) -> None:
         self.pass_started = pass_started
         self.reserve_seconds = reserve_seconds
         self.limit = limit
-        self._pass = {"pass_started": pass_started, "overdue": overdue_before(pass_started)}
+        #: First runs from this id up held only by a creator that booted again are left alone
+        #: (:func:`dead_at`).
+        self.leave_from = leave_from
+        self._pass: dict[str, Any] = {"pass_started": pass_started, "overdue": overdue_before(pass_started)}
+        if leave_from is not None:
+            self._pass["leave_from"] = leave_from
 
     def batch(self, s: Session, after_id: int) -> ReservedBatch:
         """PostgreSQL: two statements, each set-based and one round trip, built once per
@@ -183,8 +213,11 @@ class Reserver:
         transaction turns JIT off (recovery.scan's transactions do: its statements are too short
         to pay for compiling)."""
         if not is_postgresql(s):
-            return _reserve_batch_in_steps(s, self.reserve_seconds, self.pass_started, after_id, self.limit)
-        lock, reserve = _lock(self.limit), _reserve(self.reserve_seconds)
+            return _reserve_batch_in_steps(
+                s, self.reserve_seconds, self.pass_started, after_id, self.limit, self.leave_from
+            )
+        leaving = self.leave_from is not None
+        lock, reserve = _lock(self.limit, leaving), _reserve(self.reserve_seconds, leaving)
         cursor, seen, free, locked_ids, locked_epochs, passed = s.execute(
             lock, {"after_id": after_id, **self._pass}
         ).one()
@@ -203,7 +236,7 @@ class Reserver:
 
 
 @built_once
-def _lock(limit: int) -> Any:
+def _lock(limit: int, leaving: bool = False) -> Any:
     """Up to ``limit`` dead executions above the cursor (``after_id``), by id (the
     candidates, read without locks); their parent rows locked, each once, unless stopped
     (SKIP LOCKED, the rule checked under the lock); then the executions of the parents
@@ -225,7 +258,7 @@ def _lock(limit: int) -> Any:
     every session of the table). A row changed after the statement's snapshot and before
     its lock is re-read at the lock (READ COMMITTED), so the parent epochs returned are the
     ones in the locked rows."""
-    dead = dead_at(_PASS_STARTED, _OVERDUE)
+    dead = dead_at(_PASS_STARTED, _OVERDUE, leave_from=_LEAVE_FROM if leaving else None)
     candidate = (
         select(E.id, E.parent_session_id)
         .where(E.id > bindparam("after_id", type_=BigInteger()), dead)
@@ -276,7 +309,7 @@ def _lock(limit: int) -> Any:
 
 
 @built_once
-def _reserve(reserve_seconds: float) -> Any:
+def _reserve(reserve_seconds: float, leaving: bool = False) -> Any:
     """The reservation of the executions the lock took (``ids``): an UPDATE whose WHERE
     states the dead rule again under the locks, RETURNING; then the hand-over of their
     parents (all locked by :func:`_lock`): models.session.parent_release, UPDATEs whose
@@ -294,9 +327,10 @@ def _reserve(reserve_seconds: float) -> Any:
     guesses. The parents are read the same way, by the primary key from an array of the
     reserved rows' parents (``= ANY``, no join)."""
     now = bindparam("now", type_=DateTime(timezone=True))
+    dead = dead_at(_PASS_STARTED, _OVERDUE, leave_from=_LEAVE_FROM if leaving else None)
     reserved = (
         update(E)
-        .where(E.id == any_(_ids_param("ids")), dead_at(_PASS_STARTED, _OVERDUE))  # re-checked under the locks
+        .where(E.id == any_(_ids_param("ids")), dead)  # re-checked under the locks
         .values(**reservation_values(now, reserve_seconds))
         .returning(E.id, E.epoch, E.parent_session_id)
         .cte("reserved")
@@ -341,11 +375,16 @@ def _array(column: Any, *order: Any) -> Any:
 
 
 def _reserve_batch_in_steps(
-    s: Session, reserve_seconds: float, pass_started: datetime, after_id: int, limit: int
+    s: Session,
+    reserve_seconds: float,
+    pass_started: datetime,
+    after_id: int,
+    limit: int,
+    leave_from: int | None = None,
 ) -> ReservedBatch:
     """SQLite (the embedded default) has no UPDATE inside WITH: the same steps, one statement
     each. (SQLite takes its write lock at BEGIN: nothing interleaves with them.)"""
-    dead = dead_at(pass_started)
+    dead = dead_at(pass_started, leave_from=leave_from)
     candidates = s.execute(_candidates(dead, after_id, limit)).all()
     if not candidates:
         return ReservedBatch(after_id, False)

@@ -323,6 +323,22 @@ def lease_takeable(model: Any, now: Any) -> ColumnElement[bool]:
     return or_(lease_free(model, now), model.lease_owner.is_(None))
 
 
+def creation_reservation_alive(model: Any, now: Any) -> ColumnElement[bool]:
+    """SQL: the row holds the reservation written at its creation and nothing since: epoch 0
+    (no task ever took it), never re-sent, naming its creator, and not lapsed at ``now``. Such
+    a row is free (``lease_free``) only because its creator's name booted again: its first
+    message was published right after the creation committed, unless the creator died in that
+    window or the broker lost the message since. (A boot scan that sees the broker still
+    holding the children's messages leaves such rows to those messages: recovery.scan.)"""
+    return and_(
+        model.epoch == 0,
+        model.resends == 0,
+        model.lease_owner.is_not(None),
+        model.lease_expires_at.is_not(None),
+        model.lease_expires_at >= now,
+    )
+
+
 def lease_free(model: Any, now: Any = None) -> ColumnElement[bool]:
     """SQL: the row's lease is free to take over: none, expired in the DATABASE's time, or
     held by an older boot generation of a worker name that has booted again (its process

@@ -72,7 +72,7 @@ from models import (
 )
 from models.base import utcnow
 from models.db import is_postgresql
-from models.reservation import ReservedBatch, Reserver
+from models.reservation import ReservedBatch, Reserver, newest_first_runs
 from models.session import (
     not_stopped,
     release_dead_parents,
@@ -121,6 +121,8 @@ class ScanReport:
     #: Rows passed over because another path held their lock (a delivery, a cancel, a stalled
     #: transaction): the pass never waits for one, a later pass comes back for them.
     skipped: int = 0
+    #: First runs a boot pass left to their queued messages (:func:`_recover_dead_executions`).
+    left_to_queue: int = 0
 
 
 class ScanRightLost(RecoveryError):
@@ -205,13 +207,20 @@ RIGHT_POLL_SECONDS = 0.1
 
 
 def scan(
-    scheduler: Scheduler, *, callback_grace_seconds: float | None = None, wait_for_right: float = 0.0
+    scheduler: Scheduler,
+    *,
+    callback_grace_seconds: float | None = None,
+    wait_for_right: float = 0.0,
+    leave_first_runs: int = 0,
 ) -> ScanReport:
     """One pass. ``callback_grace_seconds`` (default LEASE_SECONDS) is how long terminal
     results may wait for their own delivery before the scan asks for it again. A pass that
     finds the right to scan held returns at once, or with ``wait_for_right`` (a boot scan,
     whose restarted worker's old leases must not wait for the next beat) runs right after the
-    pass in flight, waiting at most that long."""
+    pass in flight, waiting at most that long. ``leave_first_runs`` (a boot scan: how many
+    messages the broker holds in the children's queue): up to that many of the newest first
+    runs dead only because their creator's name booted again are left to their queued messages
+    (:func:`_recover_dead_executions`); the report counts them (``left_to_queue``)."""
     right = ScanRight()
     deadline = time.monotonic() + wait_for_right
     while not right.take():
@@ -226,7 +235,7 @@ def scan(
         _step("quarantine", right, _quarantine_unknown_statuses, report)
         _step("suppress", right, _suppress_stopped_parents, report)
         _step("approvals", right, _act_on_approvals, scheduler, report)
-        _step("recover", right, _recover_dead_executions, scheduler, report, right)
+        _step("recover", right, _recover_dead_executions, scheduler, report, right, leave_first_runs)
         _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
         _step("resume", right, _resume_plain_sessions, scheduler, report, right)
     except ScanRightLost:
@@ -249,6 +258,7 @@ def scan(
         resumed=len(report.resumed_sessions),
         skipped=report.skipped,
         quarantined=len(report.quarantined),
+        left_to_queue=report.left_to_queue,
         duration_ms=duration_ms,
     )
     try:
@@ -354,23 +364,49 @@ def _act_on_approvals(scheduler: Scheduler, report: ScanReport) -> None:
 
 #: Follow-up walks of a pass over the dead rows it passed over because another path held their
 #: parent (a finishing sibling, a delivery, a cancel: short transactions), and the wait before
-#: each. Without them such a round waited for the next scan (SCAN_INTERVAL_SECONDS): a worker
-#: restarted under its name, whose boot scan met a child of a round finishing, left the rest of
-#: that round to the beat, 30 s later (bench/peer_dbos.py --modes restart).
-FOLLOW_UP_WALKS = 3
-FOLLOW_UP_WAIT_SECONDS = 0.2
+#: the first (doubled before each next: 0.05, 0.1, 0.2, 0.4 s, 0.75 s in all). Without them such
+#: a round waited for the next scan (SCAN_INTERVAL_SECONDS): a worker restarted under its name,
+#: whose boot scan met a child of a round finishing, left the rest of that round to the beat,
+#: 30 s later (bench/peer_dbos.py --modes restart). NOTE: the wait holds a pool process of the
+#: worker that restarts; the lock it waits out is a finishing child's transaction (milliseconds),
+#: so the first wait is short: 0.2 s at every walk held it 0.2 s at least, 0.6 s at most.
+FOLLOW_UP_WALKS = 4
+FOLLOW_UP_WAIT_SECONDS = 0.05
 
 
-def _recover_dead_executions(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
+def _recover_dead_executions(
+    scheduler: Scheduler, report: ScanReport, right: ScanRight, leave_first_runs: int = 0
+) -> None:
     """Walk the dead executions by id, batch by batch; then, while a walk passed rows over (their
-    parent was locked elsewhere), walk again after a short wait, at most FOLLOW_UP_WALKS times.
+    parent was locked elsewhere), walk again after a short wait (doubled each time), at most
+    FOLLOW_UP_WALKS times.
     NOTE: every walk judges "dead" at the pass's start, like the first: a row an earlier walk
     reserved is not dead then (its reservation lapses after the start), so no execution is
-    reserved twice by one pass, however long it runs."""
-    reserver = Reserver(utcnow(), reservation_seconds(), limit=BATCH)
+    reserved twice by one pass, however long it runs.
+
+    ``leave_first_runs`` (a boot pass: the messages the broker holds in the children's queue):
+    a worker restarted under its name makes every child it created and nobody took yet dead at
+    once (models.worker.creation_reservation_alive): it might have died between the creation's
+    commit and the message's publish. Mostly it did not, and the broker still holds those
+    messages (only the worker died): re-sent at boot, each ran twice, once for nothing (a
+    restart with 20 open rounds of 3: 55-57 recovery.recover_child tasks that found their row
+    taken, on the pool the work needs). So the boot pass leaves the NEWEST first runs, as many
+    as the queue holds messages: a queue is consumed oldest first, so the oldest are those the
+    dead process had fetched (lost with it until the broker's visibility timeout), re-sent at
+    once. Its task then sends a plain pass BEHIND the queued messages
+    (tasks.recovery.scan_task), which re-sends whatever is still untaken when it runs: every
+    message queued before it has been fetched by then. A follow-up pass that never comes (a
+    crash, a broker down) costs a beat's pass at most (SCAN_INTERVAL_SECONDS): the rows stay
+    dead to every pass that does not leave them."""
+    started = utcnow()
+    leave_from = None
+    if leave_first_runs > 0:
+        with scan_transaction() as s:
+            leave_from, report.left_to_queue = newest_first_runs(s, started, leave_first_runs)
+    reserver = Reserver(started, reservation_seconds(), limit=BATCH, leave_from=leave_from)
     for walk in range(1 + FOLLOW_UP_WALKS):
         if walk:
-            time.sleep(FOLLOW_UP_WAIT_SECONDS)
+            time.sleep(FOLLOW_UP_WAIT_SECONDS * 2 ** (walk - 1))
         if not _walk(scheduler, report, right, reserver):
             return
 

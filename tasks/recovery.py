@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 
 from celery.signals import worker_ready
+from kombu.exceptions import ChannelError
 
+from crashpoints import crash_point
 from harness.parent import run_agent
 from logfmt import log_event
 from models import lease
@@ -20,15 +22,53 @@ log = logging.getLogger(__name__)
 
 
 @app.task(name="recovery.scan")
-def scan_task(boot: bool = False) -> dict[str, int]:
+def scan_task(boot: bool = False, behind_queue: bool = False) -> dict[str, int]:
     """A beat's pass, or (``boot``) a worker's boot scan: that one is never dropped for a pass
-    in flight, it runs right after it (waiting at most one scan right)."""
-    report = scan(CeleryScheduler(app), wait_for_right=lease.scan_right_seconds() if boot else 0.0)
+    in flight, it runs right after it (waiting at most one scan right), and it leaves first
+    runs of a restarted creator to their messages still queued (recovery.scan; as many as the
+    children's queue holds): when it left some, it sends a pass ``behind_queue``, queued behind
+    them, which re-sends those still untaken when it runs (waiting for the right as a boot
+    scan does)."""
+    wait = lease.scan_right_seconds() if boot or behind_queue else 0.0
+    queued = (queued_children() or 0) if boot else 0
+    report = scan(CeleryScheduler(app), wait_for_right=wait, leave_first_runs=queued)
+    if report.left_to_queue:
+        crash_point("scan.before_pass_behind_queue")
+        _send_pass_behind_queue()
     return {
         "parents": len(report.parents),
         "suppressed": len(report.suppressed),
         "resumed": len(report.resumed_sessions),
+        "left_to_queue": report.left_to_queue,
     }
+
+
+def queued_children() -> int | None:
+    """How many messages the broker holds in the queue ``agent.run_child`` is routed to (a
+    passive declare on a connection of its own, which Redis and RabbitMQ both answer; a queue
+    the broker does not know holds none); None when it cannot tell."""
+    try:
+        queue = app.amqp.router.route({}, "agent.run_child")["queue"]
+        with app.connection_for_write() as conn:
+            return int(conn.default_channel.queue_declare(queue=queue.name, passive=True).message_count)
+    except ChannelError as exc:
+        if str(getattr(exc, "reply_code", "")) == "404":  # a broker restarted empty knows no queue yet
+            return 0
+        log_event(log, "queue_depth_unknown", logging.WARNING, exc_info=True)
+        return None
+    except Exception:
+        log_event(log, "queue_depth_unknown", logging.WARNING, exc_info=True)
+        return None
+
+
+def _send_pass_behind_queue() -> None:
+    """``recovery.scan(behind_queue=True)`` at the back of the queue ``agent.run_child`` is
+    routed to. Not sent (the broker is down): the beat's next pass does its work."""
+    queue = app.amqp.router.route({}, "agent.run_child")["queue"]
+    try:
+        scan_task.apply_async(kwargs={"behind_queue": True}, queue=queue)
+    except Exception:
+        log_event(log, "pass_behind_queue_not_enqueued", logging.WARNING, exc_info=True)
 
 
 @app.task(name="recovery.recover_child", ignore_result=True)

@@ -192,3 +192,131 @@ def test_the_scan_takes_back_a_lease_of_a_replaced_process_that_still_lives_exac
         assert eid not in scan(RecordingScheduler()).recovering
     assert _row(eid).epoch == 3 and _row(eid).lease_generation == newer
     assert older < newer
+
+
+# --- a boot pass leaves a restarted creator's first runs to their queued messages ---------------
+
+
+def _first_run(parent: int, creator: str, generation: int, *, expires_in: float = 60.0) -> int:
+    """A child created by ``creator`` and never taken: epoch 0, its creation reservation."""
+    from datetime import timedelta
+
+    from models.base import utcnow
+
+    return make_execution(
+        parent,
+        epoch=0,
+        lease_owner=creator,
+        lease_generation=generation,
+        lease_expires_at=utcnow() + timedelta(seconds=expires_in),
+    )
+
+
+def test_a_boot_pass_leaves_the_first_runs_of_a_restarted_creator_and_a_plain_pass_sends_them(
+    worker_name: str,
+) -> None:
+    """The broker holds as many messages in the children's queue as the boot pass is told: it
+    leaves that many of the NEWEST first runs (a queue is consumed oldest first: the oldest
+    were fetched by the dead process) and re-sends the others at once."""
+    from recovery.scan import scan
+    from tests.helpers import RecordingScheduler
+
+    older = boot(worker_name)
+    parent = make_session()
+    fetched = _first_run(parent, worker_name, older)  # the dead process had fetched its message
+    queued = _first_run(parent, worker_name, older)
+    running = make_execution(parent)
+    assert _take(running, 0, worker_name) == 1  # the dead process was running this one
+    with transaction() as s:
+        record_boot(s, worker_name)  # it restarted under its name: every row is free now
+    assert _takeable(queued) and _takeable(fetched) and _takeable(running)
+
+    report = scan(RecordingScheduler(), leave_first_runs=1)
+    assert sorted(report.recovering) == sorted([fetched, running]) and report.left_to_queue == 1
+    left = _row(queued)
+    assert (left.epoch, left.lease_owner, left.resends) == (0, worker_name, 0), "left as it was"
+    assert _row(fetched).resends == 1
+
+    # Its queued message finds it as it was created; lost, the next plain pass sends it.
+    again = scan(RecordingScheduler())
+    assert again.recovering == [queued] and again.left_to_queue == 0
+    resent = _row(queued)
+    assert (resent.epoch, resent.lease_owner, resent.resends) == (0, None, 1)  # the same epoch
+
+
+def test_a_boot_pass_told_of_no_queued_message_or_a_lapsed_creation_leaves_nothing(worker_name: str) -> None:
+    from recovery.scan import scan
+    from tests.helpers import RecordingScheduler
+
+    older = boot(worker_name)
+    parent = make_session()
+    lapsed = _first_run(parent, worker_name, older, expires_in=-5.0)
+    with transaction() as s:
+        record_boot(s, worker_name)
+    report = scan(RecordingScheduler(), leave_first_runs=5)
+    assert report.recovering == [lapsed] and report.left_to_queue == 0
+
+    alive = _first_run(make_session(), worker_name, older)
+    report = scan(RecordingScheduler(), leave_first_runs=0)  # the broker lost its messages
+    assert report.recovering == [alive] and report.left_to_queue == 0
+
+
+def test_the_boot_scan_task_sends_a_pass_behind_the_first_runs_it_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tasks.recovery as tasks_recovery
+    from crashpoints import InjectedFault, armed_fault
+    from recovery.scan import ScanReport
+
+    passes: list[dict[str, object]] = []
+    sent: list[dict[str, object]] = []
+
+    def fake_scan(_scheduler: object, **kwargs: object) -> ScanReport:
+        passes.append(kwargs)
+        return ScanReport(left_to_queue=min(2, int(kwargs["leave_first_runs"])))  # type: ignore[call-overload]
+
+    depth: dict[str, int | None] = {"queued": 7}
+    monkeypatch.setattr(tasks_recovery, "scan", fake_scan)
+    monkeypatch.setattr(tasks_recovery, "queued_children", lambda: depth["queued"])
+    monkeypatch.setattr(tasks_recovery.scan_task, "apply_async", lambda **kw: sent.append(kw))
+
+    assert tasks_recovery.scan_task(boot=True)["left_to_queue"] == 2
+    assert passes[-1]["leave_first_runs"] == 7 and float(passes[-1]["wait_for_right"]) > 0  # type: ignore[arg-type]
+    (behind,) = sent
+    assert behind["kwargs"] == {"behind_queue": True}
+    assert behind["queue"].name == tasks_recovery.app.amqp.router.route({}, "agent.run_child")["queue"].name  # type: ignore[attr-defined]
+
+    # The pass behind the queue leaves nothing and waits for the right as a boot pass does.
+    tasks_recovery.scan_task(behind_queue=True)
+    assert passes[-1]["leave_first_runs"] == 0 and float(passes[-1]["wait_for_right"]) > 0  # type: ignore[arg-type]
+    # A beat's pass neither leaves nor waits.
+    tasks_recovery.scan_task()
+    assert passes[-1] == {"wait_for_right": 0.0, "leave_first_runs": 0}
+    # A broker that cannot tell its queue's depth: nothing is left.
+    depth["queued"] = None
+    tasks_recovery.scan_task(boot=True)
+    assert passes[-1]["leave_first_runs"] == 0
+    assert len(sent) == 1, "only a pass that left first runs sends one"
+
+    # Killed before it sends it: nothing is lost, the rows stay dead to the beat's next pass.
+    sent.clear()
+    depth["queued"] = 7
+    with armed_fault("scan.before_pass_behind_queue"), pytest.raises(InjectedFault):
+        tasks_recovery.scan_task(boot=True)
+    assert sent == []
+
+
+def test_the_depth_of_the_childrens_queue_is_read_from_the_broker(db: str) -> None:
+    import redis
+
+    import tasks.recovery as tasks_recovery
+
+    app = tasks_recovery.app
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    broker.flushdb()
+    try:
+        assert tasks_recovery.queued_children() == 0  # a broker that knows no queue holds none
+        for eid in (1, 2):
+            app.signature("agent.run_child", args=(eid, 0)).apply_async()
+        assert tasks_recovery.queued_children() == 2
+    finally:
+        broker.flushdb()
+        broker.close()

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).with_name("celery"))
 
@@ -123,3 +125,19 @@ def test_worker_init_freezes_the_boot_and_turns_the_collector_back_on() -> None:
         "print(paused, gc.isenabled(), gc.get_freeze_count() > 1000)\n"
     )
     assert state == "True True True"
+
+
+def test_worker_init_builds_the_c_parser_every_pool_process_would_build_as_it_starts() -> None:
+    # billiard sets each pool process's parent-death signal through cffi when cffi is imported;
+    # the C parser built at worker_init (before the fork) is the one they inherit.
+    pytest.importorskip("cffi")
+    state = _python(
+        "import sys, billiard.util\n"
+        "import tasks\n"
+        "import cffi.cparser as cparser\n"
+        "before = cparser._parser_cache is not None\n"
+        "from celery.signals import worker_init\n"
+        "worker_init.send(sender=None)\n"
+        "print('cffi' in sys.modules, before, cparser._parser_cache is not None)\n"
+    )
+    assert state == "True False True"
