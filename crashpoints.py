@@ -38,6 +38,7 @@ POINTS = (
     "deliver.mid_round",  # inside the delivery transaction
     "deliver.before_resume",  # delivery committed, parent run not yet enqueued
     "deliver.batch_mid_round",  # inside a batch delivery's transaction: every round written, nothing marked
+    "deliver.before_run_here",  # a delivered parent kept to run in the delivering process; its run not started
     "parent.after_resume",  # the parent's loop took its session again
     "recover.after_take",  # recovery took the execution, child loop not yet started
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued

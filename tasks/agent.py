@@ -7,6 +7,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from celeryconfig import DEFAULT_QUEUE
 from harness.child import ChildOutcome, start_child
 from harness.delivery import DeliveryKind, deliver_and_resume
 from harness.delivery_batch import deliver_rounds_and_resume
@@ -15,7 +16,7 @@ from harness.model import ModelClient
 from harness.parent import run_agent
 from logfmt import log_event
 from tasks import app
-from tasks.scheduler import CeleryScheduler, ResumeHere
+from tasks.scheduler import RUN_HERE_SECONDS, CeleryScheduler, ResumeHere
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,25 @@ def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 
+def serves_loops() -> bool:
+    """Whether this worker consumes the queue of agent loops (a ``-Q recovery`` worker does not)."""
+    return DEFAULT_QUEUE in app.amqp.queues.consume_from
+
+
 @app.task(name="agent.deliver_rounds", ignore_result=True)
 def deliver_rounds_task(parents: list[list[int]]) -> int:
     """Several parents' deliveries in one message ([[parent_id, epoch], ...]: the scan's
-    batches); returns how many parents were handed a new epoch."""
-    outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], CeleryScheduler(app))
+    batches); returns how many parents were handed a new epoch. The parents handed over are
+    then run here, one after the other, with no ``agent.run`` hop, until those runs have taken
+    RUN_HERE_SECONDS (the rest are sent); a worker that does not serve agent loops (``-Q
+    recovery``) sends them all."""
+    scheduler = CeleryScheduler(app)
+    here = ResumeHere(scheduler) if serves_loops() else None
+    outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], here or scheduler)
+    if here is not None:
+        here.run_kept(
+            lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()), budget_seconds=RUN_HERE_SECONDS
+        )
     return sum(1 for outcome in outcomes.values() if outcome.kind == DeliveryKind.RESUME)
 
 

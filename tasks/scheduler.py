@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import chord
 
+from crashpoints import crash_point
 from harness.scheduler import Children
 from logfmt import log_event
 
@@ -27,6 +29,9 @@ FAN_OUT_BATCH = 1000
 DELIVER_BATCH = 25
 #: A scan's deliveries go out in at least this many messages (when it has that many parents).
 DELIVER_SPREAD = 4
+#: An ``agent.deliver_rounds`` task runs the parents it handed over itself, one after the other,
+#: until its runs have taken this long; the rest are sent as ``agent.run`` (any slot takes them).
+RUN_HERE_SECONDS = 0.5
 
 
 class CeleryScheduler:
@@ -115,12 +120,19 @@ class ResumeHere:
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self.kept.append((parent_id, epoch))
 
-    def run_kept(self, run: Callable[[int, int], object]) -> None:
+    def run_kept(self, run: Callable[[int, int], object], *, budget_seconds: float | None = None) -> None:
         """Run each kept parent with ``run(parent_id, epoch)``; one whose run raises (it never
         should: the loop turns every fault into its outcome) is sent as ``agent.run`` instead,
-        where a run that took the epoch meanwhile makes that message stale."""
+        where a run that took the epoch meanwhile makes that message stale. With
+        ``budget_seconds``, once the runs here have taken that long, the parents not run yet are
+        sent as ``agent.run`` instead (a slow parent holds the next ones back at most once)."""
         kept, self.kept = self.kept, []
-        for parent_id, epoch in kept:
+        started = time.monotonic()
+        for n, (parent_id, epoch) in enumerate(kept):
+            if n and budget_seconds is not None and time.monotonic() - started >= budget_seconds:
+                self._send(kept[n:])
+                return
+            crash_point("deliver.before_run_here")
             try:
                 run(parent_id, epoch)
             except Exception:
@@ -135,3 +147,12 @@ class ResumeHere:
                         parent_id=parent_id,
                         error=type(exc).__name__,
                     )
+
+    def _send(self, parents: Sequence[tuple[int, int]]) -> None:
+        for parent_id, epoch in parents:
+            try:
+                self.inner.resume_parent(parent_id, epoch)
+            except Exception as exc:  # committed: the scan resumes it once its reservation lapses
+                log_event(
+                    log, "parent_resume_not_enqueued", logging.WARNING, parent_id=parent_id, error=type(exc).__name__
+                )

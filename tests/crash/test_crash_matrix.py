@@ -202,6 +202,7 @@ SHAPED_POINTS = [
     ("parent.before_yield", "mixed_inline"),
     ("child.after_take", "two_children"),
     ("child.after_round", "one_child"),
+    ("deliver.before_run_here", "two_children"),  # the last child's task delivered, the parent's run here not started
     ("journal.after_reply", "mixed_inline"),  # the parent's delegating reply, committed with its children
     ("journal.after_reply", "child_reply"),  # a child's reply: its round continues, no model call
     ("journal.after_tool_start", "one_child"),  # the child's ``wait`` (not idempotent) started

@@ -179,3 +179,36 @@ def test_a_crash_inside_the_batch_transaction_writes_nothing_and_the_next_delive
         _assert_delivered_once(sid)
         assert _roles(sid) == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert invariants() == []
+
+
+def test_a_crash_between_the_parents_a_batch_runs_itself_loses_none_and_runs_none_twice(
+    model_factory: ModelFactory,
+) -> None:
+    """agent.deliver_rounds runs the parents it handed over in its own process (ResumeHere);
+    the process dies before the second one's run (crash point deliver.before_run_here): the
+    first has answered, the others were handed over (delivered once, RUNNING under a
+    reservation) and never run. Once the reservation lapses the scan resumes each of them;
+    every parent answers once and no round is delivered twice."""
+    from harness.parent import run_agent
+    from tasks.scheduler import ResumeHere
+    from tests.helpers import loop_deps
+
+    model = model_factory(TWO)
+    parents = _parents(model, 3)
+    deps = loop_deps(model.base_url)
+    here = ResumeHere(deps.scheduler)
+    outcomes = deliver_rounds_and_resume(parents, here)
+    assert sorted(outcomes) == sorted(sid for sid, _ in parents)
+    with armed_fault("deliver.before_run_here", on_hit=2, kill=True), pytest.raises(InjectedKill):
+        here.run_kept(lambda pid, epoch: run_agent(pid, epoch, deps))
+    (first, _), *rest = sorted(parents)
+    assert _roles(first) == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert not deps.scheduler.resumed  # nothing was sent: the others wait for the scan
+    for sid, _ in rest:
+        _assert_delivered_once(sid)
+        assert _roles(sid) == ["USER", "ASSISTANT", "TOOL", "TOOL"]
+    drive(model.base_url)
+    for sid, _ in parents:
+        _assert_delivered_once(sid)
+        assert _roles(sid) == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert invariants() == []

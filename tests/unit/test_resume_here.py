@@ -55,3 +55,42 @@ def test_a_parent_run_that_raises_in_process_is_sent_as_agent_run_instead() -> N
 
     here.run_kept(run)
     assert inner.sent == [("run", (9, 10))]
+
+
+def test_once_the_runs_here_took_the_budget_the_parents_not_run_yet_are_sent() -> None:
+    inner = _Sent()
+    here = ResumeHere(inner)
+    for pid in (1, 2, 3):
+        here.resume_parent(pid, 7)
+    ran: list[int] = []
+    here.run_kept(lambda pid, epoch: ran.append(pid), budget_seconds=0.0)
+    assert ran == [1]  # the first always runs here
+    assert inner.sent == [("run", (2, 7)), ("run", (3, 7))]
+
+
+def test_within_the_budget_every_kept_parent_runs_here_and_none_is_sent() -> None:
+    inner = _Sent()
+    here = ResumeHere(inner)
+    for pid in (1, 2, 3):
+        here.resume_parent(pid, 7)
+    ran: list[int] = []
+    here.run_kept(lambda pid, epoch: ran.append(pid), budget_seconds=3600.0)
+    assert ran == [1, 2, 3] and inner.sent == []
+
+
+def test_a_delivery_task_runs_its_parents_here_only_on_a_worker_that_serves_agent_loops() -> None:
+    from celeryconfig import DEFAULT_QUEUE
+    from settings import get_settings
+    from tasks import app
+    from tasks.agent import serves_loops
+
+    queues = app.amqp.queues
+    saved = queues._consume_from
+    try:
+        assert serves_loops()  # a bare worker serves every queue
+        queues.select([get_settings().RECOVERY_QUEUE])  # -Q recovery
+        assert not serves_loops()
+        queues.select([DEFAULT_QUEUE, get_settings().RECOVERY_QUEUE])
+        assert serves_loops()
+    finally:
+        queues._consume_from = saved
