@@ -123,6 +123,20 @@ def dispose_engines() -> None:
         hook()
 
 
+def release_for_fork(*, close: bool) -> None:
+    """The pools' connections around a fork, the engines kept: in the parent before it
+    (``close=True``: its connections closed) or in the child right after it (``close=False``:
+    the inherited sockets forgotten, never used nor closed, as SQLAlchemy advises for
+    ``os.fork``). Unlike :func:`dispose_engines`, a forked pool process keeps the engines it
+    inherited: their dialect, initialized by the parent's first connect (a few server queries),
+    and their compiled-SQL cache. The ``on_dispose`` hooks run as after a dispose."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose(close=close)
+    for hook in _on_dispose:
+        hook()
+
+
 @contextmanager
 def transaction(url: str | None = None) -> Iterator[Session]:
     """One Session, one transaction: commit on success, roll back on any exception."""

@@ -13,7 +13,7 @@ from celery.signals import worker_init, worker_process_init, worker_ready
 
 from logfmt import log_event
 from models import lease
-from models.db import dispose_engines
+from models.db import release_for_fork
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,15 @@ def _boot_generation(sender: object = None, **_: object) -> None:
         log_event(log, "worker_boot_not_recorded", logging.WARNING, exc_info=True, worker=name)
         return
     finally:
-        dispose_engines()  # never hand the main process's sockets to the forked pool
+        release_for_fork(close=True)  # never hand the main process's sockets to the forked pool
     log_event(log, "worker_boot", worker=name, generation=generation)
 
 
 @worker_process_init.connect
 def _fresh_connections(**_: object) -> None:
-    # A forked pool child must never reuse the parent's sockets.
-    dispose_engines()
+    # A forked pool child must never reuse the parent's sockets (it keeps the engines: their
+    # initialized dialect and compiled SQL).
+    release_for_fork(close=False)
 
 
 def setup_logging(level: str) -> None:
