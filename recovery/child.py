@@ -19,8 +19,9 @@ Never raises.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sqlalchemy import select
@@ -61,6 +62,10 @@ from models.session import set_child_phase
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
+
+#: A step of a recovery batch (a child, and the parent its end delivered) that runs longer than
+#: this passes the batch's executions not yet started on to a message of their own.
+PASS_ON_SECONDS = 1.0
 
 #: Child phases that say its last answer was NOT a final result (old rows).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
@@ -122,6 +127,71 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
     )
     after_end(execution_id, end, deps)
     return end.outcome
+
+
+class RecoveryBatch:
+    """The executions of one ``recovery.recover_children`` message (a round's children), run
+    one after another by one process: a third of the task hops of a message per execution.
+
+    Each is taken by its own compare-and-set on its epoch when its turn comes (``recover_child``),
+    so one not yet started is still the scan's reservation: when the process dies mid-batch, the
+    leases of those taken and the reservations of the others lapse, and the next scan recovers
+    both (the crash point ``recover.between_children``).
+
+    A step that runs longer than ``pass_on_after`` seconds (a child whose model call is slow,
+    or the parent it resumed) passes the executions not yet started on to ``pass_on`` (one new
+    message: another pool process runs them), from a timer thread and under the batch's lock:
+    each execution is run here or passed on, never both; a duplicate would find its epoch gone
+    anyway (STALE). A message that cannot be sent leaves them to run here."""
+
+    def __init__(
+        self,
+        children: Sequence[tuple[int, int]],
+        pass_on: Callable[[list[tuple[int, int]]], object],
+        pass_on_after: float = PASS_ON_SECONDS,
+    ) -> None:
+        self._rest = list(children)
+        self._lock = threading.Lock()
+        self._pass_on = pass_on
+        self._after = pass_on_after
+        self.passed_on = 0
+
+    def next(self) -> tuple[int, int] | None:
+        """The next execution to run here, None when none is left (run or passed on)."""
+        with self._lock:
+            return self._rest.pop(0) if self._rest else None
+
+    def pass_on_rest(self) -> None:
+        """Pass the executions not yet started on to another message (the timer's action)."""
+        with self._lock:
+            rest, self._rest = self._rest, []
+            if not rest:
+                return
+            try:
+                self._pass_on(rest)
+            except Exception as exc:
+                self._rest = rest  # run here after all
+                log_event(log, "recovery_pass_on_failed", logging.WARNING, error=type(exc).__name__)
+                return
+            self.passed_on += len(rest)
+        log_event(log, "recovery_batch_passed_on", executions=len(rest), first_execution_id=rest[0][0])
+
+    def run(self, step: Callable[[int, int], ChildOutcome]) -> list[ChildOutcome]:
+        """``step(execution_id, epoch)`` for each execution in turn; their outcomes."""
+        outcomes: list[ChildOutcome] = []
+        while (pair := self.next()) is not None:
+            if outcomes:
+                crash_point("recover.between_children")
+            timer = threading.Timer(self._after, self.pass_on_rest) if self._rest else None
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            try:
+                outcomes.append(step(*pair))
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return outcomes
 
 
 @dataclass(frozen=True)
