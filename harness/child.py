@@ -9,6 +9,7 @@ delivers the round in-process (``after_end``, with harness.delivery; docs/exactl
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -175,11 +176,13 @@ class FirstRound:
     view: list[dict[str, Any]] | None = None
 
 
-def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
+def first_round(s: Session, info: ChildInfo, epoch: int, rows: Sequence[Any] | None = None) -> FirstRound | None:
     """``FirstRound`` in the taker's transaction ``s``, which holds ``epoch``; None when the run
     must read it itself (a LOCAL child waits for its client first; an unknown agent or an
     invalid compaction boundary fails in the run, not in the take). A re-taken execution
-    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled."""
+    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled.
+    ``rows``: the child's live rows after its validated boundary, when the taker has read them
+    (recovery's take: the model messages are then built from them, no second read)."""
     if info.execution_mode == ExecutionMode.LOCAL:
         return None
     try:
@@ -193,7 +196,7 @@ def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
         if in_flight is not None:
             return FirstRound(in_flight=in_flight)
     try:
-        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction))
+        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction, rows=rows))
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 

@@ -250,10 +250,10 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
             )
             reason = f"subagent history cannot be recovered: {exc}"
             return _Taken(new_epoch, info, str(info.invocation_type), 0, None, reason)
-        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows)
-        live = [m for m in rows if m.id not in set(removed)] if boundary is None else None
-        final = existing_final(s, info, live)
-        first = first_round(s, info, new_epoch) if final is None else None
+        removed = set(cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows))
+        live = [m for m in rows if m.id not in removed]  # the live rows after the boundary
+        final = existing_final(s, info, live if boundary is None else None)
+        first = first_round(s, info, new_epoch, live) if final is None else None
     return _Taken(new_epoch, info, str(info.invocation_type), len(removed), final, first=first)
 
 
