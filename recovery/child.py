@@ -64,8 +64,9 @@ log = logging.getLogger(__name__)
 E = SubagentExecution
 
 #: A step of a recovery batch (a child, and the parent its end delivered) that runs longer than
-#: this passes the batch's executions not yet started on to a message of their own.
-PASS_ON_SECONDS = 1.0
+#: this passes the batch's executions not yet started on, each to a message of its own (a fast
+#: step, whose model answers at once, takes a few tens of milliseconds).
+PASS_ON_SECONDS = 0.25
 
 #: Child phases that say its last answer was NOT a final result (old rows).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
@@ -139,8 +140,9 @@ class RecoveryBatch:
     both (the crash point ``recover.between_children``).
 
     A step that runs longer than ``pass_on_after`` seconds (a child whose model call is slow,
-    or the parent it resumed) passes the executions not yet started on to ``pass_on`` (one new
-    message: another pool process runs them), from a timer thread and under the batch's lock:
+    or the parent it resumed) passes the executions not yet started on to ``pass_on`` (a
+    message each: other pool processes run them side by side, so slow children wait at most
+    that long for their siblings), from a timer thread and under the batch's lock:
     each execution is run here or passed on, never both; a duplicate would find its epoch gone
     anyway (STALE). A message that cannot be sent leaves them to run here."""
 

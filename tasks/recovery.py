@@ -47,8 +47,8 @@ def recover_child_task(execution_id: int, epoch: int) -> str:
 def recover_children_task(children: list[list[int]]) -> list[str]:
     """A round's reserved executions (``[[execution_id, epoch], ...]``, the scan's message per
     round), run one after another here as ``recovery.recover_child`` runs one; the parent
-    whose round an end delivered runs right after that child. A slow step passes the rest on to a
-    message of their own (recovery.child.RecoveryBatch). Never raises."""
+    whose round an end delivered runs right after that child. A slow step passes the rest on,
+    one ``recovery.recover_child`` each (recovery.child.RecoveryBatch). Never raises."""
     child, here = child_deps()
 
     def step(execution_id: int, epoch: int) -> ChildOutcome:
@@ -56,7 +56,7 @@ def recover_children_task(children: list[list[int]]) -> list[str]:
         here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
         return outcome
 
-    batch = RecoveryBatch([(int(eid), int(epoch)) for eid, epoch in children], CeleryScheduler(app).recover_children)
+    batch = RecoveryBatch([(int(eid), int(epoch)) for eid, epoch in children], CeleryScheduler(app).fan_out)
     return [str(outcome) for outcome in batch.run(step)]
 
 

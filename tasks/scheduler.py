@@ -101,6 +101,8 @@ class CeleryScheduler:
             )
 
     def fan_out(self, children: Children) -> None:
+        """One ``recovery.recover_child`` per execution (a fan-out batch, a recovery batch's rest
+        passed on)."""
         with self.app.producer_or_acquire() as producer:
             for eid, epoch in children:
                 self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
