@@ -36,7 +36,7 @@ from harness.child import (
     child_deadline,
     end_with_failure,
     first_round,
-    load_child,
+    load_child_setting_phase,
     run_rounds,
     timeout_reason,
 )
@@ -58,7 +58,6 @@ from models import (
 from models.base import utcnow
 from models.execution import take_execution
 from models.legacy import infer_and_store
-from models.session import set_child_phase
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
@@ -229,14 +228,14 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         if new_epoch is None:
             log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="stale_epoch")
             return ChildOutcome.STALE
-        info = load_child(execution_id, s)
+        # The facts, and the child's phase RESUMING: one statement, fenced by the take above
+        # (same transaction): only the epoch's new owner moves the phase.
+        info = load_child_setting_phase(s, execution_id, Phase.RESUMING)
         if info.invocation_type is None or info.parent_tool_call_id is None:
             # A pre-upgrade row: inferred and written back in the first recovery transaction,
             # before anything reads its invocation (its followup fields, R13).
             invocation, call_id = infer_and_store(s, execution_id)
             info = replace(info, invocation_type=invocation, parent_tool_call_id=call_id)
-        # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
-        set_child_phase(s, info.child_session_id, Phase.RESUMING)
         boundary = info.compaction.boundary
         try:
             rows = load_raw(s, info.child_session_id, boundary)  # validates the boundary
