@@ -52,6 +52,7 @@ def build() -> dict[str, Any]:
         "task_default_queue": DEFAULT_QUEUE,
         "task_routes": {
             "recovery.recover_child": {"queue": DEFAULT_QUEUE},
+            "recovery.recover_children": {"queue": DEFAULT_QUEUE},
             "recovery.*": {"queue": s.RECOVERY_QUEUE},
             "agent.deliver_round": {"queue": s.RECOVERY_QUEUE},
             "agent.deliver_rounds": {"queue": s.RECOVERY_QUEUE},

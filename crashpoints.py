@@ -41,6 +41,7 @@ POINTS = (
     "deliver.before_run_here",  # a delivered parent kept to run in the delivering process; its run not started
     "parent.after_resume",  # the parent's loop took its session again
     "recover.after_take",  # recovery took the execution, child loop not yet started
+    "recover.between_children",  # a recovery batch's child ended (its parent ran), the next not yet taken
     "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
     "scan.holding_right",  # scan took the right to scan, nothing else done yet
     "scan.inside_batch",  # inside a scan batch's transaction: dead rows and their parents locked and reserved

@@ -9,12 +9,13 @@ delivers the round in-process (``after_end``, with harness.delivery; docs/exactl
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -47,7 +48,7 @@ from models import (
 from models.base import utcnow
 from models.db import built_once
 from models.execution import take_execution
-from models.session import set_phase
+from models.session import child_not_cancelled, set_phase
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,20 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
     if s is None:
         with transaction() as own:
             return load_child(execution_id, own)
-    row = s.execute(_load_child_stmt(), {"b_eid": execution_id}).one()
+    return _child_info(s.execute(_load_child_stmt(), {"b_eid": execution_id}).one())
+
+
+def load_child_setting_phase(s: Session, execution_id: int, to_phase: Phase) -> ChildInfo:
+    """``load_child`` and ``models.session.set_child_phase`` (``to_phase``, a cancelled child
+    stays cancelled) in ONE statement of the taker's transaction ``s``, which holds the
+    execution's epoch: the facts are read as they were before the phase moved (the child's
+    previous phase among them), as when the two ran one after the other."""
+    return _child_info(
+        s.execute(_load_child_setting_phase_stmt(to_phase), {"b_eid": execution_id, "b_now": utcnow()}).one()
+    )
+
+
+def _child_info(row: Any) -> ChildInfo:
     return ChildInfo(
         execution_id=row.id,
         parent_session_id=row.parent_session_id,
@@ -118,6 +132,23 @@ def _load_child_stmt() -> Any:
         .join(S, S.id == E.child_session_id)
         .where(E.id == bindparam("b_eid"))
     )
+
+
+@built_once
+def _load_child_setting_phase_stmt(to_phase: Phase) -> Any:
+    facts = _load_child_stmt().cte("facts")
+    moved = (
+        update(AgentSession)
+        .where(
+            AgentSession.id == select(facts.c.child_session_id).scalar_subquery(),
+            child_not_cancelled(),
+        )
+        .values(phase=to_phase, updated_at=bindparam("b_now"))
+        .cte("moved")
+    )
+    # NOTE: PostgreSQL runs a data-modifying WITH whether or not the query reads it, and the
+    # query's snapshot is the one before it ran (the facts show the previous phase).
+    return select(facts).add_cte(moved)
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -175,11 +206,13 @@ class FirstRound:
     view: list[dict[str, Any]] | None = None
 
 
-def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
+def first_round(s: Session, info: ChildInfo, epoch: int, rows: Sequence[Any] | None = None) -> FirstRound | None:
     """``FirstRound`` in the taker's transaction ``s``, which holds ``epoch``; None when the run
     must read it itself (a LOCAL child waits for its client first; an unknown agent or an
     invalid compaction boundary fails in the run, not in the take). A re-taken execution
-    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled."""
+    (epoch >= 2: the normal path takes epoch 1) continues the round its crashed run journaled.
+    ``rows``: the child's live rows after its validated boundary, when the taker has read them
+    (recovery's take: the model messages are then built from them, no second read)."""
     if info.execution_mode == ExecutionMode.LOCAL:
         return None
     try:
@@ -193,7 +226,7 @@ def first_round(s: Session, info: ChildInfo, epoch: int) -> FirstRound | None:
         if in_flight is not None:
             return FirstRound(in_flight=in_flight)
     try:
-        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction))
+        return FirstRound(view=model_messages(info.child_session_id, agent, s=s, compaction=info.compaction, rows=rows))
     except BoundaryInvalid:
         return None  # the run reads it again and ends FAILED with the reason
 

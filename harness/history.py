@@ -465,14 +465,18 @@ def _view_stmt() -> Any:
     )
 
 
-def model_view(s: Session, session_id: int, compaction: Compaction | None = None) -> list[dict[str, Any]]:
+def model_view(
+    s: Session, session_id: int, compaction: Compaction | None = None, rows: Sequence[Row] | None = None
+) -> list[dict[str, Any]]:
     """The OpenAI messages of a session: compaction summary first, then the normalized rows
     after its (validated) compaction boundary. ``compaction`` when the caller's transaction
-    has read it already (one statement fewer)."""
+    has read it already (one statement fewer); ``rows`` with it when that transaction has read
+    (and validated) the live rows after the boundary too (one more)."""
     compaction = compaction if compaction is not None else compaction_of(s, session_id)
     boundary, summary = compaction.boundary, compaction.summary
-    check_boundary(s, session_id, boundary)
-    rows = s.execute(_view_stmt(), {"b_sid": session_id, "b_after": boundary or 0}).all()
+    if rows is None:
+        check_boundary(s, session_id, boundary)
+        rows = s.execute(_view_stmt(), {"b_sid": session_id, "b_after": boundary or 0}).all()
     messages = to_openai(normalize(list(rows)))
     if boundary is not None and summary:
         messages.insert(0, {"role": "system", "content": f"Summary of the earlier conversation: {summary}"})

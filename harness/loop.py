@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -69,14 +70,20 @@ def tool_specs(names: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def model_messages(
-    session_id: int, agent: AgentDef, *, s: Session | None = None, compaction: Compaction | None = None
+    session_id: int,
+    agent: AgentDef,
+    *,
+    s: Session | None = None,
+    compaction: Compaction | None = None,
+    rows: Sequence[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The system prompt and the session's model view, in ``s`` when given (with the
-    session's ``compaction`` when that transaction has read it)."""
+    session's ``compaction`` and its live ``rows`` after the boundary when that transaction
+    has read them: harness.history.model_view)."""
     if s is None:
         with transaction() as own:
             return model_messages(session_id, agent, s=own)
-    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction)]
+    return [{"role": "system", "content": agent.system_prompt}, *model_view(s, session_id, compaction, rows)]
 
 
 def ask(

@@ -19,8 +19,9 @@ Never raises.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sqlalchemy import select
@@ -35,7 +36,7 @@ from harness.child import (
     child_deadline,
     end_with_failure,
     first_round,
-    load_child,
+    load_child_setting_phase,
     run_rounds,
     timeout_reason,
 )
@@ -57,10 +58,14 @@ from models import (
 from models.base import utcnow
 from models.execution import take_execution
 from models.legacy import infer_and_store
-from models.session import set_child_phase
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
+
+#: A recovery batch (children, and the parents their ends delivered) still running this long after
+#: its first step began passes its executions not yet started on, each to a message of its own (a
+#: fast step, whose model answers at once, takes a few tens of milliseconds).
+PASS_ON_SECONDS = 0.25
 
 #: Child phases that say its last answer was NOT a final result (old rows).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
@@ -124,6 +129,76 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
     return end.outcome
 
 
+class RecoveryBatch:
+    """The executions of one ``recovery.recover_children`` message (a round's children), run
+    one after another by one process: a third of the task hops of a message per execution.
+
+    Each is taken by its own compare-and-set on its epoch when its turn comes (``recover_child``),
+    so one not yet started is still the scan's reservation: when the process dies mid-batch, the
+    leases of those taken and the reservations of the others lapse, and the next scan recovers
+    both (the crash point ``recover.between_children``).
+
+    A batch still running ``pass_on_after`` seconds after its first step began (a child whose
+    model call is slow, the parent it resumed, or several steps) passes the executions not yet
+    started on to ``pass_on`` (a
+    message each: other pool processes run them side by side, so slow children wait at most
+    that long for their siblings), from a timer thread and under the batch's lock:
+    each execution is run here or passed on, never both; a duplicate would find its epoch gone
+    anyway (STALE). A message that cannot be sent leaves them to run here."""
+
+    def __init__(
+        self,
+        children: Sequence[tuple[int, int]],
+        pass_on: Callable[[list[tuple[int, int]]], object],
+        pass_on_after: float = PASS_ON_SECONDS,
+    ) -> None:
+        self._rest = list(children)
+        self._lock = threading.Lock()
+        self._pass_on = pass_on
+        self._after = pass_on_after
+        self.passed_on = 0
+
+    def next(self) -> tuple[int, int] | None:
+        """The next execution to run here, None when none is left (run or passed on)."""
+        with self._lock:
+            return self._rest.pop(0) if self._rest else None
+
+    def pass_on_rest(self) -> None:
+        """Pass the executions not yet started on to another message (the timer's action)."""
+        with self._lock:
+            rest, self._rest = self._rest, []
+            if not rest:
+                return
+            try:
+                self._pass_on(rest)
+            except Exception as exc:
+                self._rest = rest  # run here after all
+                log_event(log, "recovery_pass_on_failed", logging.WARNING, error=type(exc).__name__)
+                return
+            self.passed_on += len(rest)
+        log_event(log, "recovery_batch_passed_on", executions=len(rest), first_execution_id=rest[0][0])
+
+    def run(self, step: Callable[[int, int], ChildOutcome]) -> list[ChildOutcome]:
+        """``step(execution_id, epoch)`` for each execution in turn; their outcomes. One timer
+        for the whole batch, from its first step: several steps each shorter than
+        ``pass_on_after`` hold the last sibling back no longer than one slow step would."""
+        outcomes: list[ChildOutcome] = []
+        timer: threading.Timer | None = None
+        try:
+            while (pair := self.next()) is not None:
+                if outcomes:
+                    crash_point("recover.between_children")
+                if timer is None and self._rest:
+                    timer = threading.Timer(self._after, self.pass_on_rest)
+                    timer.daemon = True
+                    timer.start()
+                outcomes.append(step(*pair))
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return outcomes
+
+
 @dataclass(frozen=True)
 class _Taken:
     epoch: int
@@ -157,14 +232,14 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         if new_epoch is None:
             log_event(log, "subagent_recovery_skipped", execution_id=execution_id, reason="stale_epoch")
             return ChildOutcome.STALE
-        info = load_child(execution_id, s)
+        # The facts, and the child's phase RESUMING: one statement, fenced by the take above
+        # (same transaction): only the epoch's new owner moves the phase.
+        info = load_child_setting_phase(s, execution_id, Phase.RESUMING)
         if info.invocation_type is None or info.parent_tool_call_id is None:
             # A pre-upgrade row: inferred and written back in the first recovery transaction,
             # before anything reads its invocation (its followup fields, R13).
             invocation, call_id = infer_and_store(s, execution_id)
             info = replace(info, invocation_type=invocation, parent_tool_call_id=call_id)
-        # Fenced by the take above (same transaction): only the epoch's new owner moves the phase.
-        set_child_phase(s, info.child_session_id, Phase.RESUMING)
         boundary = info.compaction.boundary
         try:
             rows = load_raw(s, info.child_session_id, boundary)  # validates the boundary
@@ -180,10 +255,10 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
             )
             reason = f"subagent history cannot be recovered: {exc}"
             return _Taken(new_epoch, info, str(info.invocation_type), 0, None, reason)
-        removed = cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows)
-        live = [m for m in rows if m.id not in set(removed)] if boundary is None else None
-        final = existing_final(s, info, live)
-        first = first_round(s, info, new_epoch) if final is None else None
+        removed = set(cleanup_incomplete_tail(s, info.child_session_id, boundary, rows=rows))
+        live = [m for m in rows if m.id not in removed]  # the live rows after the boundary
+        final = existing_final(s, info, live if boundary is None else None)
+        first = first_round(s, info, new_epoch, live) if final is None else None
     return _Taken(new_epoch, info, str(info.invocation_type), len(removed), final, first=first)
 
 

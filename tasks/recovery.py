@@ -8,10 +8,11 @@ from celery.signals import worker_ready
 from kombu.exceptions import ChannelError
 
 from crashpoints import crash_point
+from harness.child import ChildOutcome
 from harness.parent import run_agent
 from logfmt import log_event
 from models import lease
-from recovery.child import recover_child
+from recovery.child import RecoveryBatch, recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
 from tasks import app
@@ -73,13 +74,30 @@ def _send_pass_behind_queue() -> None:
 
 @app.task(name="recovery.recover_child", ignore_result=True)
 def recover_child_task(execution_id: int, epoch: int) -> str:
-    """Sent alone, one per execution (no chord: the last recovered execution of a round
-    delivers it, and then runs its parent here). Never raises: every failure becomes a FAILED
-    execution."""
+    """One execution: a round's lone one, each of a large pass (recovery.fan_out), an
+    operator's (no chord: the last recovered execution of a round delivers it, and then runs
+    its parent here). Never raises: every failure becomes a FAILED execution."""
     child, here = child_deps()
     outcome = recover_child(int(execution_id), int(epoch), child)
     here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
     return outcome
+
+
+@app.task(name="recovery.recover_children", ignore_result=True)
+def recover_children_task(children: list[list[int]]) -> list[str]:
+    """A round's reserved executions (``[[execution_id, epoch], ...]``, the scan's message per
+    round), run one after another here as ``recovery.recover_child`` runs one; the parent
+    whose round an end delivered runs right after that child. A slow step passes the rest on,
+    one ``recovery.recover_child`` each (recovery.child.RecoveryBatch). Never raises."""
+    child, here = child_deps()
+
+    def step(execution_id: int, epoch: int) -> ChildOutcome:
+        outcome = recover_child(execution_id, epoch, child)
+        here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+        return outcome
+
+    batch = RecoveryBatch([(int(eid), int(epoch)) for eid, epoch in children], CeleryScheduler(app).fan_out)
+    return [str(outcome) for outcome in batch.run(step)]
 
 
 @app.task(name="recovery.fan_out", ignore_result=True)

@@ -260,9 +260,16 @@ def crash_trial(stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, sh
     assert stack.invariants() == []
 
 
-#: Points inside recovery itself: the scan's take, the child's recovery take, and a delivery
-#: and a child end run by the recovering worker.
-RECOVERY_POINTS = ["scan.after_take_parent", "recover.after_take", "child.after_final", "deliver.mid_round"]
+#: Points inside recovery itself: the scan's take, the child's recovery take, the step between
+#: two children of a round's recovery message, and a delivery and a child end run by the
+#: recovering worker.
+RECOVERY_POINTS = [
+    "scan.after_take_parent",
+    "recover.after_take",
+    "recover.between_children",
+    "child.after_final",
+    "deliver.mid_round",
+]
 
 
 @pytest.mark.parametrize("point", RECOVERY_POINTS)

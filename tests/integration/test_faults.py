@@ -453,3 +453,37 @@ def test_a_statement_postgresql_rejects_in_a_child_ends_it_failed_with_the_reaso
     drive(model.base_url)
     assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
     assert invariants() == []
+
+
+def test_a_small_pass_sends_one_recover_children_message_per_round_where_children_run() -> None:
+    import base64
+    import json
+
+    import redis
+
+    import tasks
+    from tasks.scheduler import RECOVER_BATCH, CeleryScheduler
+
+    url = redis_db_url("broker")
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    old = tasks.app.conf.broker_url
+    tasks.app.conf.broker_url = url
+    try:
+        big = [(100 + i, 3) for i in range(RECOVER_BATCH + 1)]  # a round larger than a batch
+        CeleryScheduler(tasks.app).recover_many([(1, 0, [(10, 2), (11, 2), (12, 2)]), (2, 0, [(20, 4)]), (3, 0, big)])
+        assert client.llen("recovery") == 0  # recovered children run where children run
+        sent = [json.loads(m) for m in reversed(client.lrange("celery", 0, -1))]
+        shapes = [(m["headers"]["task"], json.loads(base64.b64decode(m["body"]))[0]) for m in sent]
+        assert sorted(shapes, key=str) == sorted(
+            [
+                ("recovery.recover_children", [[[10, 2], [11, 2], [12, 2]]]),
+                ("recovery.recover_child", [20, 4]),
+                ("recovery.recover_children", [[list(p) for p in big[:RECOVER_BATCH]]]),
+                ("recovery.recover_child", list(big[RECOVER_BATCH])),
+            ],
+            key=str,
+        )
+    finally:
+        tasks.app.conf.broker_url = old
+        client.flushdb()

@@ -13,6 +13,7 @@ import json
 import pytest
 from sqlalchemy import select
 
+from crashpoints import InjectedFault, armed_fault
 from harness.child import start_child as run_child
 from harness.delivery import deliver_round
 from harness.parent import run_agent
@@ -24,7 +25,7 @@ from models import (
     SubagentExecution,
     transaction,
 )
-from recovery.child import recover_child
+from recovery.child import RecoveryBatch, recover_child
 from recovery.scan import scan
 from tests.helpers import (
     MAIN,
@@ -266,4 +267,38 @@ def test_recovery_logs_the_design_events_without_task_text_or_answers(
         row = s.execute(select(SubagentExecution).where(SubagentExecution.id == e.id)).scalar_one()
         assert deliver_one(s, row, sid) is False
     assert f"event=subagent_result_delivery_skipped execution_id={e.id} reason=already_delivered" in caplog.text
+    assert invariants() == []
+
+
+def test_a_batch_whose_process_dies_between_children_is_finished_by_the_next_scan(
+    model_factory: ModelFactory,
+) -> None:
+    """A round's recovery message runs its children one after another; the process dies after
+    the first (crash point ``recover.between_children``): the second, never taken, is still the
+    scan's reservation, and the next scan recovers it; the round is delivered exactly once."""
+    model = model_factory(TWO)
+    sid, _ = parent_yielded(model.base_url)
+    expire_leases()
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, children),) = sched.recoveries
+    handed: list[list[tuple[int, int]]] = []
+    batch = RecoveryBatch(children, handed.append)
+    with armed_fault("recover.between_children"), pytest.raises(InjectedFault):
+        batch.run(lambda eid, epoch: recover_child(eid, epoch, deps))
+    done, waiting = sorted(executions_of(sid), key=lambda e: e.id != children[0][0])
+    assert done.status == "COMPLETED" and done.delivery_status == "PENDING"
+    assert waiting.status == "RECOVERING" and waiting.lease_owner is None  # still the scan's reservation
+    assert handed == [] and sched.resumed == []
+    expire_leases()  # the reservation lapses
+    sched.recoveries.clear()
+    scan(sched, callback_grace_seconds=0)
+    ((_, _, again),) = sched.recoveries
+    assert [eid for eid, _ in again] == [waiting.id]
+    assert RecoveryBatch(again, handed.append).run(lambda eid, epoch: recover_child(eid, epoch, deps)) == ["completed"]
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    ((parent_id, new_epoch),) = sched.resumed
+    assert parent_id == sid and run_agent(sid, new_epoch, deps) == "waiting_user"
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert invariants() == []

@@ -73,6 +73,7 @@ def test_the_task_modules_still_register_every_task_name() -> None:
         "agent.deny",
         "recovery.scan",
         "recovery.recover_child",
+        "recovery.recover_children",
         "recovery.fan_out",
         "recovery.redeliver",
         "recovery.redeliver_parent",
