@@ -46,9 +46,9 @@ from models import (
     transaction,
 )
 from models.base import utcnow
-from models.db import built_once
+from models.db import built_once, is_postgresql
 from models.execution import take_execution
-from models.session import child_not_cancelled, set_phase
+from models.session import child_not_cancelled, set_child_phase, set_phase
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,12 @@ def load_child_setting_phase(s: Session, execution_id: int, to_phase: Phase) -> 
     """``load_child`` and ``models.session.set_child_phase`` (``to_phase``, a cancelled child
     stays cancelled) in ONE statement of the taker's transaction ``s``, which holds the
     execution's epoch: the facts are read as they were before the phase moved (the child's
-    previous phase among them), as when the two ran one after the other."""
+    previous phase among them), as when the two ran one after the other. SQLite (the embedded
+    default) has no data-modifying WITH: there they are two statements."""
+    if not is_postgresql(s):
+        info = load_child(execution_id, s)
+        set_child_phase(s, info.child_session_id, to_phase)
+        return info
     return _child_info(
         s.execute(_load_child_setting_phase_stmt(to_phase), {"b_eid": execution_id, "b_now": utcnow()}).one()
     )
