@@ -19,7 +19,6 @@ Never raises.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +44,7 @@ from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps
 from harness.results import describe_exception
+from harness.scheduler import SerialBatch
 from logfmt import log_event
 from models import (
     ExecutionStatus,
@@ -129,22 +129,17 @@ def recover_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome
     return end.outcome
 
 
-class RecoveryBatch:
+class RecoveryBatch(SerialBatch[ChildOutcome]):
     """The executions of one ``recovery.recover_children`` message (a round's children), run
     one after another by one process: a third of the task hops of a message per execution.
 
     Each is taken by its own compare-and-set on its epoch when its turn comes (``recover_child``),
     so one not yet started is still the scan's reservation: when the process dies mid-batch, the
     leases of those taken and the reservations of the others lapse, and the next scan recovers
-    both (the crash point ``recover.between_children``).
-
-    A batch still running ``pass_on_after`` seconds after its first step began (a child whose
-    model call is slow, the parent it resumed, or several steps) passes the executions not yet
-    started on to ``pass_on`` (a
-    message each: other pool processes run them side by side, so slow children wait at most
-    that long for their siblings), from a timer thread and under the batch's lock:
-    each execution is run here or passed on, never both; a duplicate would find its epoch gone
-    anyway (STALE). A message that cannot be sent leaves them to run here."""
+    both (the crash point ``recover.between_children``). A batch still running
+    ``pass_on_after`` seconds after its first step began passes the executions not yet started
+    on (harness.scheduler.SerialBatch), a message each; a duplicate would find its epoch gone
+    anyway (STALE)."""
 
     def __init__(
         self,
@@ -152,51 +147,11 @@ class RecoveryBatch:
         pass_on: Callable[[list[tuple[int, int]]], object],
         pass_on_after: float = PASS_ON_SECONDS,
     ) -> None:
-        self._rest = list(children)
-        self._lock = threading.Lock()
-        self._pass_on = pass_on
-        self._after = pass_on_after
-        self.passed_on = 0
+        super().__init__(children, pass_on, pass_on_after, between=_between_children)
 
-    def next(self) -> tuple[int, int] | None:
-        """The next execution to run here, None when none is left (run or passed on)."""
-        with self._lock:
-            return self._rest.pop(0) if self._rest else None
 
-    def pass_on_rest(self) -> None:
-        """Pass the executions not yet started on to another message (the timer's action)."""
-        with self._lock:
-            rest, self._rest = self._rest, []
-            if not rest:
-                return
-            try:
-                self._pass_on(rest)
-            except Exception as exc:
-                self._rest = rest  # run here after all
-                log_event(log, "recovery_pass_on_failed", logging.WARNING, error=type(exc).__name__)
-                return
-            self.passed_on += len(rest)
-        log_event(log, "recovery_batch_passed_on", executions=len(rest), first_execution_id=rest[0][0])
-
-    def run(self, step: Callable[[int, int], ChildOutcome]) -> list[ChildOutcome]:
-        """``step(execution_id, epoch)`` for each execution in turn; their outcomes. One timer
-        for the whole batch, from its first step: several steps each shorter than
-        ``pass_on_after`` hold the last sibling back no longer than one slow step would."""
-        outcomes: list[ChildOutcome] = []
-        timer: threading.Timer | None = None
-        try:
-            while (pair := self.next()) is not None:
-                if outcomes:
-                    crash_point("recover.between_children")
-                if timer is None and self._rest:
-                    timer = threading.Timer(self._after, self.pass_on_rest)
-                    timer.daemon = True
-                    timer.start()
-                outcomes.append(step(*pair))
-        finally:
-            if timer is not None:
-                timer.cancel()
-        return outcomes
+def _between_children() -> None:
+    crash_point("recover.between_children")
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import chord
 
 from crashpoints import crash_point
-from harness.scheduler import Children
+from harness.scheduler import Children, SerialBatch
 from logfmt import log_event
 
 log = logging.getLogger(__name__)
@@ -148,29 +147,24 @@ class ResumeHere:
         """Run each kept parent with ``run(parent_id, epoch)``; one whose run raises (it never
         should: the loop turns every fault into its outcome) is sent as ``agent.run`` instead,
         where a run that took the epoch meanwhile makes that message stale. With
-        ``budget_seconds``, once the runs here have taken that long, the parents not run yet are
-        sent as ``agent.run`` instead (a slow parent holds the next ones back at most once)."""
+        ``budget_seconds``, the runs here are a harness.scheduler.SerialBatch: once they have
+        run that long, the parents not started yet are sent as ``agent.run`` (from a timer, so a
+        slow parent holds the next ones back no longer than that)."""
         kept, self.kept = self.kept, []
-        started = time.monotonic()
-        for n, (parent_id, epoch) in enumerate(kept):
-            if n and budget_seconds is not None and time.monotonic() - started >= budget_seconds:
-                self._send(kept[n:])
-                return
+
+        def step(parent_id: int, epoch: int) -> None:
             crash_point("deliver.before_run_here")
             try:
                 run(parent_id, epoch)
             except Exception:
                 log_event(log, "parent_run_here_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
-                try:
-                    self.inner.resume_parent(parent_id, epoch)
-                except Exception as exc:
-                    log_event(
-                        log,
-                        "parent_resume_not_enqueued",
-                        logging.WARNING,
-                        parent_id=parent_id,
-                        error=type(exc).__name__,
-                    )
+                self._send([(parent_id, epoch)])
+
+        if budget_seconds is None:
+            for parent_id, epoch in kept:
+                step(parent_id, epoch)
+            return
+        SerialBatch(kept, self._send, budget_seconds).run(step)
 
     def _send(self, parents: Sequence[tuple[int, int]]) -> None:
         for parent_id, epoch in parents:

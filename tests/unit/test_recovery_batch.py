@@ -82,7 +82,7 @@ def test_the_crash_point_between_children_is_reached_after_the_first_child_only(
 
 
 def test_one_timer_covers_the_whole_batch_so_short_steps_cannot_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    import recovery.child as child_module
+    import harness.scheduler as scheduler_module
 
     started: list[float] = []
     cancelled: list[bool] = []
@@ -98,7 +98,7 @@ def test_one_timer_covers_the_whole_batch_so_short_steps_cannot_add_up(monkeypat
         def cancel(self) -> None:
             cancelled.append(True)
 
-    monkeypatch.setattr(child_module.threading, "Timer", RecordingTimer)
+    monkeypatch.setattr(scheduler_module.threading, "Timer", RecordingTimer)
     batch = RecoveryBatch([*PAIRS, (7, 8)], lambda rest: None, pass_on_after=0.25)
     ran: list[tuple[int, int]] = []
     batch.run(lambda eid, epoch: ran.append((eid, epoch)) or "completed")  # type: ignore[func-returns-value]

@@ -58,12 +58,21 @@ def test_a_parent_run_that_raises_in_process_is_sent_as_agent_run_instead() -> N
 
 
 def test_once_the_runs_here_took_the_budget_the_parents_not_run_yet_are_sent() -> None:
+    import threading
+
     inner = _Sent()
     here = ResumeHere(inner)
     for pid in (1, 2, 3):
         here.resume_parent(pid, 7)
     ran: list[int] = []
-    here.run_kept(lambda pid, epoch: ran.append(pid), budget_seconds=0.0)
+    passed_on = threading.Event()
+    inner.resume_parent = lambda pid, epoch: (inner.sent.append(("run", (pid, epoch))), passed_on.set())  # type: ignore[method-assign]
+
+    def slow_first(pid: int, epoch: int) -> None:
+        ran.append(pid)
+        assert passed_on.wait(30)  # the first parent's turn outlasts the budget: the timer fires
+
+    here.run_kept(slow_first, budget_seconds=0.0)
     assert ran == [1]  # the first always runs here
     assert inner.sent == [("run", (2, 7)), ("run", (3, 7))]
 
