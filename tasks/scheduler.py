@@ -116,10 +116,11 @@ class CeleryScheduler:
 
 
 class ResumeHere:
-    """The scheduler of a child's task (``agent.run_child``, ``recovery.recover_child``): what
-    the child's run sends goes out as CeleryScheduler sends it, except the run of the parent
-    whose round this child's end delivered: that one is kept, and the task runs the parent's
-    loop right after the child, in the same process (:meth:`run_kept`), with no task hop.
+    """The scheduler of a child's task (``agent.run_child``, ``recovery.recover_child``,
+    ``recovery.recover_children``) and of ``agent.deliver_rounds``: what the run sends goes out
+    as CeleryScheduler sends it, except the run of the parent whose round was delivered: that
+    one is kept, and the task runs the parent's loop right after, in the same process
+    (:meth:`run_kept`), with no task hop.
 
     NOTE: nothing is lost when that process dies: the delivery committed the parent's hand-over
     (a new epoch under a reservation) before the run was asked for, so a parent never taken
