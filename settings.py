@@ -208,6 +208,9 @@ class Settings(BaseSettings):
     APPROVAL_TIMEOUT_SECONDS: float = Field(default=86400.0, gt=0)
     LEASE_SECONDS: float = Field(default=30.0, gt=0)
     SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
+    #: A recovery message runs its round's children one after another; those not started this
+    #: long after the first began are passed on, a message each (recovery.child.RecoveryBatch).
+    RECOVERY_BATCH_PASS_ON_SECONDS: float = Field(default=0.25, gt=0)
     #: Stable name of this worker across restarts (default: Celery's node name, `-n`). A
     #: worker that boots again under its name takes back its previous process's work at once.
     WORKER_ID: str = ""

@@ -58,14 +58,10 @@ from models import (
 from models.base import utcnow
 from models.execution import take_execution
 from models.legacy import infer_and_store
+from settings import get_settings
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
-
-#: A recovery batch (children, and the parents their ends delivered) still running this long after
-#: its first step began passes its executions not yet started on, each to a message of its own (a
-#: fast step, whose model answers at once, takes a few tens of milliseconds).
-PASS_ON_SECONDS = 0.25
 
 #: Child phases that say its last answer was NOT a final result (old rows).
 _NOT_FINAL_PHASES = (Phase.FAILED, Phase.CANCELLED)
@@ -137,16 +133,18 @@ class RecoveryBatch(SerialBatch[ChildOutcome]):
     so one not yet started is still the scan's reservation: when the process dies mid-batch, the
     leases of those taken and the reservations of the others lapse, and the next scan recovers
     both (the crash point ``recover.between_children``). A batch still running
-    ``pass_on_after`` seconds after its first step began passes the executions not yet started
-    on (harness.scheduler.SerialBatch), a message each; a duplicate would find its epoch gone
-    anyway (STALE)."""
+    ``pass_on_after`` seconds (RECOVERY_BATCH_PASS_ON_SECONDS) after its first step began
+    passes the executions not yet started on (harness.scheduler.SerialBatch), a message each; a
+    duplicate would find its epoch gone anyway (STALE)."""
 
     def __init__(
         self,
         children: Sequence[tuple[int, int]],
         pass_on: Callable[[list[tuple[int, int]]], object],
-        pass_on_after: float = PASS_ON_SECONDS,
+        pass_on_after: float | None = None,
     ) -> None:
+        if pass_on_after is None:  # a fast step, whose model answers at once, takes tens of ms
+            pass_on_after = get_settings().RECOVERY_BATCH_PASS_ON_SECONDS
         super().__init__(children, pass_on, pass_on_after, between=_between_children)
 
 
