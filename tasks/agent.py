@@ -33,7 +33,13 @@ def deps() -> LoopDeps:
 
 @app.task(name="agent.run", ignore_result=True)  # nobody reads it: no result-backend write
 def run(session_id: int, epoch: int) -> str:
-    return run_agent(int(session_id), int(epoch), deps())
+    return run_parent(int(session_id), int(epoch))
+
+
+def run_parent(parent_id: int, epoch: int) -> str:
+    """A parent's loop run in this process (what ``agent.run`` runs): the parents a task kept
+    (tasks.scheduler.ResumeHere.run_kept)."""
+    return run_agent(parent_id, epoch, deps())
 
 
 def child_deps() -> tuple[LoopDeps, ResumeHere]:
@@ -53,7 +59,7 @@ def run_child_task(execution_id: int, epoch: int) -> str:
     except Exception:
         log_event(log, "run_child_error", logging.ERROR, exc_info=True, execution_id=execution_id)
         outcome = ChildOutcome.ERROR
-    here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+    here.run_kept(run_parent)
     return outcome
 
 
@@ -80,9 +86,7 @@ def deliver_rounds_task(parents: list[list[int]]) -> int:
     here = ResumeHere(scheduler) if serves_loops() else None
     outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], here or scheduler)
     if here is not None:
-        here.run_kept(
-            lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()), budget_seconds=RUN_HERE_SECONDS
-        )
+        here.run_kept(run_parent, budget_seconds=RUN_HERE_SECONDS)
     return sum(1 for outcome in outcomes.values() if outcome.kind == DeliveryKind.RESUME)
 
 

@@ -9,15 +9,15 @@ from kombu.exceptions import ChannelError
 
 from crashpoints import crash_point
 from harness.child import ChildOutcome
-from harness.parent import run_agent
+from harness.loop import LoopDeps
 from logfmt import log_event
 from models import lease
 from recovery.child import RecoveryBatch, recover_child
 from recovery.ops import redeliver, redeliver_parent
 from recovery.scan import scan
 from tasks import app
-from tasks.agent import child_deps, deps
-from tasks.scheduler import CeleryScheduler
+from tasks.agent import child_deps, run_parent
+from tasks.scheduler import CeleryScheduler, ResumeHere
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,13 @@ def recover_child_task(execution_id: int, epoch: int) -> str:
     operator's (no chord: the last recovered execution of a round delivers it, and then runs
     its parent here). Never raises: every failure becomes a FAILED execution."""
     child, here = child_deps()
-    outcome = recover_child(int(execution_id), int(epoch), child)
-    here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
+    return _recover_then_run_parent(int(execution_id), int(epoch), child, here)
+
+
+def _recover_then_run_parent(execution_id: int, epoch: int, child: LoopDeps, here: ResumeHere) -> ChildOutcome:
+    """One execution recovered, then the parent its end delivered (if any) run here."""
+    outcome = recover_child(execution_id, epoch, child)
+    here.run_kept(run_parent)
     return outcome
 
 
@@ -90,14 +95,9 @@ def recover_children_task(children: list[list[int]]) -> list[str]:
     whose round an end delivered runs right after that child. A slow step passes the rest on,
     one ``recovery.recover_child`` each (recovery.child.RecoveryBatch). Never raises."""
     child, here = child_deps()
-
-    def step(execution_id: int, epoch: int) -> ChildOutcome:
-        outcome = recover_child(execution_id, epoch, child)
-        here.run_kept(lambda parent_id, parent_epoch: run_agent(parent_id, parent_epoch, deps()))
-        return outcome
-
     batch = RecoveryBatch([(int(eid), int(epoch)) for eid, epoch in children], CeleryScheduler(app).fan_out)
-    return [str(outcome) for outcome in batch.run(step)]
+    outcomes = batch.run(lambda execution_id, epoch: _recover_then_run_parent(execution_id, epoch, child, here))
+    return [str(outcome) for outcome in outcomes]
 
 
 @app.task(name="recovery.fan_out", ignore_result=True)
