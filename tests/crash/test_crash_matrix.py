@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from models import AgentSession, SessionType, SubagentExecution, transaction
 from tests.helpers import executions_of, messages_of, wait_until
@@ -272,6 +272,20 @@ RECOVERY_POINTS = [
 ]
 
 
+def _all_leases_lapsed(parent_id: int) -> bool:
+    """Every execution of ``parent_id`` has a lease lapsed in the database's time."""
+    with transaction() as s:
+        now = s.execute(select(func.now())).scalar_one()
+        leases = (
+            s.execute(
+                select(SubagentExecution.lease_expires_at).where(SubagentExecution.parent_session_id == parent_id)
+            )
+            .scalars()
+            .all()
+        )
+    return bool(leases) and all(lease is None or lease < now for lease in leases)
+
+
 @pytest.mark.parametrize("point", RECOVERY_POINTS)
 def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(
     stack_factory: StackFactory, point: str
@@ -289,6 +303,11 @@ def test_a_crash_during_recovery_then_a_second_restart_delivers_exactly_once(
     # for its first child: the second would then go out as a message of its own, and the point
     # between two children of one batch would never be reached.
     slow = {"RECOVERY_BATCH_PASS_ON_SECONDS": "60"} if point == "recover.between_children" else {}
+    if point == "recover.between_children":
+        # Both children must be dead to w2's first pass, or each goes out alone when its own
+        # lease lapses (their leases were taken and renewed at different times: on a loaded
+        # machine, seconds apart) and no batch of two is ever sent.
+        wait_until(lambda: _all_leases_lapsed(sid), timeout=60, what="both children's leases lapsed")
     w2 = stack.worker("w2", beat=True, concurrency=1, CRASH_POINT=point, **slow)
     wait_until(lambda: f"crash_point={point}" in w2.log() or w2.exited, timeout=60, what=f"crash at {point}")
     assert f"crash_point={point}" in w2.log()
