@@ -147,7 +147,7 @@ class Stack:
                 print(f"could not stop {w.log_path}: {exc}", file=sys.stderr)
         for server in self.servers:
             server.stop()
-        if self.failed:
+        if self.failed or os.environ.get("BENCH_KEEP_LOGS"):
             print(f"worker logs kept in {self.log_dir}", file=sys.stderr)
         else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
