@@ -84,6 +84,8 @@ class RecoveryFigures:
     all_delivered_s: float = 0.0
     all_resumed_s: float = 0.0
     invariants: list[str] = field(default_factory=list)
+    #: ``--cpu``: the timed window's CPU by process class (bench._cpu)
+    cpu: Any = None
 
     @property
     def executions(self) -> int:
@@ -199,7 +201,18 @@ def _db_times() -> tuple[datetime, datetime, datetime]:
     return first, last, resumed
 
 
-def run_recovery(url: str, *, parents: int, children: int, workers: int, concurrency: int) -> RecoveryFigures:
+def _cpu_meter(workers: list[Any], url: str) -> Any:
+    """A started bench._cpu.CpuMeter over ``workers`` and the backends of ``url``'s database."""
+    from bench._cpu import CpuMeter
+
+    meter = CpuMeter([w.proc.pid for w in workers], database=url.rsplit("/", 1)[-1].split("?")[0])
+    meter.start()
+    return meter
+
+
+def run_recovery(
+    url: str, *, parents: int, children: int, workers: int, concurrency: int, cpu: bool = False
+) -> RecoveryFigures:
     """Crash and recover P x K on ``url`` (a migrated, empty database); see the module doc."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
@@ -260,6 +273,7 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
         if c["resuming"] or c["recovering"]:
             print(f"  note: a boot scan took work before the timed scan ({c['resuming']} parents)", flush=True)
         _expire_leases()
+        meter = _cpu_meter(fresh, url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
 
@@ -275,6 +289,7 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
 
         try:
             wait_for(recovered, timeout=120 + 2 * expected, what="every parent resumed", describe=recovery_status)
+            figures.cpu = meter.stop() if meter else None
         except Exception:
             stack.failed = True
             stack.dump_logs()
@@ -288,7 +303,9 @@ def run_recovery(url: str, *, parents: int, children: int, workers: int, concurr
     return figures
 
 
-def run_delivery_only(url: str, *, parents: int, children: int, workers: int, concurrency: int) -> RecoveryFigures:
+def run_delivery_only(
+    url: str, *, parents: int, children: int, workers: int, concurrency: int, cpu: bool = False
+) -> RecoveryFigures:
     """R16 on ``url`` (a migrated, empty database): every child COMPLETED, every result
     undelivered, no callback on its way; timed from the scan to every parent resumed."""
     import tasks
@@ -324,6 +341,7 @@ def run_delivery_only(url: str, *, parents: int, children: int, workers: int, co
         )
         _date_completions_back()
         _expire_leases()
+        meter = _cpu_meter(fresh, url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
 
@@ -339,6 +357,7 @@ def run_delivery_only(url: str, *, parents: int, children: int, workers: int, co
 
         try:
             wait_for(recovered, timeout=60 + expected, what="every parent resumed", describe=status)
+            figures.cpu = meter.stop() if meter else None
         except Exception:
             stack.failed = True
             stack.dump_logs()
@@ -495,10 +514,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="R16: every child already COMPLETED, only the delivery runs (no child re-runs)",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also print where each run's CPU went (pool, Celery main, PostgreSQL backends, bench; Linux)",
+    )
     args = parser.parse_args(argv)
     for name in ("parents", "children", "workers", "concurrency", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if args.cpu:
+        from bench._cpu import available
+
+        if not available():
+            parser.error("--cpu reads per-process CPU times from /proc (Linux only)")
     return args
 
 
@@ -519,7 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     for n in range(1, args.runs + 1):
         with bench_database("bench_recovery") as url:
             ours = run(
-                url, parents=args.parents, children=args.children, workers=args.workers, concurrency=args.concurrency
+                url,
+                parents=args.parents,
+                children=args.children,
+                workers=args.workers,
+                concurrency=args.concurrency,
+                cpu=args.cpu,
             )
             progress(f"measuring the commit ceiling with {ours.connections} connections for {args.ceiling_seconds:g}s")
             ceiling = commit_ceiling(url, connections=ours.connections, seconds=args.ceiling_seconds)
@@ -531,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours.deliveries_per_second / ceiling.per_second:.4f}; {system_load()}",
             flush=True,
         )
+        if ours.cpu is not None:
+            print("\n".join("    " + line for line in ours.cpu.lines(per=ours.executions, unit="delivery")), flush=True)
     ours, ceiling = runs[len(runs) // 2]
     first = median([o.first_delivery_s for o, _ in runs])
     delivered = median([o.all_delivered_s for o, _ in runs])

@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
     "recovery": (
         "recovery",
-        ["--parents", "3", "--children", "2", "--ceiling-seconds", "0.5", "--runs", "1"],
+        ["--parents", "3", "--children", "2", "--ceiling-seconds", "0.5", "--runs", "1", "--cpu"],
         [
+            "CPU during the timed window",
+            "ms per delivery  worker pool processes",
             "scan -> every parent resumed:",
             "deliveries/s:",
             "commit ceiling:",

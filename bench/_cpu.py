@@ -1,0 +1,153 @@
+"""Where a timed window's CPU went, by process class (Linux ``/proc``): the workers' pool
+processes, the workers' main processes (Celery's consumer), the PostgreSQL backends serving
+the bench's database, this bench process (the scripted model's threads and the bench's own
+polling) and the rest of the machine (Redis, the kernel, anything else).
+
+On two cores a recovery is CPU-bound, so "where the time went" is "whose CPU": a window of
+W seconds has 2 x W core-seconds, and the classes say who spent them.
+
+Used by ``bench/recovery.py --cpu``::
+
+    meter = CpuMeter(worker_pids=[w.proc.pid for w in fresh], database="bench_recovery")
+    meter.start()
+    ...  # the timed window
+    split = meter.stop()
+    print("\\n".join(split.lines(per=expected, unit="delivery")))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PROC = "/proc"
+
+
+def available() -> bool:
+    """True where ``/proc`` gives per-process CPU times (Linux)."""
+    return os.path.exists(f"{PROC}/self/stat") and os.path.exists(f"{PROC}/stat")
+
+
+def _process(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of ``pid``; None when it is gone."""
+    try:
+        with open(f"{PROC}/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _machine_busy() -> float:
+    """CPU seconds the whole machine spent busy since boot (every state but idle and iowait)."""
+    with open(f"{PROC}/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / TICK
+
+
+def _children(pids: Iterable[int]) -> set[int]:
+    """The direct children of ``pids`` now alive (a prefork pool's processes)."""
+    parents = set(pids)
+    found: set[int] = set()
+    for entry in os.listdir(PROC):
+        if entry.isdigit():
+            info = _process(int(entry))
+            if info is not None and info[0] in parents:
+                found.add(int(entry))
+    return found
+
+
+def _backends(database: str) -> set[int]:
+    """The PostgreSQL backends connected to ``database`` (pg_stat_activity, the bench's URL)."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    with transaction() as s:
+        return {
+            int(pid)
+            for (pid,) in s.execute(
+                text("SELECT pid FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"), {"d": database}
+            )
+        }
+
+
+@dataclass
+class CpuSplit:
+    wall_s: float
+    cores: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def lines(self, per: int, unit: str) -> list[str]:
+        """One line per class: CPU seconds, share of the window's core-seconds, ms per ``unit``."""
+        capacity = self.wall_s * self.cores
+        out = [
+            f"CPU during the timed window ({self.wall_s:.2f} s x {self.cores} cores = {capacity:.2f} core-s), "
+            f"by process class:"
+        ]
+        for name, value in self.seconds.items():
+            share = 100 * value / capacity if capacity else 0.0
+            out.append(f"  {value:6.2f} s  {share:5.1f} %  {1000 * value / max(per, 1):6.1f} ms per {unit}  {name}")
+        return out
+
+
+class CpuMeter:
+    """CPU seconds spent between :meth:`start` and :meth:`stop`, by process class. A process
+    that starts inside the window counts from zero; one that exits inside it is lost (the
+    workers and the connection pools' backends live through a window)."""
+
+    def __init__(self, worker_pids: Iterable[int], database: str) -> None:
+        self.workers = list(worker_pids)
+        self.database = database
+        self._start: dict[int, float] = {}
+        self._self_start = 0.0
+        self._machine_start = 0.0
+        self._wall_start = 0.0
+
+    def _classes(self) -> dict[str, set[int]]:
+        return {
+            "worker pool processes (the tasks' work)": _children(self.workers),
+            "worker main processes (Celery's consumer)": set(self.workers),
+            "PostgreSQL backends of the bench database": _backends(self.database),
+        }
+
+    def _sample(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for pids in self._classes().values():
+            for pid in pids:
+                info = _process(pid)
+                if info is not None:
+                    out[pid] = info[1]
+        return out
+
+    def start(self) -> None:
+        self._start = self._sample()
+        times = os.times()
+        self._self_start = times.user + times.system
+        self._machine_start = _machine_busy()
+        self._wall_start = time.monotonic()
+
+    def stop(self) -> CpuSplit:
+        wall = time.monotonic() - self._wall_start
+        machine = _machine_busy() - self._machine_start
+        times = os.times()
+        split = CpuSplit(wall, os.cpu_count() or 1)
+        counted = 0.0
+        for name, pids in self._classes().items():
+            spent = 0.0
+            for pid in pids:
+                info = _process(pid)
+                if info is not None:
+                    spent += max(0.0, info[1] - self._start.get(pid, 0.0))
+            split.seconds[name] = spent
+            counted += spent
+        own = times.user + times.system - self._self_start
+        split.seconds["this bench process (the scripted model's threads, polling)"] = own
+        counted += own
+        split.seconds["rest of the machine (Redis, kernel, other processes)"] = max(0.0, machine - counted)
+        return split
