@@ -5,10 +5,13 @@ database's clock, models.worker); every row decision is still a compare-and-set,
 concurrent scans (or two beats) are harmless. In order:
 1. PENDING executions of cancelled/terminal parents -> SUPPRESSED with the children cancelled;
    such parents are never resumed (R15, R21).
+2. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
+   and whose last result is older than the callback grace: their delivery is asked for again
+   (right after the suppression: a delivery waits for no other step of the pass).
    Then approvals (harness.approval.backstop): overdue requests expire, those of stopped
    sessions are cancelled, and a session parked in WAITING_APPROVAL with nothing pending is
    handed back to a loop. A parked session is never dead work: the steps below skip it.
-2. Dead executions, each on its own: active + PENDING whose lease lapsed
+3. Dead executions, each on its own: active + PENDING whose lease lapsed
    (in the database's time), whose owner's worker name booted again (models.worker), or whose
    absolute deadline + cancel grace passed. A live sibling never holds a dead execution back:
    the barrier is delivery's (I3). Set-based, in batches walking the execution ids upwards,
@@ -19,8 +22,6 @@ concurrent scans (or two beats) are harmless. In order:
    just be late in a long queue, and bumping would make it stale over and over) and release
    their parents in the same statement (a parent whose own lease lapsed — it died before
    yielding — the same way, epoch + 1, RESUMING, no owner; a waiting one shown RESUMING).
-3. Rounds whose executions are all terminal but still PENDING, whose parent waits (no owner)
-   and whose last result is older than the callback grace: their delivery is asked for again.
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
    tail cleaned and resumed (R18), in batches: the rows locked first (SKIP LOCKED), then
    "nothing pending" read again by the reserving UPDATE, whose snapshot follows the locks.
@@ -234,9 +235,13 @@ def scan(
         crash_point("scan.holding_right")
         _step("quarantine", right, _quarantine_unknown_statuses, report)
         _step("suppress", right, _suppress_stopped_parents, report)
+        # NOTE: deliveries first: they only wait for this step (each is a short task), and the
+        # steps after it take 30-70 ms even with nothing to do (bench/recovery.py
+        # --delivered-only: scan -> first delivery). The rounds it delivers have no active
+        # execution; the recover step reserves active ones only: neither finds the other's rows.
+        _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
         _step("approvals", right, _act_on_approvals, scheduler, report)
         _step("recover", right, _recover_dead_executions, scheduler, report, right, leave_first_runs)
-        _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
         _step("resume", right, _resume_plain_sessions, scheduler, report, right)
     except ScanRightLost:
         report.right_lost = True
