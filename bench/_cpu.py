@@ -3,10 +3,11 @@ processes, the workers' main processes (Celery's consumer), the PostgreSQL backe
 the bench's database, this bench process (the scripted model's threads and the bench's own
 polling) and the rest of the machine (Redis, the kernel, anything else).
 
-On two cores a recovery is CPU-bound, so "where the time went" is "whose CPU": a window of
-W seconds has 2 x W core-seconds, and the classes say who spent them.
+A window of W seconds on two cores has 2 x W core-seconds: the classes say who spent them,
+and what is left was idle (every process of the work waiting: on PostgreSQL's commits, on a
+round trip, on the model's answer).
 
-Used by ``bench/recovery.py --cpu``::
+Used by ``bench/recovery.py --cpu`` and ``bench/peer_dbos.py --cpu``::
 
     meter = CpuMeter(worker_pids=[w.proc.pid for w in fresh], database="bench_recovery")
     meter.start()
@@ -48,6 +49,12 @@ def _machine_busy() -> float:
         values = [int(v) for v in f.readline().split()[1:]]
     idle = values[3] + (values[4] if len(values) > 4 else 0)
     return (sum(values[:8]) - idle) / TICK
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has spent so far (0 when it is gone)."""
+    info = _process(pid)
+    return info[1] if info is not None else 0.0
 
 
 def _children(pids: Iterable[int]) -> set[int]:
@@ -108,6 +115,11 @@ class CpuMeter:
         self._self_start = 0.0
         self._machine_start = 0.0
         self._wall_start = 0.0
+
+    def add_worker(self, pid: int) -> None:
+        """A worker spawned inside the window (a restart): its CPU, and its pool's, count from
+        zero."""
+        self.workers.append(pid)
 
     def _classes(self) -> dict[str, set[int]]:
         return {

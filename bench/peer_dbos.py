@@ -89,6 +89,10 @@ class RestartFigures:
     seconds: float  #: the restarted worker spawned -> every parent resumed
     ready_s: float  #: the restarted worker spawned -> its worker_ready line
     problems: list[str]
+    #: ``--cpu``: the window's CPU by process class (bench._cpu), and the worker's main
+    #: process's CPU when it was ready (its boot)
+    cpu: Any = None
+    boot_cpu_s: float = 0.0
 
 
 def _status() -> dict[str, int]:
@@ -350,6 +354,7 @@ def run_ours_restart(
     lease_seconds: float,
     scan_interval_seconds: float,
     flush_broker: bool = False,
+    cpu: bool = False,
 ) -> RestartFigures:
     """The crash of ``bench/recovery.py``, then the SAME worker name started again with
     production settings (no lease expired by hand, no scan sent by the bench): timed from the
@@ -403,10 +408,22 @@ def run_ours_restart(
         env = bench_env(url, instant.base_url, **settings)
         apply_env(env)
         again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        meter = None
+        if cpu:
+            from bench._cpu import CpuMeter
+
+            meter = CpuMeter([], database=url.rsplit("/", 1)[-1].split("?")[0])
+            meter.start()
         spawned = datetime.now(UTC)
         started = time.monotonic()
         again.start(timeout=60)
         ready_s = time.monotonic() - started
+        boot_cpu_s = 0.0
+        if meter is not None and again.proc is not None:
+            from bench._cpu import process_cpu
+
+            meter.add_worker(again.proc.pid)
+            boot_cpu_s = process_cpu(again.proc.pid)
 
         def recovered() -> bool:
             c = _counts()
@@ -430,10 +447,11 @@ def run_ours_restart(
             stack.failed = True
             stack.dump_logs()
             raise
+        split = meter.stop() if meter is not None else None
         _, _, resumed = _db_times()
         with transaction() as s:
             problems = check_all(s, settled=True)
-    return RestartFigures((resumed - spawned).total_seconds(), ready_s, problems)
+    return RestartFigures((resumed - spawned).total_seconds(), ready_s, problems, split, boot_cpu_s)
 
 
 MODES = ("crash", "restart", "normal")
@@ -469,8 +487,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="keep",
         help="restart: the broker keeps its messages (only the worker died; default) or is flushed",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="also print where our side's CPU went in the crash and restart windows (Linux /proc)",
+    )
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.cpu:
+        from bench._cpu import available
+
+        if not available():
+            parser.error("--cpu reads per-process CPU times from /proc (Linux only)")
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     args.dbos_processes = args.dbos_processes or args.concurrency
@@ -512,7 +540,12 @@ def main(argv: list[str] | None = None) -> int:
         if "crash" in args.modes:
             with bench_database("bench_peer_ours") as url:
                 ours = run_recovery(
-                    url, parents=args.parents, children=args.children, workers=1, concurrency=args.concurrency
+                    url,
+                    parents=args.parents,
+                    children=args.children,
+                    workers=1,
+                    concurrency=args.concurrency,
+                    cpu=args.cpu,
                 )
             ours_rates.append(ours.deliveries_per_second)
             problems += [f"trial {trial} ours crash: {p}" for p in ours.invariants]
@@ -535,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(every parent workflow done {theirs.all_resumed_s:.3f} s after DBOS.launch()); {system_load()}",
                 flush=True,
             )
+            if ours.cpu is not None:
+                print("\n".join("    " + line for line in ours.cpu.lines(per=ours.executions, unit="delivery")))
         if "restart" in args.modes:
             with bench_database("bench_peer_restart") as url:
                 restarted = run_ours_restart(
@@ -545,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                     lease_seconds=args.lease_seconds,
                     scan_interval_seconds=args.scan_interval_seconds,
                     flush_broker=args.restart_broker == "flush",
+                    cpu=args.cpu,
                 )
             ours_restart.append(restarted)
             problems += [f"trial {trial} ours restart: {p}" for p in restarted.problems]
@@ -554,6 +590,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"start to every workflow done; {system_load()}",
                 flush=True,
             )
+            if restarted.cpu is not None:
+                print(
+                    f"    the restarted worker's main process spent {restarted.boot_cpu_s:.2f} s of CPU before it "
+                    "was ready (its boot)"
+                )
+                expected = args.parents * args.children
+                print("\n".join("    " + line for line in restarted.cpu.lines(per=expected, unit="child")))
         if "normal" in args.modes:
             with bench_database("bench_peer_normal") as url:
                 normal = run_ours_normal(

@@ -103,8 +103,11 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
             "3",
             "--scan-interval-seconds",
             "1",
+            "--cpu",
         ],
         [
+            "was ready (its boot)",
+            "ms per child  worker pool processes",
             "restart -> every parent resumed, ours:",
             "process start -> every workflow done, DBOS:",
             "restart ratio ours/DBOS",
