@@ -7,17 +7,16 @@ A window of W seconds on two cores has 2 x W core-seconds: the classes say who s
 and what is left was idle (every process of the work waiting: on PostgreSQL's commits, on a
 round trip, on the model's answer).
 
-Used by ``bench/recovery.py --cpu`` and ``bench/peer_dbos.py --cpu``::
+Used by ``bench/recovery.py --cpu`` and ``bench/peer_dbos.py --cpu`` (``add_cpu_option``)::
 
-    meter = CpuMeter(worker_pids=[w.proc.pid for w in fresh], database="bench_recovery")
-    meter.start()
+    meter = start_meter([w.proc.pid for w in fresh], url)
     ...  # the timed window
-    split = meter.stop()
-    print("\\n".join(split.lines(per=expected, unit="delivery")))
+    print(meter.stop().report(per=expected, unit="delivery"))
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Iterable
@@ -30,6 +29,20 @@ PROC = "/proc"
 def available() -> bool:
     """True where ``/proc`` gives per-process CPU times (Linux)."""
     return os.path.exists(f"{PROC}/self/stat") and os.path.exists(f"{PROC}/stat")
+
+
+class _CpuOption(argparse.Action):
+    """``--cpu``: a flag that refuses where ``/proc`` is missing."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, *_: object) -> None:
+        if not available():
+            parser.error("--cpu reads per-process CPU times from /proc (Linux only)")
+        setattr(namespace, self.dest, True)
+
+
+def add_cpu_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """The benches' ``--cpu`` flag (``args.cpu``, False by default)."""
+    parser.add_argument("--cpu", action=_CpuOption, nargs=0, default=False, help=help)
 
 
 def _process(pid: int) -> tuple[int, float] | None:
@@ -102,6 +115,10 @@ class CpuSplit:
             out.append(f"  {value:6.2f} s  {share:5.1f} %  {1000 * value / max(per, 1):6.1f} ms per {unit}  {name}")
         return out
 
+    def report(self, per: int, unit: str) -> str:
+        """:meth:`lines` as one block, indented under a trial's line."""
+        return "\n".join("    " + line for line in self.lines(per, unit))
+
 
 class CpuMeter:
     """CPU seconds spent between :meth:`start` and :meth:`stop`, by process class. A process
@@ -163,3 +180,10 @@ class CpuMeter:
         counted += own
         split.seconds["rest of the machine (Redis, kernel, other processes)"] = max(0.0, machine - counted)
         return split
+
+
+def start_meter(worker_pids: Iterable[int], url: str) -> CpuMeter:
+    """A started :class:`CpuMeter` over ``worker_pids`` and the backends of ``url``'s database."""
+    meter = CpuMeter(worker_pids, database=url.rsplit("/", 1)[-1].split("?")[0])
+    meter.start()
+    return meter

@@ -410,10 +410,9 @@ def run_ours_restart(
         again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
         meter = None
         if cpu:
-            from bench._cpu import CpuMeter
+            from bench._cpu import start_meter
 
-            meter = CpuMeter([], database=url.rsplit("/", 1)[-1].split("?")[0])
-            meter.start()
+            meter = start_meter([], url)  # the worker joins once spawned: its CPU counts from zero
         spawned = datetime.now(UTC)
         started = time.monotonic()
         again.start(timeout=60)
@@ -458,6 +457,8 @@ MODES = ("crash", "restart", "normal")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from bench._cpu import add_cpu_option
+
     parser = argparse.ArgumentParser(prog="bench/peer_dbos.py", description=__doc__.split("\n")[0])
     parser.add_argument("--parents", type=int, default=20, help="parents per run (default 20)")
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
@@ -487,18 +488,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="keep",
         help="restart: the broker keeps its messages (only the worker died; default) or is flushed",
     )
-    parser.add_argument(
-        "--cpu",
-        action="store_true",
-        help="also print where our side's CPU went in the crash and restart windows (Linux /proc)",
-    )
+    add_cpu_option(parser, "also print where our side's CPU went in the crash and restart windows (Linux /proc)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if args.cpu:
-        from bench._cpu import available
-
-        if not available():
-            parser.error("--cpu reads per-process CPU times from /proc (Linux only)")
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     args.dbos_processes = args.dbos_processes or args.concurrency
@@ -569,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if ours.cpu is not None:
-                print("\n".join("    " + line for line in ours.cpu.lines(per=ours.executions, unit="delivery")))
+                print(ours.cpu.report(per=ours.executions, unit="delivery"))
         if "restart" in args.modes:
             with bench_database("bench_peer_restart") as url:
                 restarted = run_ours_restart(
@@ -596,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                     "was ready (its boot)"
                 )
                 expected = args.parents * args.children
-                print("\n".join("    " + line for line in restarted.cpu.lines(per=expected, unit="child")))
+                print(restarted.cpu.report(per=expected, unit="child"))
         if "normal" in args.modes:
             with bench_database("bench_peer_normal") as url:
                 normal = run_ours_normal(

@@ -201,21 +201,13 @@ def _db_times() -> tuple[datetime, datetime, datetime]:
     return first, last, resumed
 
 
-def _cpu_meter(workers: list[Any], url: str) -> Any:
-    """A started bench._cpu.CpuMeter over ``workers`` and the backends of ``url``'s database."""
-    from bench._cpu import CpuMeter
-
-    meter = CpuMeter([w.proc.pid for w in workers], database=url.rsplit("/", 1)[-1].split("?")[0])
-    meter.start()
-    return meter
-
-
 def run_recovery(
     url: str, *, parents: int, children: int, workers: int, concurrency: int, cpu: bool = False
 ) -> RecoveryFigures:
     """Crash and recover P x K on ``url`` (a migrated, empty database); see the module doc."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from bench._cpu import start_meter
     from devstack.processes import apply_env
     from harness.views import create_session
     from models import transaction
@@ -273,7 +265,7 @@ def run_recovery(
         if c["resuming"] or c["recovering"]:
             print(f"  note: a boot scan took work before the timed scan ({c['resuming']} parents)", flush=True)
         _expire_leases()
-        meter = _cpu_meter(fresh, url) if cpu else None
+        meter = start_meter([w.proc.pid for w in fresh], url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
 
@@ -310,6 +302,7 @@ def run_delivery_only(
     undelivered, no callback on its way; timed from the scan to every parent resumed."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from bench._cpu import start_meter
     from devstack.processes import apply_env
     from models import transaction
     from models.base import utcnow
@@ -341,7 +334,7 @@ def run_delivery_only(
         )
         _date_completions_back()
         _expire_leases()
-        meter = _cpu_meter(fresh, url) if cpu else None
+        meter = start_meter([w.proc.pid for w in fresh], url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
 
@@ -500,6 +493,8 @@ def commit_ceiling(url: str, *, connections: int, seconds: float, rows_per_conne
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from bench._cpu import add_cpu_option
+
     parser = argparse.ArgumentParser(prog="bench/recovery.py", description=__doc__.split("\n")[0])
     parser.add_argument("--parents", type=int, default=20, help="parents crashed mid-flight (default 20)")
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
@@ -514,20 +509,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="R16: every child already COMPLETED, only the delivery runs (no child re-runs)",
     )
-    parser.add_argument(
-        "--cpu",
-        action="store_true",
-        help="also print where each run's CPU went (pool, Celery main, PostgreSQL backends, bench; Linux)",
+    add_cpu_option(
+        parser, "also print where each run's CPU went (pool, Celery main, PostgreSQL backends, bench; Linux)"
     )
     args = parser.parse_args(argv)
     for name in ("parents", "children", "workers", "concurrency", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    if args.cpu:
-        from bench._cpu import available
-
-        if not available():
-            parser.error("--cpu reads per-process CPU times from /proc (Linux only)")
     return args
 
 
@@ -566,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if ours.cpu is not None:
-            print("\n".join("    " + line for line in ours.cpu.lines(per=ours.executions, unit="delivery")), flush=True)
+            print(ours.cpu.report(per=ours.executions, unit="delivery"), flush=True)
     ours, ceiling = runs[len(runs) // 2]
     first = median([o.first_delivery_s for o, _ in runs])
     delivered = median([o.all_delivered_s for o, _ in runs])
