@@ -25,9 +25,9 @@ from contextlib import contextmanager
 POINTS = (
     "delegate.after_child_session",  # inside the round transaction: child session inserted
     "delegate.after_user_message",  # inside the round transaction: child USER inserted
-    "delegate.after_create",  # parent round + children committed, chord not yet enqueued
+    "delegate.after_create",  # parent round + children committed, no child sent yet
     "parent.mid_inline",  # between inline tools of a delegating round
-    "parent.before_yield",  # inline results recorded, chord not yet enqueued
+    "parent.before_yield",  # inline results recorded, no child sent yet
     "child.after_take",  # child execution taken, nothing run yet
     "child.mid_tool",  # inside a child's tool call (the round is not committed)
     "child.after_round",  # a child's non-final round committed
@@ -42,7 +42,7 @@ POINTS = (
     "parent.after_resume",  # the parent's loop took its session again
     "recover.after_take",  # recovery took the execution, child loop not yet started
     "recover.between_children",  # a recovery batch's child ended (its parent ran), the next not yet taken
-    "scan.after_take_parent",  # scan took a parent, chord not yet enqueued
+    "scan.after_take_parent",  # scan reserved a batch of dead executions, their recoveries not yet sent
     "scan.holding_right",  # scan took the right to scan, nothing else done yet
     "scan.inside_batch",  # inside a scan batch's transaction: dead rows and their parents locked and reserved
     "scan.before_pass_behind_queue",  # a boot pass left first runs to their queued messages; its follow-up not sent

@@ -2,8 +2,8 @@
 new worker recovers them, and the history is printed and checked.
 
 Runs on an embedded default that needs no server: SQLite for the state database and Celery's
-filesystem transport with a SQLite result backend (chords across a 2-process
-prefork worker; messages in flight at the SIGKILL are lost, and the scan rebuilds the work
+filesystem transport with a SQLite result backend (a 2-process prefork worker; messages in
+flight at the SIGKILL are lost, and the scan rebuilds the work
 from the state database — invariant I7, which is what this demo shows). With DATABASE_URL
 and CELERY_BROKER_URL set (PostgreSQL + Redis), the same demo runs against them.
 Exit code 0 when every check passed, 1 with the reason otherwise.

@@ -33,6 +33,7 @@ from harness.model import ModelReply
 from harness.outage import model_answered, wait_for_model
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
 from harness.results import describe_exception
+from harness.scheduler import Scheduler
 from harness.tools import tool_names
 from logfmt import log_event
 from models import (
@@ -384,7 +385,7 @@ def _child_rounds(
 
 
 def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
-    """Normal path chord header: take the execution (RUNNING, epoch + 1) and run it. The take,
+    """The normal path's agent.run_child: take the execution (RUNNING, epoch + 1) and run it. The take,
     the child's phase and the facts the run needs are ONE transaction."""
     try:
         with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault, transaction() as s:
@@ -430,5 +431,15 @@ def after_end(execution_id: int, end: ChildEnd, deps: LoopDeps) -> None:
         # its parent.
         deliver_and_resume(state.parent_id, state.parent_epoch, deps.scheduler)
     except Exception:
-        # The scan delivers a round whose results wait longer than the callback grace.
         log_event(log, "round_delivery_failed", logging.WARNING, exc_info=True, execution_id=execution_id)
+        _ask_for_delivery(state, deps.scheduler)
+
+
+def _ask_for_delivery(state: RoundState, scheduler: Scheduler) -> None:
+    """The in-process delivery failed (a database blip): ask for it again as one message
+    (``agent.deliver_round``), idempotent with the parent's epoch. Not sent either (the broker
+    is down too): the scan delivers a round whose results wait longer than its grace."""
+    try:
+        scheduler.deliver_many([(state.parent_id, state.parent_epoch)])
+    except Exception:
+        log_event(log, "round_delivery_request_failed", logging.WARNING, parent_id=state.parent_id)

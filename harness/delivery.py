@@ -1,7 +1,8 @@
 """Delivery of child results into the parent's history, exactly once (why: docs/exactly-once.md).
 
 ``deliver_round(parent_id, epoch)`` runs in-process in the last execution of a round to end (in
-both paths), in the normal path's chord callback (a backstop), and when the scan asks for it:
+both paths), and as ``agent.deliver_round`` when the scan asks for it (or a last child whose
+in-process delivery raised):
 1. lock the parent; a stale epoch does nothing; a cancelled/terminal parent gets nothing (its
    PENDING executions become SUPPRESSED, its children are cancelled) and is never resumed;
 2. barrier (I3): while any PENDING execution of the parent is still active, nothing happens;

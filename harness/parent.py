@@ -4,7 +4,8 @@
 - A round with delegates commits pending_round + child sessions + executions + child USER
   messages in one transaction, runs the inline tools (recording each result in the round),
   then YIELDS: the lease is released (the epoch stays: deliver_round is handed it) and the
-  scheduler enqueues chord(children..., deliver_round). No worker slot waits for a child.
+  scheduler enqueues one run_child per child (the last to end delivers). No worker slot waits
+  for a child.
 - A broker error at that hand-off is not the parent's failure: everything the recovery needs
   is committed, the executions' creation reservations lapse and the scan starts them.
 - A cancel lands between rounds, inside ``wait``, and in the fence of every write: a

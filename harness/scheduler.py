@@ -34,7 +34,7 @@ class Scheduler(Protocol):
     database holds the state and the scan re-sends)."""
 
     def start_children(self, parent_id: int, parent_epoch: int, children: Children) -> None:
-        """Run each child in parallel, then deliver_round(parent_id, parent_epoch) (a chord)."""
+        """Run each child in parallel (the last to end delivers the round: harness.child.after_end)."""
 
     def recover_many(self, rounds: Sequence[tuple[int, int, Children]]) -> None:
         """For each (parent_id, parent_epoch, children): recover_child(eid, epoch) per child."""

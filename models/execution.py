@@ -125,7 +125,7 @@ class SubagentExecution(Base):
 
 
 #: Legal sources of each target status (docs/state-machines.md). RUNNING -> RUNNING is the normal path's take
-#: (the chord's run_child takes the execution it was created for: epoch + 1, same status); no
+#: (the normal path's run_child takes the execution it was created for: epoch + 1, same status); no
 #: other status ever goes back to RUNNING.
 STATUS_SOURCES: dict[ExecutionStatus, tuple[ExecutionStatus, ...]] = {
     ExecutionStatus.RUNNING: (ExecutionStatus.RUNNING,),
@@ -359,7 +359,7 @@ def create_execution_row(
         execution_start_message_id=start_message_id,
         started_at=now,
         pending_round_id=pending_round_id,
-        # A reservation for the epoch-0 message (the chord's run_child), not an owner: it covers
+        # A reservation for the epoch-0 message (agent.run_child), not an owner: it covers
         # the enqueue window so the scan leaves it alone. It names the creating worker's boot
         # identity: when that worker restarts under its name, the reservation is known dead at
         # once (a broker that lost the message then costs no lease wait).

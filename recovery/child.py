@@ -11,8 +11,7 @@ epoch cannot touch the child's phase.
 Then the same steps: finish from an existing final without calling the model, or fail past the
 absolute deadline (R6, R22), or run the rounds (harness.child) with the time left. Finally, the
 last execution of a round to end delivers the round itself (harness.child ``after_end``, with
-harness.delivery), in one short transaction, and enqueues the parent's run: its original
-chord may have lost a header for good, so its callback may never come (docs/exactly-once.md).
+harness.delivery), in one short transaction, and the parent runs right after (docs/exactly-once.md).
 Never raises.
 """
 

@@ -49,10 +49,10 @@ def child_deps() -> tuple[LoopDeps, ResumeHere]:
     return replace(deps(), scheduler=here), here
 
 
-@app.task(name="agent.run_child")
+@app.task(name="agent.run_child", ignore_result=True)  # nobody reads it: no result-backend write
 def run_child_task(execution_id: int, epoch: int) -> str:
-    """Chord header: never raises (a failure becomes a FAILED execution). The last child of a
-    round delivers it and then runs its parent here."""
+    """A child of the normal path: never raises (a failure becomes a FAILED execution). The
+    last child of a round delivers it and then runs its parent here."""
     child, here = child_deps()
     try:
         outcome = start_child(int(execution_id), int(epoch), child)
@@ -65,8 +65,9 @@ def run_child_task(execution_id: int, epoch: int) -> str:
 
 @app.task(name="agent.deliver_round", ignore_result=True)
 def deliver_round_task(_header_results: Any, parent_id: int, epoch: int) -> str:
-    """The normal path's chord callback (a backstop: the last child delivers in-process); also sent
-    alone by the scan."""
+    """One parent's delivery: sent by the scan (and by a child whose in-process delivery
+    failed), the first argument None. (It was the normal path's chord callback: the argument
+    stays for messages still queued from before.)"""
     return deliver_and_resume(int(parent_id), int(epoch), CeleryScheduler(app)).kind
 
 

@@ -1,5 +1,5 @@
-"""The Celery side of the loops' and the scan's Scheduler: chords of children, deliveries,
-recoveries and parent runs, sent by task name (no import cycle with the task modules).
+"""The Celery side of the loops' and the scan's Scheduler: children, deliveries, recoveries
+and parent runs, sent by task name (no import cycle with the task modules).
 
 Scans, recoveries and deliveries go to the recovery queue (celeryconfig routes them), so they
 never wait behind hour-long children on the default queue.
@@ -11,8 +11,6 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from celery import chord
 
 from crashpoints import crash_point
 from harness.scheduler import Children, SerialBatch
@@ -46,8 +44,11 @@ class CeleryScheduler:
         return self.app.signature(name, args=args)
 
     def start_children(self, parent_id: int, parent_epoch: int, children: Children) -> None:
-        header = [self._sig("agent.run_child", eid, epoch) for eid, epoch in children]
-        chord(header)(self._sig("agent.deliver_round", parent_id, parent_epoch))
+        """One ``agent.run_child`` per execution, and nothing after them: the round's last
+        child to end delivers it (harness.child.after_end), the scan is its backstop. No chord:
+        its counter and header results cost a result-backend write per child and a callback
+        task per round that, on the normal path, always found the parent handed over already."""
+        self._send_each("agent.run_child", children)
 
     def deliver_many(self, parents: Sequence[tuple[int, int]]) -> None:
         """One ``agent.deliver_round`` for a single parent; otherwise ``agent.deliver_rounds``
@@ -107,9 +108,13 @@ class CeleryScheduler:
     def fan_out(self, children: Children) -> None:
         """One ``recovery.recover_child`` per execution (a fan-out batch, a recovery batch's rest
         passed on)."""
+        self._send_each("recovery.recover_child", children)
+
+    def _send_each(self, name: str, children: Children) -> None:
+        """One ``name(execution_id, epoch)`` message per execution, on one producer."""
         with self.app.producer_or_acquire() as producer:
             for eid, epoch in children:
-                self._sig("recovery.recover_child", eid, epoch).apply_async(producer=producer)
+                self._sig(name, eid, epoch).apply_async(producer=producer)
 
     def resume_parent(self, parent_id: int, epoch: int) -> None:
         self._sig("agent.run", parent_id, epoch).apply_async()
@@ -125,8 +130,7 @@ class ResumeHere:
     NOTE: nothing is lost when that process dies: the delivery committed the parent's hand-over
     (a new epoch under a reservation) before the run was asked for, so a parent never taken
     is resumed by the scan once the reservation lapses (R18), as when an ``agent.run`` message
-    is lost; one taken holds a lease that lapses the same way. The chord callback that follows
-    finds the parent handed over and does nothing."""
+    is lost; one taken holds a lease that lapses the same way."""
 
     def __init__(self, inner: CeleryScheduler) -> None:
         self.inner = inner

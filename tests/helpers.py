@@ -201,7 +201,7 @@ def expire_leases() -> None:
 def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps: Any = None) -> RecordingScheduler:
     """Run recovery and the normal path in-process until nothing is left to do: scan ->
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
-    loop (-> its own chords) -> ..."""
+    loop (-> its own children) -> ..."""
     from harness.child import start_child
     from harness.delivery import deliver_and_resume
     from harness.parent import run_agent
@@ -222,10 +222,9 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
                 for eid, e in children:
                     recover_child(eid, e, deps)
             elif sched.children:
-                parent, epoch, children = sched.children.pop(0)
+                _, _, children = sched.children.pop(0)
                 for eid, e in children:
-                    start_child(eid, e, deps)
-                sched.deliveries.append((parent, epoch))  # the chord callback
+                    start_child(eid, e, deps)  # the last one delivers (no callback after them)
             elif sched.deliveries:
                 parent, epoch = sched.deliveries.pop(0)
                 deliver_and_resume(parent, epoch, sched)
@@ -235,10 +234,10 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     raise AssertionError("recovery did not settle")
 
 
-def children_done_callback_lost(model_url: str, text: str = "go") -> tuple[int, int]:
+def children_done_delivery_lost(model_url: str, text: str = "go") -> tuple[int, int]:
     """A parent that delegated and whose children all completed, but whose round was never
     delivered: the last child's worker died right after its final commit (child.after_final,
-    before it could deliver the round itself) and the chord callback never ran. Returns
+    before it could deliver the round itself). Returns
     (parent id, the epoch its deliver_round was handed)."""
     from crashpoints import InjectedKill
     from harness.child import start_child
@@ -294,7 +293,7 @@ def rule_calls(model: Any, index: int) -> int:
 
 
 def parent_yielded(model_url: str, text: str = "go") -> tuple[int, RecordingScheduler]:
-    """A parent that delegated and whose worker died right after (chord lost)."""
+    """A parent that delegated and whose worker died right after (its children never sent)."""
     deps = loop_deps(model_url)
     sid = create_session("main", text)
     assert run_agent(sid, 0, deps) == "yielded"

@@ -1,6 +1,6 @@
 """`make demo` end to end on the embedded default (SQLite + filesystem broker, no server):
 the code paths PostgreSQL does not need (SQLite engine, no advisory lock, filesystem
-transport, chord_unlock polling) are exercised by a real SIGKILL and recovery."""
+transport, its SQLite result backend) are exercised by a real SIGKILL and recovery."""
 
 from __future__ import annotations
 

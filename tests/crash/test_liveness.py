@@ -68,7 +68,7 @@ HOLD_ENV = {
 
 
 def test_a_bare_celery_worker_delivers_a_delegating_round(stack_factory: Any) -> None:
-    """`celery -A tasks worker`, nothing else: the chord callback (recovery queue) is served."""
+    """`celery -A tasks worker`, nothing else: it consumes both queues (children, scans and deliveries)."""
     stack = stack_factory(script())
     stack.worker("bare", argv=["-A", "tasks", "worker"])
     sid = stack.submit("plain")

@@ -96,7 +96,7 @@ def test_a_dead_child_is_recovered_while_its_sibling_still_runs(stack_factory: S
 def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_restarts(
     stack_factory: StackFactory,
 ) -> None:
-    """The worker dies right after committing the round (the chord was never sent, as when the
+    """The worker dies right after committing the round (its children were never sent, as when the
     broker lost it); restarted under its name with production leases (30 s), its boot takes
     the children's creation reservations back at once: no lease wait."""
     stack = stack_factory(script(wait=1))

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from devstack.processes import AMQP_URL, purge_amqp
 from models import AgentSession, SessionType, transaction
 from tests.conftest import _missing
-from tests.helpers import children_done_callback_lost, executions_of, expire_leases, messages_of, wait_until
+from tests.helpers import children_done_delivery_lost, executions_of, expire_leases, messages_of, wait_until
 from tests.types import StackFactory
 
 #: RabbitMQ's queues (celery, recovery) are one set for every amqp test: under pytest-xdist they
@@ -109,7 +109,7 @@ def test_sigkilled_worker_on_rabbitmq_is_recovered_exactly_once(amqp: str, stack
 def test_operator_redeliver_by_celery_call_on_rabbitmq_is_idempotent(amqp: str, stack_factory: StackFactory) -> None:
     script = [*SCRIPT[:2], {"when": {"system_contains": "subagent"}, "reply": {"content": "ok"}}]
     stack = stack_factory(script)
-    sid, _ = children_done_callback_lost(stack.model.base_url)  # the chord callback never ran
+    sid, _ = children_done_delivery_lost(stack.model.base_url)  # the last child died before delivering
     expire_leases()
     worker = stack.worker()
     env = {**os.environ, **stack.env}

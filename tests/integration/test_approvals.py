@@ -356,7 +356,7 @@ def test_a_child_waiting_for_approval_keeps_its_parents_round_waiting_and_an_app
     assert (execution.status, execution.delivery_status, execution.lease_owner) == ("RUNNING", "PENDING", None)
     # Not counted as work nobody picks up (status, metrics) before its request is overdue.
     assert execution.lease_expires_at == requests()[0].expires_at
-    deliver_and_resume(sid, 1, deps.scheduler)  # the chord callback: the barrier holds
+    deliver_and_resume(sid, 1, deps.scheduler)  # a deliver_round (the scan's, an operator's): the barrier holds
     for _ in range(3):
         a_scan_after_every_lease_lapsed(deps)  # never dead work, never delivered
     assert not deps.scheduler.pending() and runs.starts == []

@@ -20,7 +20,7 @@ from models.base import utcnow
 from tests.console_server import serve
 from tests.helpers import (
     add_message,
-    children_done_callback_lost,
+    children_done_delivery_lost,
     executions_of,
     make_execution,
     make_session,
@@ -497,7 +497,7 @@ def test_redeliver_of_a_parent_whose_callback_was_lost_delivers_once_then_has_no
 ) -> None:
     caplog.set_level(logging.INFO)
     model = model_factory(one_child_script())
-    sid, _ = children_done_callback_lost(model.base_url)
+    sid, _ = children_done_delivery_lost(model.base_url)
     (execution,) = executions_of(sid)
     assert execution.status == ExecutionStatus.COMPLETED and execution.delivery_status == DeliveryStatus.PENDING
     base = console()

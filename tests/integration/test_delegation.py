@@ -137,15 +137,15 @@ def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory
 
 def test_operator_redeliver_by_celery_call_is_idempotent(stack_factory: StackFactory) -> None:
     """`celery -A tasks call recovery.redeliver --args='[ID]'`, exactly as the ops docs spell it,
-    on a parent whose chord callback was lost; the second call changes nothing."""
+    on a parent whose last child died before delivering; the second call changes nothing."""
     import os
     import subprocess
     import sys
 
-    from tests.helpers import children_done_callback_lost, executions_of, messages_of, wait_until
+    from tests.helpers import children_done_delivery_lost, executions_of, messages_of, wait_until
 
     stack = stack_factory([*PARALLEL_SCRIPT[:2], {"when": {"system_contains": "subagent"}, "reply": {"content": "ok"}}])
-    sid, _ = children_done_callback_lost(stack.model.base_url)  # the chord callback never ran
+    sid, _ = children_done_delivery_lost(stack.model.base_url)  # the last child died before delivering
     from tests.helpers import expire_leases
 
     expire_leases()

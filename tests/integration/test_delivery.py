@@ -46,7 +46,7 @@ from tests.helpers import (
     TWO_CHILDREN,
     RecordingScheduler,
     add_message,
-    children_done_callback_lost,
+    children_done_delivery_lost,
     drive,
     execution_row,
     executions_of,
@@ -105,7 +105,7 @@ def test_r3_two_recovered_siblings_finishing_at_the_same_moment_deliver_the_roun
 def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_run(model_factory: ModelFactory) -> None:
 
     model = model_factory(TWO)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     with armed_fault("deliver.mid_round"), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)
     assert [m.role for m in messages_of(sid)] == ["USER"]
@@ -117,7 +117,7 @@ def test_r9_a_crash_inside_the_delivery_transaction_delivers_once_on_the_next_ru
 def test_r10_a_crash_after_delivery_commit_does_not_deliver_again(model_factory: ModelFactory) -> None:
 
     model = model_factory(TWO)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     with armed_fault("deliver.before_resume"), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)  # committed; the process "died" before enqueueing the parent
     assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
@@ -165,7 +165,7 @@ def test_the_same_recover_child_and_deliver_round_messages_several_times_deliver
         assert recover_child(eid, e, deps) == "stale"
     # The last recovered child delivered the round itself and asked for the parent's run once.
     assert [p for p, _ in sched.resumed] == [sid]
-    kinds = [deliver_round(sid, epoch).kind for _ in range(3)]  # the chord callback, late, three times
+    kinds = [deliver_round(sid, epoch).kind for _ in range(3)]  # late deliver_rounds, three times
     assert kinds == ["stale", "stale", "stale"]
     assert sum(1 for m in messages_of(sid) if m.role == Role.TOOL) == 2
     assert invariants(settled=False) == []
@@ -290,7 +290,7 @@ def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
 ) -> None:
     """deliver_round itself (messages, markers, round closed, hand-over), not only its marker."""
     from harness.delivery import deliver_round
-    from tests.helpers import children_done_callback_lost, invariants, messages_of
+    from tests.helpers import children_done_delivery_lost, invariants, messages_of
 
     script = [
         {
@@ -305,7 +305,7 @@ def test_two_threads_racing_the_same_round_delivery_write_it_exactly_once(
         {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
     ]
     model = model_factory(script)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     barrier = threading.Barrier(2)
     kinds: list[str] = []
 
@@ -348,7 +348,7 @@ def test_same_callback_delivered_twice_delivers_once_and_stale_messages_write_no
     model_factory: ModelFactory,
 ) -> None:
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     first = deliver_round(sid, epoch)
     assert first.kind == "resume" and first.new_epoch == epoch + 1
     count = len(messages_of(sid))
@@ -373,7 +373,7 @@ def test_a_delivery_to_a_parent_whose_loop_holds_its_lease_is_parent_busy_and_wr
     from harness.delivery import DeliveryKind
 
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     with transaction() as s:
         s.execute(update(AgentSession).where(AgentSession.id == sid).values(lease_owner="busy-loop"))
     busy = deliver_round(sid, epoch)

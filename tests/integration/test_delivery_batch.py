@@ -1,7 +1,7 @@
 """Several parents delivered by one task (docs/tasks.md, "Delivery": ``agent.deliver_rounds``).
 
-Each parent is in the state a lost chord callback leaves (every child COMPLETED, nothing
-delivered: ``children_done_callback_lost``); one call of ``deliver_rounds`` then gets a batch
+Each parent is in the state a last child that died before delivering leaves (every child COMPLETED, nothing
+delivered: ``children_done_delivery_lost``); one call of ``deliver_rounds`` then gets a batch
 of them, as the scan hands them out. Real PostgreSQL and Redis, the scripted model.
 """
 
@@ -22,7 +22,7 @@ from models import AgentSession, Phase, get_engine, transaction
 from tests.helpers import (
     TWO,
     RecordingScheduler,
-    children_done_callback_lost,
+    children_done_delivery_lost,
     drive,
     executions_of,
     invariants,
@@ -37,7 +37,7 @@ def _db(db: str) -> None:
 
 
 def _parents(model: Any, n: int) -> list[tuple[int, int]]:
-    return [children_done_callback_lost(model.base_url, f"job {i}") for i in range(n)]
+    return [children_done_delivery_lost(model.base_url, f"job {i}") for i in range(n)]
 
 
 def _statuses(sid: int) -> set[str]:

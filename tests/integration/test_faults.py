@@ -36,7 +36,7 @@ from recovery.child import recover_child
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,
-    children_done_callback_lost,
+    children_done_delivery_lost,
     drive,
     executions_of,
     expire_leases,
@@ -181,7 +181,7 @@ def test_a_repeated_tool_call_id_becomes_that_calls_tool_error(model_factory: Mo
 
 def test_an_invalid_parent_boundary_stops_the_parent_instead_of_failing_forever(model_factory: ModelFactory) -> None:
     model = model_factory(TWO)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     with transaction() as s:
         s.execute(update(AgentSession).where(AgentSession.id == sid).values(compaction_boundary_message_id=10**9))
     assert deliver_round(sid, epoch).kind == "stopped"

@@ -20,7 +20,7 @@ from models import AgentSession, PendingRound, Phase, transaction
 from tests.helpers import (
     TWO_CHILDREN,
     RecordingScheduler,
-    children_done_callback_lost,
+    children_done_delivery_lost,
     executions_of,
     invariants,
     loop_deps,
@@ -42,8 +42,7 @@ def _drive(model_url: str, sid: int, sched: RecordingScheduler) -> None:
         parent, parent_epoch, children = sched.children[-1]
         for eid, e in children:
             run_child(eid, e, deps)
-        # The last child delivered the round itself and enqueued the parent's run (docs/tasks.md);
-        # the chord callback that follows finds the parent handed over and does nothing.
+        # The last child delivered the round itself and enqueued the parent's run (docs/tasks.md).
         resumed, epoch = sched.resumed.pop()
         assert resumed == parent and not sched.resumed
         assert deliver_round(parent, parent_epoch).kind == "stale"
@@ -175,7 +174,7 @@ def test_r25_a_fault_inside_the_round_transaction_rolls_the_whole_round_back(
     model_factory: ModelFactory, point: str
 ) -> None:
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     before = [m.id for m in messages_of(sid)]
     with armed_fault(point), pytest.raises(InjectedFault):
         deliver_round(sid, epoch)
@@ -231,7 +230,7 @@ def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory: Model
     from harness.cancel import cancel_session
 
     model = model_factory(TWO_CHILDREN)
-    sid, epoch = children_done_callback_lost(model.base_url)
+    sid, epoch = children_done_delivery_lost(model.base_url)
     assert cancel_session(sid)[0]
     count = len(messages_of(sid))
     assert deliver_round(sid, epoch).kind == "suppressed"

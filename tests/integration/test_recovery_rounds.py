@@ -98,9 +98,9 @@ def test_r2_restart_while_a_followup_runs_reuses_child_and_execution(model_facto
     _, epoch, children = deps.scheduler.children.pop()
     run_child(*children[0], deps)  # the only child: it delivers the round and resumes the parent
     resumed, new_epoch = deps.scheduler.resumed.pop()
-    assert resumed == sid and deliver_round(sid, epoch).kind == "stale"  # the chord callback: nothing left
+    assert resumed == sid and deliver_round(sid, epoch).kind == "stale"  # a late deliver_round: nothing left
     assert run_agent(sid, new_epoch, deps) == "yielded"
-    deps.scheduler.children.clear()  # the worker died: the followup's chord is lost
+    deps.scheduler.children.clear()  # the worker died: the followup's children were never sent
     followup_before = executions_of(sid)[1]
     assert followup_before.invocation_type == "FOLLOWUP" and followup_before.status == "RUNNING"
     drive(model.base_url)

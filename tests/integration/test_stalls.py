@@ -205,7 +205,7 @@ def test_a_child_whose_first_run_is_still_queued_keeps_epoch_0_through_the_scans
     from tests.helpers import expire_leases
 
     parent = make_session()
-    # The creation reservation names its creator (a booted worker); the chord's run_child(eid, 0)
+    # The creation reservation names its creator (a booted worker); its run_child(eid, 0)
     # still waits in a long queue when it lapses.
     eid = make_execution(parent, lease_owner="creator@host", lease_expires_at=utcnow() - timedelta(seconds=1))
     for _ in range(3):
