@@ -10,7 +10,8 @@ on the same broker and the same PostgreSQL server:
 - ours: ``agent.run`` on the project's worker;
 - naive (``bench/_naive_app.py``, its own queue, worker and database): the same delegation —
   the same model calls to the same scripted model, the same message rows, a chord of the same
-  shape — with none of the recovery machinery. ``ours / naive`` is what crash safety costs;
+  shape (ours sends no chord: its last child delivers) — with none of the recovery
+  machinery. ``ours / naive`` is what crash safety costs;
 - bare chord (the floor): a small app defined here, K no-op header tasks, a callback (the
   delivery), then one more task (the parent's resumed run), timed from the enqueue.
 

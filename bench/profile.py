@@ -4,7 +4,7 @@ Profiles (pyinstrument, the ``profile`` extra: ``pip install -e ".[profile]"``),
 process, on a throwaway database with a scripted model that answers at once:
 
 - a normal delegating round: ``run_agent`` (the parent asks the model and yields its round)
-  -> ``start_child`` per child -> ``deliver_and_resume`` (the chord callback) -> ``run_agent``
+  -> ``start_child`` per child (the last one delivers the round) -> ``run_agent``
   (the parent's answer);
 - a recovery: a parent yielded its round and "crashed" before any child ran (leases dated in
   the past, as after a crash; not profiled), then ``scan`` -> ``recover_child`` per execution
@@ -63,10 +63,9 @@ def _drain(deps: Any) -> None:
             for eid, epoch in children:
                 recover_child(eid, epoch, deps)
         elif sched.children:
-            parent, epoch, children = sched.children.pop(0)
+            _, _, children = sched.children.pop(0)
             for eid, e in children:
-                start_child(eid, e, deps)
-            sched.deliveries.append((parent, epoch))  # the chord callback
+                start_child(eid, e, deps)  # the last one delivers (no callback after them)
         elif sched.deliveries:
             parent, epoch = sched.deliveries.pop(0)
             deliver_and_resume(parent, epoch, sched)
@@ -100,7 +99,7 @@ def recovery_round(deps: Any, n: int) -> Callable[[], None]:
     sid = create_session("main", f"crash {n}: split the work")
     if run_agent(sid, 0, deps) != "yielded":
         raise RuntimeError("the parent did not yield its round")
-    deps.scheduler.children.clear()  # the crash: the chord never ran
+    deps.scheduler.children.clear()  # the crash: its children were never sent
     expire_leases()
 
     def run() -> None:

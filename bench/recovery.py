@@ -1,7 +1,7 @@
 """Recovery throughput: ``python bench/recovery.py --parents P --children K [--workers N]``.
 
 1. Crash: one real prefork worker runs P parents; each delegates K children on the normal
-   path (pending round + executions committed, chord enqueued); the children hang in their
+   path (pending round + executions committed, children enqueued); the children hang in their
    model call; once every round is committed and the worker's pool holds children, the worker
    is SIGKILLed and the broker flushed (every delivery must then come from the database, I7).
 2. Recover: N fresh workers start (their boot scans find only live leases and do nothing);
@@ -17,8 +17,8 @@ on a fresh database); checks invariants I1–I5 over the whole database and exit
 violated.
 
 ``--delivered-only`` (docs/fault-model.md, R16): instead of a crash, P parents delegate K children through the
-real loop in this process, every child COMPLETES, and no chord callback is ever sent (the state
-a crash between the last child and ``deliver_round`` leaves). The children's completion and
+real loop in this process, every child COMPLETES, and the last one's delivery is never run (the
+state a crash between the last child and ``deliver_round`` leaves). The children's completion and
 the leases are then dated in the past, and ``recovery.scan`` is sent: the scan hands each
 parent to ``deliver_round`` alone, no child runs again (checked against the model's journal).
 Deliveries/s is then the delivery path alone, beside the same commit ceiling.
@@ -299,7 +299,7 @@ def run_delivery_only(
     url: str, *, parents: int, children: int, workers: int, concurrency: int, cpu: bool = False
 ) -> RecoveryFigures:
     """R16 on ``url`` (a migrated, empty database): every child COMPLETED, every result
-    undelivered, no callback on its way; timed from the scan to every parent resumed."""
+    undelivered, no delivery on its way; timed from the scan to every parent resumed."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench._cpu import start_meter
@@ -307,7 +307,7 @@ def run_delivery_only(
     from models import transaction
     from models.base import utcnow
     from recovery.invariants import check_all
-    from tests.helpers import children_done_callback_lost
+    from tests.helpers import children_done_delivery_lost
 
     figures = RecoveryFigures(parents, children, workers, concurrency)
     expected = parents * children
@@ -324,13 +324,13 @@ def run_delivery_only(
         )
         # After the boot scans: no worker scans again (no beat) until the timed scan is sent.
         for i in range(parents):
-            children_done_callback_lost(model.base_url, f"job {i}: split the work")
+            children_done_delivery_lost(model.base_url, f"job {i}: split the work")
         c = _counts()
         if c["executions"] != expected or c["delivered"]:
             raise RuntimeError(f"the R16 state is not what it should be: {c}")
         child_answers = sum(1 for entry in model.journal() if entry.get("rule") == 1)
         progress(
-            f"{parents} parents delegated {expected} children in this process; every child COMPLETED, no callback sent"
+            f"{parents} parents delegated {expected} children in this process; every child COMPLETED, none delivered"
         )
         _date_completions_back()
         _expire_leases()

@@ -226,6 +226,31 @@ def test_a_duplicate_run_child_message_does_not_run_the_child_twice(model_factor
     assert sum(1 for j in model.journal() if j["rule"] == 2) == 1
 
 
+def test_a_last_child_whose_delivery_raises_asks_for_it_as_a_task_which_delivers_the_round_once(
+    model_factory: ModelFactory,
+) -> None:
+    """No chord behind the children: a last child whose in-process delivery fails (a database
+    blip) sends ``agent.deliver_round`` itself; that message delivers the round once, and a
+    second copy of it is stale."""
+    model = model_factory(TWO_CHILDREN)
+    sched = RecordingScheduler()
+    deps = loop_deps(model.base_url, sched)
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, epoch, children = sched.children.pop()
+    with armed_fault("deliver.mid_round"):
+        for eid, e in children:
+            assert run_child(eid, e, deps) == "completed"
+    assert sched.deliveries == [(sid, epoch)] and not sched.resumed  # asked for, nothing written
+    assert {e.delivery_status for e in executions_of(sid)} == {"PENDING"}
+
+    assert deliver_round(sid, epoch).kind == "resume"  # the message runs
+    assert deliver_round(sid, epoch).kind == "stale"  # a second copy of it
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "TOOL"]
+    assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
+    assert invariants(settled=False) == []
+
+
 def test_a_cancelled_parent_gets_nothing_and_is_not_resumed(model_factory: ModelFactory) -> None:
     from harness.cancel import cancel_session
 
