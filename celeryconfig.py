@@ -68,6 +68,7 @@ def build() -> dict[str, Any]:
     # them all (only declared queues are consumed by default); `-Q` still narrows a worker to some of them.
     conf["task_queues"] = queues(s.RECOVERY_QUEUE, conf.get("task_default_queue_type", "classic"))
     if s.CELERY_BROKER_URL.startswith("filesystem://"):
+        conf["broker_transport"] = "fsbroker:Transport"  # kombu's, with atomic publishes
         conf["broker_transport_options"] = {
             "data_folder_in": s.CELERY_FS_FOLDER + "/out",
             "data_folder_out": s.CELERY_FS_FOLDER + "/out",
