@@ -183,6 +183,7 @@ def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_se
     from sqlalchemy import text
 
     from bench._common import Stack, point_settings_at, progress, wait_for
+    from bench._cpu import settle
     from bench.recovery import RECOVERY_SCRIPT, crash_script
     from models import get_engine
 
@@ -217,6 +218,7 @@ def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_se
         progress(f"DBOS process SIGKILLed with {expected} child workflows ({running} running)")
 
         instant = stack.model(RECOVERY_SCRIPT)
+        progress(settle().note())
         fresh = stack.add_worker(_dbos_process(env(instant.base_url), stack.log_dir, "recover"))
         spawned = time.time()
         fresh.start()
@@ -264,7 +266,8 @@ def run_dbos_normal(
     from dbos import DBOSClient
     from sqlalchemy import text
 
-    from bench._common import Stack, point_settings_at, wait_for
+    from bench._common import Stack, point_settings_at, progress, wait_for
+    from bench._cpu import settle
     from bench.delegation import instant_script
     from models import get_engine
 
@@ -277,6 +280,7 @@ def run_dbos_normal(
             stack.add_worker(_dbos_process(env, stack.log_dir, "serve", name=f"serve-{n}")).start(timeout=60)
         client = DBOSClient(system_database_url=_dbos_url(url))
         try:
+            progress(settle().note())
             t0 = time.time()
             for n in range(parents):
                 client.enqueue({"queue_name": PARENTS_QUEUE, "workflow_name": "parent_workflow"}, f"job {n}")
@@ -307,7 +311,8 @@ def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) 
     """No crash: one worker; the bench creates P sessions and sends ``agent.run`` for each;
     timed from the first session created to the last parent's answer committed."""
     import tasks
-    from bench._common import Stack, bench_env, flush_redis, wait_for
+    from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from bench._cpu import settle
     from bench.delegation import instant_script
     from bench.recovery import _counts, _db_times
     from devstack.processes import apply_env
@@ -322,6 +327,7 @@ def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) 
         env = bench_env(url, model.base_url)
         apply_env(env)
         stack.worker(env, "normal", concurrency=concurrency)
+        progress(settle().note())
         t0 = utcnow()
         for n in range(parents):
             sid = create_session("main", f"job {n}: split the work")
@@ -367,6 +373,7 @@ def run_ours_restart(
 
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
+    from bench._cpu import settle
     from bench.recovery import RECOVERY_SCRIPT, _counts, _db_times, crash_script
     from devstack.processes import Worker, apply_env
     from harness.views import create_session
@@ -408,6 +415,7 @@ def run_ours_restart(
         env = bench_env(url, instant.base_url, **settings)
         apply_env(env)
         again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        progress(settle().note())
         meter = None
         if cpu:
             from bench._cpu import start_meter

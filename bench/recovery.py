@@ -207,7 +207,7 @@ def run_recovery(
     """Crash and recover P x K on ``url`` (a migrated, empty database); see the module doc."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
-    from bench._cpu import start_meter
+    from bench._cpu import settle, start_meter
     from devstack.processes import apply_env
     from harness.views import create_session
     from models import transaction
@@ -265,6 +265,7 @@ def run_recovery(
         if c["resuming"] or c["recovering"]:
             print(f"  note: a boot scan took work before the timed scan ({c['resuming']} parents)", flush=True)
         _expire_leases()
+        progress(settle().note())
         meter = start_meter([w.proc.pid for w in fresh], url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
@@ -302,7 +303,7 @@ def run_delivery_only(
     undelivered, no delivery on its way; timed from the scan to every parent resumed."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
-    from bench._cpu import start_meter
+    from bench._cpu import settle, start_meter
     from devstack.processes import apply_env
     from models import transaction
     from models.base import utcnow
@@ -334,6 +335,7 @@ def run_delivery_only(
         )
         _date_completions_back()
         _expire_leases()
+        progress(settle().note())
         meter = start_meter([w.proc.pid for w in fresh], url) if cpu else None
         t0 = utcnow()
         tasks.app.signature("recovery.scan").apply_async()
@@ -522,6 +524,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from bench._common import bench_database, progress
+    from bench._cpu import settle
     from bench._figures import median, system_load
 
     mode = "delivery only (R16: children COMPLETED, results undelivered)" if args.delivered_only else "crash"
@@ -544,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu=args.cpu,
             )
             progress(f"measuring the commit ceiling with {ours.connections} connections for {args.ceiling_seconds:g}s")
+            progress(settle().note())
             ceiling = commit_ceiling(url, connections=ours.connections, seconds=args.ceiling_seconds)
         runs.append((ours, ceiling))
         print(

@@ -55,3 +55,34 @@ def test_a_pool_process_burning_cpu_is_charged_to_the_pool_not_to_the_main_proce
     lines = split.lines(per=4, unit="delivery")
     assert lines[0].startswith("CPU during the timed window")
     assert any("worker pool processes" in line and "ms per delivery" in line for line in lines[1:])
+
+
+#: Burns CPU until killed.
+HOG = "while True:\n    pass\n"
+
+
+def test_settle_checkpoints_and_waits_while_every_core_is_busy(db: str) -> None:
+    import os
+
+    from bench._cpu import QUIET_SHARE, settle
+
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(os.cpu_count() or 1)]
+    try:
+        settled = settle(db, at_most=1.5)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert settled.checkpointed
+    assert settled.busy_share is not None and settled.busy_share >= QUIET_SHARE
+    assert settled.seconds >= 1.5  # it waited its longest: never quiet
+    assert "CHECKPOINT" in settled.note()
+
+
+def test_settle_says_when_it_may_not_checkpoint() -> None:
+    from bench._cpu import settle
+
+    settled = settle("postgresql+psycopg2://postgres@127.0.0.1:1/none", at_most=0.0)
+    assert not settled.checkpointed
+    assert settled.busy_share is not None  # one window measured, however busy
+    assert "CHECKPOINT" not in settled.note()
