@@ -197,8 +197,11 @@ class Settled:
     #: The share of every core busy over the last quiet window (None: no ``/proc``).
     busy_share: float | None
     checkpointed: bool
+    off: bool = False
 
     def note(self) -> str:
+        if self.off:
+            return "settled: off (BENCH_SETTLE_SECONDS < 0)"
         busy = "" if self.busy_share is None else f", machine {100 * self.busy_share:.0f} % busy"
         checkpoint = "CHECKPOINT, " if self.checkpointed else ""
         return f"settled: {checkpoint}{self.seconds:.1f} s{busy}"
@@ -207,7 +210,8 @@ class Settled:
 #: Quiet enough to start a timed window: under this share of all cores busy over QUIET_WINDOW.
 QUIET_SHARE = 0.15
 QUIET_WINDOW_SECONDS = 0.5
-#: The longest wait for quiet (``BENCH_SETTLE_SECONDS``; 0: one window measured, no wait).
+#: The longest wait for quiet (``BENCH_SETTLE_SECONDS``; 0: one window measured, no wait; a
+#: negative value: no settling at all, neither CHECKPOINT nor window, for an A/B of this).
 SETTLE_AT_MOST_SECONDS = 10.0
 
 
@@ -220,6 +224,8 @@ def settle(admin_url: str | None = None, *, at_most: float | None = None) -> Set
     processes in a 5 s window, against 0.1-0.35 s after a quiet start."""
     if at_most is None:
         at_most = float(os.environ.get("BENCH_SETTLE_SECONDS", SETTLE_AT_MOST_SECONDS))
+    if at_most < 0:
+        return Settled(0.0, None, False, off=True)
     started = time.monotonic()
     checkpointed = _checkpoint(admin_url)
     share: float | None = None

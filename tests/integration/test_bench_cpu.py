@@ -79,6 +79,15 @@ def test_settle_checkpoints_and_waits_while_every_core_is_busy(db: str) -> None:
     assert "CHECKPOINT" in settled.note()
 
 
+def test_settle_can_be_turned_off_for_an_a_b(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench._cpu import settle
+
+    monkeypatch.setenv("BENCH_SETTLE_SECONDS", "-1")
+    settled = settle("postgresql+psycopg2://postgres@127.0.0.1:1/none")
+    assert settled.off and not settled.checkpointed and settled.seconds == 0.0
+    assert "off" in settled.note()
+
+
 def test_settle_says_when_it_may_not_checkpoint() -> None:
     from bench._cpu import settle
 
