@@ -466,9 +466,16 @@ MODES = ("crash", "restart", "normal")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from bench._cpu import add_cpu_option
+    from bench._figures import loads
 
     parser = argparse.ArgumentParser(prog="bench/peer_dbos.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--parents", type=int, default=20, help="parents per run (default 20)")
+    parser.add_argument(
+        "--parents",
+        type=loads,
+        default=[20],
+        help="parents per run (default 20); several, comma-separated (20,50,100): the whole bench at each "
+        "count, then its ratios by load",
+    )
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
     parser.add_argument("--concurrency", type=int, default=2, help="our pool size = DBOS queue concurrency (2)")
     parser.add_argument("--trials", type=int, default=3, help="alternating trials of each, medians (default 3)")
@@ -502,8 +509,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     args.dbos_processes = args.dbos_processes or args.concurrency
-    if min(args.parents, args.children, args.concurrency, args.trials, args.dbos_processes) < 1:
-        parser.error("--parents, --children, --concurrency, --trials and --dbos-processes must be >= 1")
+    if min(args.children, args.concurrency, args.trials, args.dbos_processes) < 1:
+        parser.error("--children, --concurrency, --trials and --dbos-processes must be >= 1")
     if args.dbos_poll_seconds <= 0 or args.lease_seconds < 3 or args.scan_interval_seconds <= 0:
         parser.error("--dbos-poll-seconds and --scan-interval-seconds must be > 0, --lease-seconds >= 3")
     return args
@@ -516,6 +523,20 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(f"peer_dbos: {INSTALL_HINT}; nothing measured.")
         return 0
+    from bench._figures import print_by_load
+
+    code, by_load = 0, []
+    for parents in args.parents:
+        status, ratios = _measure(argparse.Namespace(**{**vars(args), "parents": parents}))
+        code = max(code, status)
+        by_load.append((parents, ratios))
+    print_by_load(by_load, "ours / DBOS")
+    return code
+
+
+def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    """Every mode of ``args`` at ``args.parents`` parents, alternating trials; prints the
+    figures; returns (exit status, the ratios by name)."""
     from importlib.metadata import version
 
     from bench._common import bench_database
@@ -630,8 +651,10 @@ def main(argv: list[str] | None = None) -> int:
         each = [o / t for o, t in zip(ours_values, theirs, strict=True) if t]
         return f"per trial {min(each):.2f} .. {max(each):.2f}" if each else "no trial"
 
+    found: dict[str, float] = {}
     if "crash" in args.modes:
         ours_rate, dbos_rate = median(ours_rates), median(dbos_rates)
+        found["crash, deliveries/s"] = ours_rate / dbos_rate
         print(f"ours: {ours_rate:.1f} deliveries/s ({n}; {spread(ours_rates)})")
         print(f"DBOS: {dbos_rate:.1f} deliveries/s ({n}; {spread(dbos_rates)})")
         print(
@@ -641,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     if "restart" in args.modes:
         ours_seconds = [r.seconds for r in ours_restart]
         ours_s, dbos_s = median(ours_seconds), median(dbos_restart)
+        found["restart, seconds (lower is better)"] = ours_s / dbos_s
         print(
             f"restart -> every parent resumed, ours: {ours_s:.2f} s ({n}; {spread(ours_seconds, 2)}; LEASE_SECONDS "
             f"{args.lease_seconds:g}, SCAN_INTERVAL_SECONDS {args.scan_interval_seconds:g}, broker "
@@ -653,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "normal" in args.modes:
         ours_pps, dbos_pps = median(ours_normal), median(dbos_normal)
+        found["normal path, parents/s"] = ours_pps / dbos_pps
         print(
             f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; 1 worker x "
             f"{args.concurrency} pool processes)"
@@ -669,9 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exactly-once checks: VIOLATED ({len(problems)})")
         for problem in problems:
             print(f"  {problem}")
-        return 1
+        return 1, found
     print("exactly-once checks: ok (ours: invariants I1-I5; DBOS: one child per call, one round per parent)")
-    return 0
+    return 0, found
 
 
 if __name__ == "__main__":

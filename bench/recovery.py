@@ -496,9 +496,16 @@ def commit_ceiling(url: str, *, connections: int, seconds: float, rows_per_conne
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from bench._cpu import add_cpu_option
+    from bench._figures import loads
 
     parser = argparse.ArgumentParser(prog="bench/recovery.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--parents", type=int, default=20, help="parents crashed mid-flight (default 20)")
+    parser.add_argument(
+        "--parents",
+        type=loads,
+        default=[20],
+        help="parents crashed mid-flight (default 20); several, comma-separated (20,50,100): the whole bench "
+        "at each count, then its ratios by load",
+    )
     parser.add_argument("--children", type=int, default=3, help="children delegated by each parent (default 3)")
     parser.add_argument("--workers", type=int, default=1, help="fresh worker processes that recover (default 1)")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size of each worker (default 2)")
@@ -515,7 +522,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser, "also print where each run's CPU went (pool, Celery main, PostgreSQL backends, bench; Linux)"
     )
     args = parser.parse_args(argv)
-    for name in ("parents", "children", "workers", "concurrency", "runs"):
+    for name in ("children", "workers", "concurrency", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     return args
@@ -523,6 +530,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from bench._figures import print_by_load
+
+    code, by_load = 0, []
+    for parents in args.parents:
+        status, ratios = _measure(argparse.Namespace(**{**vars(args), "parents": parents}))
+        code = max(code, status)
+        by_load.append((parents, ratios))
+    print_by_load(by_load, "ours / the commit ceiling")
+    return code
+
+
+def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+    """The runs at ``args.parents`` parents; prints the figures; returns (exit status, the
+    ratio and our deliveries/s by name)."""
     from bench._common import bench_database, progress
     from bench._cpu import settle
     from bench._figures import median, system_load
@@ -584,14 +605,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{label}ratio ours/ceiling: {ratio:.4f} (median of the runs' ratios, {min(each):.4f} .. {max(each):.4f}; "
         f"{system_load()})"
     )
+    found = {f"{label}ratio ours/ceiling": ratio, f"{label}deliveries/s": rate, "commit ceiling, tx/s": ceiling_rate}
     problems = [f"run {n}: {p}" for n, (o, _) in enumerate(runs, start=1) for p in o.invariants]
     if problems:
         print(f"invariants I1-I5: VIOLATED ({len(problems)})")
         for problem in problems:
             print(f"  {problem}")
-        return 1
+        return 1, found
     print(f"invariants I1-I5: ok ({ours.executions} executions, {ours.parents} parents, each run)")
-    return 0
+    return 0, found
 
 
 if __name__ == "__main__":

@@ -48,6 +48,18 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "recovery-by-load": (
+        "recovery",
+        ["--delivered-only", "--parents", "2,3", "--children", "2", "--ceiling-seconds", "0.5", "--runs", "1"],
+        [
+            "invariants I1-I5: ok (4 executions, 2 parents, each run)",
+            "invariants I1-I5: ok (6 executions, 3 parents, each run)",
+            "by load (ours / the commit ceiling;",
+            "  delivery only (R16), ratio ours/ceiling: 2: ",
+            "  delivery only (R16), deliveries/s: 2: ",
+        ],
+        None,
+    ),
     "scan": (
         "scan",
         ["--pending", "40", "--history", "5000", "--repeat", "1"],

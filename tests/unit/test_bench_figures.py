@@ -1,0 +1,43 @@
+"""bench/_figures.py: ``--parents`` at several loads, and the by-load lines printed after them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench._figures import loads, print_by_load
+
+
+def test_parents_take_one_count_or_several() -> None:
+    assert loads("20") == [20]
+    assert loads("20,50,100") == [20, 50, 100]
+
+
+@pytest.mark.parametrize("text", ["", "20,", "x", "20,0", "-3"])
+def test_anything_else_is_a_clear_argument_error(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="count"):
+        loads(text)
+
+
+def test_the_benches_refuse_a_bad_count_on_their_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.peer_dbos import parse_args as peer_args
+    from bench.recovery import parse_args as recovery_args
+
+    assert recovery_args(["--parents", "20,100"]).parents == [20, 100]
+    assert peer_args(["--parents", "5"]).parents == [5]
+    with pytest.raises(SystemExit):
+        recovery_args(["--parents", "20,zero"])
+    assert "argument --parents: expected a count or comma-separated counts" in capsys.readouterr().err
+
+
+def test_by_load_prints_each_figure_across_the_loads_and_nothing_for_one_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    print_by_load([(20, {"crash": 3.3})], "ours / DBOS")
+    assert capsys.readouterr().out == ""
+    rows = [(20, {"crash": 3.32, "restart": 0.55, "rate": 191.7}), (100, {"crash": 6.0, "restart": 0.1837})]
+    print_by_load(rows, "ours / DBOS")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("by load (ours / DBOS;")
+    assert out[1:] == ["  crash: 20: 3.32, 100: 6.00", "  restart: 20: 0.55, 100: 0.184", "  rate: 20: 192"]
