@@ -215,17 +215,20 @@ QUIET_WINDOW_SECONDS = 0.5
 SETTLE_AT_MOST_SECONDS = 10.0
 
 
-def settle(admin_url: str | None = None, *, at_most: float | None = None) -> Settled:
+def settle(admin_url: str | None = None, *, at_most: float | None = None, cap: float | None = None) -> Settled:
     """Before a timed window, on either side of a comparison: PostgreSQL writes out what the
     work before left dirty (a CHECKPOINT, so that no side's window pays for the other's writes),
     then the machine's CPU is let go quiet (under QUIET_SHARE of every core busy over
     QUIET_WINDOW_SECONDS), waiting at most ``at_most`` seconds. A DBOS trial of 50 parents left
     PostgreSQL and the machine busy into the next trial of ours: 1.44 s of CPU outside the bench's
-    processes in a 5 s window, against 0.1-0.35 s after a quiet start."""
+    processes in a 5 s window, against 0.1-0.35 s after a quiet start. ``cap``: a bound the
+    window's own set-up imposes (a restart's leases must not lapse meanwhile)."""
     if at_most is None:
         at_most = float(os.environ.get("BENCH_SETTLE_SECONDS", SETTLE_AT_MOST_SECONDS))
     if at_most < 0:
         return Settled(0.0, None, False, off=True)
+    if cap is not None:
+        at_most = min(at_most, cap)
     started = time.monotonic()
     checkpointed = _checkpoint(admin_url)
     share: float | None = None

@@ -415,7 +415,9 @@ def run_ours_restart(
         env = bench_env(url, instant.base_url, **settings)
         apply_env(env)
         again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
-        progress(settle().note())
+        # The killed worker's leases must still be live when its name boots again (its boot
+        # generation takes them back, not their expiry): a third of a lease at most.
+        progress(settle(cap=lease_seconds / 3).note())
         meter = None
         if cpu:
             from bench._cpu import start_meter

@@ -79,6 +79,21 @@ def test_settle_checkpoints_and_waits_while_every_core_is_busy(db: str) -> None:
     assert "CHECKPOINT" in settled.note()
 
 
+def test_settle_never_waits_past_its_cap() -> None:
+    import os
+
+    from bench._cpu import settle
+
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(os.cpu_count() or 1)]
+    try:
+        settled = settle("postgresql+psycopg2://postgres@127.0.0.1:1/none", at_most=30.0, cap=1.0)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert 1.0 <= settled.seconds < 5.0
+
+
 def test_settle_can_be_turned_off_for_an_a_b(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench._cpu import settle
 
