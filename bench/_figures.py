@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def system_load() -> str:
@@ -26,8 +27,6 @@ def spread(values: Sequence[float], scale: float = 1.0, unit: str = "") -> str:
 def loads(text: str) -> list[int]:
     """``--parents`` of the benches that compare at several loads: ``20`` or ``20,50,100``
     (argparse ``type``: a clear error for anything else)."""
-    import argparse
-
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
@@ -35,6 +34,21 @@ def loads(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"every count must be at least 1, got {text!r}")
     return values
+
+
+def run_by_load(
+    args: argparse.Namespace, measure: Callable[[argparse.Namespace], tuple[int, dict[str, float]]], what: str
+) -> int:
+    """``measure`` (a whole bench at ``args.parents`` parents, returning its exit status and its
+    figures by name) at each of ``args.parents`` counts, then :func:`print_by_load`; the worst
+    exit status."""
+    code, by_load = 0, []
+    for parents in args.parents:
+        status, found = measure(argparse.Namespace(**{**vars(args), "parents": parents}))
+        code = max(code, status)
+        by_load.append((parents, found))
+    print_by_load(by_load, what)
+    return code
 
 
 def print_by_load(figures: Sequence[tuple[int, dict[str, float]]], what: str) -> None:

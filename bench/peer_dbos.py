@@ -525,15 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(f"peer_dbos: {INSTALL_HINT}; nothing measured.")
         return 0
-    from bench._figures import print_by_load
+    from bench._figures import run_by_load
 
-    code, by_load = 0, []
-    for parents in args.parents:
-        status, ratios = _measure(argparse.Namespace(**{**vars(args), "parents": parents}))
-        code = max(code, status)
-        by_load.append((parents, ratios))
-    print_by_load(by_load, "ours / DBOS")
-    return code
+    return run_by_load(args, _measure, "ours / DBOS")
 
 
 def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:

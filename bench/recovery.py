@@ -530,15 +530,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench._figures import print_by_load
+    from bench._figures import run_by_load
 
-    code, by_load = 0, []
-    for parents in args.parents:
-        status, ratios = _measure(argparse.Namespace(**{**vars(args), "parents": parents}))
-        code = max(code, status)
-        by_load.append((parents, ratios))
-    print_by_load(by_load, "ours / the commit ceiling")
-    return code
+    return run_by_load(args, _measure, "ours / the commit ceiling")
 
 
 def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:

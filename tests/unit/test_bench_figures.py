@@ -41,3 +41,18 @@ def test_by_load_prints_each_figure_across_the_loads_and_nothing_for_one_load(
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("by load (ours / DBOS;")
     assert out[1:] == ["  crash: 20: 3.32, 100: 6.00", "  restart: 20: 0.55, 100: 0.184", "  rate: 20: 192"]
+
+
+def test_run_by_load_measures_each_count_and_returns_the_worst_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench._figures import run_by_load
+
+    seen: list[int] = []
+
+    def measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
+        seen.append(args.parents)
+        return (1 if args.parents == 50 else 0), {"ratio": args.parents / 10}
+
+    args = argparse.Namespace(parents=[20, 50, 100], trials=3)
+    assert run_by_load(args, measure, "ours / x") == 1
+    assert seen == [20, 50, 100] and args.parents == [20, 50, 100]  # the caller's args untouched
+    assert "  ratio: 20: 2.00, 50: 5.00, 100: 10.00" in capsys.readouterr().out
