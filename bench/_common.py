@@ -39,10 +39,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
-def admin_engine() -> Any:
+def admin_engine(url: str | None = None) -> Any:
+    """An AUTOCOMMIT engine on ``url`` (default: BENCH_PG_ADMIN_URL's server)."""
     from sqlalchemy import create_engine
 
-    return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    return create_engine(url or PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
 
 
 def point_settings_at(url: str) -> None:

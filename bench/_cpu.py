@@ -246,14 +246,12 @@ def settle(admin_url: str | None = None, *, at_most: float | None = None, cap: f
 def _checkpoint(admin_url: str | None) -> bool:
     """CHECKPOINT on the bench's PostgreSQL (a superuser or ``pg_checkpoint`` member); False when
     it may not."""
-    from sqlalchemy import create_engine, text
+    from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
 
-    if admin_url is None:
-        from bench._common import PG_ADMIN_URL
+    from bench._common import admin_engine
 
-        admin_url = PG_ADMIN_URL
-    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    engine = admin_engine(admin_url)
     try:
         with engine.connect() as conn:
             conn.execute(text("CHECKPOINT"))
