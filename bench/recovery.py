@@ -22,11 +22,18 @@ state a crash between the last child and ``deliver_round`` leaves). The children
 the leases are then dated in the past, and ``recovery.scan`` is sent: the scan hands each
 parent to ``deliver_round`` alone, no child runs again (checked against the model's journal).
 Deliveries/s is then the delivery path alone, beside the same commit ceiling.
+
+``--warm`` (with ``--delivered-only``): before the timed state is made, one untimed R16 round of
+the same P parents runs through the same workers (scan, delivery, every parent resumed), so the
+timed window finds pool processes that have already compiled the delivery's statements and
+opened their connections. The difference to a run without it is what a pool process's first
+tasks cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import threading
 import time
@@ -181,22 +188,29 @@ def _date_completions_back() -> None:
         )
 
 
-def _db_times() -> tuple[datetime, datetime, datetime]:
-    """(first delivery, last delivery, last parent's final answer) as written by the workers."""
+def _db_times(since: datetime | None = None) -> tuple[datetime, datetime, datetime]:
+    """(first delivery, last delivery, last parent's final answer) as written by the workers;
+    ``since``: only what was written from then on (a warm-up round's rows are older)."""
     from sqlalchemy import text
 
     from models import transaction
 
+    bound = {"since": since or datetime(1970, 1, 1)}
     with transaction() as s:
         first, last = s.execute(
-            text("SELECT min(parent_result_delivered_at), max(parent_result_delivered_at) FROM subagent_execution")
+            text(
+                "SELECT min(parent_result_delivered_at), max(parent_result_delivered_at) FROM subagent_execution"
+                " WHERE parent_result_delivered_at >= :since"
+            ),
+            bound,
         ).one()
         resumed = s.execute(
             text(
                 "SELECT max(m.created_at) FROM message m JOIN agent_session a ON a.id = m.session_id"
                 " WHERE a.session_type = 'NORMAL' AND m.role = 'ASSISTANT' AND m.tool_calls IS NULL"
-                " AND NOT m.deleted"
-            )
+                " AND NOT m.deleted AND m.created_at >= :since"
+            ),
+            bound,
         ).scalar_one()
     return first, last, resumed
 
@@ -296,11 +310,41 @@ def run_recovery(
     return figures
 
 
+def _r16_state(model: Any, parents: int, children: int, kind: str) -> dict[str, int]:
+    """P parents in R16 (children COMPLETED, results undelivered), completions and leases dated
+    back; returns the counts from before they were made."""
+    from bench._common import progress
+    from tests.helpers import children_done_delivery_lost
+
+    expected = parents * children
+    before = _counts()
+    for i in range(parents):
+        children_done_delivery_lost(model.base_url, f"job {i}: split the work")
+    c = _counts()
+    if c["executions"] - before["executions"] != expected or c["delivered"] != before["delivered"]:
+        raise RuntimeError(f"the R16 state is not what it should be: {c} (before it: {before})")
+    progress(
+        f"{kind}: {parents} parents delegated {expected} children in this process; "
+        "every child COMPLETED, none delivered"
+    )
+    _date_completions_back()
+    _expire_leases()
+    return before
+
+
 def run_delivery_only(
-    url: str, *, parents: int, children: int, workers: int, concurrency: int, cpu: bool = False
+    url: str,
+    *,
+    parents: int,
+    children: int,
+    workers: int,
+    concurrency: int,
+    cpu: bool = False,
+    warm: bool = False,
 ) -> RecoveryFigures:
     """R16 on ``url`` (a migrated, empty database): every child COMPLETED, every result
-    undelivered, no delivery on its way; timed from the scan to every parent resumed."""
+    undelivered, no delivery on its way; timed from the scan to every parent resumed. ``warm``:
+    one untimed R16 round of as many parents through the same workers first."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench._cpu import settle, start_meter
@@ -308,7 +352,6 @@ def run_delivery_only(
     from models import transaction
     from models.base import utcnow
     from recovery.invariants import check_all
-    from tests.helpers import children_done_delivery_lost
 
     figures = RecoveryFigures(parents, children, workers, concurrency)
     expected = parents * children
@@ -323,18 +366,18 @@ def run_delivery_only(
             timeout=30,
             what="the boot scans",
         )
-        # After the boot scans: no worker scans again (no beat) until the timed scan is sent.
-        for i in range(parents):
-            children_done_delivery_lost(model.base_url, f"job {i}: split the work")
-        c = _counts()
-        if c["executions"] != expected or c["delivered"]:
-            raise RuntimeError(f"the R16 state is not what it should be: {c}")
+        # After the boot scans: no worker scans again (no beat) until a scan is sent.
+        if warm:
+            warmed = _r16_state(model, parents, children, "warm-up")
+            tasks.app.signature("recovery.scan").apply_async()
+            wait_for(
+                lambda: _counts()["resumed"] == warmed["resumed"] + parents,
+                timeout=60 + expected,
+                what="every warm-up parent resumed",
+            )
+            progress(f"warm-up: {parents} parents delivered and resumed by the same workers (untimed)")
+        before = _r16_state(model, parents, children, "timed")
         child_answers = sum(1 for entry in model.journal() if entry.get("rule") == 1)
-        progress(
-            f"{parents} parents delegated {expected} children in this process; every child COMPLETED, none delivered"
-        )
-        _date_completions_back()
-        _expire_leases()
         progress(settle().note())
         meter = start_meter([w.proc.pid for w in fresh], url) if cpu else None
         t0 = utcnow()
@@ -344,11 +387,14 @@ def run_delivery_only(
             c = _counts()
             if c["failed"]:
                 raise RuntimeError(f"{c['failed']} parents FAILED during delivery (see the worker logs)")
-            return c["delivered"] == expected and c["resumed"] == parents
+            return c["delivered"] == before["delivered"] + expected and c["resumed"] == before["resumed"] + parents
 
         def status() -> str:
             c = _counts()
-            return f"{c['delivered']}/{expected} delivered, {c['resumed']}/{parents} parents resumed"
+            return (
+                f"{c['delivered'] - before['delivered']}/{expected} delivered, "
+                f"{c['resumed'] - before['resumed']}/{parents} parents resumed"
+            )
 
         try:
             wait_for(recovered, timeout=60 + expected, what="every parent resumed", describe=status)
@@ -357,7 +403,7 @@ def run_delivery_only(
             stack.failed = True
             stack.dump_logs()
             raise
-        first, last, resumed = _db_times()
+        first, last, resumed = _db_times(since=t0)
         figures.first_delivery_s = (first - t0).total_seconds()
         figures.all_delivered_s = (last - t0).total_seconds()
         figures.all_resumed_s = (resumed - t0).total_seconds()
@@ -518,10 +564,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="R16: every child already COMPLETED, only the delivery runs (no child re-runs)",
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="with --delivered-only: one untimed round of as many parents through the same workers first "
+        "(the timed window then finds warm pool processes)",
+    )
     add_cpu_option(
         parser, "also print where each run's CPU went (pool, Celery main, PostgreSQL backends, bench; Linux)"
     )
     args = parser.parse_args(argv)
+    if args.warm and not args.delivered_only:
+        parser.error("--warm goes with --delivered-only")
     for name in ("children", "workers", "concurrency", "runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
@@ -543,7 +597,9 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
     from bench._figures import median, system_load
 
     mode = "delivery only (R16: children COMPLETED, results undelivered)" if args.delivered_only else "crash"
-    run = run_delivery_only if args.delivered_only else run_recovery
+    if args.warm:
+        mode += ", warm pools (one untimed round of as many parents first)"
+    run = functools.partial(run_delivery_only, warm=args.warm) if args.delivered_only else run_recovery
     print(
         f"recovery, {mode}: {args.parents} parents x {args.children} children = {args.parents * args.children} "
         f"executions; {args.workers} worker(s) x {args.concurrency} pool processes recover; {args.runs} run(s), "
@@ -581,7 +637,9 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
     rate = median([o.deliveries_per_second for o, _ in runs])
     ceiling_rate = median([c.per_second for _, c in runs])
     ratio = median([o.deliveries_per_second / c.per_second for o, c in runs])
-    label = "delivery only (R16), " if args.delivered_only else ""
+    label = ""
+    if args.delivered_only:
+        label = "delivery only (R16, warm pools), " if args.warm else "delivery only (R16), "
     print(f"  scan -> first delivery:       {first:8.3f} s (median of {args.runs})")
     print(f"  scan -> all delivered:        {delivered:8.3f} s")
     print(f"  scan -> every parent resumed: {resumed:8.3f} s")

@@ -48,6 +48,18 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "recovery-delivered-only-warm": (
+        "recovery",
+        ["--delivered-only", "--warm", "--parents", "2", "--children", "2", "--ceiling-seconds", "0.5", "--runs", "1"],
+        [
+            "warm-up: 2 parents delivered and resumed by the same workers (untimed)",
+            "timed: 2 parents delegated 4 children",
+            "delivery only (R16, warm pools), deliveries/s:",
+            "delivery only (R16, warm pools), ratio ours/ceiling:",
+            "invariants I1-I5: ok (4 executions, 2 parents, each run)",
+        ],
+        None,
+    ),
     "recovery-by-load": (
         "recovery",
         ["--delivered-only", "--parents", "2,3", "--children", "2", "--ceiling-seconds", "0.5", "--runs", "1"],

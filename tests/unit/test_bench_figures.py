@@ -31,6 +31,16 @@ def test_the_benches_refuse_a_bad_count_on_their_command_line(capsys: pytest.Cap
     assert "argument --parents: expected a count or comma-separated counts" in capsys.readouterr().err
 
 
+def test_warm_pools_go_with_delivery_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.recovery import parse_args
+
+    assert parse_args(["--delivered-only", "--warm"]).warm
+    assert not parse_args(["--delivered-only"]).warm
+    with pytest.raises(SystemExit):
+        parse_args(["--warm"])
+    assert "--warm goes with --delivered-only" in capsys.readouterr().err
+
+
 def test_by_load_prints_each_figure_across_the_loads_and_nothing_for_one_load(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
