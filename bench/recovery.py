@@ -23,8 +23,8 @@ the leases are then dated in the past, and ``recovery.scan`` is sent: the scan h
 parent to ``deliver_round`` alone, no child runs again (checked against the model's journal).
 Deliveries/s is then the delivery path alone, beside the same commit ceiling.
 
-``--warm`` (with ``--delivered-only``): before the timed state is made, one untimed R16 round of
-the same P parents runs through the same workers (scan, delivery, every parent resumed), so the
+``--warm`` (with ``--delivered-only``): before the timed state is made, an untimed R16 round of
+P other parents runs through the same workers (scan, delivery, every parent resumed), so the
 timed window finds pool processes that have already compiled the delivery's statements and
 opened their connections. The difference to a run without it is what a pool process's first
 tasks cost.
