@@ -35,6 +35,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -350,11 +352,12 @@ def _enqueue(scheduler: Scheduler, handed: _Handed) -> None:
         )
 
 
-def backstop(scheduler: Scheduler) -> list[int]:
+def backstop(scheduler: Scheduler, first: Callable[[], AbstractContextManager[Session]] = transaction) -> list[int]:
     """The scan's step: expire overdue requests, cancel those of stopped sessions, and hand
     every parked session with nothing pending back to a loop. Returns the sessions handed back.
-    Each session is handed back in its own transaction (one bad row never stops the rest)."""
-    with transaction() as s:
+    Each session is handed back in its own transaction (one bad row never stops the rest).
+    ``first``: the step's first transaction (the scan's checks its right to scan in it)."""
+    with first() as s:
         store.close_stale(s)
         ready = store.parked_ready(s)
     out: list[int] = []

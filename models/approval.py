@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     and_,
+    bindparam,
     exists,
     func,
     or_,
@@ -42,7 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import cas
+from models.db import built_once, cas
 from models.enums import ACTIVE_EXECUTION, STOPPED_PHASES, DeliveryStatus, ExecutionStatus, Phase, SessionType
 from models.execution import SubagentExecution
 from models.session import AgentSession, set_child_phase
@@ -199,30 +200,42 @@ def close_stale(s: Session, *, session_id: int | None = None, call_id: str | Non
     """PENDING -> CANCELLED for requests whose session is stopped, and PENDING -> EXPIRED for
     requests past ``expires_at`` (the database's time); all of them, or one request. Returns
     the sessions whose requests changed (the scan hands the waiting ones back to a loop)."""
-    now = utcnow()
-    which: list[Any] = [A.status == ApprovalStatus.PENDING]
+    params: dict[str, Any] = {"b_now": utcnow()}
     if session_id is not None:
-        which.append(A.session_id == session_id)
+        params["b_sid"] = session_id
     if call_id is not None:
-        which.append(A.call_id == call_id)
+        params["b_call"] = call_id
+    cancel, expire = _close_stale_stmts(session_id is not None, call_id is not None)
+    changed = set(s.execute(cancel, params).scalars())
+    changed.update(s.execute(expire, params).scalars())
+    return sorted(int(i) for i in changed)
+
+
+@built_once
+def _close_stale_stmts(one_session: bool, one_call: bool) -> tuple[Any, Any]:
+    """:func:`close_stale`'s two compare-and-sets, built once per shape (every scan runs them)."""
+    now = bindparam("b_now", type_=UTCDateTime())
+    which: list[Any] = [A.status == ApprovalStatus.PENDING]
+    if one_session:
+        which.append(A.session_id == bindparam("b_sid"))
+    if one_call:
+        which.append(A.call_id == bindparam("b_call"))
     stopped = exists().where(S.id == A.session_id, S.phase.in_(STOPPED_PHASES))
-    cancelled = s.execute(
+    cancel = (
         update(A)
         .where(*which, stopped)
         .values(status=ApprovalStatus.CANCELLED, decided_at=now, decided_by=SYSTEM, reason="cancelled")
         .returning(A.session_id)
         .execution_options(synchronize_session=False)
-    ).scalars()
-    changed = set(cancelled)
-    expired = s.execute(
+    )
+    expire = (
         update(A)
         .where(*which, A.expires_at <= now)
         .values(status=ApprovalStatus.EXPIRED, decided_at=now, decided_by=SYSTEM, reason="expired")
         .returning(A.session_id)
         .execution_options(synchronize_session=False)
-    ).scalars()
-    changed.update(expired)
-    return sorted(int(i) for i in changed)
+    )
+    return cancel, expire
 
 
 def cancel_for_tree(s: Session, session_id: int) -> int:
@@ -459,7 +472,9 @@ def unpark_execution(s: Session, child_session_id: int, *, reserve_seconds: floa
 def parked_ready(s: Session) -> list[tuple[int, SessionType]]:
     """Sessions parked in WAITING_APPROVAL with nothing pending any more (the scan's backstop:
     a decision whose hand-over was lost, or one that landed while the loop was parking)."""
-    rows = s.execute(
-        select(S.id, S.session_type).where(and_(S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id)))
-    ).all()
-    return [(int(r[0]), SessionType(r[1])) for r in rows]
+    return [(int(r[0]), SessionType(r[1])) for r in s.execute(_parked_ready_stmt()).all()]
+
+
+@built_once
+def _parked_ready_stmt() -> Any:
+    return select(S.id, S.session_type).where(and_(S.phase == Phase.WAITING_APPROVAL, _nothing_pending_for(S.id)))

@@ -225,7 +225,7 @@ def _fence_stmt(me: tuple[str, int] | None, pg: bool) -> Any:
     )
 
 
-def parent_release(which: Any, now: Any) -> tuple[Update, Update]:
+def parent_release(which: Any, now: Any, until: Any = None) -> tuple[Update, Update]:
     """The scan's hand-over of parents as its two compare-and-sets, over the parents ``which``
     names (SQL on agent_session, e.g. ``AgentSession.id.in_(ids)``; ``now``: the database's
     time, a value or a bound parameter): ``lapsed`` gives a parent whose own lease lapsed (it
@@ -235,7 +235,9 @@ def parent_release(which: Any, now: Any) -> tuple[Update, Update]:
     by a live loop matches neither and keeps its epoch (its loop yields with it). The two never
     match the same row (an owner or none). Returned as statements, so that
     :func:`release_dead_parents` runs them and the scan runs them in one WITH (recovery.scan),
-    one rule in one place."""
+    one rule in one place. ``until``: the reservation's end (default ``now`` +
+    :func:`reservation_seconds`), a value or a bound parameter."""
+    until = now + timedelta(seconds=reservation_seconds()) if until is None else until
     lapsed = (
         update(S)
         .where(which, S.lease_owner.is_not(None), lease_free(S, now), not_stopped())
@@ -244,7 +246,7 @@ def parent_release(which: Any, now: Any) -> tuple[Update, Update]:
             epoch=S.epoch + 1,
             lease_owner=None,
             lease_generation=None,
-            lease_expires_at=now + timedelta(seconds=reservation_seconds()),
+            lease_expires_at=until,
             updated_at=now,
         )
     )
@@ -260,9 +262,28 @@ def release_dead_parents(s: Session, parent_ids: Any) -> dict[int, int]:
     """The scan's hand-over of parents whose rounds it recovers or delivers (the rules of
     :func:`parent_release`). Returns every given parent's current epoch; a parent still leased
     by a live loop keeps its epoch (its loop yields with it)."""
-    for stmt in parent_release(S.id.in_(parent_ids), utcnow()):
-        s.execute(stmt.execution_options(synchronize_session=False))
-    return {int(i): int(e) for i, e in s.execute(select(S.id, S.epoch).where(S.id.in_(parent_ids))).all()}
+    return {pid: epoch for pid, (epoch, _) in release_dead_parents_owned(s, parent_ids).items()}
+
+
+def release_dead_parents_owned(s: Session, parent_ids: Any) -> dict[int, tuple[int, str | None]]:
+    """:func:`release_dead_parents`, with each parent's lease owner after the hand-over (None:
+    handed over; a name: a live loop holds it and yields with its epoch): {id: (epoch, owner)}.
+    Three statements built once, the ids and times bound."""
+    ids = [int(i) for i in parent_ids]
+    now = utcnow()
+    params = {"b_ids": ids, "b_now": now, "b_until": now + timedelta(seconds=reservation_seconds())}
+    lapsed, waiting, read = _release_stmts()
+    s.execute(lapsed, params)
+    s.execute(waiting, params)
+    return {int(i): (int(e), owner) for i, e, owner in s.execute(read, {"b_ids": ids}).all()}
+
+
+@built_once
+def _release_stmts() -> tuple[Any, Any, Any]:
+    which = S.id.in_(bindparam("b_ids", expanding=True))
+    now, until = bindparam("b_now", type_=UTCDateTime()), bindparam("b_until", type_=UTCDateTime())
+    lapsed, waiting = (stmt.execution_options(synchronize_session=False) for stmt in parent_release(which, now, until))
+    return lapsed, waiting, select(S.id, S.epoch, S.lease_owner).where(which)
 
 
 def _phase_in(phases: tuple[Phase | None, ...]) -> Any:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import String, and_, case, cast, exists, func, or_, select, text, update
+from sqlalchemy import String, and_, bindparam, case, cast, exists, func, or_, select, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, aliased
 
@@ -71,12 +71,12 @@ from models import (
     lease,
     transaction,
 )
-from models.base import utcnow
-from models.db import is_postgresql
+from models.base import UTCDateTime, utcnow
+from models.db import built_once, is_postgresql
 from models.reservation import ReservedBatch, Reserver, newest_first_runs
 from models.session import (
     not_stopped,
-    release_dead_parents,
+    release_dead_parents_owned,
     reservation_seconds,
     reserve_session,
     reserve_sessions,
@@ -140,9 +140,10 @@ def scan_right_seconds() -> float:
 class ScanRight:
     """The right to scan, held for one pass (models.worker.take_scan_right): taken in a short
     transaction of its own, renewed every third of its length (models.lease
-    .scan_right_renewal_seconds), given back at the end. Between renewals, every batch checks in
-    its own transaction, and every step in a short one, that the right is still held (a read:
-    no write, no commit), so that no batch runs once the right passed to another scanner.
+    .scan_right_renewal_seconds), given back at the end. Between renewals, every batch and
+    every step checks in its own first transaction (:func:`held_transaction`) that the right is
+    still held (a read: no write, no commit), so that no batch runs once the right passed to
+    another scanner.
     Nothing is held between those transactions, so a frozen scanner blocks nobody and a lock
     never outlives its pass.
 
@@ -192,12 +193,6 @@ class ScanRight:
         if not holds_scan_right(s, self.holder):
             raise ScanRightLost(f"scan right of {self.holder} passed to another scanner")
 
-    def hold(self) -> None:
-        """Before a step: renewed if due, otherwise checked in a short transaction."""
-        if not self.renew_if_due():
-            with transaction() as s:
-                self.check(s)
-
     def release(self) -> None:
         with transaction() as s:
             release_scan_right(s, self.holder)
@@ -233,16 +228,16 @@ def scan(
     report = ScanReport()
     try:
         crash_point("scan.holding_right")
-        _step("quarantine", right, _quarantine_unknown_statuses, report)
-        _step("suppress", right, _suppress_stopped_parents, report)
+        _step("quarantine", _quarantine_unknown_statuses, report, right)
+        _step("suppress", _suppress_stopped_parents, report, right)
         # NOTE: deliveries first: they only wait for this step (each is a short task), and the
         # steps after it take 30-70 ms even with nothing to do (bench/recovery.py
         # --delivered-only: scan -> first delivery). The rounds it delivers have no active
         # execution; the recover step reserves active ones only: neither finds the other's rows.
-        _step("deliver", right, _deliver_waiting_rounds, scheduler, report, callback_grace_seconds)
-        _step("approvals", right, _act_on_approvals, scheduler, report)
-        _step("recover", right, _recover_dead_executions, scheduler, report, right, leave_first_runs)
-        _step("resume", right, _resume_plain_sessions, scheduler, report, right)
+        _step("deliver", _deliver_waiting_rounds, scheduler, report, right, callback_grace_seconds)
+        _step("approvals", _act_on_approvals, scheduler, report, right)
+        _step("recover", _recover_dead_executions, scheduler, report, right, leave_first_runs)
+        _step("resume", _resume_plain_sessions, scheduler, report, right)
     except ScanRightLost:
         report.right_lost = True
         log_event(log, "subagent_recovery_scan", logging.WARNING, stopped="scan_right_lost")
@@ -281,10 +276,14 @@ def scan(
     return report
 
 
-def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
+def _step(name: str, fn: Any, *args: Any) -> None:
     """A step that fails is logged and the next one still runs (one bad row never stops a
-    scan); a step starts only while the pass still holds the right to scan."""
-    right.hold()
+    scan). A step starts only while the pass still holds the right to scan: each checks it in
+    its own first transaction (:func:`held_transaction`).
+
+    NOTE: with a short transaction of its own for the check before each step, a pass ran 7
+    transactions from its start to its first hand-over, 3 of them only that check (about 1.5 ms
+    each, most of it Python: a Session, its BEGIN, the read, its COMMIT)."""
     try:
         fn(*args)
     except ScanRightLost:
@@ -298,28 +297,31 @@ def _step(name: str, right: ScanRight, fn: Any, *args: Any) -> None:
 KNOWN_STATUSES = tuple(str(status) for status in ExecutionStatus)
 
 
-def _quarantine_unknown_statuses(report: ScanReport) -> None:
+def _quarantine_unknown_statuses(report: ScanReport, right: ScanRight) -> None:
     """A PENDING execution whose status this code does not know would make its parent's delivery
     fail on every pass: it is quarantined ONCE (``quarantined_at``, an ERROR line naming it, the
     ``agent_recovery_quarantined_executions`` metric), and the scan leaves it and its parent
     alone from then on; the rest of the pass goes on. (Read as text: loading it as an
     ExecutionStatus is what fails.)"""
-    status = cast(E.status, String())
-    with scan_transaction() as s:
-        rows = s.execute(
-            update(E)
-            .where(
-                E.delivery_status == DeliveryStatus.PENDING, E.quarantined_at.is_(None), status.not_in(KNOWN_STATUSES)
-            )
-            .values(quarantined_at=utcnow())
-            .returning(E.id, E.parent_session_id, status)
-            .execution_options(synchronize_session=False)
-        ).all()
+    with held_transaction(right) as s:
+        rows = s.execute(_quarantine_stmt(), {"b_now": utcnow()}).all()
     for eid, parent_id, unknown in rows:
         report.quarantined.append(int(eid))
         log_event(
             log, "execution_quarantined", logging.ERROR, execution_id=eid, parent_id=parent_id, status=str(unknown)[:32]
         )
+
+
+@built_once
+def _quarantine_stmt() -> Any:
+    status = cast(E.status, String())
+    return (
+        update(E)
+        .where(E.delivery_status == DeliveryStatus.PENDING, E.quarantined_at.is_(None), status.not_in(KNOWN_STATUSES))
+        .values(quarantined_at=bindparam("b_now", type_=UTCDateTime()))
+        .returning(E.id, E.parent_session_id, status)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def _not_quarantined() -> Any:
@@ -330,18 +332,9 @@ def _not_quarantined() -> Any:
     )
 
 
-def _suppress_stopped_parents(report: ScanReport) -> None:
-    with transaction() as s:
-        parents = (
-            s.execute(
-                select(E.parent_session_id)
-                .join(S, S.id == E.parent_session_id)
-                .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES), _not_quarantined())
-                .distinct()
-            )
-            .scalars()
-            .all()
-        )
+def _suppress_stopped_parents(report: ScanReport, right: ScanRight) -> None:
+    with held_transaction(right, bounded=False) as s:
+        parents = s.execute(_stopped_parents_stmt()).scalars().all()
     for parent_id in parents:
         try:
             with scan_transaction() as s:
@@ -358,13 +351,24 @@ def _suppress_stopped_parents(report: ScanReport) -> None:
             log_event(log, "scan_suppress_failed", logging.ERROR, exc_info=True, parent_id=parent_id)
 
 
-def _act_on_approvals(scheduler: Scheduler, report: ScanReport) -> None:
+@built_once
+def _stopped_parents_stmt() -> Any:
+    """The stopped parents with a PENDING execution (none quarantined)."""
+    return (
+        select(E.parent_session_id)
+        .join(S, S.id == E.parent_session_id)
+        .where(E.delivery_status == DeliveryStatus.PENDING, S.phase.in_(STOPPED_PHASES), _not_quarantined())
+        .distinct()
+    )
+
+
+def _act_on_approvals(scheduler: Scheduler, report: ScanReport, right: ScanRight) -> None:
     """The backstop of approvals (harness.approval.backstop): overdue requests expire, those of
     stopped sessions are cancelled, and every session parked with nothing pending any more (a
     decision made while every worker was down, a lost message) is handed back to a loop."""
     from harness.approval import backstop
 
-    report.approvals_resumed += backstop(scheduler)
+    report.approvals_resumed += backstop(scheduler, lambda: held_transaction(right, bounded=False))
 
 
 #: Follow-up walks of a pass over the dead rows it passed over because another path held their
@@ -429,10 +433,7 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
     cursor = 0
     passed_over = 0
     while True:
-        renewed = right.renew_if_due()
-        with scan_transaction() as s:
-            if not renewed:
-                right.check(s)
+        with held_transaction(right) as s:
             batch = reserver.batch(s, cursor)
             if batch.executions:
                 crash_point("scan.inside_batch")
@@ -456,53 +457,69 @@ def _hand_over(scheduler: Scheduler, report: ScanReport, batch: ReservedBatch) -
     scheduler.recover_many(rounds)
 
 
-def _deliver_waiting_rounds(scheduler: Scheduler, report: ScanReport, grace_seconds: float | None) -> None:
-    now = utcnow()
+def _deliver_waiting_rounds(
+    scheduler: Scheduler, report: ScanReport, right: ScanRight, grace_seconds: float | None
+) -> None:
     grace = timedelta(seconds=lease.lease_seconds() if grace_seconds is None else grace_seconds)
-    # Only a parent with a terminal PENDING execution can have a round whose executions are all
-    # terminal: the subquery reads PENDING rows only (idx_sae_pending: no index names status); the grouping reads
-    # their executions only, not every PENDING row (after a big crash, all of them are active).
-    finished = aliased(E)
-    some_finished = select(finished.parent_session_id).where(
-        finished.delivery_status == DeliveryStatus.PENDING, finished.status.in_(TERMINAL_EXECUTION)
-    )
-    with transaction() as s:
-        rows = s.execute(
-            select(E.parent_session_id, func.array_agg(E.id) if is_postgresql(s) else func.group_concat(E.id))
-            .join(S, S.id == E.parent_session_id)
-            .where(E.delivery_status == DeliveryStatus.PENDING, E.parent_session_id.in_(some_finished), not_stopped())
-            .group_by(E.parent_session_id)
-            .having(
-                and_(
-                    func.sum(case((E.status.in_(ACTIVE_EXECUTION), 1), else_=0)) == 0,
-                    func.sum(case((E.quarantined_at.is_not(None), 1), else_=0)) == 0,
-                    or_(func.max(E.completed_at).is_(None), func.max(E.completed_at) <= now - grace),
-                )
-            )
-        ).all()
+    with held_transaction(right, bounded=False) as s:
+        pg = is_postgresql(s)
+        rows = s.execute(_waiting_rounds_stmt(pg), {"b_cutoff": utcnow() - grace}).all()
         if not rows:
             return
         _bound_waits(s)
         wanted = [int(r[0]) for r in rows]
         # Lock first, never waiting (a delivery, a cancel or a stalled loop holds the others).
-        parent_ids = list(
-            s.execute(select(S.id).where(S.id.in_(wanted)).order_by(S.id).with_for_update(skip_locked=True)).scalars()
-        )
+        parent_ids = list(s.execute(_lock_parents_stmt(), {"b_ids": wanted}).scalars())
         report.skipped += len(wanted) - len(parent_ids)
-        epochs = release_dead_parents(s, parent_ids) if parent_ids else {}
-        owners = dict(s.execute(select(S.id, S.lease_owner).where(S.id.in_(parent_ids))).all())
+        released = release_dead_parents_owned(s, parent_ids) if parent_ids else {}
     batch = []
     for parent_id, ids in rows:
-        if parent_id not in epochs:
+        if parent_id not in released:
             continue
-        if owners.get(parent_id) is not None:
+        epoch, owner = released[parent_id]
+        if owner is not None:
             report.waiting.append(parent_id)  # its loop still holds it (it yields with the epoch)
             continue
         report.parents.append(parent_id)
         report.delivering += [int(i) for i in (ids if isinstance(ids, list) else str(ids).split(","))]
-        batch.append((int(parent_id), epochs[parent_id]))
+        batch.append((int(parent_id), epoch))
     if batch:
         scheduler.deliver_many(batch)
+
+
+@built_once
+def _waiting_rounds_stmt(pg: bool) -> Any:
+    """The parents whose rounds wait for their delivery: (parent id, its PENDING executions'
+    ids), each execution terminal, none quarantined, the last completed before ``b_cutoff`` (the
+    callback grace). Only a parent with a terminal PENDING execution can have a round whose
+    executions are all terminal: the subquery reads PENDING rows only (idx_sae_pending: no index
+    names status); the grouping reads their executions only, not every PENDING row (after a big
+    crash, all of them are active)."""
+    finished = aliased(E)
+    some_finished = select(finished.parent_session_id).where(
+        finished.delivery_status == DeliveryStatus.PENDING, finished.status.in_(TERMINAL_EXECUTION)
+    )
+    cutoff = bindparam("b_cutoff", type_=UTCDateTime())
+    return (
+        select(E.parent_session_id, func.array_agg(E.id) if pg else func.group_concat(E.id))
+        .join(S, S.id == E.parent_session_id)
+        .where(E.delivery_status == DeliveryStatus.PENDING, E.parent_session_id.in_(some_finished), not_stopped())
+        .group_by(E.parent_session_id)
+        .having(
+            and_(
+                func.sum(case((E.status.in_(ACTIVE_EXECUTION), 1), else_=0)) == 0,
+                func.sum(case((E.quarantined_at.is_not(None), 1), else_=0)) == 0,
+                or_(func.max(E.completed_at).is_(None), func.max(E.completed_at) <= cutoff),
+            )
+        )
+    )
+
+
+@built_once
+def _lock_parents_stmt() -> Any:
+    """Locks the parents ``b_ids`` that no other transaction holds, in id order; returns their ids."""
+    ids: Any = bindparam("b_ids", expanding=True)
+    return select(S.id).where(S.id.in_(ids)).order_by(S.id).with_for_update(skip_locked=True)
 
 
 class _Locked(Exception):
@@ -515,6 +532,19 @@ def scan_transaction() -> Iterator[Session]:
     models.lease.lock_timeout_seconds nor runs longer than statement_timeout_seconds."""
     with transaction() as s:
         _bound_waits(s)
+        yield s
+
+
+@contextmanager
+def held_transaction(right: ScanRight, *, bounded: bool = True) -> Iterator[Session]:
+    """A transaction of a step that runs only while the pass holds the right to scan: renewed
+    before it when due, otherwise checked in it (a read, no transaction of its own); raises
+    ScanRightLost. ``bounded``: a :func:`scan_transaction` (its statements' waits bounded),
+    otherwise a plain one (a read that locks nothing)."""
+    renewed = right.renew_if_due()
+    with scan_transaction() if bounded else transaction() as s:
+        if not renewed:
+            right.check(s)
         yield s
 
 
@@ -571,24 +601,9 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: Scan
     now = utcnow()
     cursor = 0
     while True:
-        renewed = right.renew_if_due()
-        with scan_transaction() as s:
-            if not renewed:
-                right.check(s)
-            candidates = list(
-                s.execute(
-                    select(S.id)
-                    .where(
-                        S.id > cursor,
-                        S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
-                        S.phase.in_(ACTIVE_PHASES),
-                        lease_free(S, now),
-                        *_nothing_pending(),
-                    )
-                    .order_by(S.id)
-                    .limit(RESUME_BATCH)
-                ).scalars()
-            )
+        with held_transaction(right) as s:
+            stmt = _plain_candidates_stmt(RESUME_BATCH)
+            candidates = list(s.execute(stmt, {"b_cursor": cursor, "b_now": now}).scalars())
             if not candidates:
                 return
             locked = list(
@@ -611,6 +626,24 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: Scan
         if len(candidates) < RESUME_BATCH:
             return
         cursor = candidates[-1]
+
+
+@built_once
+def _plain_candidates_stmt(limit: int) -> Any:
+    """The resume step's candidates: plain sessions above ``b_cursor`` with an active phase,
+    a lease free at ``b_now`` and nothing pending (read without locks), ``limit`` at most."""
+    return (
+        select(S.id)
+        .where(
+            S.id > bindparam("b_cursor"),
+            S.session_type.in_((SessionType.NORMAL, SessionType.SIDE_TASK)),
+            S.phase.in_(ACTIVE_PHASES),
+            lease_free(S, bindparam("b_now", type_=UTCDateTime())),
+            *_nothing_pending(),
+        )
+        .order_by(S.id)
+        .limit(limit)
+    )
 
 
 def _clean_tail(s: Session, sid: int, epoch: int) -> bool:

@@ -227,6 +227,58 @@ def test_a_pass_that_loses_its_right_between_batches_stops_there(db: str, monkey
     assert _right()[0] == thief.holder, "the thief keeps the right: a lost right is not released"
 
 
+#: The steps of a pass, in the order it runs them.
+STEPS = (
+    "_quarantine_unknown_statuses",
+    "_suppress_stopped_parents",
+    "_deliver_waiting_rounds",
+    "_act_on_approvals",
+    "_recover_dead_executions",
+    "_resume_plain_sessions",
+)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_step_that_finds_the_right_passed_on_in_its_own_first_transaction_does_nothing(
+    db: str, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """The steps check the right to scan in their own first transaction (no transaction of its
+    own before each): another scanner that took the right just before a step starts stops the
+    pass there, with nothing that step would have handed over sent, nor anything after it."""
+    import recovery.scan as scan_module
+
+    done = {"status": ExecutionStatus.COMPLETED, "completed_at": utcnow() - timedelta(seconds=5)}
+    finished = make_session(epoch=2)  # a round whose delivery was lost
+    make_execution(finished, **done)
+    dead = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=3)
+    make_execution(dead, lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5), epoch=2)
+    plain = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5))
+    add_message(plain, Role.USER, "hi")
+    thief = ScanRight()
+    real = getattr(scan_module, step)
+
+    def stolen_first(*args: Any) -> None:
+        with transaction() as s:  # this pass froze past its right; another scanner took it
+            s.execute(update(RecoveryScan).where(RecoveryScan.id == 1).values(held_until=utcnow()))
+        assert thief.take()
+        real(*args)
+
+    monkeypatch.setattr(scan_module, step, stolen_first)
+    sched = RecordingScheduler()
+    report = scan(sched, callback_grace_seconds=0)
+    assert report.right_lost
+    assert _right()[0] == thief.holder
+    ran = STEPS[: STEPS.index(step)]
+    assert bool(sched.deliveries) == ("_deliver_waiting_rounds" in ran)
+    assert bool(sched.recoveries) == ("_recover_dead_executions" in ran)
+    assert sched.resumed == []
+    with transaction() as s:
+        epochs = dict(s.execute(select(AgentSession.id, AgentSession.epoch)).all())
+    assert epochs[finished] == 2 and epochs[plain] == 0, "nothing handed over after the right passed on"
+    if "_recover_dead_executions" not in ran:
+        assert epochs[dead] == 3
+
+
 def test_a_failing_step_never_leaves_the_right_held(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import recovery.scan as scan_module
 
