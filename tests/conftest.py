@@ -181,6 +181,11 @@ def db(pg_url: str) -> Iterator[str]:
             conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
         if "recovery_scan" in existing:  # the right to scan is free at the start of every test
             conn.execute(text("UPDATE recovery_scan SET holder = NULL, held_until = NULL"))
+            # Its row as the migration seeds it: a test that deleted it (test_metrics' field_table)
+            # left the next test in the same process a scan that creates the row at its take (a
+            # lock taken on the row beforehand then locked nothing).
+            seed = "INSERT INTO recovery_scan (id) SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM recovery_scan WHERE id = 1)"
+            conn.execute(text(seed))
     yield pg_url
 
 
