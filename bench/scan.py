@@ -24,6 +24,14 @@ a pass rewrites every crashed execution and parent and the put-back rewrites the
 without the vacuum pass n would wade through the dead row versions of the n passes before it
 (which no real crash meets: autovacuum keeps a live table near its live size), and autovacuum
 waking at random moments would make the passes differ by more than the figure moves.
+
+``--steps N`` times one pass's own steps instead, in this process: N parents in R16 (every child
+COMPLETED, the rounds undelivered; ``--per-parent`` children each) are made before each pass,
+the pass runs with a scheduler that records (tests.helpers.RecordingScheduler), and the parents
+it handed over are then delivered and run, outside the timing, so that every pass finds the same
+state. Prints, as medians of ``--repeat`` passes after one untimed pass: the time from the
+pass's start to its first hand-over (its delivery step's ``deliver_many``), the whole pass, and
+each step.
 """
 
 from __future__ import annotations
@@ -486,6 +494,87 @@ def _seconds_spread(values: list[float]) -> str:
     return f"{min(values):.3f} .. {max(values):.3f} s"
 
 
+# --- --steps: one pass's own steps, in this process --------------------------------------------
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    import os
+    from collections import defaultdict
+
+    import recovery.scan as scan_module
+    from bench._common import REDIS_BASE, REDIS_DBS, bench_database, progress
+    from bench._figures import system_load
+    from bench.recovery import _date_completions_back, _expire_leases, delivered_only_script
+    from doubles.scripted_model import ScriptedModelServer
+    from harness.delivery_batch import deliver_rounds
+    from harness.parent import run_agent
+    from tests.helpers import RecordingScheduler, children_done_delivery_lost, loop_deps
+
+    os.environ["REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DBS[2]}"  # the session_status events, as in production
+    steps: dict[str, list[float]] = defaultdict(list)
+    real_step = scan_module._step
+
+    def timed_step(name: str, *step_args: Any) -> None:
+        started = time.perf_counter()
+        try:
+            real_step(name, *step_args)
+        finally:
+            steps[name].append((time.perf_counter() - started) * 1000)
+
+    print(
+        f"scan steps: {args.steps} parents in R16 x {args.per_parent} children, in this process; median of "
+        f"{args.repeat} passes after one untimed; {system_load()}",
+        flush=True,
+    )
+    firsts: list[float] = []
+    wholes: list[float] = []
+    scan_module._step = timed_step
+    try:
+        with bench_database("bench_scan_steps"), ScriptedModelServer(delivered_only_script(args.per_parent)) as model:
+            for n in range(args.repeat + 1):
+                for i in range(args.steps):
+                    children_done_delivery_lost(model.base_url, f"job {i}: split the work")
+                _date_completions_back()
+                _expire_leases()
+                sched = RecordingScheduler()
+                handed: list[float] = []
+                record = sched.deliver_many
+
+                def first_hand_over(parents: Any, record: Any = record, handed: list[float] = handed) -> None:
+                    handed.append(time.perf_counter())
+                    record(parents)
+
+                sched.deliver_many = first_hand_over  # type: ignore[method-assign]
+                started = time.perf_counter()
+                report = scan_module.scan(sched, callback_grace_seconds=0)
+                ended = time.perf_counter()
+                if len(report.delivering) != args.steps * args.per_parent or not handed:
+                    raise RuntimeError(f"the pass should deliver {args.steps} parents' rounds: {report}")
+                if n:  # the first pass is untimed: imports, connections, compiled statements
+                    firsts.append((handed[0] - started) * 1000)
+                    wholes.append((ended - started) * 1000)
+                else:
+                    steps.clear()
+                # Outside the timing: delivered and run, so that the next pass finds the same state.
+                deps = loop_deps(model.base_url, RecordingScheduler(), lease_seconds=30)
+                for parent_id, outcome in deliver_rounds(sched.deliveries).items():
+                    if outcome.new_epoch is not None:
+                        run_agent(parent_id, outcome.new_epoch, deps)
+                progress(f"pass {n}{' (untimed)' if not n else ''}: {len(report.parents)} parents handed over")
+    finally:
+        scan_module._step = real_step
+    print(f"scan start -> first hand-over: {statistics.median(firsts):.1f} ms ({_ms_spread(firsts)})")
+    print(f"scan start -> end of the pass: {statistics.median(wholes):.1f} ms ({_ms_spread(wholes)})")
+    for name, times in steps.items():
+        print(f"  step {name:10s} {statistics.median(times):6.2f} ms ({_ms_spread(times)})")
+    print(f"median of {args.repeat} passes; {system_load()}")
+    return 0
+
+
+def _ms_spread(values: list[float]) -> str:
+    return f"{min(values):.1f} .. {max(values):.1f} ms"
+
+
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -500,11 +589,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--parents", type=int, default=0, help="scan at scale: this many crashed parents instead of the history case"
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="time one pass's steps instead, over this many parents in R16 (delivery lost), in this process",
+    )
     args = parser.parse_args(argv)
     if args.per_parent is None:
-        args.per_parent = 3 if args.parents else 4
+        args.per_parent = 3 if args.parents or args.steps else 4
     if args.pending < 1 or args.history < 0 or args.per_parent < 1 or args.repeat < 1 or args.parents < 0:
         parser.error("--pending, --per-parent and --repeat must be >= 1, --history and --parents >= 0")
+    if args.steps < 0 or (args.steps and args.parents):
+        parser.error("--steps must be >= 0, and goes without --parents")
     return args
 
 
@@ -512,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parents:
         return run_scale(args)
+    if args.steps:
+        return run_steps(args)
     import os
 
     from bench._common import REDIS_BASE, REDIS_DBS, bench_database, progress

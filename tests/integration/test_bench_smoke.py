@@ -94,6 +94,12 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "scan-steps": (
+        "scan",
+        ["--steps", "3", "--per-parent", "2", "--repeat", "2"],
+        ["scan start -> first hand-over:", "scan start -> end of the pass:", "  step deliver", "median of 2 passes"],
+        None,
+    ),
     "delegation": (
         "delegation",
         ["--runs", "1", "--rounds", "2", "--warmup", "0"],

@@ -41,6 +41,17 @@ def test_warm_pools_go_with_delivery_only(capsys: pytest.CaptureFixture[str]) ->
     assert "--warm goes with --delivered-only" in capsys.readouterr().err
 
 
+def test_scan_steps_take_three_children_by_default_and_go_without_parents(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.scan import parse_args
+
+    args = parse_args(["--steps", "20"])
+    assert (args.steps, args.per_parent) == (20, 3)
+    assert parse_args([]).steps == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "20", "--parents", "100"])
+    assert "--steps must be >= 0, and goes without --parents" in capsys.readouterr().err
+
+
 def test_by_load_prints_each_figure_across_the_loads_and_nothing_for_one_load(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
