@@ -503,7 +503,7 @@ def run_steps(args: argparse.Namespace) -> int:
 
     import recovery.scan as scan_module
     from bench._common import REDIS_BASE, REDIS_DBS, bench_database, progress
-    from bench._figures import system_load
+    from bench._figures import spread, system_load
     from bench.recovery import _date_completions_back, _expire_leases, delivered_only_script
     from doubles.scripted_model import ScriptedModelServer
     from harness.delivery_batch import deliver_rounds
@@ -544,7 +544,7 @@ def run_steps(args: argparse.Namespace) -> int:
                     handed.append(time.perf_counter())
                     record(parents)
 
-                sched.deliver_many = first_hand_over  # type: ignore[method-assign]
+                sched.deliver_many = first_hand_over
                 started = time.perf_counter()
                 report = scan_module.scan(sched, callback_grace_seconds=0)
                 ended = time.perf_counter()
@@ -563,16 +563,12 @@ def run_steps(args: argparse.Namespace) -> int:
                 progress(f"pass {n}{' (untimed)' if not n else ''}: {len(report.parents)} parents handed over")
     finally:
         scan_module._step = real_step
-    print(f"scan start -> first hand-over: {statistics.median(firsts):.1f} ms ({_ms_spread(firsts)})")
-    print(f"scan start -> end of the pass: {statistics.median(wholes):.1f} ms ({_ms_spread(wholes)})")
+    print(f"scan start -> first hand-over: {statistics.median(firsts):.1f} ms ({spread(firsts, unit=' ms')})")
+    print(f"scan start -> end of the pass: {statistics.median(wholes):.1f} ms ({spread(wholes, unit=' ms')})")
     for name, times in steps.items():
-        print(f"  step {name:10s} {statistics.median(times):6.2f} ms ({_ms_spread(times)})")
+        print(f"  step {name:10s} {statistics.median(times):6.2f} ms ({spread(times, unit=' ms')})")
     print(f"median of {args.repeat} passes; {system_load()}")
     return 0
-
-
-def _ms_spread(values: list[float]) -> str:
-    return f"{min(values):.1f} .. {max(values):.1f} ms"
 
 
 # --- command line ------------------------------------------------------------------------------
