@@ -53,7 +53,7 @@ from models.db import built_once
 from models.errors import IllegalTransition
 from models.execution import mark_rounds_delivered
 from models.round import close_rounds
-from models.session import hand_over_many
+from models.session import hand_over_many, lock_unheld_stmt
 
 log = logging.getLogger(__name__)
 E, S = SubagentExecution, AgentSession
@@ -128,7 +128,7 @@ def _deliver_together(s: Session, wanted: dict[int, int]) -> dict[int, _Delivere
     compare-and-set does not land on every row it must."""
     ids = sorted(wanted)
     ready: dict[int, _Parent] = {}
-    for row in s.execute(_lock_stmt(), {"b_ids": ids}).all():
+    for row in s.execute(lock_unheld_stmt(_PARENT_FACTS), {"b_ids": ids}).all():
         if (
             row.epoch == wanted[row.id]
             and row.lease_owner is None
@@ -193,20 +193,13 @@ def _common_case(p: _Parent, history: list[Message]) -> bool:
     return not tail_garbage(history)
 
 
+#: What the lock reads of each parent to know whether its batch may deliver it.
+_PARENT_FACTS = ("epoch", "lease_owner", "phase", "compaction_boundary_message_id")
+
+
 def _ids() -> Any:
     """The parent ids of the batch: one expanding parameter (one cached statement for any count)."""
     return bindparam("b_ids", expanding=True, type_=BigInteger())
-
-
-@built_once
-def _lock_stmt() -> Any:
-    """The parents, locked in ascending id; one held elsewhere is left out (SKIP LOCKED)."""
-    return (
-        select(S.id, S.epoch, S.lease_owner, S.phase, S.compaction_boundary_message_id)
-        .where(S.id.in_(_ids()))
-        .order_by(S.id)
-        .with_for_update(skip_locked=True)
-    )
 
 
 @built_once

@@ -41,7 +41,7 @@ from models.base import utcnow
 from models.db import built_once, is_postgresql
 from models.enums import ACTIVE_EXECUTION, DeliveryStatus, ExecutionStatus, Phase
 from models.execution import SubagentExecution
-from models.session import AgentSession, not_stopped, parent_release, release_dead_parents
+from models.session import AgentSession, lock_unheld_stmt, not_stopped, parent_release, release_dead_parents
 from models.worker import creation_reservation_alive, lease_free
 from settings import get_settings
 
@@ -390,11 +390,7 @@ def _reserve_batch_in_steps(
         return ReservedBatch(after_id, False)
     cursor = int(candidates[-1][0])
     parents = sorted({int(p) for _, p in candidates})
-    locked = set(
-        s.execute(select(S.id).where(S.id.in_(parents), not_stopped()).order_by(S.id).with_for_update(skip_locked=True))
-        .scalars()
-        .all()
-    )
+    locked = set(s.execute(lock_unheld_stmt((), True), {"b_ids": parents}).scalars())
     by_parent: dict[int, list[tuple[int, int]]] = defaultdict(list)
     if locked:
         ids = [int(i) for i, p in candidates if int(p) in locked]

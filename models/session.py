@@ -109,6 +109,20 @@ def child_not_cancelled() -> Any:
     return S.phase.is_distinct_from(Phase.CANCELLED)
 
 
+@built_once
+def lock_unheld_stmt(columns: tuple[str, ...] = (), only_not_stopped: bool = False) -> Any:
+    """SQL: lock the sessions ``b_ids`` (one expanding parameter: one cached statement for any
+    count) in ascending id, the lock order of sessions, leaving out a session another
+    transaction holds (SKIP LOCKED: the caller never waits on it). Returns ``id``, then the
+    named ``columns``. ``only_not_stopped``: a session in a stopped phase is left out too.
+    The one spelling of "lock these sessions unless someone else has them"."""
+    ids = bindparam("b_ids", expanding=True, type_=BigInteger())
+    stmt = select(S.id, *(getattr(S, name) for name in columns)).where(S.id.in_(ids))
+    if only_not_stopped:
+        stmt = stmt.where(not_stopped())
+    return stmt.order_by(S.id).with_for_update(skip_locked=True)
+
+
 def reservation_seconds() -> float:
     """How long a reservation waits for the task it was handed: models.lease.reservation_seconds
     (kept here for its callers)."""

@@ -75,6 +75,7 @@ from models.base import UTCDateTime, utcnow
 from models.db import built_once, is_postgresql
 from models.reservation import ReservedBatch, Reserver, newest_first_runs
 from models.session import (
+    lock_unheld_stmt,
     not_stopped,
     release_dead_parents_owned,
     reservation_seconds,
@@ -469,7 +470,7 @@ def _deliver_waiting_rounds(
         _bound_waits(s)
         wanted = [int(r[0]) for r in rows]
         # Lock first, never waiting (a delivery, a cancel or a stalled loop holds the others).
-        parent_ids = list(s.execute(_lock_parents_stmt(), {"b_ids": wanted}).scalars())
+        parent_ids = list(s.execute(lock_unheld_stmt(), {"b_ids": wanted}).scalars())
         report.skipped += len(wanted) - len(parent_ids)
         released = release_dead_parents_owned(s, parent_ids) if parent_ids else {}
     batch = []
@@ -513,13 +514,6 @@ def _waiting_rounds_stmt(pg: bool) -> Any:
             )
         )
     )
-
-
-@built_once
-def _lock_parents_stmt() -> Any:
-    """Locks the parents ``b_ids`` that no other transaction holds, in id order; returns their ids."""
-    ids: Any = bindparam("b_ids", expanding=True)
-    return select(S.id).where(S.id.in_(ids)).order_by(S.id).with_for_update(skip_locked=True)
 
 
 class _Locked(Exception):
@@ -606,11 +600,7 @@ def _resume_plain_sessions(scheduler: Scheduler, report: ScanReport, right: Scan
             candidates = list(s.execute(stmt, {"b_cursor": cursor, "b_now": now}).scalars())
             if not candidates:
                 return
-            locked = list(
-                s.execute(
-                    select(S.id).where(S.id.in_(candidates)).order_by(S.id).with_for_update(skip_locked=True)
-                ).scalars()
-            )
+            locked = list(s.execute(lock_unheld_stmt(), {"b_ids": candidates}).scalars())
             report.skipped += len(candidates) - len(locked)
             reserved = reserve_sessions(s, locked, to_phase=Phase.RUNNING, extra=_nothing_pending())
             failed = [sid for sid, epoch in reserved if not _clean_tail(s, sid, epoch)]
