@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from models import (
+    AgentSession,
     DeliveryStatus,
     ExecutionStatus,
     IllegalTransition,
@@ -162,3 +163,39 @@ def test_cancelled_session_is_never_taken_nor_moved_back() -> None:
         assert not request_cancel(s, sid)
     with pytest.raises(IllegalTransition), transaction() as s:
         set_phase(s, sid, to_phase=Phase.RUNNING, from_phases=(Phase.CANCELLED,))
+
+
+def test_the_session_lock_skips_a_session_held_elsewhere_returns_ascending_ids_and_can_leave_out_stopped_ones() -> None:
+    """models.session.lock_unheld_stmt, the one lock of "these sessions unless someone else has
+    them" (the scan's deliver and resume steps, the delivery batch, the reservation walk): a
+    session another transaction holds is left out at once (no wait), the rest come back locked in
+    ascending id with the columns asked for, and ``only_not_stopped`` leaves out a stopped one."""
+    from models import get_engine
+    from models.session import lock_unheld_stmt
+
+    held, idle, stopped, fresh = (make_session(phase=p) for p in (Phase.RUNNING, Phase.IDLE, Phase.COMPLETED, None))
+    ids = [fresh, stopped, held, idle]  # any order in, ascending id out
+    holder = get_engine().connect()
+    trans = holder.begin()
+    holder.execute(select(AgentSession.id).where(AgentSession.id == held).with_for_update())
+    try:
+        with transaction() as s:
+            rows = s.execute(lock_unheld_stmt(("phase", "epoch")), {"b_ids": ids}).all()
+            assert [tuple(r) for r in rows] == [
+                (idle, Phase.IDLE, 0),
+                (stopped, Phase.COMPLETED, 0),
+                (fresh, None, 0),
+            ]
+        with transaction() as s:
+            assert list(s.execute(lock_unheld_stmt((), True), {"b_ids": ids}).scalars()) == [idle, fresh]
+            # Locked by this transaction: another one now skips them too.
+            other = get_engine().connect()
+            try:
+                with other.begin():
+                    left = list(other.execute(lock_unheld_stmt(), {"b_ids": ids}).scalars())
+            finally:
+                other.close()
+            assert left == [stopped]
+    finally:
+        trans.rollback()
+        holder.close()
