@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, bindparam, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -49,7 +49,7 @@ from models import (
     lease,
     transaction,
 )
-from models.db import built_once
+from models.db import built_once, ids_param
 from models.errors import IllegalTransition
 from models.execution import mark_rounds_delivered
 from models.round import close_rounds
@@ -197,17 +197,12 @@ def _common_case(p: _Parent, history: list[Message]) -> bool:
 _PARENT_FACTS = ("epoch", "lease_owner", "phase", "compaction_boundary_message_id")
 
 
-def _ids() -> Any:
-    """The parent ids of the batch: one expanding parameter (one cached statement for any count)."""
-    return bindparam("b_ids", expanding=True, type_=BigInteger())
-
-
 @built_once
 def _pending_stmt() -> Any:
     return (
         select(E)
         .where(
-            E.parent_session_id.in_(_ids()),
+            E.parent_session_id.in_(ids_param()),
             E.delivery_status == DeliveryStatus.PENDING,
         )
         .order_by(E.id)
@@ -218,7 +213,7 @@ def _pending_stmt() -> Any:
 @built_once
 def _open_rounds_stmt() -> Any:
     R = PendingRound
-    return select(R).where(R.session_id.in_(_ids()), R.closed_at.is_(None)).with_for_update()
+    return select(R).where(R.session_id.in_(ids_param()), R.closed_at.is_(None)).with_for_update()
 
 
 @built_once
@@ -226,7 +221,7 @@ def _history_stmt() -> Any:
     """The parents' live rows, in history order (no boundary: the batch takes no compacted parent)."""
     return (
         select(Message)
-        .where(Message.session_id.in_(_ids()), Message.deleted.is_(False))
+        .where(Message.session_id.in_(ids_param()), Message.deleted.is_(False))
         .order_by(Message.session_id, Message.id)
     )
 

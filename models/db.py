@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
+from sqlalchemy import BigInteger, CursorResult, Engine, Executable, bindparam, create_engine, event
 from sqlalchemy import exc as exc_mod
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -170,6 +170,12 @@ def cas(s: Session, stmt: Executable, params: dict[str, Any] | None = None) -> i
     else:
         result = s.execute(stmt.execution_options(synchronize_session=False))
     return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def ids_param() -> Any:
+    """``b_ids``: a list of row ids as ONE expanding bind parameter, so a statement built once
+    serves any count of ids (``stmt`` run with ``{"b_ids": [...]}``)."""
+    return bindparam("b_ids", expanding=True, type_=BigInteger())
 
 
 def built_once(fn: Callable[..., T]) -> Callable[..., T]:

@@ -29,7 +29,7 @@ from sqlalchemy.sql.dml import Update
 import models.clock as db_clock
 from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import built_once, cas
+from models.db import built_once, cas, ids_param
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
@@ -116,8 +116,7 @@ def lock_unheld_stmt(columns: tuple[str, ...] = (), only_not_stopped: bool = Fal
     transaction holds (SKIP LOCKED: the caller never waits on it). Returns ``id``, then the
     named ``columns``. ``only_not_stopped``: a session in a stopped phase is left out too.
     The one spelling of "lock these sessions unless someone else has them"."""
-    ids = bindparam("b_ids", expanding=True, type_=BigInteger())
-    stmt = select(S.id, *(getattr(S, name) for name in columns)).where(S.id.in_(ids))
+    stmt = select(S.id, *(getattr(S, name) for name in columns)).where(S.id.in_(ids_param()))
     if only_not_stopped:
         stmt = stmt.where(not_stopped())
     return stmt.order_by(S.id).with_for_update(skip_locked=True)
@@ -294,7 +293,7 @@ def release_dead_parents_owned(s: Session, parent_ids: Any) -> dict[int, tuple[i
 
 @built_once
 def _release_stmts() -> tuple[Any, Any, Any]:
-    which = S.id.in_(bindparam("b_ids", expanding=True))
+    which = S.id.in_(ids_param())
     now, until = bindparam("b_now", type_=UTCDateTime()), bindparam("b_until", type_=UTCDateTime())
     lapsed, waiting = (stmt.execution_options(synchronize_session=False) for stmt in parent_release(which, now, until))
     return lapsed, waiting, select(S.id, S.epoch, S.lease_owner).where(which)
