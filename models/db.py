@@ -9,9 +9,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import BigInteger, CursorResult, Engine, Executable, bindparam, create_engine, event
+from sqlalchemy import BigInteger, CursorResult, Engine, Executable, Select, TextClause, bindparam, create_engine, event
 from sqlalchemy import exc as exc_mod
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql.dml import UpdateBase
 
 from settings import get_settings
 
@@ -144,13 +146,62 @@ def transaction(url: str | None = None) -> Iterator[Session]:
         yield session
 
 
-_factories: dict[Engine, sessionmaker[Session]] = {}
+#: Set (True) on a statement :func:`built_once` built that yields plain rows: see ``_Session``.
+_PLAIN_ROWS = "_agent_recovery_plain_rows"
 
 
-def _sessions(engine: Engine) -> sessionmaker[Session]:
+class _Session(Session):
+    """A Session that runs a statement :func:`built_once` marked as yielding plain rows (DML, or
+    a select of columns: no mapped entity in what it returns) on its transaction's Connection,
+    after the autoflush the Session would have done. The Session's ORM execution path (its
+    execute context, the ORM's compile state and bulk-DML handling, none of which such a
+    statement uses) cost about 0.06-0.09 ms of CPU a statement, measured on one primary-key
+    UPDATE and one SELECT, against about 0.15 ms for the rest of SQLAlchemy. The rows, the
+    rowcount and the transaction are the same either way; every other statement goes the
+    Session's way."""
+
+    def execute(self, statement: Any, params: Any = None, **kw: Any) -> Any:
+        if not kw and getattr(statement, _PLAIN_ROWS, False):
+            if self.autoflush:
+                self.flush()  # what Session.execute does first; nothing when nothing is pending
+            return self.connection().execute(statement, params)
+        return super().execute(statement, params, **kw)
+
+
+def _yields_plain_rows(stmt: Any) -> bool:
+    """Whether ``stmt`` returns through a Connection what it returns through a Session: DML
+    without an entity in its RETURNING, a select of columns, or text."""
+    if isinstance(stmt, TextClause):
+        return True
+    try:
+        if isinstance(stmt, Select):
+            described = stmt.column_descriptions
+        elif isinstance(stmt, UpdateBase):
+            described = stmt.returning_column_descriptions
+        else:
+            return False
+    except AttributeError:  # e.g. RETURNING a mapped class: SQLAlchemy cannot describe it
+        return False
+    for column in described:
+        found = sa_inspect(column["expr"], raiseerr=False)
+        if getattr(found, "is_mapper", False) or getattr(found, "is_aliased_class", False):
+            return False
+    return True
+
+
+def _mark_plain(built: Any) -> None:
+    for stmt in built if isinstance(built, tuple) else (built,):
+        if isinstance(stmt, Executable) and _yields_plain_rows(stmt):
+            setattr(stmt, _PLAIN_ROWS, True)
+
+
+_factories: dict[Engine, sessionmaker[_Session]] = {}
+
+
+def _sessions(engine: Engine) -> sessionmaker[_Session]:
     factory = _factories.get(engine)
     if factory is None:
-        factory = _factories[engine] = sessionmaker(bind=engine, expire_on_commit=False)
+        factory = _factories[engine] = sessionmaker(bind=engine, class_=_Session, expire_on_commit=False)
     return factory
 
 
@@ -183,11 +234,17 @@ def built_once(fn: Callable[..., T]) -> Callable[..., T]:
     tuples, flags, a worker identity) with bind parameters for the values: building a
     SQLAlchemy statement and its cache key costs more than a PostgreSQL round trip on the hot
     path (about 0.3 ms a statement). Statements built here carry
-    ``synchronize_session=False`` (they are Core compare-and-sets, never ORM bulk updates)."""
+    ``synchronize_session=False`` (they are Core compare-and-sets, never ORM bulk updates), and
+    those that yield plain rows run on the transaction's Connection (``_Session``)."""
 
     @functools.wraps(fn)
     def build(*args: Any) -> T:
         return cached(*args)
 
-    cached = functools.lru_cache(maxsize=256)(fn)
+    @functools.lru_cache(maxsize=256)
+    def cached(*args: Any) -> T:
+        built = fn(*args)
+        _mark_plain(built)
+        return built
+
     return build
