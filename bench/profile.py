@@ -16,7 +16,9 @@ the model's HTTP calls and the session_status events. ``--repeat`` rounds of eac
 (one parent each) and their sessions combined. Prints, for each: the wall time per round, the
 time by kind (PostgreSQL round trips, SQLAlchemy, model HTTP, Redis, our code, other), the top
 functions by self time, and our own functions by total time. ``--html DIR`` also writes
-pyinstrument's full reports.
+pyinstrument's full reports. ``--timed`` runs the same rounds without a profiler and compares,
+in alternating blocks, the shipped Session with one that sends every statement through its ORM
+path (see :func:`timed`).
 """
 
 from __future__ import annotations
@@ -266,12 +268,80 @@ def profile(label: str, make: Callable[[Any, int], Callable[[], None]], deps: An
     return Profile(label, rounds, combined, dict(counts.values))
 
 
+def timed(label: str, make: Callable[[Any, int], Callable[[], None]], deps: Any, repeat: int) -> list[str]:
+    """Without a profiler: rounds in alternating blocks (of 8, fewer for fewer rounds), with the statements that
+    ``built_once`` marks as yielding plain rows run on the transaction's Connection (as
+    shipped) and with every statement through the Session's ORM path (the baseline, as before
+    2026-12-03), in this one process. Per round: the wall time and this thread's CPU (the
+    scripted model answers from another thread), medians with the quartiles."""
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    import models.db
+
+    shipped = models.db._Session.execute
+    orm_statements = [0]
+
+    def on_orm(_: Any) -> None:
+        orm_statements[0] += 1
+
+    make(deps, -1)()  # warm-up: imports, connections, statement caches
+    counts = Counts()
+    event.listen(Session, "do_orm_execute", on_orm)
+    block = min(8, max(1, repeat // 2))
+    kinds = {"plain rows on the Connection": shipped, "every statement through the Session": Session.execute}
+    walls: dict[str, list[float]] = defaultdict(list)
+    cpus: dict[str, list[float]] = defaultdict(list)
+    through_orm: dict[str, int] = defaultdict(int)
+    statements: dict[str, int] = defaultdict(int)
+    try:
+        for n in range(repeat):
+            kind = list(kinds)[(n // block) % 2]
+            models.db._Session.execute = kinds[kind]  # type: ignore[method-assign]
+            run = make(deps, n)
+            orm_statements[0], counts.values["statements"] = 0, 0
+            counts.counting = True
+            started, cpu = time.perf_counter(), time.thread_time()
+            run()
+            walls[kind].append(time.perf_counter() - started)
+            cpus[kind].append(time.thread_time() - cpu)
+            counts.counting = False
+            through_orm[kind] += orm_statements[0]
+            statements[kind] += counts.values["statements"]
+    finally:
+        models.db._Session.execute = shipped  # type: ignore[method-assign]
+        event.remove(Session, "do_orm_execute", on_orm)
+
+    def spread(values: list[float]) -> str:
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        return f"{statistics.median(values) * 1000:.1f} ms ({q[0] * 1000:.1f}-{q[2] * 1000:.1f})"
+
+    lines = [f"{label}, no profiler, {repeat} rounds in alternating blocks of {block}:"]
+    for kind in kinds:
+        k = len(walls[kind])
+        if k:
+            lines.append(
+                f"  {kind}: wall {spread(walls[kind])}, this thread's CPU {spread(cpus[kind])}; "
+                f"{statements[kind] / k:.1f} statements a round, {through_orm[kind] / k:.1f} through the ORM path"
+            )
+    if all(walls[kind] for kind in kinds):
+        plain, orm = (statistics.median(cpus[kind]) for kind in kinds)
+        wall_plain, wall_orm = (statistics.median(walls[kind]) for kind in kinds)
+        lines.append(f"  ratio plain/ORM path: CPU {plain / orm:.2f}, wall {wall_plain / wall_orm:.2f}")
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/profile.py", description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=20, help="profiled rounds of each path (default 20)")
     parser.add_argument("--children", type=int, default=2, help="children per round (default 2)")
     parser.add_argument("--top", type=int, default=12, help="functions listed per table (default 12)")
     parser.add_argument("--html", type=Path, default=None, help="also write pyinstrument's HTML reports here")
+    parser.add_argument(
+        "--timed",
+        action="store_true",
+        help="no profiler: wall and CPU per round, the Session's ORM path for every statement as the baseline",
+    )
     args = parser.parse_args(argv)
     if min(args.repeat, args.children, args.top) < 1:
         parser.error("--repeat, --children and --top must be >= 1")
@@ -280,11 +350,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import pyinstrument  # noqa: F401 - only whether it imports
-    except ImportError:
-        print(f"profile: {INSTALL_HINT}; nothing measured.")
-        return 0
+    if not args.timed:
+        try:
+            import pyinstrument  # noqa: F401 - only whether it imports
+        except ImportError:
+            print(f"profile: {INSTALL_HINT}; nothing measured.")
+            return 0
     import logging
     import os
 
@@ -296,13 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DBS[2]}"  # session_status events, as in production
     print(
         f"profile: {args.repeat} normal delegating rounds and {args.repeat} recoveries of 1 parent -> "
-        f"{args.children} children, in-process (pyinstrument); {system_load()}",
+        f"{args.children} children, in-process ({'no profiler' if args.timed else 'pyinstrument'}); {system_load()}",
         flush=True,
     )
     with bench_database("bench_profile"), ScriptedModelServer(script(args.children)) as model:
         from tests.helpers import RecordingScheduler, loop_deps
 
         deps = loop_deps(model.base_url, RecordingScheduler(), lease_seconds=30)
+        if args.timed:
+            for label, make in (("normal delegating round", normal_round), ("recovery", recovery_round)):
+                print("\n".join(timed(label, make, deps, args.repeat)), flush=True)
+            print(f"timed in one process; {system_load()}")
+            return 0
         results = [
             profile("normal delegating round", normal_round, deps, args.repeat),
             profile("recovery (scan -> recover_child -> deliver -> parent run)", recovery_round, deps, args.repeat),

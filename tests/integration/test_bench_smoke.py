@@ -165,6 +165,18 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ["normal delegating round:", "recovery (scan", "time by kind", "top 3 of our functions by total time"],
         "pyinstrument",
     ),
+    "profile-timed": (
+        "profile",
+        ["--timed", "--repeat", "2"],
+        [
+            "normal delegating round, no profiler, 2 rounds in alternating blocks of 1:",
+            "  plain rows on the Connection: wall ",
+            "  every statement through the Session: wall ",
+            "  ratio plain/ORM path: CPU ",
+            "recovery, no profiler",
+        ],
+        None,
+    ),
 }
 
 #: What a bench prints instead of figures when its extra is missing.
