@@ -151,19 +151,20 @@ _PLAIN_ROWS = "_agent_recovery_plain_rows"
 
 
 class _Session(Session):
-    """A Session that runs a statement :func:`built_once` marked as yielding plain rows (DML, or
-    a select of columns: no mapped entity in what it returns) on its transaction's Connection,
-    after the autoflush the Session would have done. The Session's ORM execution path (its
-    execute context, the ORM's compile state and bulk-DML handling, none of which such a
-    statement uses) cost about 0.06-0.09 ms of CPU a statement, measured on one primary-key
-    UPDATE and one SELECT, against about 0.15 ms for the rest of SQLAlchemy. The rows, the
-    rowcount and the transaction are the same either way; every other statement goes the
-    Session's way."""
+    """A Session that runs text, and a statement :func:`built_once` marked as yielding plain rows
+    (DML, or a select of columns: no mapped entity in what it returns), on its transaction's
+    Connection, after the Session's autoflush (for text the Session itself would not flush:
+    flushing earlier in the same transaction changes nothing it commits). The Session's ORM
+    execution path (its execute context, the ORM's compile state and bulk-DML handling, none of
+    which such a statement uses) cost 0.06-0.09 ms of CPU on one primary-key UPDATE or SELECT,
+    and about 0.25 ms a statement over a delegating round's (``bench/profile.py --timed``).
+    The rows, the rowcount and the transaction are the same either way; a statement that
+    returns mapped objects goes the Session's way."""
 
     def execute(self, statement: Any, params: Any = None, **kw: Any) -> Any:
-        if not kw and getattr(statement, _PLAIN_ROWS, False):
+        if not kw and (getattr(statement, _PLAIN_ROWS, False) or isinstance(statement, TextClause)):
             if self.autoflush:
-                self.flush()  # what Session.execute does first; nothing when nothing is pending
+                self.flush()  # what Session.execute does first for an ORM statement; nothing if clean
             return self.connection().execute(statement, params)
         return super().execute(statement, params, **kw)
 

@@ -368,8 +368,13 @@ def create_execution_row(
         lease_expires_at=now + timedelta(seconds=lease.reservation_seconds(lease_seconds)),
         epoch=0,
     )
+    return int(s.execute(_insert_stmt(), values).scalar_one())
+
+
+@built_once
+def _insert_stmt() -> Any:
     table = cast(Table, SubagentExecution.__table__)
-    return int(s.execute(insert(table).values(**values).returning(table.c.id)).scalar_one())
+    return insert(table).returning(table.c.id)
 
 
 def store_inferred(s: Session, eid: int, *, invocation: InvocationType | None, tool_call_id: str | None) -> None:

@@ -150,24 +150,29 @@ def create_child_session(
     """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id.
     Without ``user_id`` the child takes its parent's, read by the INSERT itself (no trip)."""
     now = utcnow()
-    sessions = cast(Table, AgentSession.__table__)
-    user = user_id if user_id is not None else select(S.user_id).where(S.id == parent_id).scalar_subquery()
-    return int(
-        s.execute(
-            insert(sessions)
-            .values(
-                user_id=user,
-                session_type=SessionType.SUBAGENT,
-                parent_session_id=parent_id,
-                agent_type=agent_type,
-                execution_mode=execution_mode,
-                phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
-                started_at=now,
-                updated_at=now,
-            )
-            .returning(sessions.c.id)
-        ).scalar_one()
+    values: dict[str, Any] = dict(
+        session_type=SessionType.SUBAGENT,
+        parent_session_id=parent_id,
+        agent_type=agent_type,
+        execution_mode=execution_mode,
+        phase=None,  # set to RUNNING by the task that runs it (recovery copes with NULL: R14)
+        started_at=now,
+        updated_at=now,
     )
+    if user_id is None:
+        values["b_parent"] = parent_id
+    else:
+        values["user_id"] = user_id
+    return int(s.execute(_insert_child_stmt(user_id is None), values).scalar_one())
+
+
+@built_once
+def _insert_child_stmt(user_from_parent: bool) -> Any:
+    sessions = cast(Table, AgentSession.__table__)
+    stmt = insert(sessions)
+    if user_from_parent:
+        stmt = stmt.values(user_id=select(S.user_id).where(S.id == bindparam("b_parent")).scalar_subquery())
+    return stmt.returning(sessions.c.id)
 
 
 def cancel_child(s: Session, child_id: int) -> None:
@@ -504,12 +509,7 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
     A session that was cancelled meanwhile keeps CANCELLED: a stopped phase is never
     overwritten. Returns False when a newer owner exists.
     """
-    values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": utcnow()}
-    conditions = [S.id == sid, S.epoch == epoch]
-    if to_phase is not None:
-        values["phase"] = to_phase
-        conditions.append(_phase_in(STARTABLE_PHASES))
-    rows = cas(s, update(S).where(*conditions).values(**values))
+    rows = cas(s, _release_stmt(to_phase), {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()})
     if rows == 1:
         return True
     if to_phase is not None:
@@ -521,6 +521,16 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
             .execution_options(synchronize_session=False)
         )
     return False
+
+
+@built_once
+def _release_stmt(to_phase: Phase | None) -> Any:
+    values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": bindparam("b_now")}
+    conditions = [S.id == bindparam("b_sid"), S.epoch == bindparam("b_epoch")]
+    if to_phase is not None:
+        values["phase"] = to_phase
+        conditions.append(_phase_in(STARTABLE_PHASES))
+    return update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
 
 
 def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:

@@ -107,6 +107,14 @@ def test_a_built_once_select_of_a_mapped_class_still_returns_orm_objects(db: str
     assert _session_stmt() in orm_executed
 
 
+def test_text_skips_the_orm_path_too(db: str, orm_executed: list[Any]) -> None:
+    stmt = text("SELECT count(*) FROM agent_session WHERE user_id = :u")
+    with transaction() as s:
+        _pending_session(s, "text-user")
+        assert s.execute(stmt, {"u": "text-user"}).scalar_one() == 1
+    assert stmt not in orm_executed
+
+
 def test_only_statements_whose_rows_are_plain_are_marked() -> None:
     assert _yields_plain_rows(select(S.id, S.epoch))
     assert _yields_plain_rows(select(func.count()).select_from(S))
