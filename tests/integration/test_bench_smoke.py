@@ -177,6 +177,24 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "boot": (
+        "boot",
+        ["--boots", "1", "--imports", "--top", "3"],
+        [
+            "spawn -> ready, plain celery: ",
+            "spawn -> ready, through the marks: ",
+            ")  cli: Celery's command line",
+            ")  app: the app:",
+            ")  ready: the banner, the pool's fork",
+            "first pool process initialized ",
+            "main process CPU at ready: ",
+            "imports under -X importtime (self time, ",
+            "  ours",
+            "  dependency",
+            "  top 3 packages:",
+        ],
+        None,
+    ),
 }
 
 #: What a bench prints instead of figures when its extra is missing.
