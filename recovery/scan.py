@@ -449,11 +449,10 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
 
 def _hand_over(scheduler: Scheduler, report: ScanReport, batch: ReservedBatch) -> None:
     rounds = batch.rounds
-    logging_waits = log.isEnabledFor(logging.INFO)
-    for pid, _, children in rounds:
-        report.parents.append(pid)
-        report.recovering += [eid for eid, _ in children]
-        if logging_waits:
+    report.parents.extend(pid for pid, _, _ in rounds)
+    report.recovering.extend(batch.reserved[1])  # the rounds' ids, in the rounds' order
+    if log.isEnabledFor(logging.INFO):
+        for pid, _, children in rounds:
             log_event(log, "parent_recovery_wait", parent_id=pid, execution_ids=[eid for eid, _ in children])
     scheduler.recover_many(rounds)
 
