@@ -77,7 +77,7 @@ def worker_argv(log_dir: Path, n: int) -> list[str]:
     ]
 
 
-def one_boot(env: dict[str, str], log_dir: Path, n: int, marked: bool, extra_env: dict[str, str] | None = None) -> Boot:
+def one_boot(env: dict[str, str], log_dir: Path, n: int, marked: bool) -> Boot:
     """Spawn one worker, wait for its ready line, read its marks, stop it (process group)."""
     from devstack.processes import CELERY, ROOT
 
@@ -89,7 +89,7 @@ def one_boot(env: dict[str, str], log_dir: Path, n: int, marked: bool, extra_env
         proc = subprocess.Popen(
             [*head, *worker_argv(log_dir, n)],
             cwd=ROOT,
-            env={**env, **(extra_env or {})},
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
