@@ -44,7 +44,26 @@ def _make_engine(url: str) -> Engine:
         return engine
     engine = create_engine(url, pool_size=5, max_overflow=10, connect_args=_server_bounds(url))
     _ping_when_idle(engine)
+    _never_send_a_warm_up(engine)
     return engine
+
+
+#: An execution option: the statement is compiled into the engine's cache, then ends before the
+#: driver is called (models.warmup). Nothing reaches the database.
+WARM_UP_ONLY = "agent_recovery_warm_up_only"
+
+
+def _never_send_a_warm_up(engine: Engine) -> None:
+    """Every execution on a connection marked :data:`WARM_UP_ONLY` stops before the driver:
+    SQLAlchemy's ``do_execute`` hooks treat True as "the execution already took place". One
+    lookup per execution otherwise; set once here (never added or removed while other
+    threads execute)."""
+
+    def _stop(cursor: Any, statement: Any, *rest: Any) -> bool | None:
+        return True if rest[-1].execution_options.get(WARM_UP_ONLY) else None
+
+    for hook in ("do_execute", "do_execute_no_params", "do_executemany"):
+        event.listen(engine, hook, _stop)
 
 
 def _server_bounds(url: str) -> dict[str, Any]:
@@ -206,6 +225,12 @@ def _sessions(engine: Engine) -> sessionmaker[_Session]:
     return factory
 
 
+def unbegun_session(engine: Engine) -> Session:
+    """A Session of the kind :func:`transaction` opens, on ``engine``, with no transaction
+    begun: the caller ends it (``models.warmup`` rolls back each of its executions)."""
+    return _sessions(engine)()
+
+
 def dialect_name(url: str | None = None) -> str:
     return get_engine(url).dialect.name
 
@@ -246,6 +271,19 @@ def built_once(fn: Callable[..., T]) -> Callable[..., T]:
     def cached(*args: Any) -> T:
         built = fn(*args)
         _mark_plain(built)
+        _mark_origin(built, fn, args)
         return built
 
     return build
+
+
+#: Set on every statement :func:`built_once` built: ``(module, builder name, its arguments, the
+#: statement's index when the builder returns a tuple, else None)`` (models.warmup records it).
+BUILT_BY = "_agent_recovery_built_by"
+
+
+def _mark_origin(built: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    many = isinstance(built, tuple)
+    for index, stmt in enumerate(built if many else (built,)):
+        if isinstance(stmt, Executable):
+            setattr(stmt, BUILT_BY, (fn.__module__, fn.__qualname__, args, index if many else None))

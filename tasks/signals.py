@@ -9,10 +9,10 @@ import threading
 from typing import Any
 
 from celery.signals import setup_logging as setup_logging_signal
-from celery.signals import worker_init, worker_process_init, worker_ready
+from celery.signals import task_postrun, task_prerun, worker_init, worker_process_init, worker_ready
 
 from logfmt import log_event
-from models import lease
+from models import lease, warmup
 from models.db import release_for_fork
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,34 @@ def _fresh_connections(**_: object) -> None:
     # A forked pool child must never reuse the parent's sockets (it keeps the engines: their
     # initialized dialect and compiled SQL).
     release_for_fork(close=False)
+    _warm_up()
+
+
+@task_prerun.connect
+def _pause_the_warm_up(**_: object) -> None:
+    # The process has work: the warm-up waits from its next statement on (models.warmup).
+    warmup.idle.clear()
+
+
+@task_postrun.connect
+def _resume_the_warm_up(**_: object) -> None:
+    warmup.task_ended()
+
+
+def _warm_up() -> None:
+    """The hot statements built and compiled, and a first connection opened, in a daemon thread
+    in this pool process's idle time (models.warmup). Only in a booted
+    worker (a boot identity) on PostgreSQL: on the embedded SQLite default each BEGIN takes
+    the database's write lock."""
+    from models.db import get_engine
+    from models.worker import identity
+
+    if identity() is None:
+        return
+    engine = get_engine()
+    if engine.dialect.name != "postgresql":
+        return
+    warmup.warm_up_in_background(engine)
 
 
 def setup_logging(level: str) -> None:
