@@ -153,8 +153,8 @@ def compile_hot_statements(
             skipped += 1
             continue
         with unbegun_session(engine) as s:
+            s.connection(execution_options={WARM_UP_ONLY: True})  # no database: the warm-up ends
             try:
-                s.connection(execution_options={WARM_UP_ONLY: True})
                 s.execute(statement, [params, dict(params)] if shape["many"] else (params or None))
                 compiled += 1
             except exc.CompileError:  # not for this database, or the call's keys changed

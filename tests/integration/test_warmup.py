@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, exc, text
 
 from models.warmup import SHAPES_FILE, compile_hot_statements, load_shapes, shape_key, write_shapes
 
@@ -81,6 +81,15 @@ def test_an_entry_that_no_longer_fits_the_code_is_skipped_and_the_rest_compiles(
     ]
     done = compile_hot_statements(get_engine(db), [*stale, *good])
     assert (done["compiled"], done["skipped"]) == (3, 3), done
+
+
+def test_without_a_database_the_warm_up_ends_at_its_first_statement(booted: None) -> None:
+    nowhere = create_engine("postgresql+psycopg2://postgres@127.0.0.1:1/nowhere")
+    try:
+        with pytest.raises(exc.OperationalError):
+            compile_hot_statements(nowhere, load_shapes()[:5])
+    finally:
+        nowhere.dispose()
 
 
 def _numbers_in(value: Any) -> bool:
