@@ -127,11 +127,11 @@ def write_shapes(shapes: Iterable[dict[str, Any]], path: Path = SHAPES_FILE) -> 
 
 
 def compile_hot_statements(
-    engine: Engine, shapes: list[dict[str, Any]] | None = None, idle: threading.Event | None = None
+    engine: Engine, shapes: list[dict[str, Any]] | None = None, spells: QuietSpells | None = None
 ) -> dict[str, Any]:
     """Build every shape's statement and compile it into ``engine``'s cache, sending nothing to
-    the database (``models.db.WARM_UP_ONLY``); with ``idle``, each one only in a quiet spell of
-    the process (:func:`_wait_until_quiet`).
+    the database (``models.db.WARM_UP_ONLY``); with ``spells``, each one only in a quiet spell
+    of the process.
     Returns ``{"compiled": n, "skipped": n, "ms": elapsed}``: a shape that no longer fits the
     code, or does not compile for this database, is skipped (its statement compiles at first
     use, as without a warm-up)."""
@@ -140,8 +140,8 @@ def compile_hot_statements(
     me = identity()
     compiled = skipped = 0
     for shape in shapes:
-        if idle is not None:
-            _wait_until_quiet(idle)
+        if spells is not None:
+            spells.wait()
         # Through a Session as the tasks' own: a statement with mapped entities takes the ORM's
         # path there, and its compiled form is the ORM's. The mark rides on the Session's
         # connection: an option on the statement or a keyword of Session.execute would change
@@ -168,33 +168,42 @@ def compile_hot_statements(
 
 #: Set once this process's background warm-up went through the whole list (tests read it).
 warmed = threading.Event()
-#: Set while this process runs no task (``tasks.signals`` clears it for each task, and sets
-#: it and :data:`idle_since` after each): the warm-up compiles only in a quiet spell.
-idle = threading.Event()
-idle.set()
-idle_since = time.monotonic()
 #: How long the process must have run no task before the warm-up goes on: tasks that follow
 #: each other a few milliseconds apart (a queue being drained) never share the CPU with it.
 QUIET_SECONDS = 0.05
 
 
-def task_ended() -> None:
-    global idle_since
-    idle_since = time.monotonic()
-    idle.set()
+class QuietSpells:
+    """Whether this process runs a task (``tasks.signals`` reports each one's start and end),
+    and since when it has run none: :meth:`wait` returns in a quiet spell, i.e. before the
+    process's first task, or :data:`QUIET_SECONDS` after its last one ended."""
+
+    def __init__(self) -> None:
+        self._idle = threading.Event()
+        self._idle.set()
+        self._since: float | None = None  # None: no task yet
+
+    def task_began(self) -> None:
+        self._idle.clear()
+
+    def task_ended(self) -> None:
+        self._since = time.monotonic()
+        self._idle.set()
+
+    def wait(self) -> None:
+        while True:
+            self._idle.wait()
+            since = self._since
+            if since is None:
+                return
+            quiet = time.monotonic() - since
+            if quiet >= QUIET_SECONDS:
+                return
+            time.sleep(QUIET_SECONDS - quiet)
 
 
-def _wait_until_quiet(idle: threading.Event) -> None:
-    while True:
-        idle.wait()
-        quiet = time.monotonic() - idle_since
-        if quiet >= QUIET_SECONDS or idle_since == _STARTED:
-            return
-        time.sleep(QUIET_SECONDS - quiet)
-
-
-#: ``idle_since`` as the process started: before its first task it is quiet already.
-_STARTED = idle_since
+#: This process's quiet spells (the warm-up waits for one before each statement).
+quiet = QuietSpells()
 
 
 def warm_up_in_background(engine: Engine) -> threading.Thread:
@@ -206,7 +215,7 @@ def warm_up_in_background(engine: Engine) -> threading.Thread:
 
     def run() -> None:
         try:
-            done = compile_hot_statements(engine, idle=idle)
+            done = compile_hot_statements(engine, spells=quiet)
         except Exception as error:  # only a speed-up: the statements compile at first use
             log_event(log, "worker_warm_up_failed", logging.WARNING, error=type(error).__name__)
             return

@@ -50,12 +50,12 @@ def _fresh_connections(**_: object) -> None:
 @task_prerun.connect
 def _pause_the_warm_up(**_: object) -> None:
     # The process has work: the warm-up waits from its next statement on (models.warmup).
-    warmup.idle.clear()
+    warmup.quiet.task_began()
 
 
 @task_postrun.connect
 def _resume_the_warm_up(**_: object) -> None:
-    warmup.task_ended()
+    warmup.quiet.task_ended()
 
 
 def _warm_up() -> None:
