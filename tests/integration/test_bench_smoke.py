@@ -177,6 +177,19 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "run_overhead": (
+        "run_overhead",
+        ["--runs", "5", "--rounds", "1", "--pause-ms", "1"],
+        [
+            "heartbeat, a thread per run (baseline): wall ",
+            "heartbeat, a kept renewer (ours): wall ",
+            "status event, synchronous PUBLISH (baseline): wall ",
+            "status event, the publisher thread (ours): wall ",
+            "heartbeat ratio ours/baseline, the run's wall per run: ",
+            "status event ratio ours/baseline, the run's wall per event: ",
+        ],
+        None,
+    ),
     "boot": (
         "boot",
         ["--boots", "1", "--imports", "--top", "3"],
