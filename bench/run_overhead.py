@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the project root, not bench/, comes first
@@ -52,10 +54,10 @@ def _kept_renewer(n: int) -> None:
             pass
 
 
-def _timed(fn: object, n: int) -> tuple[float, float, float]:
+def _timed(fn: Callable[[int], None], n: int) -> tuple[float, float, float]:
     """(wall, caller thread's CPU, whole process CPU) per call, in microseconds."""
     w, c, p = time.perf_counter(), time.thread_time(), time.process_time()
-    fn(n)  # type: ignore[operator]
+    fn(n)
     w, c, p = time.perf_counter() - w, time.thread_time() - c, time.process_time() - p
     return w / n * 1e6, c / n * 1e6, p / n * 1e6
 
@@ -71,8 +73,6 @@ def main() -> int:
     from bench._figures import median, spread, system_load
 
     url = f"{REDIS_BASE}/{REDIS_DBS[2]}"
-    import os
-
     os.environ["REDIS_URL"] = url
     import redis
 
@@ -84,7 +84,7 @@ def main() -> int:
     pause = args.pause_ms / 1000
     spent: list[tuple[float, float]] = []
 
-    def paced(call: object) -> object:
+    def paced(call: Callable[[int], None]) -> Callable[[int], None]:
         """n calls, one every ``pause``; only the calls are timed (their wall and the caller's CPU
         summed in ``spent``), the pauses are not."""
 
@@ -92,7 +92,7 @@ def main() -> int:
             wall = cpu = 0.0
             for i in range(n):
                 w, c = time.perf_counter(), time.thread_time()
-                call(i)  # type: ignore[operator]
+                call(i)
                 wall += time.perf_counter() - w
                 cpu += time.thread_time() - c
                 time.sleep(pause)

@@ -35,16 +35,8 @@ def external_phase(phase: Phase | str | None) -> str | None:
 
 @lru_cache(maxsize=1)
 def _redis() -> Any:
-    import redis
-
-    return redis.Redis.from_url(get_settings().REDIS_URL, socket_connect_timeout=1, socket_timeout=1)
-
-
-#: Events waiting for the publisher thread beyond this are dropped (counted): a Redis that does
-#: not answer never grows a process's memory.
-MAX_WAITING = 1000
-#: How long a process that exits waits for its last events to be sent (the CLI's, say).
-FLUSH_AT_EXIT_SECONDS = 1.0
+    """The client of the configured REDIS_URL (LOCAL client presence)."""
+    return _client(get_settings().REDIS_URL)
 
 
 @lru_cache(maxsize=4)
@@ -52,6 +44,13 @@ def _client(url: str) -> Any:
     import redis
 
     return redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+
+
+#: Events waiting for the publisher thread beyond this are dropped (counted): a Redis that does
+#: not answer never grows a process's memory.
+MAX_WAITING = 1000
+#: How long a process that exits waits for its last events to be sent (the CLI's, say).
+FLUSH_AT_EXIT_SECONDS = 1.0
 
 
 class _Publisher:
@@ -77,14 +76,14 @@ class _Publisher:
         with self._cond:
             if len(self._waiting) >= MAX_WAITING:
                 self.dropped += 1
-                first = self.dropped % MAX_WAITING == 1  # one line per MAX_WAITING dropped
+                report = self.dropped % MAX_WAITING == 1  # one line per MAX_WAITING dropped
             else:
                 self._waiting.append((url, session_id, payload))
-                first = False
+                report = False
                 if not self._started:
                     self._start()
                 self._cond.notify()
-        if first:
+        if report:
             log_event(log, "session_status_dropped", logging.WARNING, waiting=MAX_WAITING, dropped=self.dropped)
 
     def _start(self) -> None:
