@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -64,8 +65,20 @@ MESSAGES = sa.Table(
 )
 
 
+_local = threading.local()
+
+
+def _http() -> requests.Session:
+    """A keep-alive session per thread (the steps may run on several), as our ModelClient keeps
+    one per process: both sides reuse their connections to the stand-in."""
+    session: requests.Session | None = getattr(_local, "session", None)
+    if session is None:
+        session = _local.session = requests.Session()
+    return session
+
+
 def _chat(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    response = requests.post(
+    response = _http().post(
         MODEL_URL + "/chat/completions", json={"model": "scripted", "messages": messages}, timeout=(5, 900)
     )
     response.raise_for_status()

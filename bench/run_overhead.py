@@ -13,6 +13,12 @@ Redis, alternating in rounds, each against its baseline measured in the same run
   publisher's thread sends each alone; its CPU is counted apart (the process's CPU less the
   caller's own), since it is still spent, on another thread.
 
+And what a model call's transport costs: ``ModelClient.complete`` against the scripted model in
+this process (one short answer), kept alive (HTTP/1.1, as providers answer and as the stand-in
+answers now) against a connection per call (the stand-in's HTTP/1.0 before, ``keep_alive=False``).
+The stand-in's threads run in this process, so the CPU beside the caller's is the server's:
+``--model-calls`` calls per round (0 leaves this pair out).
+
 Prints wall and CPU per call (medians of the rounds, with their spread) and the ratios.
 """
 
@@ -54,6 +60,22 @@ def _kept_renewer(n: int) -> None:
             pass
 
 
+def _model_calls(keep_alive: bool) -> Callable[[int], None]:
+    """n calls of ``ModelClient.complete`` on one client against an in-process stand-in."""
+    from doubles.scripted_model import ScriptedModelServer
+    from harness.model import ModelClient
+
+    server = ScriptedModelServer([{"reply": {"content": "ok"}}], keep_alive=keep_alive)
+    client = ModelClient(server.start(), "", "bench", 5.0, 30.0)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            client.complete(messages)
+
+    return run
+
+
 def _timed(fn: Callable[[int], None], n: int) -> tuple[float, float, float]:
     """(wall, caller thread's CPU, whole process CPU) per call, in microseconds."""
     w, c, p = time.perf_counter(), time.thread_time(), time.process_time()
@@ -67,6 +89,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=300, help="calls per round (default 300)")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (default 7)")
     parser.add_argument("--pause-ms", type=float, default=2.0, help="pause between two events (default 2)")
+    parser.add_argument("--model-calls", type=int, default=200, help="model calls per round (default 200; 0: none)")
     args = parser.parse_args()
 
     from bench._common import REDIS_BASE, REDIS_DBS
@@ -114,6 +137,10 @@ def main() -> int:
         "status event, synchronous PUBLISH (baseline)": paced(sync_publish),
         "status event, the publisher thread (ours)": paced(threaded_publish),
     }
+    if args.model_calls > 0:
+        cases["model call, a connection per call (baseline)"] = _model_calls(keep_alive=False)
+        cases["model call, kept alive (ours)"] = _model_calls(keep_alive=True)
+    calls = {name: args.model_calls if name.startswith("model call") else args.runs for name in cases}
     for fn in cases.values():  # warm: imports, the first thread, the connection
         fn(20)
     #: (wall, caller's CPU, other threads' CPU) per call, microseconds
@@ -121,7 +148,7 @@ def main() -> int:
     for r in range(args.rounds):
         for name, fn in cases.items():
             spent.clear()
-            w, c, p = _timed(fn, args.runs)
+            w, c, p = _timed(fn, calls[name])
             other = max(0.0, p - c)  # the process's CPU less the calling thread's
             if spent:  # a paced case: only its calls' own time
                 w, c = spent[0]
@@ -137,7 +164,13 @@ def main() -> int:
     hb = median([w for w, _, _ in figures[names[1]]]) / median([w for w, _, _ in figures[names[0]]])
     ev = median([w for w, _, _ in figures[names[3]]]) / median([w for w, _, _ in figures[names[2]]])
     print(f"heartbeat ratio ours/baseline, the run's wall per run: {hb:.3f}")
-    print(f"status event ratio ours/baseline, the run's wall per event: {ev:.3f}; {system_load()}")
+    print(f"status event ratio ours/baseline, the run's wall per event: {ev:.3f}")
+    if args.model_calls > 0:
+        base, ours = figures[names[4]], figures[names[5]]
+        wall = median([w for w, _, _ in ours]) / median([w for w, _, _ in base])
+        cpu = median([c + o for _, c, o in ours]) / median([c + o for _, c, o in base])
+        print(f"model call ratio ours/baseline: wall {wall:.3f}, CPU of client and stand-in {cpu:.3f}")
+    print(f"done; {system_load()}")
     return 0
 
 

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -62,6 +63,8 @@ ROLES = ("system", "user", "assistant", "tool")
 SYSTEM_HEAD_CHARS = 60
 #: Largest request body the server reads.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+#: A kept-alive connection with no request for this long is closed (nginx's default is 75 s).
+IDLE_CONNECTION_SECONDS = 60.0
 
 _RULE_KEYS = frozenset({"when", "reply", "delay_seconds", "fail_first"})
 _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"})
@@ -383,11 +386,22 @@ def _error_body(
 
 
 class ScriptedModelServer:
-    """The server in-process: ``start()`` serves on a background thread (one thread per request)
-    and returns the base URL ending in ``/v1``; ``stop()`` also cuts short any delayed reply."""
+    """The server in-process: ``start()`` serves on a background thread (one thread per
+    connection, kept alive between requests) and returns the base URL ending in ``/v1``;
+    ``stop()`` also cuts short any delayed reply and closes every open connection."""
 
-    def __init__(self, script: Script, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        script: Script,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        *,
+        keep_alive: bool = True,
+    ) -> None:
         self.rules = load_script(script)
+        #: False: HTTP/1.0, one request per connection (a provider or proxy that closes each one).
+        self.keep_alive = keep_alive
         self.host = host
         self.port = port
         self._api_key = api_key or None
@@ -415,7 +429,7 @@ class ScriptedModelServer:
         if self._httpd is not None:
             return self.base_url
         self._stopping.clear()
-        httpd = _HTTPServer((self.host, self.port), _Handler)
+        httpd = _HTTPServer((self.host, self.port), _Handler if self.keep_alive else _ClosingHandler)
         httpd.app = self
         self.port = int(httpd.server_address[1])
         self._httpd = httpd
@@ -431,6 +445,7 @@ class ScriptedModelServer:
             return
         self._stopping.set()
         httpd.shutdown()
+        httpd.close_open_connections()
         httpd.server_close()
         if thread is not None:
             thread.join(timeout=5)
@@ -590,10 +605,56 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128  # tests open many connections at once
     app: ScriptedModelServer
 
+    def server_activate(self) -> None:
+        #: The connections a handler thread serves now (kept alive between requests).
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Condition()
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        with self._open_lock:
+            self._open.discard(request)
+            self._open_lock.notify_all()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away between two requests on a kept-alive connection (a SIGKILLed
+        # worker: the kernel resets its sockets) is not the server's error; anything else is.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+    def close_open_connections(self, wait: float = 2.0) -> None:
+        """End every connection still open: a stopped server takes no more requests on a
+        kept-alive connection, as a provider that went away would not. Only the reading side is
+        shut: a handler waiting for its next request sees the end and closes the connection, and
+        one still answering (a delayed reply cut short) sends its answer first. Waits up to
+        ``wait`` seconds for their handlers to close them, so that a client's next call after
+        stop() finds its connection ended."""
+        with self._open_lock:
+            connections = list(self._open)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass  # already closed by its client
+        with self._open_lock:
+            self._open_lock.wait_for(lambda: not self._open, timeout=wait)
+
 
 class _Handler(BaseHTTPRequestHandler):
-    # HTTP/1.0: one request per connection, so no idle keep-alive thread outlives stop().
-    protocol_version = "HTTP/1.0"
+    # HTTP/1.1 with keep-alive, as providers answer: a client's session sends its next request on
+    # the same connection. stop() cuts the open ones; an idle one is closed after
+    # IDLE_CONNECTION_SECONDS. No Nagle: a reply's headers and body are two writes, and on a
+    # kept-alive connection the body would wait for the client's delayed ACK (40 ms).
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    timeout = IDLE_CONNECTION_SECONDS
     server: _HTTPServer
 
     def do_GET(self) -> None:
@@ -633,6 +694,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             return None
         if not 0 < length <= MAX_BODY_BYTES:
+            self.close_connection = True  # its body is not read: the connection is not reusable
             return None
         return self.rfile.read(length)
 
@@ -644,7 +706,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
@@ -652,6 +715,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log_event(log, "scripted_model_request", logging.DEBUG, request=format % args)
+
+
+class _ClosingHandler(_Handler):
+    """``keep_alive=False``: HTTP/1.0, every answer closes its connection."""
+
+    protocol_version = "HTTP/1.0"
 
 
 def _route(path: str) -> str:

@@ -179,14 +179,17 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
     ),
     "run_overhead": (
         "run_overhead",
-        ["--runs", "5", "--rounds", "1", "--pause-ms", "1"],
+        ["--runs", "5", "--rounds", "1", "--pause-ms", "1", "--model-calls", "5"],
         [
             "heartbeat, a thread per run (baseline): wall ",
             "heartbeat, a kept renewer (ours): wall ",
             "status event, synchronous PUBLISH (baseline): wall ",
             "status event, the publisher thread (ours): wall ",
+            "model call, a connection per call (baseline): wall ",
+            "model call, kept alive (ours): wall ",
             "heartbeat ratio ours/baseline, the run's wall per run: ",
             "status event ratio ours/baseline, the run's wall per event: ",
+            "model call ratio ours/baseline: wall ",
         ],
         None,
     ),

@@ -3,10 +3,13 @@ and the command-line form as a subprocess. No database needed."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -256,6 +259,77 @@ def test_stop_cuts_a_delayed_reply_short() -> None:
     assert time.monotonic() - started < 2.0
     assert result == {"status": 503}
     assert server.journal() == []
+
+
+def _post(conn: http.client.HTTPConnection, body: str) -> http.client.HTTPResponse:
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    return response
+
+
+def test_a_client_sends_its_requests_on_one_kept_alive_connection_that_stop_ends() -> None:
+    """HTTP/1.1 keep-alive, as providers answer: a session's second request reuses the first
+    one's connection, and stop() ends it (the client reads the end, not a late answer)."""
+    body = json.dumps({"model": "m", "messages": sys_user("s", "u")})
+    with ScriptedModelServer([{"reply": {"content": "ok"}}]) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=5)
+        first = _post(conn, body)
+        kept = conn.sock
+        second = _post(conn, body)
+        assert (first.status, second.status) == (200, 200)
+        assert first.version == 11 and first.getheader("Connection") is None
+        assert kept is not None and conn.sock is kept  # no reconnect: the server kept it open
+        assert len(server.journal()) == 2
+    kept.settimeout(5)
+    assert kept.recv(1) == b""  # the stopped server ended the idle connection
+
+
+def test_a_client_reset_between_two_requests_is_not_reported_as_a_server_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A SIGKILLed worker's kept-alive connection ends with a reset (SO_LINGER 0 does the same).
+    body = json.dumps({"model": "m", "messages": sys_user("s", "u")})
+    with ScriptedModelServer([{"reply": {"content": "ok"}}]) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=5)
+        assert _post(conn, body).status == 200
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+        time.sleep(0.3)  # the handler reads the reset
+        assert content_of(chat(server.base_url, sys_user("s", "u"))) == "ok"  # still serving
+    assert "ConnectionResetError" not in capsys.readouterr().err
+
+
+def test_a_request_whose_body_is_not_read_closes_its_connection() -> None:
+    # An unread body must never be parsed as the next request on a kept-alive connection.
+    with ScriptedModelServer([{"reply": {"content": "ok"}}]) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=5)
+        conn.request("POST", "/v1/chat/completions", b"", {"Content-Length": "0"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 400 and response.getheader("Connection") == "close"
+        assert server.journal() == []
+
+
+def test_a_model_client_whose_kept_connection_the_server_ended_connects_again() -> None:
+    """A provider may close an idle kept-alive connection (here: the server stopped and started
+    again on its port). The client's next call opens a new one: no error and no retry."""
+    script = [{"reply": {"content": "ok"}}]
+    server = ScriptedModelServer(script)
+    server.start()
+    client = ModelClient(server.base_url, "", "m", 2.0, 5.0)  # no retries: a failure would raise
+    try:
+        assert client.complete(sys_user("s", "u")).content == "ok"
+    finally:
+        server.stop()
+    again = ScriptedModelServer(script, port=server.port)
+    again.start()
+    try:
+        assert client.complete(sys_user("s", "u")).content == "ok"
+        assert len(again.journal()) == 1
+    finally:
+        again.stop()
 
 
 @pytest.mark.parametrize(
