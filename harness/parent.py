@@ -42,7 +42,7 @@ from harness.scheduler import Handed
 from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
-from models.session import end_run, release_session, take_session_facts
+from models.session import JOURNAL_OPEN, end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             agent_type = row.agent_type
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
-            # take's transaction (one trip fewer); the take is the epoch's fence there.
-            in_flight = resume_in(s, session_id, new_epoch)
+            # take's transaction (one trip fewer); the take is the epoch's fence there. The
+            # take says whether an entry is open (JOURNAL_OPEN): with none, nothing to read.
+            in_flight = resume_in(s, session_id, new_epoch) if row.journal_open else None
             if in_flight is None:
                 compaction = Compaction(row.compaction_boundary_message_id, row.compaction_summary)
                 first_view = model_messages(session_id, get_agent(agent_type), s=s, compaction=compaction)
@@ -136,7 +137,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 
 
 #: What a run reads of its session, returned by its take.
-RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since")
+RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since", JOURNAL_OPEN)
 
 
 def _release(fence: Fence, phase: Phase | None) -> None:

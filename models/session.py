@@ -17,6 +17,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    exists,
     insert,
     or_,
     select,
@@ -33,6 +34,7 @@ from models.db import built_once, cas, ids_param
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
+from models.journal import RoundJournal
 from models.lease import reservation_expiry
 from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
@@ -380,7 +382,7 @@ def _take_stmt(
     to_phase: Phase, from_phases: tuple[Phase | None, ...], me: tuple[str, int] | None, pg: bool, facts: tuple[str, ...]
 ) -> Any:
     in_time = (db_clock.in_time(bindparam("b_until", type_=UTCDateTime())),) if pg else ()
-    return (
+    stmt = (
         update(S)
         .where(
             S.id == bindparam("b_sid"),
@@ -398,9 +400,33 @@ def _take_stmt(
             lease_expires_at=bindparam("b_until"),
             updated_at=bindparam("b_now"),
         )
-        .returning(S.epoch, *(getattr(S, name) for name in facts))
+        .returning(S.epoch, *(_fact(name) for name in facts))
         .execution_options(synchronize_session=False)
     )
+    if JOURNAL_OPEN in facts:
+        # NOTE: with an expression that is not a column in its RETURNING, the statement's first
+        # two executions each compiled it (SQLAlchemy 2.1: the first compile's cache entry was
+        # not found by the second), so the pool processes' warm-up (models.warmup), which runs
+        # each statement once, left the first run's take to compile it. Compiled once here, it
+        # is compiled once more at its first execution and then found.
+        stmt.compile()
+    return stmt
+
+
+#: A take's fact that is not a column: whether the session has an open round journal entry.
+#: A run whose take returns False has no round in flight to read (harness.parent.run_agent).
+#: NOTE: the subquery sees the statement's snapshot. An entry committed after it cannot be
+#: missed by a take that lands: only the epoch's holder writes one, in a transaction whose
+#: fence renews the session's lease (models.session.fence_session); that UPDATE holds the row,
+#: and the take, re-checked on the row it committed, finds a live lease and does not land.
+JOURNAL_OPEN = "journal_open"
+
+
+def _fact(name: str) -> Any:
+    if name == JOURNAL_OPEN:
+        J, sessions = RoundJournal.__table__.c, S.__table__.c
+        return exists().where(J.session_id == sessions.id, J.closed_at.is_(None)).label(JOURNAL_OPEN)
+    return getattr(S, name)
 
 
 def reserve_session(

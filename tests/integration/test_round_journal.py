@@ -324,6 +324,33 @@ def test_a_delegating_reply_journaled_before_the_upgrade_still_creates_its_child
     assert invariants() == []
 
 
+def test_a_parent_run_with_no_open_entry_reads_no_journal_its_take_said_so(model_factory: ModelFactory) -> None:
+    """The take's RETURNING says whether an entry is open (models.session.JOURNAL_OPEN): a run
+    with none sends no journal read of its own (the tests around this one show that a run
+    with one still continues it)."""
+    from sqlalchemy import event
+
+    from models.db import get_engine
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done"}}])
+    sid = create_session("main", "go")
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(" ".join(statement.split()))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        assert run_agent(sid, 0, loop_deps(model.base_url)) == "waiting_user"
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    takes = [q for q in seen if q.startswith("UPDATE agent_session SET phase=") and "RETURNING" in q]
+    assert len(takes) == 1 and "FROM round_journal" in takes[0], takes
+    assert not [q for q in seen if q.startswith("SELECT") and "FROM round_journal" in q], seen
+    assert messages_of(sid)[-1].content == "done"
+
+
 def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(model_factory: ModelFactory) -> None:
     from harness.history import append_message
     from models import Role
