@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -43,6 +43,7 @@ from models import (
     IllegalTransition,
     LeaseLost,
     Phase,
+    RoundJournal,
     SubagentExecution,
     transaction,
 )
@@ -109,6 +110,7 @@ def _child_info(row: Any) -> ChildInfo:
         final_message_id=row.final_message_id,
         child_phase=row.phase,
         model_outage_since=row.model_outage_since,
+        journal_open=row.journal_open,
     )
 
 
@@ -116,6 +118,7 @@ def _child_info(row: Any) -> ChildInfo:
 def _load_child_stmt() -> Any:
     E = SubagentExecution
     S = AgentSession
+    J = RoundJournal
     return (
         select(
             E.id,
@@ -134,6 +137,8 @@ def _load_child_stmt() -> Any:
             E.final_message_id,
             S.phase,
             S.model_outage_since,
+            # Whether the child session has an open round journal entry (ChildInfo.journal_open).
+            exists().where(J.session_id == E.child_session_id, J.closed_at.is_(None)).label("journal_open"),
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == bindparam("b_eid"))
@@ -227,7 +232,10 @@ def first_round(s: Session, info: ChildInfo, epoch: int, rows: Sequence[Any] | N
         return None
     if agent.execution_mode == ExecutionMode.LOCAL:
         return None
-    if epoch >= 2:
+    # NOTE: ``info.journal_open`` was read after the take landed, in this transaction: an entry
+    # a previous holder committed is in it (its commit renewed the execution's lease, so a take
+    # that waited for it would not have landed); None (not read) reads the journal.
+    if epoch >= 2 and info.journal_open is not False:
         in_flight = resume_in(s, info.child_session_id, epoch)
         if in_flight is not None:
             return FirstRound(in_flight=in_flight)

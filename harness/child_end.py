@@ -58,6 +58,9 @@ class ChildInfo:
     child_phase: Phase | None = None
     #: When the child session began waiting for the model (None: it is not waiting).
     model_outage_since: datetime | None = None
+    #: Whether the child session had an open round journal entry as the loading transaction
+    #: read it (None: not read); ``harness.child.first_round`` reads no entry when False.
+    journal_open: bool | None = None
 
 
 def _live_after_start(role: Role) -> Any:

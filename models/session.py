@@ -415,10 +415,12 @@ def _take_stmt(
 
 #: A take's fact that is not a column: whether the session has an open round journal entry.
 #: A run whose take returns False has no round in flight to read (harness.parent.run_agent).
-#: NOTE: the subquery sees the statement's snapshot. An entry committed after it cannot be
-#: missed by a take that lands: only the epoch's holder writes one, in a transaction whose
-#: fence renews the session's lease (models.session.fence_session); that UPDATE holds the row,
-#: and the take, re-checked on the row it committed, finds a live lease and does not land.
+#: NOTE: the subquery sees the statement's snapshot, so an entry committed after it would be
+#: missed. None can be: only an owner of the session's epoch writes one, in a transaction whose
+#: fence (:func:`fence_session`) needs that owner on the row and renews its lease there. A run
+#: is sent the epoch a hand-over wrote, with no owner, which no fence passes; and a take that
+#: waited for a fence's commit re-checks the row it committed, finds the lease live, and does
+#: not land.
 JOURNAL_OPEN = "journal_open"
 
 

@@ -351,6 +351,42 @@ def test_a_parent_run_with_no_open_entry_reads_no_journal_its_take_said_so(model
     assert messages_of(sid)[-1].content == "done"
 
 
+def test_a_recovered_child_with_no_open_entry_reads_no_journal_its_load_said_so(model_factory: ModelFactory) -> None:
+    """A child recovered before its first round (its worker died before it ran): the load after
+    its take says that no entry is open (``ChildInfo.journal_open``), and the recovery sends no
+    journal read of its own (a child with one still continues it: the tests above)."""
+    from sqlalchemy import event
+
+    from models.db import get_engine
+    from recovery.child import recover_child
+    from recovery.scan import scan
+    from tests.helpers import expire_leases
+
+    model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="t")))
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    deps.scheduler.children.clear()  # the crash: the child's message was never run
+    expire_leases()
+    scan(deps.scheduler, callback_grace_seconds=0)
+    ((_, _, children),) = deps.scheduler.recoveries
+    ((eid, epoch),) = children
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(" ".join(statement.split()))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        assert recover_child(eid, epoch, deps) == "completed"
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert [q for q in seen if "FROM round_journal" in q and "AS journal_open" in q], seen
+    assert not [q for q in seen if q.startswith("SELECT") and "FROM round_journal" in q], seen
+    assert [e.status for e in executions_of(sid)] == ["COMPLETED"]
+
+
 def test_an_open_entry_asked_from_an_older_history_is_abandoned_not_continued(model_factory: ModelFactory) -> None:
     from harness.history import append_message
     from models import Role
