@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import armed_fault
@@ -451,3 +452,22 @@ def find_complete_pair(s: Session, session_id: int, tool_call_id: str) -> tuple[
     if state.assistant_id is not None and state.tool_id is not None:
         return state.assistant_id, state.tool_id
     return None
+
+
+@contextmanager
+def recorded_statements() -> Iterator[list[str]]:
+    """The SQL every connection of the engine sends meanwhile, each on one line (whitespace
+    folded), in order."""
+    from models import get_engine
+
+    seen: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(" ".join(statement.split()))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)

@@ -8,17 +8,15 @@ of them, as the scan hands them out. Real PostgreSQL and Redis, the scripted mod
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
+from sqlalchemy import update
 
 from crashpoints import InjectedKill, armed_fault
 from harness.delivery import DeliveryKind
 from harness.delivery_batch import deliver_rounds, deliver_rounds_and_resume
-from models import AgentSession, Phase, get_engine, transaction
+from models import AgentSession, Phase, transaction
 from tests.helpers import (
     TWO,
     RecordingScheduler,
@@ -27,6 +25,7 @@ from tests.helpers import (
     executions_of,
     invariants,
     messages_of,
+    recorded_statements,
 )
 from tests.types import ModelFactory
 
@@ -106,21 +105,6 @@ def test_one_task_delivers_many_parents_once_while_busy_cancelled_and_stale_ones
     assert invariants(settled=False) == []
 
 
-@contextmanager
-def _statements() -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def count(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        seen.append(statement)
-
-    engine = get_engine()
-    event.listen(engine, "before_cursor_execute", count)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
-
-
 def test_a_batch_delivers_its_parents_in_one_transaction_of_as_many_statements_for_two_as_for_five(
     model_factory: ModelFactory,
 ) -> None:
@@ -128,9 +112,9 @@ def test_a_batch_delivers_its_parents_in_one_transaction_of_as_many_statements_f
     grow with the number of parents (one per step, not one per parent)."""
     model = model_factory(TWO)
     two, five = _parents(model, 2), _parents(model, 5)
-    with _statements() as for_two:
+    with recorded_statements() as for_two:
         assert {o.kind for o in deliver_rounds(two).values()} == {DeliveryKind.RESUME}
-    with _statements() as for_five:
+    with recorded_statements() as for_five:
         assert {o.kind for o in deliver_rounds(five).values()} == {DeliveryKind.RESUME}
     assert len(for_five) == len(for_two), (for_two, for_five)
     for sid, _ in two + five:

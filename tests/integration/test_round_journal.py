@@ -23,7 +23,15 @@ from harness.parent import run_agent
 from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import CallStatus, JournalStatus, Phase, RoundJournal, RoundJournalCall, transaction
-from tests.helpers import RecordingScheduler, drive, executions_of, invariants, loop_deps, messages_of
+from tests.helpers import (
+    RecordingScheduler,
+    drive,
+    executions_of,
+    invariants,
+    loop_deps,
+    messages_of,
+    recorded_statements,
+)
 from tests.types import ModelFactory
 
 MAIN = "main agent"
@@ -328,23 +336,10 @@ def test_a_parent_run_with_no_open_entry_reads_no_journal_its_take_said_so(model
     """The take's RETURNING says whether an entry is open (models.session.JOURNAL_OPEN): a run
     with none sends no journal read of its own (the tests around this one show that a run
     with one still continues it)."""
-    from sqlalchemy import event
-
-    from models.db import get_engine
-
     model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done"}}])
     sid = create_session("main", "go")
-    seen: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        seen.append(" ".join(statement.split()))
-
-    engine = get_engine()
-    event.listen(engine, "before_cursor_execute", record)
-    try:
+    with recorded_statements() as seen:
         assert run_agent(sid, 0, loop_deps(model.base_url)) == "waiting_user"
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
     takes = [q for q in seen if q.startswith("UPDATE agent_session SET phase=") and "RETURNING" in q]
     assert len(takes) == 1 and "FROM round_journal" in takes[0], takes
     assert not [q for q in seen if q.startswith("SELECT") and "FROM round_journal" in q], seen
@@ -355,9 +350,6 @@ def test_a_recovered_child_with_no_open_entry_reads_no_journal_its_load_said_so(
     """A child recovered before its first round (its worker died before it ran): the load after
     its take says that no entry is open (``ChildInfo.journal_open``), and the recovery sends no
     journal read of its own (a child with one still continues it: the tests above)."""
-    from sqlalchemy import event
-
-    from models.db import get_engine
     from recovery.child import recover_child
     from recovery.scan import scan
     from tests.helpers import expire_leases
@@ -371,17 +363,8 @@ def test_a_recovered_child_with_no_open_entry_reads_no_journal_its_load_said_so(
     scan(deps.scheduler, callback_grace_seconds=0)
     ((_, _, children),) = deps.scheduler.recoveries
     ((eid, epoch),) = children
-    seen: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        seen.append(" ".join(statement.split()))
-
-    engine = get_engine()
-    event.listen(engine, "before_cursor_execute", record)
-    try:
+    with recorded_statements() as seen:
         assert recover_child(eid, epoch, deps) == "completed"
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
     assert [q for q in seen if "FROM round_journal" in q and "AS journal_open" in q], seen
     assert not [q for q in seen if q.startswith("SELECT") and "FROM round_journal" in q], seen
     assert [e.status for e in executions_of(sid)] == ["COMPLETED"]
