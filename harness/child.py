@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, exists, select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -43,13 +43,13 @@ from models import (
     IllegalTransition,
     LeaseLost,
     Phase,
-    RoundJournal,
     SubagentExecution,
     transaction,
 )
 from models.base import utcnow
 from models.db import built_once, is_postgresql
 from models.execution import take_execution
+from models.journal import has_open_entry
 from models.session import child_not_cancelled, set_child_phase, set_phase
 from settings import get_settings
 
@@ -118,7 +118,6 @@ def _child_info(row: Any) -> ChildInfo:
 def _load_child_stmt() -> Any:
     E = SubagentExecution
     S = AgentSession
-    J = RoundJournal
     return (
         select(
             E.id,
@@ -138,7 +137,7 @@ def _load_child_stmt() -> Any:
             S.phase,
             S.model_outage_since,
             # Whether the child session has an open round journal entry (ChildInfo.journal_open).
-            exists().where(J.session_id == E.child_session_id, J.closed_at.is_(None)).label("journal_open"),
+            has_open_entry(E.child_session_id),
         )
         .join(S, S.id == E.child_session_id)
         .where(E.id == bindparam("b_eid"))

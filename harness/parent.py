@@ -42,7 +42,8 @@ from harness.scheduler import Handed
 from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
-from models.session import JOURNAL_OPEN, end_run, release_session, take_session_facts
+from models.journal import JOURNAL_OPEN
+from models.session import end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
 

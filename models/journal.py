@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     bindparam,
+    exists,
     func,
     insert,
     select,
@@ -130,6 +131,17 @@ def last_live_message_id(s: Session, session_id: int) -> int | None:
     return s.execute(
         select(func.max(Message.id)).where(Message.session_id == session_id, Message.deleted.is_(False))
     ).scalar_one()
+
+
+#: The label of :func:`has_open_entry` in a row (a take's or a load's fact).
+JOURNAL_OPEN = "journal_open"
+
+
+def has_open_entry(session_id: Any) -> Any:
+    """SQL: the session ``session_id`` (a column or a value) has an open entry, labelled
+    JOURNAL_OPEN: a caller that reads False reads no entry."""
+    J = RoundJournal
+    return exists().where(J.session_id == session_id, J.closed_at.is_(None)).label(JOURNAL_OPEN)
 
 
 def open_entry(s: Session, session_id: int) -> RoundJournal | None:

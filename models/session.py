@@ -17,7 +17,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    exists,
     insert,
     or_,
     select,
@@ -34,7 +33,7 @@ from models.db import built_once, cas, ids_param
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, Phase, SessionType
 from models.errors import IllegalTransition
-from models.journal import RoundJournal
+from models.journal import JOURNAL_OPEN, has_open_entry
 from models.lease import reservation_expiry
 from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
@@ -413,22 +412,17 @@ def _take_stmt(
     return stmt
 
 
-#: A take's fact that is not a column: whether the session has an open round journal entry.
-#: A run whose take returns False has no round in flight to read (harness.parent.run_agent).
-#: NOTE: the subquery sees the statement's snapshot, so an entry committed after it would be
-#: missed. None can be: only an owner of the session's epoch writes one, in a transaction whose
-#: fence (:func:`fence_session`) needs that owner on the row and renews its lease there. A run
-#: is sent the epoch a hand-over wrote, with no owner, which no fence passes; and a take that
-#: waited for a fence's commit re-checks the row it committed, finds the lease live, and does
-#: not land.
-JOURNAL_OPEN = "journal_open"
-
-
 def _fact(name: str) -> Any:
-    if name == JOURNAL_OPEN:
-        J, sessions = RoundJournal.__table__.c, S.__table__.c
-        return exists().where(J.session_id == sessions.id, J.closed_at.is_(None)).label(JOURNAL_OPEN)
-    return getattr(S, name)
+    """A column of the session to return, or JOURNAL_OPEN: whether it has an open round journal
+    entry (a run whose take returns False has no round in flight to read).
+
+    NOTE: the subquery sees the statement's snapshot, so an entry committed after it would be
+    missed. None can be: only an owner of the session's epoch writes one, in a transaction whose
+    fence (:func:`fence_session`) needs that owner on the row and renews its lease there. A run
+    is sent the epoch a hand-over wrote, with no owner, which no fence passes; and a take that
+    waited for a fence's commit re-checks the row it committed, finds the lease live, and does
+    not land."""
+    return has_open_entry(S.id) if name == JOURNAL_OPEN else getattr(S, name)
 
 
 def reserve_session(

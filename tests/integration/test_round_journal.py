@@ -27,6 +27,7 @@ from tests.helpers import (
     RecordingScheduler,
     drive,
     executions_of,
+    expire_leases,
     invariants,
     loop_deps,
     messages_of,
@@ -352,7 +353,6 @@ def test_a_recovered_child_with_no_open_entry_reads_no_journal_its_load_said_so(
     journal read of its own (a child with one still continues it: the tests above)."""
     from recovery.child import recover_child
     from recovery.scan import scan
-    from tests.helpers import expire_leases
 
     model = model_factory(parent_script(call("delegate", agent_type="reviewer", task="t")))
     deps = loop_deps(model.base_url, RecordingScheduler())
