@@ -8,7 +8,7 @@ killed, connection lost): there is no visibility timeout. With ``task_acks_late`
 unacked while it runs, so the broker's ``consumer_timeout`` (default 30 min; a server setting
 in ``rabbitmq.conf``, not a client option) must exceed the longest task — children may run
 ``SUBAGENT_TIMEOUT_SECONDS`` — or RabbitMQ closes the worker's channel mid-task and redelivers
-everything it held. README "RabbitMQ as the broker" gives the line to set.
+everything it held. docs/operations.md, "RabbitMQ as the broker", gives the line to set.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def build() -> dict[str, Any]:
     }
     import brokerconfig
 
-    # RabbitMQ: publisher confirms, quorum queues (README "RabbitMQ as the broker").
+    # RabbitMQ: publisher confirms, quorum queues (docs/operations.md, "RabbitMQ as the broker").
     conf.update(brokerconfig.options_for(s.CELERY_BROKER_URL))
     # Every queue a task is routed to is DECLARED, so a bare `celery -A tasks worker` consumes
     # them all (only declared queues are consumed by default); `-Q` still narrows a worker to some of them.

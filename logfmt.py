@@ -6,8 +6,8 @@ names, ids, counts, durations, reasons, error types and codes. Never an API key,
 a task text, a prompt or a model answer (invariant I8): callers pass every field explicitly,
 nothing is logged by reflection.
 
-One spelling per field everywhere, snake_case (the recovery specification's camelCase names are mapped in the
-README); a field that means the same thing has the same name in every package:
+One spelling per field everywhere, snake_case (the recovery specification's camelCase names are mapped in
+docs/operations.md, "Metrics and alerts"); a field that means the same thing has the same name in every package:
 
 - ids: ``execution_id``, ``session_id`` (the session the line is about), ``parent_id`` (a
   parent session), ``child_session_id``, ``tool_call_id``, ``round_id``, ``journal_id``,

@@ -167,71 +167,186 @@ class Settings(BaseSettings):
         case_sensitive=False, env_nested_delimiter="__", extra="ignore", validate_default=True
     )
 
-    DATABASE_URL: str = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
-    CELERY_BROKER_URL: str = "redis://127.0.0.1:6379/0"
-    CELERY_RESULT_BACKEND: str = "redis://127.0.0.1:6379/1"
-    #: Folder of the filesystem:// broker (embedded default of the demo only).
-    CELERY_FS_FOLDER: str = "/tmp/agent-recovery-broker"
-    #: Redis used for session_status events and LOCAL client presence.
-    REDIS_URL: str = "redis://127.0.0.1:6379/2"
-    MODEL_BASE_URL: str = "http://127.0.0.1:8765/v1"
-    MODEL_API_KEY: str = Field(default="", repr=False)
-    MODEL_NAME: str = "scripted"
-    MODEL_CONNECT_TIMEOUT_SECONDS: float = Field(default=5.0, gt=0)
-    MODEL_READ_TIMEOUT_SECONDS: float = Field(default=120.0, gt=0)
-    #: Retries of a model call after HTTP 429, 5xx or a connection error (0: none); each waits
-    #: Retry-After or an exponential backoff with jitter, within the call's absolute deadline.
-    MODEL_MAX_RETRIES: int = Field(default=4, ge=0, le=20)
-    #: No retry starts a wait that would end more than this long after the call's first attempt.
-    MODEL_RETRY_MAX_SECONDS: float = Field(default=60.0, ge=0)
-    #: TOML file with [agents.NAME] tables; empty means the built-in default.
-    AGENTS_FILE: str = ""
-    #: Comma-separated modules of @tool functions that every process imports at start
-    #: ("pkg.tools,other.tools"); installed packages may also use the entry point group
-    #: agent_recovery.tools.
-    TOOL_MODULES: str = ""
-    #: A provider outage longer than the retry window ends a run without a result; the session is
-    #: resumed with back-off until its deadline or this long after the outage began, then FAILED.
-    MODEL_OUTAGE_MAX_SECONDS: float = Field(default=3600.0, gt=0)
-    #: Times a recovered loop may run one journaled read-only or idempotent call again after a
-    #: crash interrupted it; past that the call is reported interrupted and the model decides.
-    TOOL_MAX_RERUNS: int = Field(default=3, ge=0)
-    #: Longest a tool call may run when its ``@tool(timeout_seconds=...)`` says nothing; a call
-    #: still running then is reported "timed out, may or may not have taken effect".
-    TOOL_TIMEOUT_SECONDS: float = Field(default=300.0, gt=0)
-    #: Longest TOOL result kept; a longer one is cut, with a note where.
-    TOOL_RESULT_MAX_CHARS: int = Field(default=100_000, ge=1000)
-    SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
-    SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
-    #: How long a tool call's approval request waits for a human decision; past it the call is
-    #: denied with the reason ``expired`` (a child's request also expires at its deadline).
-    APPROVAL_TIMEOUT_SECONDS: float = Field(default=86400.0, gt=0)
-    LEASE_SECONDS: float = Field(default=30.0, gt=0)
-    SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
-    #: A recovery message runs its round's children one after another; those not started this
-    #: long after the first began are passed on, a message each (recovery.child.RecoveryBatch).
-    RECOVERY_BATCH_PASS_ON_SECONDS: float = Field(default=0.25, gt=0)
-    #: Stable name of this worker across restarts (default: Celery's node name, `-n`). A
-    #: worker that boots again under its name takes back its previous process's work at once.
-    WORKER_ID: str = ""
-    #: Queue of scans, fan-out batches, deliveries and redeliveries (short work; a worker without -Q serves it).
-    RECOVERY_QUEUE: str = "recovery"
-    #: Tests only: shift this process's clock, as a badly set machine would (models.clock).
-    CLOCK_SKEW_SECONDS: float = 0.0
-    #: Named crash point to die at (tests, soak, demo); empty in production.
-    CRASH_POINT: str = ""
-    LOG_LEVEL: str = "INFO"
-    #: `agent-recovery console`: the operators' token (also accepted as ``Authorization: Bearer``).
-    #: Required unless the console listens on loopback only. CONSOLE_TOKEN_FILE: a file holding it.
-    CONSOLE_TOKEN: SecretStr = SecretStr("")
-    CONSOLE_TOKEN_FILE: str = ""
-    #: The console shows and accepts no action (cancel, redeliver, approve, deny).
-    CONSOLE_READ_ONLY: bool = False
-    #: The console shows message content (the users' data); otherwise roles, tool names and sizes.
-    CONSOLE_SHOW_CONTENT: bool = False
+    DATABASE_URL: str = Field(
+        default="postgresql+psycopg2://postgres@127.0.0.1:5432/postgres",
+        description="State database (SQLAlchemy URL); PostgreSQL in production, SQLite only for the demo.",
+    )
+    CELERY_BROKER_URL: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Celery broker: Redis (redis://) or RabbitMQ (amqp://); filesystem:// only for the demo.",
+    )
+    CELERY_RESULT_BACKEND: str = Field(
+        default="redis://127.0.0.1:6379/1",
+        description="Celery result backend (task results; our tasks store few): Redis, or db+sqlite for the demo.",
+    )
+    CELERY_FS_FOLDER: str = Field(
+        default="/tmp/agent-recovery-broker",
+        description="Folder of the filesystem:// broker, the demo's embedded default only.",
+    )
+    REDIS_URL: str = Field(
+        default="redis://127.0.0.1:6379/2", description="Redis of session_status events and LOCAL client presence."
+    )
+    MODEL_BASE_URL: str = Field(
+        default="http://127.0.0.1:8765/v1", description="OpenAI-compatible chat-completions endpoint (ending in /v1)."
+    )
+    MODEL_API_KEY: str = Field(
+        default="", repr=False, description="The model provider's key, sent as a Bearer token; never logged."
+    )
+    MODEL_NAME: str = Field(default="scripted", description="Model name sent when an agent does not name one.")
+    MODEL_CONNECT_TIMEOUT_SECONDS: float = Field(
+        default=5.0, gt=0, description="Longest a model call waits to connect; capped by the time left to a deadline."
+    )
+    MODEL_READ_TIMEOUT_SECONDS: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest a model call waits between bytes of the answer; capped by the time left to a deadline.",
+    )
+    MODEL_MAX_RETRIES: int = Field(
+        default=4,
+        ge=0,
+        le=20,
+        description=(
+            "Retries of a model call after HTTP 408, 409, 429, any 5xx, x-should-retry: true, a 200 whose"
+            " body is an error object, or a connection error (0: none); each waits Retry-After or an "
+            "exponential backoff with jitter, within the call's absolute deadline."
+        ),
+    )
+    MODEL_RETRY_MAX_SECONDS: float = Field(
+        default=60.0,
+        ge=0,
+        description="No retry starts a wait that would end more than this long after the call's first attempt.",
+    )
+    AGENTS_FILE: str = Field(
+        default="",
+        description="TOML file with [agents.NAME] tables; empty means the built-in main, reviewer and researcher.",
+    )
+    TOOL_MODULES: str = Field(
+        default="",
+        description=(
+            "Comma-separated modules of @tool functions that every process imports at start "
+            "(pkg.tools,other.tools); installed packages may also use the entry point group "
+            "agent_recovery.tools."
+        ),
+    )
+    MODEL_OUTAGE_MAX_SECONDS: float = Field(
+        default=3600.0,
+        gt=0,
+        description=(
+            "A provider outage longer than the retry window ends a run without a result; the session is "
+            "resumed with back-off until its deadline or this long after the outage began, then FAILED."
+        ),
+    )
+    TOOL_MAX_RERUNS: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "Times a recovered loop may run one journaled read-only or idempotent call again after a "
+            "crash interrupted it; past that the call is reported interrupted and the model decides."
+        ),
+    )
+    TOOL_TIMEOUT_SECONDS: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "Longest a tool call may run when its @tool(timeout_seconds=...) says nothing; a call still "
+            "running then is reported timed out, may or may not have taken effect."
+        ),
+    )
+    TOOL_RESULT_MAX_CHARS: int = Field(
+        default=100_000, ge=1000, description="Longest TOOL result kept; a longer one is cut, with a note where."
+    )
+    SUBAGENT_TIMEOUT_SECONDS: float = Field(
+        default=3600.0,
+        gt=0,
+        description="A child's absolute deadline, counted from its started_at and never reset by a restart.",
+    )
+    SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(
+        default=30.0,
+        ge=0,
+        description="Grace after a child's deadline (outside it) before the scan takes it from a live owner.",
+    )
+    APPROVAL_TIMEOUT_SECONDS: float = Field(
+        default=86400.0,
+        gt=0,
+        description=(
+            "How long a tool call's approval request waits for a human decision; past it the call is "
+            "denied with the reason expired (a child's request also expires at its deadline)."
+        ),
+    )
+    LEASE_SECONDS: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Lease of a running loop, renewed every third of it while the loop makes progress; every "
+            "other duration of recovery derives from it (at least 3)."
+        ),
+    )
+    SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0, description="Beat interval of recovery.scan.")
+    RECOVERY_BATCH_PASS_ON_SECONDS: float = Field(
+        default=0.25,
+        gt=0,
+        description=(
+            "A recovery message runs its round's children one after another; those not started this long "
+            "after the first began are passed on, a message each."
+        ),
+    )
+    WORKER_ID: str = Field(
+        default="",
+        description=(
+            "Stable name of this worker across restarts (default: Celery's node name, -n); a worker that "
+            "boots again under its name takes back its previous process's work at once."
+        ),
+    )
+    RECOVERY_QUEUE: str = Field(
+        default="recovery",
+        description=(
+            "Queue of scans, fan-out batches, deliveries and redeliveries (short work; a worker without -Q serves it)."
+        ),
+    )
+    CLOCK_SKEW_SECONDS: float = Field(
+        default=0.0,
+        description=(
+            "Tests only: shift this process's clock, as a badly set machine would (leases and deadlines "
+            "use the database's time anyway)."
+        ),
+    )
+    CRASH_POINT: str = Field(
+        default="",
+        description=(
+            "Tests, soak and demo only: the named crash point to die at (crashpoints.py, which reads it "
+            "itself with CRASH_POINT_AFTER and CRASH_POINT_MODE); empty in production."
+        ),
+    )
+    LOG_LEVEL: str = Field(
+        default="INFO",
+        description=(
+            "Level of the log lines of workers and beat (DEBUG, INFO, WARNING, ERROR): our setup_logging "
+            "receiver configures logging, so Celery's -l does not set it."
+        ),
+    )
+    CONSOLE_TOKEN: SecretStr = Field(
+        default=SecretStr(""),
+        description=(
+            "The console's operator token (also accepted as Authorization: Bearer); required unless the "
+            "console listens on loopback only."
+        ),
+    )
+    CONSOLE_TOKEN_FILE: str = Field(
+        default="", description="A file holding the console's operator token, instead of CONSOLE_TOKEN."
+    )
+    CONSOLE_READ_ONLY: bool = Field(
+        default=False, description="The console shows and accepts no action (cancel, redeliver, approve, deny)."
+    )
+    CONSOLE_SHOW_CONTENT: bool = Field(
+        default=False,
+        description="The console shows message content (the users' data); otherwise roles, tool names and sizes.",
+    )
 
     #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
-    booking_field_recovery: FieldRecoverySettings = Field(default_factory=FieldRecoverySettings)
+    booking_field_recovery: FieldRecoverySettings = Field(
+        default_factory=FieldRecoverySettings,
+        description="SuperAgent field recovery (docs/field-recovery.md): BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].",
+    )
 
     @model_validator(mode="after")
     def _check_urls(self) -> Settings:

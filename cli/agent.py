@@ -8,7 +8,13 @@ import sys
 import time
 from typing import Any
 
-TERMINAL_VIEW = ("WAITING_USER", "COMPLETED", "FAILED", "CANCELLED")
+#: Phases at which a turn has ended, as a client sees them (a session waiting for a person's
+#: decision on a tool call has ended its turn too: somebody must act before it goes on).
+TERMINAL_VIEW = ("WAITING_USER", "WAITING_APPROVAL", "COMPLETED", "FAILED", "CANCELLED")
+#: Phases `session wait` answers with exit 0; FAILED and CANCELLED exit 1.
+SETTLED_OK = ("WAITING_USER", "WAITING_APPROVAL", "COMPLETED")
+#: Exit status of `session wait` when the turn has not ended within its timeout.
+EXIT_STILL_RUNNING = 4
 
 
 def fail(problem: str, status: int = 1) -> int:
@@ -30,6 +36,14 @@ def register(sub: Any) -> None:
     show.add_argument("id", type=int)
     show.add_argument("--json", action="store_true")
     show.set_defaults(handler=_show)
+    wait = ssub.add_parser(
+        "wait",
+        help="wait until the session's turn ends (exit 0 answered or waiting for a person, 1 failed or "
+        "cancelled, 4 still running at the timeout)",
+    )
+    wait.add_argument("id", type=int)
+    wait.add_argument("--timeout", type=float, default=60, metavar="SECONDS", help="give up after this long (60)")
+    wait.set_defaults(handler=_wait)
     lst = ssub.add_parser("list", help="latest sessions")
     lst.add_argument("--json", action="store_true")
     lst.add_argument("--limit", type=_positive_int, default=50)
@@ -77,9 +91,41 @@ def _submit(args: argparse.Namespace) -> int:
         return EXIT_NOT_ENQUEUED
     if args.wait > 0:
         phase = wait_for_turn(sid, args.wait)
-        print(f"session {sid} phase={phase}", file=sys.stderr)
+        say_where_it_stands(sid, phase)
     print(sid)
     return 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    phase = wait_for_turn(args.id, args.timeout)
+    if phase is None:
+        return fail(f"session wait: no session {args.id}")
+    say_where_it_stands(args.id, phase)
+    if phase in SETTLED_OK:
+        return 0
+    return 1 if phase in TERMINAL_VIEW else EXIT_STILL_RUNNING
+
+
+def say_where_it_stands(sid: int, phase: str | None) -> None:
+    """One line with the phase on stderr; for a session waiting for a person's decision, each
+    pending call and the commands that decide it."""
+    print(f"session {sid} phase={phase}", file=sys.stderr)
+    if phase != "WAITING_APPROVAL":
+        return
+    from harness.views import snapshot
+    from models import transaction
+
+    with transaction() as s:
+        snap = snapshot(s, sid)
+    for a in (snap or {}).get("approvals", []):
+        if a["status"] != "PENDING":
+            continue
+        print(
+            f"  waits for approval: call {a['call_id']} tool {a['tool']} (until {a['expires_at']}); "
+            f"see it with: agent-recovery approvals; decide with: agent-recovery approve {sid} {a['call_id']} "
+            f"--by NAME  or  agent-recovery deny {sid} {a['call_id']} --reason TEXT",
+            file=sys.stderr,
+        )
 
 
 def wait_for_turn(sid: int, timeout: float) -> str | None:

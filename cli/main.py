@@ -20,6 +20,28 @@ FAMILIES = (
     "cli.console",
 )
 
+#: Commands that run no tool and read no agent definition: they work without the workers'
+#: TOOL_MODULES, AGENTS_FILE or PYTHONPATH (an operator lists or denies approvals, reads a
+#: session, cancels one, from any shell). Every other command loads and checks the tools first,
+#: as a worker does: `submit` checks the agent, `status` reads the queues through the Celery app
+#: (which loads them at import), `approve --arguments` checks the edited
+#: arguments against the tool's schema, `scan` and `redeliver` may run a delivered parent's
+#: round in this process, the console's actions are those of `approve` and `redeliver`.
+WITHOUT_TOOLS = frozenset(
+    {
+        "db",
+        "session",
+        "cancel",
+        "approvals",
+        "deny",
+        "metrics",
+        "field",
+        "scripted-model",
+        "superagent-stub",
+        "local-client",
+    }
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
@@ -40,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked
+        if args.command not in WITHOUT_TOOLS:
+            load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked
         return int(handler(args) or 0)
     except AgentConfigError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)

@@ -197,7 +197,7 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 
 class Worker(Service):
     """``celery -A tasks worker -P prefork -c N -n NAME@%h`` (optionally with an embedded beat,
-    -B). Without ``queues`` the worker is started bare, as Celery's docs and our README start
+    -B). Without ``queues`` the worker is started bare, as Celery's docs and our README and docs/operations.md start
     it, and serves every queue the app declares; ``queues`` adds ``-Q`` (e.g. the dedicated
     recovery worker). ``argv`` replaces the whole command line after ``celery`` (a Procfile
     line, verbatim)."""

@@ -3,7 +3,7 @@
 A pool process builds each ``built_once`` statement the first time it needs it, and SQLAlchemy
 compiles each statement the first time the process runs it (the compiled cache is the
 engine's, per process). A fresh pool process's first recovery task paid 50-80 ms for that, and
-its first PostgreSQL connection (README, "A crash recovery's first tasks").
+its first PostgreSQL connection (docs/benchmarks.md, "A crash recovery's first tasks").
 
 ``warm_shapes.json`` lists the statements the agent and recovery tasks ran in real workers:
 for each, its ``built_once`` builder, the builder's arguments and the parameter names its call

@@ -2,7 +2,7 @@
 running them is SIGKILLed, a new worker recovers them; each child then asks for a tool that needs
 a human yes (``refund``); the operator presses Approve on the approvals page; the session's page,
 opened once and never reloaded, shows the recovered children with their epochs, the children
-waiting for approval, and then the finished session. The screenshots of the README (docs/img/)
+waiting for approval, and then the finished session. The screenshots of docs/console.md (docs/img/)
 are taken here."""
 
 from __future__ import annotations

@@ -79,11 +79,11 @@ def test_a_bare_celery_worker_delivers_a_delegating_round(stack_factory: Any) ->
 
 
 def _readme_command(prefix: str) -> list[str]:
-    """A worker command of README's supervision examples, as an operator copies it."""
+    """A worker command of the supervision examples (docs/operations.md), as an operator copies it."""
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith(prefix))
     argv = shlex.split(line.split("bin/celery", 1)[1])
     # systemd and supervisord expand these before Celery sees the line

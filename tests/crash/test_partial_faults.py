@@ -117,7 +117,7 @@ def test_children_whose_messages_were_lost_are_taken_back_when_their_creator_res
 def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_back_at_boot(
     stack_factory: StackFactory, tmp_path: Path
 ) -> None:
-    """README "Worker supervision": the runner restarts a worker that exits (here a shell loop,
+    """docs/operations.md "Worker supervision": the runner restarts a worker that exits (here a shell loop,
     as `Restart=always` would); under its -n name the new process's boot takes the dead one's
     work back at once, with production leases (30 s)."""
     import os
