@@ -43,7 +43,7 @@ def cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def run() -> None:
-    from demo.__main__ import DATA, DemoFailed, configure, say, wait_for
+    from demo.common import DATA, DemoFailed, configure, say, wait_for
 
     backend = configure()
     say(f"agent-recovery approval demo — backend: {backend}")
@@ -131,7 +131,7 @@ def run() -> None:
 
 
 def _refunds() -> list[str]:
-    from demo.__main__ import DATA
+    from demo.common import DATA
 
     path = DATA / "refunds.log"
     return path.read_text().splitlines() if path.exists() else []

@@ -134,12 +134,6 @@ STATUS_SOURCES: dict[ExecutionStatus, tuple[ExecutionStatus, ...]] = {
     ExecutionStatus.FAILED: ACTIVE_EXECUTION,
     ExecutionStatus.CANCELLED: ACTIVE_EXECUTION,
 }
-DELIVERY_SOURCES: dict[DeliveryStatus, tuple[DeliveryStatus, ...]] = {
-    DeliveryStatus.PENDING: (),
-    DeliveryStatus.DELIVERED: (DeliveryStatus.PENDING,),
-    DeliveryStatus.SUPPRESSED: (DeliveryStatus.PENDING,),
-    DeliveryStatus.LEGACY: (),
-}
 
 E = SubagentExecution
 
