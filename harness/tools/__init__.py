@@ -1,14 +1,21 @@
-"""The tool room (docs/architecture.md): ``from harness.tools import tool, ToolContext``.
+"""The tool room (docs/architecture.md).
+
+For tool authors, the public face is three names: ``from harness.tools import tool, ToolContext,
+ToolError`` (the decorator, what a running call may know, the error whose message the model
+reads), and ``harness.tools.testing.ToolTester`` to test a tool's crash contract in a plain
+pytest. Every other name here is internal to the loops and may change between releases.
 
 - ``registry``: the ``@tool`` decorator, the registry, schemas from type hints, ``run_inline``.
 - ``context``: ``ToolContext`` (session, call id, deadline, cancellation, idempotency key).
 - ``builtins``: ``delegate`` / ``delegate_followup`` (specs only), ``echo``, ``wait``.
 - ``loading``: user modules (``TOOL_MODULES``, entry point group ``agent_recovery.tools``).
 - ``mcp``: tools of MCP servers (streamable HTTP or stdio) an agent lists.
+- ``testing``: ``ToolTester``, the kit for tool authors.
 """
 
 from __future__ import annotations
 
+from harness.errors import ToolError
 from harness.tools import builtins as _builtins  # noqa: F401  (registers the built-ins)
 from harness.tools import mcp as _mcp  # noqa: F401  (installs the MCP room in the registry; not the SDK)
 from harness.tools.context import ToolContext
@@ -27,7 +34,9 @@ from harness.tools.registry import (
     unregister,
 )
 
-__all__ = [
+#: The public face for tool authors; the names after it are internal (imported by the loops).
+__all__ = ["ToolContext", "ToolError", "tool"]
+__all__ += [
     "ENTRY_POINT_GROUP",
     "REGISTRY",
     "Tool",
@@ -40,7 +49,6 @@ __all__ = [
     "parse_arguments",
     "register",
     "run_inline",
-    "tool",
     "tool_names",
     "unregister",
 ]
