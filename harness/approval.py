@@ -35,16 +35,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef
+from harness.errors import Cancelled
 from harness.events import publish_status
 from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
@@ -68,12 +70,15 @@ def call_id_of(call: ToolCall) -> str:
 
 
 def needs_approval(agent: AgentDef, name: str) -> bool:
-    """True when a call of tool ``name`` by ``agent`` waits for a human decision."""
+    """True when a call of tool ``name`` by ``agent`` waits for a human decision. With
+    ``approve_destructive``, an MCP tool whose annotations cannot be read now (its server
+    cannot be listed) needs one: what is not known to be harmless is asked about."""
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in agent.approve):
         return True
     found = lookup(name)
     if found is None:
-        return False
+        server, sep, _ = name.partition(MCP_SEPARATOR)
+        return bool(sep) and agent.approve_destructive and any(m.name == server for m in agent.mcp_servers)
     if found.requires_approval:
         return True
     return agent.approve_destructive and MCP_SEPARATOR in name and found.destructive is not False
@@ -98,6 +103,12 @@ def denied_result(by: str, reason: str) -> str:
     return f"denied by {by}: {reason}"
 
 
+def edited_result(by: str, result: str) -> str:
+    """The TOOL result of a call an approver ran with edited arguments: the model's call in the
+    history is the approved one, and this says it is not the one the model sent."""
+    return f"note: {by} edited the arguments of this call when approving it; it ran as shown.\n{result}"
+
+
 class AwaitingApproval(Exception):
     """Raised by a round when a call's request is still PENDING after every other call ran; the
     loop parks its session. Control flow, not an error."""
@@ -111,10 +122,12 @@ class AwaitingApproval(Exception):
 @dataclass(frozen=True)
 class Verdict:
     """How a call that needed approval is answered now: run it (with ``arguments``), write
-    ``result`` instead, or wait (both None)."""
+    ``result`` instead, or wait (both None). ``edited_by``: the approver who edited the
+    arguments (then ``arguments`` are theirs, and the call the model sees is that one)."""
 
     arguments: str | None = None
     result: str | None = None
+    edited_by: str | None = None
 
     @property
     def waits(self) -> bool:
@@ -144,29 +157,48 @@ class Gate:
         Returns how many."""
         calls = self.calls(reply, refused)
         if calls:
-            store.record_requests(
-                s,
-                session_id=session_id,
-                journal_id=journal_id,
-                agent_type=self.agent.name,
-                execution_id=self.execution_id,
-                calls=calls,
-                timeout_seconds=get_settings().APPROVAL_TIMEOUT_SECONDS,
-                not_after=self.not_after,
-            )
-            for call in calls:
-                log_event(log, "approval_requested", session_id=session_id, call_id=call.call_id, tool=call.tool)
+            self._write(s, session_id=session_id, journal_id=journal_id, calls=calls)
         return len(calls)
 
-    def gated(self, journal_id: int | None, reply: ModelReply, replayed: bool) -> set[str]:
-        """The call ids of the round that have a request (one read, only when a call may need
-        one: a replayed round, or a call that needs approval now)."""
+    def _write(self, s: Session, *, session_id: int, journal_id: int, calls: Sequence[NewRequest | ToolCall]) -> None:
+        requests = [c if isinstance(c, NewRequest) else NewRequest(call_id_of(c), c.name, c.arguments) for c in calls]
+        store.record_requests(
+            s,
+            session_id=session_id,
+            journal_id=journal_id,
+            agent_type=self.agent.name,
+            execution_id=self.execution_id,
+            calls=requests,
+            timeout_seconds=get_settings().APPROVAL_TIMEOUT_SECONDS,
+            not_after=self.not_after,
+        )
+        for r in requests:
+            log_event(log, "approval_requested", session_id=session_id, call_id=r.call_id, tool=r.tool)
+
+    def gated(
+        self, fence: Fence, *, session_id: int, journal_id: int | None, runnable: Sequence[ToolCall], replayed: bool
+    ) -> set[str]:
+        """The call ids of the round that wait for a decision: a call needs one when its journaled
+        round asked for one OR the configuration in force now says so (a round journaled before
+        a deploy that added the need is continued under the new rule). Of ``runnable`` (the
+        calls that may still run: no result, not refused, not reported interrupted), one that
+        the configuration needs now but that has no request gets it now, fenced, before any
+        call of the round runs. One read, only when a call may need one: a ``replayed`` round,
+        or a call that needs approval now."""
         if journal_id is None:
             return set()
-        if not replayed and not any(needs_approval(self.agent, c.name) for c in reply.tool_calls):
+        needed = [c for c in runnable if needs_approval(self.agent, c.name)]
+        if not replayed and not needed:
             return set()
         with transaction() as s:
-            return set(store.requests_of(s, journal_id))
+            asked = set(store.requests_of(s, journal_id))
+            late = [c for c in needed if call_id_of(c) not in asked]
+            if late:
+                fence.check(s)
+                self._write(s, session_id=session_id, journal_id=journal_id, calls=late)
+        if late:
+            crash_point("approval.after_request")
+        return asked | {call_id_of(c) for c in late}
 
 
 def order(calls: tuple[ToolCall, ...], gated: set[str]) -> list[ToolCall]:
@@ -186,10 +218,12 @@ def verdict(fence: Fence, session_id: int, call: ToolCall) -> Verdict:
             return Verdict(result=f"error: the approval request of the call to {call.name!r} is missing; not run")
         if row.status == ApprovalStatus.PENDING:
             return Verdict()
-        if row.tool != call.name or row.arguments_sha256 != store.fingerprint(call.arguments):
+        if row.tool != call.name or not store.same_arguments(row, call.arguments):
             return Verdict(result=f"error: the approval does not match the call to {call.name!r}; not run")
         if row.status == ApprovalStatus.APPROVED:
-            return Verdict(arguments=row.approved_arguments or call.arguments)
+            if row.approved_arguments is not None:
+                return Verdict(arguments=row.approved_arguments, edited_by=row.decided_by or store.SYSTEM)
+            return Verdict(arguments=call.arguments)
         return Verdict(result=denied_result(row.decided_by or store.SYSTEM, row.reason or str(row.status).lower()))
 
 
@@ -207,6 +241,8 @@ def park(fence: Fence, *, session_id: int, journal_id: int, execution_id: int | 
     with transaction() as s:
         store.requests_of(s, journal_id, lock=True)
         store.close_stale(s, session_id=session_id)
+        if store.session_cancelled(s, session_id):
+            raise Cancelled(f"session {session_id} was cancelled")  # never parked, never continued
         waiting = [r for r in store.requests_of(s, journal_id).values() if r.status == ApprovalStatus.PENDING]
         if not waiting:
             return ParkOutcome.DECIDED
@@ -265,15 +301,19 @@ class DecisionResult:
         }[self.outcome]
 
 
-def validated_arguments(tool: str, arguments: str) -> str:
-    """Edited arguments as a canonical JSON object, valid for the tool's schema. Raises
+def validated_arguments(tool: str, arguments: str | dict[str, Any]) -> str:
+    """Edited arguments (JSON text, or a dict from a Python caller or ``celery call``) as
+    canonical JSON text (models.approval.canonical), valid for the tool's schema. Raises
     DecisionRefused."""
     import jsonschema  # only an approver's edited arguments need it: not imported at every worker's boot
 
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        raise DecisionRefused("--arguments is not valid JSON") from None
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            raise DecisionRefused("--arguments is not valid JSON") from None
+    else:
+        value = arguments
     if not isinstance(value, dict):
         raise DecisionRefused("--arguments must be a JSON object")
     found = lookup(tool)
@@ -284,7 +324,7 @@ def validated_arguments(tool: str, arguments: str) -> str:
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "arguments"
         raise DecisionRefused(f"--arguments do not match the schema of {tool!r} at {where}: {exc.validator}") from None
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return store.canonical(value)
 
 
 def decide(session_id: int, call_id: str, decision: Decision, scheduler: Scheduler) -> DecisionResult:
@@ -296,8 +336,13 @@ def decide(session_id: int, call_id: str, decision: Decision, scheduler: Schedul
         raise DecisionRefused("edited arguments go with an approval only")
     with transaction() as s:
         row = store.request_of(s, session_id, call_id)
-        if row is not None and decision.arguments is not None:
-            decision = Decision(True, decision.by, decision.reason, validated_arguments(row.tool, decision.arguments))
+        if row is None:
+            return DecisionResult(DecisionOutcome.NOT_FOUND, None)
+        if decision.arguments is not None:
+            edited: str | None = validated_arguments(row.tool, decision.arguments)
+            if edited == store.canonical(row.arguments):
+                edited = None  # the model's own arguments, in another key order: not an edit
+            decision = Decision(True, decision.by, decision.reason, edited)
         outcome, row = store.decide(s, session_id, call_id, decision)
         handed = _hand_back(s, session_id) if outcome == DecisionOutcome.DECIDED else None
     if outcome == DecisionOutcome.DECIDED:
@@ -359,6 +404,7 @@ def backstop(scheduler: Scheduler, first: Callable[[], AbstractContextManager[Se
     ``first``: the step's first transaction (the scan's checks its right to scan in it)."""
     with first() as s:
         store.close_stale(s)
+        store.free_cancelled_parked(s)  # recovered by the same pass, ended CANCELLED
         ready = store.parked_ready(s)
     out: list[int] = []
     for session_id, _kind in ready:

@@ -14,7 +14,7 @@ from harness.delivery import suppress_parent
 from harness.events import publish_status
 from logfmt import log_event
 from models import AgentSession, Phase, transaction
-from models.approval import cancel_for_tree
+from models.approval import cancel_for_tree, free_cancelled_child, lock_for_cancel
 from models.session import request_cancel
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,16 @@ class CancelResult:
 def cancel_session(session_id: int) -> tuple[bool, list[int]]:
     """Phase -> CANCELLED (unless already stopped) and, in the same transaction, its PENDING
     executions SUPPRESSED with their children cancelled, and their pending approval requests
-    CANCELLED. Running loops notice and stop."""
+    CANCELLED. Running loops notice and stop. A child parked for an approval has no loop to
+    notice: its execution is freed for the next scan, whose recovery ends it CANCELLED and
+    delivers it (docs/approvals.md, "Cancelling a session that waits")."""
     with transaction() as s:
+        lock_for_cancel(s, session_id)
         changed = request_cancel(s, session_id)
         suppressed = suppress_parent(s, session_id) if changed else []
         if changed:
             cancel_for_tree(s, session_id)  # its and its children's pending approvals
+            free_cancelled_child(s, session_id)
     if changed:
         publish_status(session_id, Phase.CANCELLED)
     return changed, suppressed

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -96,6 +96,14 @@ class RoundInFlight:
     started: frozenset[str] = frozenset()
     #: True when a recovered loop continues the round (the model was not asked again).
     replayed: bool = False
+    #: tool_call_id -> the arguments an approver edited the call to, journaled while this loop
+    #: ran the round (a resumed round reads them back in its reply): the round lands with them.
+    edited: dict[str, str] = field(default_factory=dict)
+
+    def calls(self) -> list[ToolCall]:
+        """The round's calls as they run and land in the history: an edited call with the
+        arguments its approver gave."""
+        return [replace(c, arguments=self.edited[c.id]) if c.id in self.edited else c for c in self.reply.tool_calls]
 
 
 def resume(fence: Fence, session_id: int) -> RoundInFlight | None:
@@ -211,7 +219,16 @@ def run_tools(
     if approval is not None:
         from harness.approval import order
 
-        gated = approval.gated(rnd.journal_id, rnd.reply, rnd.replayed)
+        runnable = [
+            c
+            for c in rnd.reply.tool_calls
+            if c.id not in rnd.refused
+            and c.id not in rnd.results
+            and not (c.id in rnd.started and not repeatable(c.name))  # reported interrupted, never run
+        ]
+        gated = approval.gated(
+            fence, session_id=session_id, journal_id=rnd.journal_id, runnable=runnable, replayed=rnd.replayed
+        )
         todo = order(rnd.reply.tool_calls, gated)
     for n, call in enumerate(todo):
         if call.id in rnd.refused:
@@ -221,6 +238,7 @@ def run_tools(
             out[call.id] = rnd.results[call.id]
             continue
         arguments = call.arguments
+        note: Callable[[str], str] = _as_is
         if gated and _approval_key(call) in gated:
             from harness.approval import verdict
 
@@ -233,14 +251,16 @@ def run_tools(
                 _journal_result(fence, entry, call, answer.result, repeatable(call.name))
                 continue
             arguments = answer.arguments or call.arguments
+            if answer.edited_by is not None:
+                call, note = _approved_call(fence, rnd, call, arguments, answer.edited_by), _edited(answer.edited_by)
         safe = repeatable(call.name)
         if call.id in rnd.started and not safe:
             log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name)
-            out[call.id] = interrupted_result(call)
+            out[call.id] = note(interrupted_result(call))
             continue
         if safe and rnd.replayed and not _may_run_again(fence, entry, call):
             log_event(log, "tool_interrupted_not_rerun", session_id=session_id, tool=call.name, reason="max_reruns")
-            out[call.id] = interrupted_result(call)
+            out[call.id] = note(interrupted_result(call))
             continue
         if not safe:
             with transaction() as s:
@@ -248,7 +268,7 @@ def run_tools(
                 store.mark_started(s, entry, call.id, tool_name=call.name, repeatable=False)
             crash_point("journal.after_tool_start")
         ctx = context_for(session_id, call, deadline, fence.should_stop, kind)
-        result = run_inline(call.name, arguments, ctx, allowed)
+        result = note(run_inline(call.name, arguments, ctx, allowed))
         out[call.id] = result
         if n == len(todo) - 1 and safe and not gated:
             continue  # the round's transaction carries it; a crash before it runs the tool again
@@ -258,6 +278,30 @@ def run_tools(
 
         raise AwaitingApproval(entry, waiting)
     return out
+
+
+def _as_is(result: str) -> str:
+    return result
+
+
+def _edited(by: str) -> Callable[[str], str]:
+    from harness.approval import edited_result
+
+    return lambda result: edited_result(by, result)
+
+
+def _approved_call(fence: Fence, rnd: RoundInFlight, call: ToolCall, arguments: str, by: str) -> ToolCall:
+    """The call an approver edited, as it runs, is keyed, is journaled and lands in the history:
+    its arguments are the approver's. They are journaled before the tool starts (a crash after
+    that quotes them, never the model's unapproved ones); a resumed round has them already."""
+    if call.arguments != arguments:
+        with transaction() as s:
+            fence.check(s)
+            store.edit_call(s, _entry_of(rnd), call.id, arguments)
+        crash_point("approval.after_edited_call")
+        log_event(log, "approval_edited_call", session_id=fence.session_id, call_id=call.id, by=by)
+    rnd.edited[call.id] = arguments
+    return replace(call, arguments=arguments)
 
 
 def _approval_key(call: ToolCall) -> str:
@@ -295,7 +339,7 @@ def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dic
             s,
             session_id,
             reply.content,
-            [c.to_openai() for c in reply.tool_calls],
+            [c.to_openai() for c in rnd.calls()],
             [ToolResult(c.id, results[c.id]) for c in reply.tool_calls],
         )
         store.close(s, _entry_of(rnd))

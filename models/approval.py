@@ -18,6 +18,7 @@ Every helper is one statement; the compare-and-set ones say what "nothing done" 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -113,6 +114,30 @@ def fingerprint(arguments: str) -> str:
     return hashlib.sha256(arguments.encode("utf-8")).hexdigest()
 
 
+def canonical(arguments: str | dict[str, Any]) -> str:
+    """Argument text as canonical JSON (keys sorted, no spaces): two texts that differ only in
+    key order or spacing are the same arguments. Text that is not JSON is returned as it is."""
+    if isinstance(arguments, str):
+        try:
+            value: Any = json.loads(arguments)
+        except ValueError:
+            return arguments
+    else:
+        value = arguments
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def same_arguments(row: ApprovalRequest, arguments: str) -> bool:
+    """True when ``arguments`` are the request's: the model's as asked, or the approver's edit
+    (which the journal carries once the approved call is under way), compared as canonical JSON."""
+    if fingerprint(arguments) == row.arguments_sha256:
+        return True
+    asked = canonical(arguments)
+    return asked == canonical(row.arguments) or (
+        row.approved_arguments is not None and asked == canonical(row.approved_arguments)
+    )
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """One call of a journaled reply that needs approval."""
@@ -183,13 +208,14 @@ class DecisionOutcome(StrEnum):
 
 @dataclass(frozen=True)
 class Decision:
-    """A human's answer to one request. ``arguments`` (approvals only): the edited argument
-    text the tool runs with instead of the model's."""
+    """A human's answer to one request. ``arguments`` (approvals only): the edited arguments
+    the tool runs with instead of the model's, as JSON text or a dict (a Python caller's, or
+    ``celery call``'s); ``harness.approval.decide`` records them as canonical JSON text."""
 
     approve: bool
     by: str
     reason: str = ""
-    arguments: str | None = None
+    arguments: str | dict[str, Any] | None = None
 
     @property
     def status(self) -> ApprovalStatus:
@@ -255,6 +281,71 @@ def cancel_for_tree(s: Session, session_id: int) -> int:
     )
 
 
+def lock_for_cancel(s: Session, session_id: int) -> None:
+    """Before a cancel of ``session_id`` moves its phase: lock its PENDING requests and those of
+    its child sessions, then the executions it runs as a child, in the lock order of a decision
+    and a park (the request rows, then the execution, then the session): a cancel racing a
+    decision or a park waits for it instead of deadlocking with it."""
+    Child = S.__table__.alias("child")
+    in_tree = or_(
+        A.session_id == session_id,
+        A.session_id.in_(select(Child.c.id).where(Child.c.parent_session_id == session_id)),
+    )
+    s.execute(select(A.id).where(A.status == ApprovalStatus.PENDING, in_tree).order_by(A.id).with_for_update())
+    s.execute(select(E.id).where(E.child_session_id == session_id).order_by(E.id).with_for_update())
+
+
+def free_cancelled_child(s: Session, child_session_id: int) -> int:
+    """In the transaction that cancels a child session: its execution parked for an approval
+    (active, PENDING, no owner) gets no lease end, so the next scan recovers it at once, and a
+    recovery ends a cancelled child as CANCELLED without running it (recovery.child). Returns
+    how many (0, nothing done: the session is no child, not cancelled, or its execution is held
+    by a loop, which notices the cancel itself, or ended)."""
+    cancelled = exists().where(S.id == child_session_id, S.phase == Phase.CANCELLED)
+    return cas(
+        s,
+        update(E)
+        .where(
+            E.child_session_id == child_session_id,
+            E.status.in_(ACTIVE_EXECUTION),
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.lease_owner.is_(None),
+            cancelled,
+        )
+        .values(lease_expires_at=None),
+    )
+
+
+def free_cancelled_parked(s: Session) -> int:
+    """The scan's backstop of :func:`free_cancelled_child`: every execution still parked (no
+    owner, its lease end the expiry of one of its requests, which the cancel closed) whose
+    child session was cancelled gets no lease end, so the same pass recovers it. A scan's
+    reservation is never taken for a park: its lease end is no request's expiry."""
+    cancelled = exists().where(S.id == E.child_session_id, S.phase == Phase.CANCELLED)
+    parked = exists().where(
+        A.execution_id == E.id, A.status == ApprovalStatus.CANCELLED, A.expires_at == E.lease_expires_at
+    )
+    return cas(
+        s,
+        update(E)
+        .where(
+            E.status.in_(ACTIVE_EXECUTION),
+            E.delivery_status == DeliveryStatus.PENDING,
+            E.lease_owner.is_(None),
+            E.lease_expires_at.is_not(None),
+            cancelled,
+            parked,
+        )
+        .values(lease_expires_at=None),
+    )
+
+
+def session_cancelled(s: Session, session_id: int) -> bool:
+    """True when the session was cancelled (a park never parks it then)."""
+    phase = s.execute(select(S.phase).where(S.id == session_id)).scalar_one_or_none()
+    return phase == Phase.CANCELLED
+
+
 def decide(
     s: Session, session_id: int, call_id: str, decision: Decision
 ) -> tuple[DecisionOutcome, ApprovalRequest | None]:
@@ -264,6 +355,7 @@ def decide(
     (same status, same arguments) is REPEATED; anything else is CONFLICT. Returns the request
     as it stands after."""
     close_stale(s, session_id=session_id, call_id=call_id)
+    edited = canonical(decision.arguments) if decision.approve and decision.arguments is not None else None
     rows = cas(
         s,
         update(A)
@@ -273,7 +365,7 @@ def decide(
             decided_at=utcnow(),
             decided_by=decision.by,
             reason=decision.reason or None,
-            approved_arguments=decision.arguments if decision.approve else None,
+            approved_arguments=edited,
         ),
     )
     row = request_of(s, session_id, call_id)
@@ -282,9 +374,7 @@ def decide(
     s.refresh(row)
     if rows == 1:
         return DecisionOutcome.DECIDED, row
-    if row.status == decision.status and (row.approved_arguments or None) == (
-        decision.arguments if decision.approve else None
-    ):
+    if row.status == decision.status and (row.approved_arguments or None) == edited:
         return DecisionOutcome.REPEATED, row
     return DecisionOutcome.CONFLICT, row
 

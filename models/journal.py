@@ -231,6 +231,24 @@ def abandon(s: Session, journal_id: int) -> bool:
     return _finish(s, journal_id, JournalStatus.ABANDONED)
 
 
+def edit_call(s: Session, journal_id: int, tool_call_id: str, arguments: str) -> bool:
+    """Journal ``arguments`` as the arguments of one call of the open entry (an approver edited
+    them: the call that runs, is keyed and lands in the history is that one). False, nothing
+    done: the entry is no longer open or has no such call. The caller holds the fence of the
+    entry's epoch; the entry row is locked while its call list is rewritten."""
+    J = RoundJournal
+    entry = s.execute(
+        select(J.tool_calls).where(J.id == journal_id, J.status == JournalStatus.OPEN).with_for_update()
+    ).scalar_one_or_none()
+    if entry is None or not any(str(c.get("id")) == tool_call_id for c in entry):
+        return False
+    calls = [
+        {**c, "function": {**c.get("function", {}), "arguments": arguments}} if str(c.get("id")) == tool_call_id else c
+        for c in entry
+    ]
+    return cas(s, update(J).where(J.id == journal_id, J.status == JournalStatus.OPEN).values(tool_calls=calls)) == 1
+
+
 def calls_of(s: Session, journal_id: int) -> list[RoundJournalCall]:
     return list(s.execute(select(RoundJournalCall).where(RoundJournalCall.journal_id == journal_id)).scalars())
 

@@ -38,7 +38,7 @@ from harness.child import (
     run_rounds,
     timeout_reason,
 )
-from harness.child_end import ChildInfo, Completed, Failed, finish_child
+from harness.child_end import ChildInfo, Completed, Failed, Stopped, finish_child
 from harness.errors import BoundaryInvalid, infrastructure_boundary
 from harness.history import cleanup_incomplete_tail, load_raw, parse_tool_calls
 from harness.loop import LoopDeps
@@ -238,6 +238,10 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
                 found = Completed(taken.final.content, final_message_id=taken.final.message_id)
                 state = finish_child(info, new_epoch, found)
                 return ChildEnd(ChildOutcome.COMPLETED_FROM_FINAL, state) if state else ChildEnd(ChildOutcome.LOST)
+            if info.child_phase == Phase.CANCELLED:
+                # A cancelled child is never run again: a child parked for an approval has no
+                # loop to notice its cancel, so its recovery ends it (docs/approvals.md).
+                return end_with_failure(info, new_epoch, ChildOutcome.CANCELLED, Stopped())
             if utcnow() >= child_deadline(info.started_at):
                 return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, Failed(timeout_reason()))
         if fault:

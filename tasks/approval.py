@@ -16,9 +16,11 @@ from tasks import app
 from tasks.scheduler import CeleryScheduler
 
 
-def approve(session_id: int, call_id: str, *, by: str, note: str = "", arguments: str | None = None) -> DecisionResult:
-    """Approve one request (``arguments``: edited JSON the tool runs with instead, checked
-    against its schema; DecisionRefused when it does not fit). The first decision wins:
+def approve(
+    session_id: int, call_id: str, *, by: str, note: str = "", arguments: str | dict[str, Any] | None = None
+) -> DecisionResult:
+    """Approve one request (``arguments``: edited JSON text or a dict the tool runs with
+    instead, checked against its schema; DecisionRefused when it does not fit). The first decision wins:
     ``result.outcome`` says whether this one landed, repeated the one that stands, or
     conflicts with it (``result.describe()`` names it)."""
     return decide(int(session_id), str(call_id), Decision(True, by, note, arguments), CeleryScheduler(app))
@@ -43,7 +45,7 @@ def as_dict(result: DecisionResult) -> dict[str, Any]:
 
 @app.task(name="agent.approve")
 def approve_task(
-    session_id: int, call_id: str, by: str = "celery", note: str = "", arguments: str | None = None
+    session_id: int, call_id: str, by: str = "celery", note: str = "", arguments: str | dict[str, Any] | None = None
 ) -> dict[str, Any]:
     try:
         return as_dict(approve(session_id, call_id, by=by, note=note, arguments=arguments))

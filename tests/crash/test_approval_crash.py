@@ -154,11 +154,41 @@ def test_a_worker_killed_inside_the_approved_tool_never_runs_it_twice(
     w1 = stack.worker("w1", CRASH_POINT="journal.after_tool_start")
     sid = stack.submit("go")
     req = wait_until(parked, timeout=60, what="the child parked for approval")
-    assert cli("approve", str(req.session_id), req.call_id).returncode == 0
+    edited = cli("approve", str(req.session_id), req.call_id, "--arguments", '{"amount": 25, "order": "A-1"}')
+    assert edited.returncode == 0, edited.stderr
     wait_until(lambda: "crash_point=journal.after_tool_start" in w1.log(), timeout=60, what="the crash in the tool")
     w1.kill()
     stack.worker("w2", beat=True)
     stack.wait_phase(sid, timeout=90)
     assert refund_runs(approval_env) == []  # started (journaled), killed before it ran, not run again
-    assert "interrupted by a restart" in delivered_once(sid)
+    result = delivered_once(sid)
+    assert "interrupted by a restart" in result
+    # The interrupted call is quoted as the approver edited it, never with the model's amount.
+    assert '"amount":25' in result and '"amount": 30' not in result and "edited the arguments" in result
+    assert stack.invariants() == []
+
+
+def test_a_cli_cancel_of_a_child_waiting_for_approval_delivers_it_as_cancelled_within_two_leases(
+    stack_factory: StackFactory, approval_env: Path
+) -> None:
+    stack = stack_factory(SCRIPT)
+    stack.worker("w1", beat=True)
+    sid = stack.submit("go")
+    req = wait_until(parked, timeout=60, what="the child parked for approval")
+    cancelled_at = time.monotonic()
+    done = cli("cancel", str(req.session_id))
+    assert done.returncode == 0 and "cancelled" in done.stdout, done.stderr
+    stack.wait_phase(sid, timeout=30)
+    took = time.monotonic() - cancelled_at
+    print(f"cancel_to_parent_answer_seconds={took:.2f}")
+    assert took < 2 * 3 + 1  # two leases (LEASE_SECONDS=3) and a poll, not the child's deadline
+    (execution,) = executions_of(sid)
+    assert (execution.status, execution.delivery_status) == ("CANCELLED", "DELIVERED")
+    ((result,),) = [[json.loads(m.content or "") for m in messages_of(sid) if m.role == "TOOL"]]
+    assert (result["success"], result["cancelled"]) == (False, True)
+    with transaction() as s:
+        status = s.execute(select(ApprovalRequest.status).where(ApprovalRequest.id == req.id)).scalar_one()
+    assert status == ApprovalStatus.CANCELLED
+    time.sleep(3)  # more scans pass: nothing resumes the cancelled child
+    assert refund_runs(approval_env) == [] and phase_of(req.session_id) == "CANCELLED"
     assert stack.invariants() == []
