@@ -4,7 +4,8 @@ A lease is how long an owner may go silent before its work is taken from it; eve
 that bounds a wait is a fraction or a multiple of it, and is written here only:
 
 - the lease itself, and its renewal interval (a third of it: two renewals may fail before it
-  lapses);
+  lapses); a lease is renewed only while its holder makes progress: not once a database call of
+  the holder has been in flight for half a lease (:func:`stalled_call_seconds`);
 - a reservation: how long work handed over without an owner (the scan's re-send, a delivery's
   hand-over, a fresh submit, a child's creation) waits for the task it was handed before the scan
   may take it again: TWO leases, whoever writes it. One lease was too short for a task queued
@@ -42,6 +43,15 @@ def renewal_seconds(lease: float | None = None) -> float:
     """How often a live owner renews its lease (``lease``, default :func:`lease_seconds`): a
     third of it, so that two renewals may fail before it lapses (at least every half second)."""
     return max(0.5, (lease_seconds() if lease is None else lease) / 3)
+
+
+def stalled_call_seconds(lease: float | None = None) -> float:
+    """A holder whose database work has been in flight this long makes no progress: its
+    heartbeat renews its lease (``lease``, default :func:`lease_seconds`) no more, so that the
+    lease lapses and the scan takes the work back (half a lease: a lock wait is cut at half a
+    lease, an idle transaction is ended by the server at half a lease: a live holder's call
+    is not longer; one that ends just past it costs one beat, made up by the next)."""
+    return (lease_seconds() if lease is None else lease) / 2
 
 
 def reservation_seconds(lease: float | None = None) -> float:
