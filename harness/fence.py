@@ -2,7 +2,10 @@
 
 A fence is checked INSIDE each write transaction with one conditional UPDATE that also renews
 the lease; when it does not land, LeaseLost is raised and the transaction rolls back, so a
-paused or duplicate worker never writes. A heartbeat thread renews the lease between writes.
+paused or duplicate worker never writes. A heartbeat thread renews the lease between writes,
+only while its holder makes progress: not while a database call of the holder's thread has been
+in flight for half a lease (``models.db.CallClock``): a connection frozen in a live process
+lets the lease lapse, and the scan takes the work back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from models import (
     lease,
     transaction,
 )
+from models.db import CallClock, call_clock
 from models.execution import fence_execution
 from models.session import fence_session, renew_session_lease
 
@@ -160,6 +164,28 @@ def _renew_once(fence: Fence) -> bool | None:
         return None
 
 
+def _beat(fence: Fence, calls: CallClock, stall: list[float]) -> bool | None:
+    """One beat: a renewal (``_renew_once``), unless the holder's database work has been in
+    flight too long (``models.lease.stalled_call_seconds``): then None, nothing renewed, and
+    ``lease_not_renewed`` logged once per stalled call (``stall`` holds the last one's start)."""
+    in_flight = calls.in_flight_seconds()
+    if in_flight <= lease.stalled_call_seconds(fence.lease_seconds):
+        return _renew_once(fence)
+    since = calls.since
+    if since and stall[0] != since:
+        stall[0] = since
+        log_event(
+            log,
+            "lease_not_renewed",
+            logging.WARNING,
+            session_id=fence.session_id,
+            epoch=fence.epoch,
+            reason="call_in_flight",
+            in_flight_seconds=round(in_flight, 1),
+        )
+    return None
+
+
 class _Renewer:
     """A thread that renews one fence at a time and is kept for the next run of its process
     (``Heartbeat``): a thread started and joined for every run cost each child and parent run
@@ -170,16 +196,20 @@ class _Renewer:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._fence: Fence | None = None
+        self._calls = CallClock()  #: the holder thread's (``hold``)
+        self._stall = [0.0]  #: the start of the last stalled call logged
         self._interval = 0.0
         self._due = 0.0
         self._renewing = False
         self._quit = False
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
-    def hold(self, fence: Fence) -> None:
-        """Renew ``fence`` every third of its lease from now on."""
+    def hold(self, fence: Fence, calls: CallClock) -> None:
+        """Renew ``fence`` every third of its lease from now on, while the holder's database
+        work (``calls``, its thread's clock) makes progress."""
         with self._cond:
             self._fence = fence
+            self._calls = calls
             self._interval = lease.renewal_seconds(fence.lease_seconds)
             self._due = time.monotonic() + self._interval
             self._cond.notify()
@@ -214,10 +244,11 @@ class _Renewer:
                 if delay > 0:
                     self._cond.wait(delay)
                     continue
+                calls = self._calls  # read with the fence, under the lock
                 self._renewing = True
                 self._cond.release()
                 try:
-                    outcome = _renew_once(fence)
+                    outcome = _beat(fence, calls, self._stall)
                 finally:
                     self._cond.acquire()
                     self._renewing = False
@@ -261,8 +292,9 @@ os.register_at_fork(after_in_child=_renewers.forget)
 
 
 class Heartbeat:
-    """Renews the fence's lease every third of the lease; marks the fence lost when it fails.
-    On exit it renews no more, after a renewal in flight has ended (at most 5 s)."""
+    """Renews the fence's lease every third of the lease while the thread that enters it (the
+    holder) makes progress (``_beat``); marks the fence lost when a renewal fails. On exit it
+    renews no more, after a renewal in flight has ended (at most 5 s)."""
 
     def __init__(self, fence: Fence) -> None:
         self.fence = fence
@@ -270,7 +302,7 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         self._renewer = _renewers.take()
-        self._renewer.hold(self.fence)
+        self._renewer.hold(self.fence, call_clock())
         return self
 
     def __exit__(

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 
-from models.db import get_engine, on_dispose
+from models.db import call_in_flight, get_engine, on_dispose
 
 RESYNC_SECONDS = 60.0
 
@@ -100,7 +100,8 @@ def _measure() -> tuple[float, datetime] | None:
     if engine.dialect.name != "postgresql":
         return monotonic(), local_utcnow()  # the embedded default: one machine, one clock
     try:
-        with engine.connect() as conn:
+        # Database work of the caller's thread like a transaction's (its heartbeat's rule).
+        with call_in_flight(), engine.connect() as conn:
             before = monotonic()
             server: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
             after = monotonic()

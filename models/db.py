@@ -158,11 +158,62 @@ def release_for_fork(*, close: bool) -> None:
         hook()
 
 
+class CallClock:
+    """When the database work a thread has in flight began (``since``, monotonic; 0.0 when it
+    has none): a heartbeat renews a lease only while its holder's calls end
+    (harness.fence, docs/invariants.md I6). One per thread: loops may run many per process."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since = 0.0
+
+    def in_flight_seconds(self) -> float:
+        """How long the work in flight has lasted so far; 0.0 when none is."""
+        since = self.since  # one read: the owning thread may end its work meanwhile
+        return time.monotonic() - since if since else 0.0
+
+
+_threads = threading.local()
+
+
+def call_clock() -> CallClock:
+    """This thread's :class:`CallClock`."""
+    try:
+        return _threads.clock  # type: ignore[no-any-return]
+    except AttributeError:
+        clock = _threads.clock = CallClock()
+        return clock
+
+
+@contextmanager
+def call_in_flight() -> Iterator[None]:
+    """Database work of this thread, on its :class:`CallClock` from its start to its end (an
+    outer one, if any, keeps its start)."""
+    clock = call_clock()
+    outer = clock.since
+    if not outer:
+        clock.since = time.monotonic()
+    try:
+        yield
+    finally:
+        clock.since = outer
+
+
 @contextmanager
 def transaction(url: str | None = None) -> Iterator[Session]:
-    """One Session, one transaction: commit on success, roll back on any exception."""
-    with _sessions(get_engine(url))() as session, session.begin():
-        yield session
+    """One Session, one transaction: commit on success, roll back on any exception. The whole of
+    it (the checkout and its ping, every statement, the commit) is database work in flight on
+    the thread's :class:`CallClock` (as :func:`call_in_flight`, inlined: this is the hot path)."""
+    clock = call_clock()
+    outer = clock.since
+    if not outer:
+        clock.since = time.monotonic()
+    try:
+        with _sessions(get_engine(url))() as session, session.begin():
+            yield session
+    finally:
+        clock.since = outer
 
 
 #: Set (True) on a statement :func:`built_once` built that yields plain rows: see ``_Session``.

@@ -4,7 +4,8 @@ A lease is how long an owner may go silent before its work is taken from it; eve
 that bounds a wait is a fraction or a multiple of it, and is written here only:
 
 - the lease itself, and its renewal interval (a third of it: two renewals may fail before it
-  lapses);
+  lapses); a lease is renewed only while its holder makes progress: not once a database call of
+  the holder has been in flight for half a lease (:func:`stalled_call_seconds`);
 - a reservation: how long work handed over without an owner (the scan's re-send, a delivery's
   hand-over, a fresh submit, a child's creation) waits for the task it was handed before the scan
   may take it again: TWO leases, whoever writes it. One lease was too short for a task queued
@@ -12,8 +13,9 @@ that bounds a wait is a fraction or a multiple of it, and is written here only:
   (:func:`resend_window_seconds`), so a long queue is not flooded;
 - the right to scan: one scan interval, and never less than a lease, renewed every third of it;
 - the server-side bounds of every connection (:func:`connect_bounds`): an idle transaction is
-  killed within half a lease, TCP keepalives and ``tcp_user_timeout`` find a dead peer within
-  half a lease, so that a stalled client (SIGSTOP, a suspended VM, a path that stopped
+  killed within half a lease, TCP keepalives and ``tcp_user_timeout`` (on both ends) find a
+  dead peer within half a lease, the server checks during a statement that its client is still
+  there, so that a stalled or vanished client (SIGSTOP, a suspended VM, a path that stopped
   answering) never holds a row past its lease; every lock wait on every path is cut at half a
   lease (:func:`lock_wait_seconds`); and the waits of the scan's statements are shorter still
   (:func:`lock_timeout_seconds`, :func:`statement_timeout_seconds`).
@@ -42,6 +44,15 @@ def renewal_seconds(lease: float | None = None) -> float:
     """How often a live owner renews its lease (``lease``, default :func:`lease_seconds`): a
     third of it, so that two renewals may fail before it lapses (at least every half second)."""
     return max(0.5, (lease_seconds() if lease is None else lease) / 3)
+
+
+def stalled_call_seconds(lease: float | None = None) -> float:
+    """A holder whose database work has been in flight this long makes no progress: its
+    heartbeat renews its lease (``lease``, default :func:`lease_seconds`) no more, so that the
+    lease lapses and the scan takes the work back (half a lease: a lock wait is cut at half a
+    lease, an idle transaction is ended by the server at half a lease: a live holder's call
+    is not longer; one that ends just past it costs one beat, made up by the next)."""
+    return (lease_seconds() if lease is None else lease) / 2
 
 
 def reservation_seconds(lease: float | None = None) -> float:
@@ -121,19 +132,41 @@ def tcp_user_timeout_seconds() -> float:
     return lease_seconds() / 2
 
 
+def keepalive_probe_seconds() -> int:
+    """TCP keepalives on both ends of every connection: the first probe after this long idle,
+    then one every this long, 3 of them (a sixth of a lease, at least 1 s: the socket option's
+    unit); and how often the server checks, during a statement, that its client is still there
+    (``client_connection_check_interval``)."""
+    return max(1, int(lease_seconds() / 6))
+
+
 def connect_bounds() -> dict[str, object]:
     """libpq connect arguments that bound what a stalled or vanished client holds on the server:
-    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`) and TCP
-    keepalives probing within half a lease. The scan's statements wait less still
-    (:func:`lock_timeout_seconds`, set per transaction)."""
+    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`), TCP
+    keepalives (:func:`keepalive_probe_seconds`) and ``tcp_user_timeout`` on the client's socket
+    AND, in ``options``, on the server's: a vanished client's locks are freed within the lease,
+    whether its transaction is idle (ended at half a lease), in a statement (the server checks
+    its client every probe interval, ``client_connection_check_interval``, PostgreSQL 14+) or
+    waiting for the server's answer to be acknowledged (``tcp_user_timeout``). The scan's
+    statements wait less still (:func:`lock_timeout_seconds`, set per transaction)."""
     idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
     lock_ms = max(1000, int(lock_wait_seconds() * 1000))
-    probe = max(1, int(lease_seconds() / 6))
+    user_timeout_ms = max(1000, int(tcp_user_timeout_seconds() * 1000))
+    probe = keepalive_probe_seconds()
+    server = {
+        "idle_in_transaction_session_timeout": idle_ms,
+        "lock_timeout": lock_ms,
+        "tcp_keepalives_idle": probe,
+        "tcp_keepalives_interval": probe,
+        "tcp_keepalives_count": 3,
+        "tcp_user_timeout": user_timeout_ms,
+        "client_connection_check_interval": probe * 1000,
+    }
     return {
-        "options": f"-c idle_in_transaction_session_timeout={idle_ms} -c lock_timeout={lock_ms}",
+        "options": " ".join(f"-c {name}={value}" for name, value in server.items()),
         "keepalives": 1,
         "keepalives_idle": probe,
         "keepalives_interval": probe,
         "keepalives_count": 3,
-        "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
+        "tcp_user_timeout": user_timeout_ms,
     }

@@ -15,6 +15,11 @@ server to install). Faults, each switched on and off from the test's thread:
   delivers it and then closes the server side cleanly, so the server executes it while the
   client only sees its connection die: the commit that happened although the client got an
   error.
+- ``freeze_on(pattern)``: FREEZE the connection that carries ``pattern`` instead of cutting it:
+  that chunk and everything after it, both ways, is held (not forwarded, not read further), and
+  the TCP connections stay up (the proxy's kernel still acknowledges what the client sends and
+  answers its keepalives), so the client waits on its socket for ever: a connection frozen in a
+  live process. ``thaw()`` forwards what was held and pumps again.
 
 A cut is a TCP reset (SO_LINGER 0) towards each side that must see a failure: psycopg2 raises
 OperationalError, redis-py ConnectionError, and PostgreSQL aborts the backend's transaction.
@@ -57,6 +62,7 @@ class Stats:
     connections: int  #: accepted and connected upstream, ever
     active: int  #: open right now
     cuts: int  #: connections reset by a fault (cut_all, cut_after, cut_on, reset mode)
+    frozen: int  #: connections frozen by freeze_on, ever
     pattern_hits: int  #: cut_on matches
     refused: int  #: connections reset at accept in refuse_for(mode="reset")
     upstream_failures: int  #: accepted, but the upstream server did not take the connection
@@ -70,6 +76,7 @@ class _Rule:
     direction: Direction
     when: When
     remaining: int | None  #: cuts left; None: every match
+    freeze: bool = False  #: hold the connection instead of cutting it
 
 
 @dataclass(eq=False)
@@ -80,6 +87,8 @@ class _Conn:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     closed: bool = False
+    #: Set while bytes flow; cleared by a freeze (both pumps wait on it before writing).
+    flowing: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -111,7 +120,8 @@ class FaultProxy:
         self._refuse_mode: RefuseMode | None = None
         self._refuse_handle: asyncio.TimerHandle | None = None
         self._counts = dict.fromkeys(
-            ("connections", "cuts", "pattern_hits", "refused", "upstream_failures", "bytes_up", "bytes_down"), 0
+            ("connections", "cuts", "frozen", "pattern_hits", "refused", "upstream_failures", "bytes_up", "bytes_down"),
+            0,
         )
 
     @classmethod
@@ -196,8 +206,20 @@ class FaultProxy:
             raise ValueError("an empty pattern would match every chunk")
         self._call(self._rules.append, _Rule(pattern, direction, when, times))
 
+    def freeze_on(self, pattern: bytes, *, times: int | None = 1, direction: Direction = "up") -> None:
+        """Freeze the connection that carries ``pattern`` (``times`` matches; None: every one),
+        before that chunk is forwarded: see the module docstring."""
+        if not pattern:
+            raise ValueError("an empty pattern would match every chunk")
+        self._call(self._rules.append, _Rule(pattern, direction, "before", times, freeze=True))
+
+    def thaw(self) -> int:
+        """Let every frozen connection flow again (what was held goes first); returns how many."""
+        return int(self._call(self._thaw))
+
     def clear(self) -> None:
-        """Switch every fault off (listening again if refusing); open connections stay."""
+        """Switch every fault off (listening again if refusing); open connections stay (a
+        frozen one stays frozen: ``thaw`` it)."""
         self._call(self._clear)
 
     def stats(self) -> Stats:
@@ -280,6 +302,12 @@ class FaultProxy:
 
         self._refuse_handle = self._loop.call_later(seconds, end)
 
+    def _thaw(self) -> int:
+        frozen = [conn for conn in self._conns.values() if not conn.flowing.is_set()]
+        for conn in frozen:
+            conn.flowing.set()
+        return len(frozen)
+
     def _cut_all(self) -> int:
         conns = list(self._conns.values())
         for conn in conns:
@@ -301,6 +329,7 @@ class FaultProxy:
 
     def _forget(self, conn: _Conn) -> None:
         conn.closed = True
+        conn.flowing.set()  # a pump holding a frozen chunk wakes, sees the end and stops
         if conn.timer is not None:
             conn.timer.cancel()
         with self._lock:
@@ -318,6 +347,7 @@ class FaultProxy:
             _reset(writer)
             return
         conn = _Conn(next(self._ids), writer, up_writer)
+        conn.flowing.set()
         with self._lock:
             self._conns[conn.id] = conn
             self._counts["connections"] += 1
@@ -354,9 +384,19 @@ class FaultProxy:
                 keep = max((len(r.pattern) for r in self._rules), default=1) - 1
                 tail = window[-keep:] if keep else b""
                 rule = self._match(direction, window)
-                if rule is not None and rule.when == "before":
+                if rule is not None and rule.freeze:
+                    if conn.flowing.is_set():
+                        self._count("frozen")
+                    conn.flowing.clear()
+                    rule = None
+                elif rule is not None and rule.when == "before":
                     self._cut(conn)
                     return
+                if not conn.flowing.is_set():
+                    # Frozen: hold this chunk and read nothing more until thawed (or cut).
+                    await conn.flowing.wait()
+                    if conn.closed:
+                        break
                 writer.write(data)
                 self._count("bytes_up" if direction == "up" else "bytes_down", len(data))
                 if rule is not None:

@@ -1,6 +1,7 @@
 """Stalls through real workers (``celery -A tasks worker``, LEASE_SECONDS=3 in the stack): a
-process SIGSTOPped with a transaction open holds nothing past its lease, and a parent never
-answers twice."""
+process SIGSTOPped with a transaction open holds nothing past its lease, a live process whose
+database connection froze (tests/faultproxy.py ``freeze_on``) stops renewing the lease of the
+work stuck on it, and a parent never answers twice."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typing import Any
 import pytest
 
 from tests.crash.test_liveness import _dead_child, script
+from tests.faultproxy import FaultProxy
 from tests.helpers import executions_of, messages_of, wait_until
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
 LEASE = 3.0  # LEASE_SECONDS of the test stack
+SCAN = 2.0  # SCAN_INTERVAL_SECONDS of the test stack
 
 
 def _final_answers(sid: int) -> list[int]:
@@ -70,4 +73,43 @@ def test_a_scanner_stalled_inside_its_batch_holds_no_row_and_another_scanner_rec
     os.killpg(frozen.proc.pid, signal.SIGCONT)
     assert {e.id: e.delivery_status for e in executions_of(parent)} == {eid: "DELIVERED"}
     time.sleep(LEASE)
+    assert stack.invariants() == []
+
+
+def test_a_parent_whose_connection_freezes_in_its_delegating_transaction_is_taken_back_and_answers_once(
+    stack_factory: Any,
+) -> None:
+    """The worker's connection freezes (bytes held, no reset) as it sends the round's pending
+    round: its process lives on and its heartbeat could renew the parent's lease for ever. A
+    lease is renewed only while its holder makes progress, so it lapses and the scan hands the
+    parent to a free slot; the frozen run's late writes, once thawed, land nowhere."""
+    stack = stack_factory(script())
+    with FaultProxy.for_url(stack.env["DATABASE_URL"]) as proxy:
+        # The only worker on the default queue (parents and children) reaches PostgreSQL through
+        # the proxy; the other one scans and delivers, straight to the server.
+        frozen = stack.worker("frozen", concurrency=2, DATABASE_URL=proxy.rewrite(stack.env["DATABASE_URL"]))
+        stack.worker("other", queues="recovery", beat=True)
+        proxy.freeze_on(b"INSERT INTO pending_round")
+        sid = stack.submit("plain")
+        wait_until(lambda: proxy.stats().frozen == 1, timeout=60, what="the delegating transaction froze")
+        froze = time.monotonic()
+        # The lease lapses at most half a lease (no more renewals) + one lease after the freeze,
+        # and the next scan (every SCAN) takes it; then the parent's work, a few seconds at most
+        # beside other suites (about 6 s from the freeze to the end on a quiet machine).
+        snap = stack.wait_phase(sid, timeout=2 * LEASE + SCAN + 20)
+        took = time.monotonic() - froze
+        assert proxy.stats().frozen == 1 and proxy.stats().cuts == 0  # still frozen, never reset
+        assert took < 2 * LEASE + SCAN + 4, f"the parent finished {took:.1f}s after the freeze"
+        assert [m["role"] for m in snap["messages"]] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+        assert {(e.status, e.delivery_status) for e in executions_of(sid)} == {("COMPLETED", "DELIVERED")}
+        assert "event=lease_not_renewed" in frozen.log()
+        assert stack.invariants() == []
+        assert proxy.thaw() == 1
+        # The server ended the frozen transaction (idle for half a lease): its late INSERT fails.
+        wait_until(lambda: "event=agent_run_infra_error" in frozen.log(), timeout=30, what="the thawed run ended")
+        time.sleep(LEASE)  # a late write, if any, would land now
+    assert len(_final_answers(sid)) == 1, [(m.role, m.content) for m in messages_of(sid)]
+    assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
+    assert len(executions_of(sid)) == 2
+    assert not frozen.exited
     assert stack.invariants() == []

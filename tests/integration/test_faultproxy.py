@@ -91,6 +91,39 @@ def test_a_cut_on_an_insert_fails_that_statement_in_the_middle_of_a_transaction(
     assert proxy.stats().pattern_hits == 1
 
 
+def test_a_frozen_connection_holds_the_statement_without_a_reset_and_a_thaw_lets_it_through(
+    pg_proxy: tuple[FaultProxy, str],
+) -> None:
+    proxy, url = pg_proxy
+    proxy.freeze_on(f"INSERT INTO {TABLE}".encode())
+    conn = psycopg2.connect(url)
+    outcome: list[object] = []
+
+    def insert() -> None:
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {TABLE} VALUES (1)")
+            conn.commit()
+            outcome.append("committed")
+        except Exception as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=insert, daemon=True)
+    worker.start()
+    wait_until(lambda: proxy.stats().frozen == 1, timeout=5, what="the connection froze")
+    worker.join(1.5)
+    # Held, not failed: the client still waits, the connection is up, the server saw nothing.
+    assert worker.is_alive() and outcome == [] and not conn.closed
+    stats = proxy.stats()
+    assert (stats.active, stats.cuts, stats.pattern_hits) == (1, 0, 1)
+    assert _count(url) == 0
+    assert proxy.thaw() == 1
+    worker.join(5)
+    assert outcome == ["committed"]
+    assert _count(url) == 1
+    conn.close()
+
+
 def test_the_pattern_cut_fires_as_many_times_as_asked_then_disarms(pg_proxy: tuple[FaultProxy, str]) -> None:
     proxy, url = pg_proxy
     proxy.cut_on(f"INSERT INTO {TABLE}".encode(), times=2)

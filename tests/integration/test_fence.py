@@ -2,20 +2,26 @@
 
 The fence is checked inside the write's own transaction: a stale epoch raises LeaseLost and a
 stopped session raises Cancelled, and either way the whole write rolls back. These tests write a
-message and check the fence in one transaction, then look at what committed.
+message and check the fence in one transaction, then look at what committed. The heartbeat
+renews a lease only while its holder's database calls come back.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from harness.errors import Cancelled
-from harness.fence import ExecutionFence, SessionFence
+from harness.fence import ExecutionFence, Heartbeat, SessionFence
 from harness.history import append_message
 from harness.parent import run_agent
 from harness.views import create_session
 from models import (
+    AgentSession,
     ExecutionStatus,
     LeaseLost,
     Phase,
@@ -35,6 +41,7 @@ from tests.helpers import (
     make_execution,
     make_session,
     messages_of,
+    wait_until,
 )
 from tests.types import ModelFactory
 
@@ -132,3 +139,36 @@ def test_a_cancel_fences_a_parent_in_the_middle_of_a_round(model_factory: ModelF
     timer.join()
     assert outcome == "cancelled"
     assert executions_of(sid) == [] and [m.role for m in messages_of(sid)] == ["USER"]
+
+
+def test_a_session_lease_lapses_while_its_holders_statement_has_been_in_flight_past_half_a_lease() -> None:
+    """The holder's statement does not come back (here it sleeps on the server, as a frozen
+    connection would never answer): its heartbeat stops renewing, the lease lapses in the
+    database's time while the statement is still in flight, and the scan may take the work."""
+    lease_seconds = 3.0
+    sid = make_session(phase=Phase.RUNNING)
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w1", lease_seconds=lease_seconds, to_phase=Phase.RUNNING)
+    fence = SessionFence(session_id=sid, epoch=1, lease_seconds=lease_seconds)
+    began = time.monotonic()
+
+    def holder() -> None:
+        with Heartbeat(fence), transaction() as s:
+            s.execute(text("SELECT pg_sleep(:t)"), {"t": 2.5 * lease_seconds})
+
+    stuck = threading.Thread(target=holder, daemon=True)
+    stuck.start()
+
+    def lapsed() -> bool:
+        with transaction() as s:
+            until = s.execute(select(AgentSession.lease_expires_at).where(AgentSession.id == sid)).scalar_one()
+            return bool(s.execute(select(text("now() > :until")), {"until": until}).scalar_one())
+
+    try:
+        # Renewed at most until half a lease into the call, so lapsed within 1.5 leases of it.
+        wait_until(lapsed, timeout=2 * lease_seconds, interval=0.1, what="the stuck holder's lease lapsed")
+        assert stuck.is_alive(), "the statement is still in flight"
+        assert time.monotonic() - began >= lease_seconds  # not before a whole lease had passed
+        assert not fence.lost
+    finally:
+        stuck.join(4 * lease_seconds)

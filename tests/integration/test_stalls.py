@@ -16,7 +16,7 @@ from sqlalchemy import select, text, update
 from models import AgentSession, PendingRound, Phase, Role, transaction
 from models.base import utcnow
 from recovery.scan import ScanReport, scan
-from tests.helpers import RecordingScheduler, add_message, invariants, make_execution, make_session
+from tests.helpers import RecordingScheduler, add_message, invariants, make_execution, make_session, wait_until
 
 S = AgentSession
 
@@ -172,6 +172,77 @@ def test_a_transaction_stalled_with_a_row_locked_is_ended_by_the_server_within_h
         assert is_infrastructure_error(cut.value), "a killed idle transaction is an infrastructure fault"
     finally:
         stalled.close()
+
+
+def test_every_connection_asks_the_server_to_find_a_vanished_client_within_the_lease(short_lease: None) -> None:
+    """Server-side TCP keepalives, ``tcp_user_timeout`` and ``client_connection_check_interval``
+    (PostgreSQL 14+) on every connection, beside the idle-transaction and lock bounds."""
+    names = (
+        "idle_in_transaction_session_timeout",
+        "lock_timeout",
+        "tcp_keepalives_idle",
+        "tcp_keepalives_interval",
+        "tcp_keepalives_count",
+        "tcp_user_timeout",
+        "client_connection_check_interval",
+    )
+    with transaction() as s:
+        rows = s.execute(text("SELECT name, setting FROM pg_settings WHERE name IN :names"), {"names": names}).all()
+    # LEASE_SECONDS=3: half a lease is 1.5 s; probes every second (at least 1 s), 3 of them.
+    assert dict(rows) == {
+        "idle_in_transaction_session_timeout": "1500",
+        "lock_timeout": "1500",
+        "tcp_keepalives_idle": "1",
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": "1500",
+        "client_connection_check_interval": "1000",
+    }
+
+
+def test_a_client_that_vanishes_in_the_middle_of_a_statement_holds_its_row_locks_no_longer(short_lease: None) -> None:
+    """The client's connection is reset while its statement runs on the server with a row
+    locked: the server notices at its next client check, ends the statement and frees the row,
+    instead of running the statement to its end for nobody."""
+    from sqlalchemy.exc import OperationalError
+
+    from models import get_engine
+    from tests.faultproxy import FaultProxy
+
+    sid = make_session()
+    url = get_engine().url.render_as_string(hide_password=False)
+    with FaultProxy.for_url(url) as proxy:
+        conn = get_engine(proxy.rewrite(url)).connect()
+        conn.begin()
+        conn.execute(text(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE"))
+        errors: list[BaseException] = []
+
+        def long_statement() -> None:
+            try:
+                conn.execute(text("SELECT pg_sleep(60)"))
+            except OperationalError as exc:
+                errors.append(exc)
+
+        runner = threading.Thread(target=long_statement, daemon=True)
+        runner.start()
+        time.sleep(0.3)  # the statement runs on the server
+        assert proxy.cut_all() == 1  # the client is gone (both sides see a reset)
+        cut = time.monotonic()
+
+        def free() -> bool:
+            try:
+                with transaction() as s:
+                    s.execute(text(f"SELECT id FROM agent_session WHERE id = {sid} FOR UPDATE NOWAIT"))
+                return True
+            except OperationalError:
+                return False
+
+        wait_until(free, timeout=10, interval=0.1, what="the vanished client's row lock released")
+        assert time.monotonic() - cut < 3.0, "found at the next client check (every second here)"
+        runner.join(5)
+        assert errors, "the client saw its connection fail"
+        conn.invalidate()
+        conn.close()
 
 
 def test_a_scan_statement_that_meets_a_lock_times_out_as_an_infrastructure_fault_never_a_result(

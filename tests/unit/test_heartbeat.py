@@ -1,5 +1,6 @@
-"""The heartbeat's renewer threads (harness.fence): when a fence is renewed, when it is no more,
-and that one thread serves the runs of a process one after another."""
+"""The heartbeat's renewer threads (harness.fence): when a fence is renewed, when it is no more
+(a renewal lost, or the holder's database call in flight past half a lease: progress, not
+presence), and that one thread serves the runs of a process one after another."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import pytest
 from sqlalchemy.orm import Session
 
 from harness.fence import Fence, Heartbeat, _Renewer
 from models import lease
+from models.db import CallClock, call_clock, call_in_flight
 
 #: renewal_seconds(1.5) = 0.5 s: the shortest interval a lease gets.
 LEASE = 1.5
@@ -125,7 +128,7 @@ def test_a_renewal_that_hangs_never_delays_another_fences() -> None:
 def test_a_renewer_let_go_during_a_renewal_that_outlasts_the_wait_ends_after_it() -> None:
     f = fence(1.0)
     renewer = _Renewer()
-    renewer.hold(f)
+    renewer.hold(f, CallClock())
     assert f.in_flight.wait(INTERVAL * 3)
     threads = renewer_threads()
     assert renewer.let_go(timeout=0.1) is False  # still renewing: not kept
@@ -134,3 +137,54 @@ def test_a_renewer_let_go_during_a_renewal_that_outlasts_the_wait_ends_after_it(
         time.sleep(0.05)
     assert renewer_threads() == threads - 1
     assert len(f.renewals) == 1
+
+
+def test_a_fence_whose_holder_has_a_database_call_in_flight_past_half_a_lease_is_not_renewed_until_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    f = fence()
+    stalled = lease.stalled_call_seconds(LEASE)
+    assert stalled == LEASE / 2
+    with Heartbeat(f), caplog.at_level("WARNING", logger="harness.fence"):
+        with call_in_flight():  # a statement that does not come back (a frozen connection)
+            began = time.monotonic()
+            time.sleep(INTERVAL * 4)
+            ended = time.monotonic()
+        time.sleep(INTERVAL * 2.6)
+    assert not f.lost
+    assert any(t - began <= stalled for t in f.renewals), f.renewals  # renewed while the call was young
+    assert not [t for t in f.renewals if began + stalled + 0.05 < t < ended - 0.05], (began, ended, f.renewals)
+    assert [t for t in f.renewals if t > ended], "renewed again once the call ended"
+    skipped = [r.getMessage() for r in caplog.records if "event=lease_not_renewed" in r.getMessage()]
+    assert len(skipped) == 1 and "reason=call_in_flight" in skipped[0], skipped  # logged once per stalled call
+
+
+def test_a_call_in_flight_on_another_thread_never_stops_this_fences_renewals() -> None:
+    f = fence()
+    release = threading.Event()
+
+    def stuck_elsewhere() -> None:
+        with call_in_flight():
+            release.wait(10)
+
+    other = threading.Thread(target=stuck_elsewhere)
+    other.start()
+    try:
+        with Heartbeat(f):
+            time.sleep(INTERVAL * 4.6)
+    finally:
+        release.set()
+        other.join(10)
+    assert len(f.renewals) == 4, f.renewals
+
+
+def test_a_nested_call_keeps_the_outer_calls_start_and_the_clock_is_clear_after_both() -> None:
+    clock = call_clock()
+    assert clock.in_flight_seconds() == 0.0
+    with call_in_flight():
+        outer = clock.since
+        time.sleep(0.02)
+        with call_in_flight():
+            assert clock.since == outer
+        assert clock.since == outer and clock.in_flight_seconds() >= 0.02
+    assert clock.since == 0.0 and clock.in_flight_seconds() == 0.0
