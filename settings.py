@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -168,6 +168,20 @@ class Settings(BaseSettings):
     )
 
     DATABASE_URL: str = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
+    #: Connections each process keeps open to DATABASE_URL (0: derived from the loops the
+    #: process runs at once: Celery's -c on a threads pool, 1 on prefork; docs/scaling.md).
+    DB_POOL_SIZE: int = Field(default=0, ge=0, description="pooled connections per process; 0: derived")
+    #: Connections opened beyond DB_POOL_SIZE in a burst and closed after (-1: derived). A
+    #: process never holds more than DB_POOL_SIZE + DB_POOL_MAX_OVERFLOW; a thread that finds
+    #: none free waits, up to half a lease, then ends its task as an infrastructure fault.
+    DB_POOL_MAX_OVERFLOW: int = Field(default=-1, ge=-1, description="burst connections per process; -1: derived")
+    #: Where the server-side bounds of every connection (idle-in-transaction, lock timeout) are
+    #: sent: ``session`` (libpq ``options`` at connect: PostgreSQL directly, or PgBouncer in
+    #: session mode) or ``transaction`` (``SET LOCAL`` at each transaction's start: PgBouncer in
+    #: transaction mode, which keeps no session state; docs/scaling.md).
+    DB_SETTINGS_SCOPE: Literal["session", "transaction"] = Field(
+        default="session", description="session: options at connect; transaction: SET LOCAL per transaction"
+    )
     CELERY_BROKER_URL: str = "redis://127.0.0.1:6379/0"
     CELERY_RESULT_BACKEND: str = "redis://127.0.0.1:6379/1"
     #: Folder of the filesystem:// broker (embedded default of the demo only).

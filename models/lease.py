@@ -121,19 +121,47 @@ def tcp_user_timeout_seconds() -> float:
     return lease_seconds() / 2
 
 
-def connect_bounds() -> dict[str, object]:
-    """libpq connect arguments that bound what a stalled or vanished client holds on the server:
-    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`) and TCP
-    keepalives probing within half a lease. The scan's statements wait less still
-    (:func:`lock_timeout_seconds`, set per transaction)."""
+def server_settings() -> dict[str, str]:
+    """The server-side bounds every connection of ours carries, as PostgreSQL settings:
+    ``idle_in_transaction_session_timeout`` (:func:`idle_in_transaction_seconds`) and
+    ``lock_timeout`` (:func:`lock_wait_seconds`). The one list of them: where they are sent
+    (at connect, or at each transaction's start) is :func:`settings_scope`'s choice."""
     idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
     lock_ms = max(1000, int(lock_wait_seconds() * 1000))
+    return {"idle_in_transaction_session_timeout": str(idle_ms), "lock_timeout": str(lock_ms)}
+
+
+def settings_scope() -> str:
+    """Where :func:`server_settings` are sent (``DB_SETTINGS_SCOPE``): ``session``, in libpq's
+    ``options`` at connect (:func:`connect_bounds`); ``transaction``, as ``SET LOCAL`` at the
+    start of every transaction (:func:`transaction_bounds_sql`), for a pooler in transaction
+    mode (PgBouncer's), which hands each transaction any server connection and drops the
+    ``options`` of the client's (docs/scaling.md, "PgBouncer")."""
+    return get_settings().DB_SETTINGS_SCOPE
+
+
+def transaction_bounds_sql() -> str | None:
+    """The statement that sets :func:`server_settings` for one transaction (``set_config``
+    with ``is_local``: they end with it), or None when they are sent at connect."""
+    if settings_scope() != "transaction":
+        return None
+    calls = ", ".join(f"set_config('{name}', '{value}', true)" for name, value in server_settings().items())
+    return f"SELECT {calls}"
+
+
+def connect_bounds() -> dict[str, object]:
+    """libpq connect arguments that bound what a stalled or vanished client holds on the server:
+    :func:`server_settings` in ``options`` (in the ``session`` scope only) and TCP keepalives
+    probing within half a lease, which are the client's own and hold in either scope. The scan's
+    statements wait less still (:func:`lock_timeout_seconds`, set per transaction)."""
     probe = max(1, int(lease_seconds() / 6))
-    return {
-        "options": f"-c idle_in_transaction_session_timeout={idle_ms} -c lock_timeout={lock_ms}",
+    bounds: dict[str, object] = {
         "keepalives": 1,
         "keepalives_idle": probe,
         "keepalives_interval": probe,
         "keepalives_count": 3,
         "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
     }
+    if settings_scope() == "session":
+        bounds["options"] = " ".join(f"-c {name}={value}" for name, value in server_settings().items())
+    return bounds
