@@ -101,12 +101,13 @@ def crash_point(name: str) -> None:
                         raise InjectedKill(name)
                     raise InjectedFault(name)
     if _armed_env and name == _armed_env:
-        _hits[name] = _hits.get(name, 0) + 1
-        if _hits[name] == _after and _mode == "stop":
+        with _lock:  # counted per process: on a threads pool, many loops reach it at once
+            hits = _hits[name] = _hits.get(name, 0) + 1
+        if hits == _after and _mode == "stop":
             sys.stderr.write(f"crash_point={name} pid={os.getpid()} stopping\n")
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGSTOP)
-        elif _hits[name] >= _after and _mode != "stop":
+        elif hits >= _after and _mode != "stop":
             sys.stderr.write(f"crash_point={name} pid={os.getpid()} exiting\n")
             sys.stderr.flush()
             os._exit(EXIT_CODE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -170,6 +170,31 @@ class Settings(BaseSettings):
     DATABASE_URL: str = Field(
         default="postgresql+psycopg2://postgres@127.0.0.1:5432/postgres",
         description="State database (SQLAlchemy URL); PostgreSQL in production, SQLite only for the demo.",
+    )
+    DB_POOL_SIZE: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Connections each process keeps open to DATABASE_URL (0: derived from the loops the process "
+            "runs at once: Celery's -c on a threads pool, 1 on prefork; docs/scaling.md)."
+        ),
+    )
+    DB_POOL_MAX_OVERFLOW: int = Field(
+        default=-1,
+        ge=-1,
+        description=(
+            "Connections opened beyond DB_POOL_SIZE in a burst and closed after (-1: derived); a process never "
+            "holds more than both, and a thread that finds none free waits up to half a lease, then ends its "
+            "task as an infrastructure fault."
+        ),
+    )
+    DB_SETTINGS_SCOPE: Literal["session", "transaction"] = Field(
+        default="session",
+        description=(
+            "Where the server-side bounds of every connection are sent: session (libpq options at connect: "
+            "PostgreSQL directly, or PgBouncer in session mode) or transaction (SET LOCAL at each "
+            "transaction's start: PgBouncer in transaction mode, which keeps no session state)."
+        ),
     )
     CELERY_BROKER_URL: str = Field(
         default="redis://127.0.0.1:6379/0",

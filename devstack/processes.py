@@ -195,9 +195,16 @@ class Service:
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
+#: Pools a Worker may start (Celery's ``-P``): ``prefork`` (one loop per process; the crash
+#: suite's default, whose points count per pool process) and ``threads`` (many loops per
+#: process: the Procfile's ``worker`` line, docs/scaling.md).
+POOLS = ("prefork", "threads")
+
+
 class Worker(Service):
-    """``celery -A tasks worker -P prefork -c N -n NAME@%h`` (optionally with an embedded beat,
-    -B). Without ``queues`` the worker is started bare, as Celery's docs and our README and docs/operations.md start
+    """``celery -A tasks worker -P POOL -c N -n NAME@%h`` (optionally with an embedded beat,
+    -B). Without ``queues`` the worker is started bare, as Celery's docs, our README and
+    docs/operations.md start
     it, and serves every queue the app declares; ``queues`` adds ``-Q`` (e.g. the dedicated
     recovery worker). ``argv`` replaces the whole command line after ``celery`` (a Procfile
     line, verbatim)."""
@@ -212,13 +219,16 @@ class Worker(Service):
         *,
         queues: str | None = None,
         argv: list[str] | None = None,
+        pool: str = "prefork",
     ) -> None:
-        self.name, self.concurrency, self.beat = name, concurrency, beat
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}")
+        self.name, self.concurrency, self.beat, self.pool = name, concurrency, beat, pool
         log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
         if argv is not None:
             cmd = [CELERY, *argv]
         else:
-            cmd = [CELERY, "-A", "tasks", "worker", "-P", "prefork", "-c", str(concurrency), "-n", f"{name}@%h"]
+            cmd = [CELERY, "-A", "tasks", "worker", "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h"]
             if queues:
                 cmd += ["-Q", queues]
             cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]

@@ -6,7 +6,7 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
               | {"content": "half an answ", "finish_reason": "length"}
               | {"error": {"status": 500, "message": "..."}},
-     "delay_seconds": 0.5,
+     "delay_seconds": 0.5 | {"lognormal": [MU, SIGMA]},
      "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
 
 The first rule whose every condition holds answers; a request no rule matches gets HTTP 400
@@ -42,6 +42,7 @@ import hmac
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -146,6 +147,14 @@ class Rule:
     reply: Reply
     delay_seconds: float = 0.0
     fail_first: tuple[Failure, ...] = ()
+    #: ``(mu, sigma)``: each answer waits ``random.lognormvariate(mu, sigma)`` seconds instead.
+    delay_lognormal: tuple[float, float] | None = None
+
+    def delay(self) -> float:
+        """Seconds this answer waits: the fixed delay, or a draw of the lognormal one."""
+        if self.delay_lognormal is not None:
+            return random.lognormvariate(*self.delay_lognormal)
+        return self.delay_seconds
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,15 @@ def _rule(index: int, raw: Any) -> Rule:
     if "reply" not in rule:
         raise ScriptError(f"{at}: a rule needs a reply")
     delay = rule.get("delay_seconds", 0)
+    lognormal = None
+    if isinstance(delay, dict):
+        params = delay.get("lognormal")
+        numbers = isinstance(params, list) and all(
+            isinstance(p, int | float) and not isinstance(p, bool) for p in params
+        )
+        if set(delay) != {"lognormal"} or not numbers or len(params) != 2 or params[1] < 0:
+            raise ScriptError(f'{at}: delay_seconds must be a number >= 0 or {{"lognormal": [MU, SIGMA >= 0]}}')
+        lognormal, delay = (float(params[0]), float(params[1])), 0
     if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
         raise ScriptError(f"{at}: delay_seconds must be a number >= 0")
     return Rule(
@@ -283,6 +301,7 @@ def _rule(index: int, raw: Any) -> Rule:
         reply=_reply(at, rule["reply"]),
         delay_seconds=delay,
         fail_first=_failures(at, rule.get("fail_first", [])),
+        delay_lognormal=lognormal,
     )
 
 
@@ -550,7 +569,8 @@ class ScriptedModelServer:
             )
             log_event(log, "scripted_model_no_match", logging.WARNING, turn=request.turn, last_role=request.last_role)
             return 400, _error_body(message, "no_rule_matched")
-        if rule.delay_seconds > 0 and self._stopping.wait(rule.delay_seconds):
+        delay = rule.delay()
+        if delay > 0 and self._stopping.wait(delay):
             return 503, _error_body("the scripted model server is stopping", "stopping", "server_error")
         reply = rule.reply
         with self._lock:

@@ -32,7 +32,7 @@ from models import (
     lease,
     transaction,
 )
-from models.db import CallClock, call_clock
+from models.db import CallClock, call_clock, loops_per_process
 from models.execution import fence_execution
 from models.session import fence_session, renew_session_lease
 
@@ -261,7 +261,8 @@ class _Renewer:
 
 
 class _Renewers:
-    """This process's idle renewers (at most ``KEEP``; more are stopped)."""
+    """This process's idle renewers: at most ``KEEP``, or one per loop the process runs at once
+    (a threads pool's concurrency, ``models.db.loops_per_process``); more are stopped."""
 
     KEEP = 8
 
@@ -280,8 +281,9 @@ class _Renewers:
         return _Renewer()
 
     def give_back(self, renewer: _Renewer) -> None:
+        keep = max(self.KEEP, loops_per_process())
         with self._lock:
-            if len(self._idle) < self.KEEP:
+            if len(self._idle) < keep:
                 self._idle.append(renewer)
                 return
         renewer.stop()

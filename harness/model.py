@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
+import requests.adapters
 
 from harness.errors import ModelUnavailable
 from logfmt import log_event
@@ -138,8 +139,18 @@ def _session_for(url: str) -> requests.Session:
     """A keep-alive session whose environment settings (proxy variables, ``REQUESTS_CA_BUNDLE``
     / ``CURL_CA_BUNDLE``) are read ONCE, here, instead of at every request: requests'
     ``trust_env`` scans the environment (and ``~/.netrc``) on each call, a measurable part of a
-    short model call. A provider behind a proxy still goes through it."""
+    short model call. A provider behind a proxy still goes through it.
+
+    One client serves every loop of a process (``tasks.agent``): its connection pool keeps a
+    connection per loop the process runs at once (``models.db.loops_per_process``, a threads
+    pool's concurrency), else urllib3 keeps 10 per host and connects anew for every call past
+    them."""
+    from models.db import loops_per_process
+
     session = requests.Session()
+    per_host = max(requests.adapters.DEFAULT_POOLSIZE, loops_per_process())
+    for prefix in ("https://", "http://"):
+        session.mount(prefix, requests.adapters.HTTPAdapter(pool_maxsize=per_host))
     session.proxies.update(requests.utils.get_environ_proxies(url))
     bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
     if bundle:

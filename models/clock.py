@@ -76,10 +76,25 @@ def db_utcnow() -> datetime:
     return db_time + timedelta(seconds=monotonic() - at)
 
 
+#: Signalled when a measurement ends (with ``_lock``).
+_measured = threading.Condition(_lock)
+#: The longest a caller waits for another thread's FIRST measurement of this process.
+FIRST_SYNC_WAIT_SECONDS = 10.0
+
+
 def _resync() -> None:
+    """Measure again, unless another thread is at it. NOTE: while this process has no anchor
+    yet (its first measurement, or the first after a failed one), a caller finding another
+    thread's measurement in flight waits for it (at most ``FIRST_SYNC_WAIT_SECONDS``): on a
+    threads pool many loops start at once, and none may compute a lease from this machine's
+    own clock meanwhile. With an anchor, it goes on with the last one."""
     global _anchor, _synced_at, _syncing
     with _lock:
-        if _syncing or monotonic() - _synced_at <= RESYNC_SECONDS:
+        if _syncing:
+            if _anchor is None:
+                _measured.wait_for(lambda: not _syncing, timeout=FIRST_SYNC_WAIT_SECONDS)
+            return
+        if monotonic() - _synced_at <= RESYNC_SECONDS:
             return
         _syncing = True
     try:
@@ -92,6 +107,7 @@ def _resync() -> None:
     finally:
         with _lock:
             _syncing = False
+            _measured.notify_all()
 
 
 def _measure() -> tuple[float, datetime] | None:

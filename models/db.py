@@ -42,8 +42,16 @@ def _make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    engine = create_engine(url, pool_size=5, max_overflow=10, connect_args=_server_bounds(url))
+    size, overflow = pool_limits()
+    engine = create_engine(
+        url,
+        pool_size=size,
+        max_overflow=overflow,
+        pool_timeout=_pool_timeout_seconds(),
+        connect_args=_server_bounds(url),
+    )
     _ping_when_idle(engine)
+    _bound_each_transaction(engine)
     _never_send_a_warm_up(engine)
     return engine
 
@@ -77,6 +85,98 @@ def _server_bounds(url: str) -> dict[str, Any]:
     from models.lease import connect_bounds
 
     return connect_bounds()
+
+
+#: Loops this process runs at once (:func:`size_for_loops`): 1 until a worker boot says more.
+_loops = 1
+#: Connections this process may hold at most, set by :func:`fit_to_server` (None: no cap).
+_cap: int | None = None
+
+
+def derived_pool_limits(loops: int) -> tuple[int, int]:
+    """``(pool_size, max_overflow)`` for a process that runs ``loops`` agent loops at once.
+
+    A loop holds a connection only inside a transaction (milliseconds) and waits on its model
+    for seconds in between, so connections are a fraction of the loops: two, plus a quarter of
+    the loops kept open, plus an eighth of them in bursts. Two is the floor of a process that
+    runs ONE loop (prefork): its loop's transaction and its heartbeat's renewal at the same
+    time, with two more in a burst (the statement warm-up, a re-measure of the database's
+    clock). 64 loops: 18 kept, 28 at most (docs/scaling.md, "The database pool")."""
+    return 2 + loops // 4, 2 + loops // 8
+
+
+def pool_limits() -> tuple[int, int]:
+    """``(pool_size, max_overflow)`` of this process's engines: ``DB_POOL_SIZE`` and
+    ``DB_POOL_MAX_OVERFLOW`` when set, else :func:`derived_pool_limits`; within the cap that
+    :func:`fit_to_server` found (the overflow shrinks first, then the pool, never below one)."""
+    s = get_settings()
+    derived_size, derived_overflow = derived_pool_limits(_loops)
+    size = s.DB_POOL_SIZE or derived_size
+    overflow = derived_overflow if s.DB_POOL_MAX_OVERFLOW < 0 else s.DB_POOL_MAX_OVERFLOW
+    if _cap is not None and size + overflow > _cap:
+        size = max(1, min(size, _cap))
+        overflow = max(0, _cap - size)
+    return size, overflow
+
+
+def _pool_timeout_seconds() -> float:
+    """How long a thread waits for a free connection: half a lease (models.lease). Past it,
+    SQLAlchemy's TimeoutError, an infrastructure fault (harness.errors): the task ends without
+    writing a result and its lease lapses to the scan, as after any database fault."""
+    from models.lease import lock_wait_seconds
+
+    return lock_wait_seconds()
+
+
+def loops_per_process() -> int:
+    """The agent loops this process runs at once (:func:`size_for_loops`; 1 by default)."""
+    return _loops
+
+
+def size_for_loops(loops: int) -> None:
+    """This process runs ``loops`` agent loops at once (a worker's boot: its concurrency on a
+    threads pool, 1 in each process of a prefork pool): engines made from now on are sized for
+    it, those made before are disposed (the next use makes them again)."""
+    global _loops
+    _loops = max(1, int(loops))
+    dispose_engines()
+
+
+def fit_to_server(processes: int, url: str | None = None) -> int | None:
+    """Cap each of a worker's ``processes`` (its pool processes and its main one) so that all
+    of them together never hold more connections than PostgreSQL accepts from clients
+    (``max_connections - superuser_reserved_connections``); engines are made again with the
+    cap. Returns the cap (None: not PostgreSQL, or no cap needed). The server's limits are
+    read once, at boot: a database that is down here is found again at first use."""
+    global _cap
+    engine = get_engine(url)
+    if engine.dialect.name != "postgresql":
+        return None
+    with engine.connect() as conn:
+        total = int(conn.exec_driver_sql("SHOW max_connections").scalar_one())
+        reserved = int(conn.exec_driver_sql("SHOW superuser_reserved_connections").scalar_one())
+    per_process = max(1, (total - reserved) // max(1, processes))
+    size, overflow = pool_limits()
+    if size + overflow <= per_process:
+        return None
+    _cap = per_process
+    dispose_engines()
+    return per_process
+
+
+def _bound_each_transaction(engine: Engine) -> None:
+    """In the ``transaction`` scope of the server bounds (models.lease.settings_scope), every
+    transaction starts by setting them for itself: a pooler in transaction mode may run it on
+    any server connection, and keeps nothing a client set for its session."""
+    from models.lease import transaction_bounds_sql
+
+    statement = transaction_bounds_sql()
+    if statement is None:
+        return
+
+    @event.listens_for(engine, "begin")
+    def _set_local(conn: Any) -> None:
+        conn.exec_driver_sql(statement)
 
 
 #: A pooled connection used less than this many seconds ago is handed out without a ping.

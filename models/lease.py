@@ -140,33 +140,60 @@ def keepalive_probe_seconds() -> int:
     return max(1, int(lease_seconds() / 6))
 
 
+def server_settings() -> dict[str, str]:
+    """The server-side bounds every connection of ours carries, as PostgreSQL settings:
+    ``idle_in_transaction_session_timeout`` (:func:`idle_in_transaction_seconds`), ``lock_timeout``
+    (:func:`lock_wait_seconds`), the server's TCP keepalives and ``tcp_user_timeout``, and
+    ``client_connection_check_interval`` (PostgreSQL 14+): a vanished client's locks are freed
+    within the lease, whether its transaction is idle (ended at half a lease), in a statement
+    (the server checks its client every probe interval) or waiting for the server's answer to be
+    acknowledged. The one list of them: where they are sent (at connect, or at each
+    transaction's start) is :func:`settings_scope`'s choice."""
+    probe = keepalive_probe_seconds()
+    return {
+        "idle_in_transaction_session_timeout": str(max(1000, int(idle_in_transaction_seconds() * 1000))),
+        "lock_timeout": str(max(1000, int(lock_wait_seconds() * 1000))),
+        "tcp_keepalives_idle": str(probe),
+        "tcp_keepalives_interval": str(probe),
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": str(max(1000, int(tcp_user_timeout_seconds() * 1000))),
+        "client_connection_check_interval": str(probe * 1000),
+    }
+
+
+def settings_scope() -> str:
+    """Where :func:`server_settings` are sent (``DB_SETTINGS_SCOPE``): ``session``, in libpq's
+    ``options`` at connect (:func:`connect_bounds`); ``transaction``, as ``SET LOCAL`` at the
+    start of every transaction (:func:`transaction_bounds_sql`), for a pooler in transaction
+    mode (PgBouncer's), which hands each transaction any server connection and drops the
+    ``options`` of the client's (docs/scaling.md, "PgBouncer")."""
+    return get_settings().DB_SETTINGS_SCOPE
+
+
+def transaction_bounds_sql() -> str | None:
+    """The statement that sets :func:`server_settings` for one transaction (``set_config``
+    with ``is_local``: they end with it), or None when they are sent at connect."""
+    if settings_scope() != "transaction":
+        return None
+    calls = ", ".join(f"set_config('{name}', '{value}', true)" for name, value in server_settings().items())
+    return f"SELECT {calls}"
+
+
 def connect_bounds() -> dict[str, object]:
     """libpq connect arguments that bound what a stalled or vanished client holds on the server:
-    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`), TCP
-    keepalives (:func:`keepalive_probe_seconds`) and ``tcp_user_timeout`` on the client's socket
-    AND, in ``options``, on the server's: a vanished client's locks are freed within the lease,
-    whether its transaction is idle (ended at half a lease), in a statement (the server checks
-    its client every probe interval, ``client_connection_check_interval``, PostgreSQL 14+) or
-    waiting for the server's answer to be acknowledged (``tcp_user_timeout``). The scan's
-    statements wait less still (:func:`lock_timeout_seconds`, set per transaction)."""
-    idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
-    lock_ms = max(1000, int(lock_wait_seconds() * 1000))
-    user_timeout_ms = max(1000, int(tcp_user_timeout_seconds() * 1000))
+    :func:`server_settings` in ``options`` (in the ``session`` scope only), and the client's own
+    TCP keepalives (:func:`keepalive_probe_seconds`) and ``tcp_user_timeout``, which hold in
+    either scope. The scan's statements wait less still (:func:`lock_timeout_seconds`, set per
+    transaction)."""
     probe = keepalive_probe_seconds()
-    server = {
-        "idle_in_transaction_session_timeout": idle_ms,
-        "lock_timeout": lock_ms,
-        "tcp_keepalives_idle": probe,
-        "tcp_keepalives_interval": probe,
-        "tcp_keepalives_count": 3,
-        "tcp_user_timeout": user_timeout_ms,
-        "client_connection_check_interval": probe * 1000,
-    }
-    return {
-        "options": " ".join(f"-c {name}={value}" for name, value in server.items()),
+    user_timeout_ms = max(1000, int(tcp_user_timeout_seconds() * 1000))
+    bounds: dict[str, object] = {
         "keepalives": 1,
         "keepalives_idle": probe,
         "keepalives_interval": probe,
         "keepalives_count": 3,
         "tcp_user_timeout": user_timeout_ms,
     }
+    if settings_scope() == "session":
+        bounds["options"] = " ".join(f"-c {name}={value}" for name, value in server_settings().items())
+    return bounds

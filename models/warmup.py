@@ -176,19 +176,27 @@ QUIET_SECONDS = 0.05
 class QuietSpells:
     """Whether this process runs a task (``tasks.signals`` reports each one's start and end),
     and since when it has run none: :meth:`wait` returns in a quiet spell, i.e. before the
-    process's first task, or :data:`QUIET_SECONDS` after its last one ended."""
+    process's first task, or :data:`QUIET_SECONDS` after its last one ended. Tasks are
+    counted: on a threads pool many run at once, and the process is quiet only when none does."""
 
     def __init__(self) -> None:
         self._idle = threading.Event()
         self._idle.set()
         self._since: float | None = None  # None: no task yet
+        self._running = 0
+        self._lock = threading.Lock()
 
     def task_began(self) -> None:
-        self._idle.clear()
+        with self._lock:
+            self._running += 1
+            self._idle.clear()
 
     def task_ended(self) -> None:
-        self._since = time.monotonic()
-        self._idle.set()
+        with self._lock:
+            self._running = max(0, self._running - 1)
+            if self._running == 0:
+                self._since = time.monotonic()
+                self._idle.set()
 
     def wait(self) -> None:
         while True:

@@ -18,14 +18,54 @@ from models.db import release_for_fork
 log = logging.getLogger(__name__)
 
 
+def _pool_shape(sender: object) -> tuple[int, bool]:
+    """``(loops per process, forks)`` of the worker being booted: a prefork pool runs one loop
+    in each of its ``-c`` processes; a threads (or gevent, eventlet) pool runs ``-c`` loops in
+    this process; solo runs one. Outside a worker (tests calling the handler): one, no fork."""
+    from celery.concurrency import get_implementation
+
+    pool_cls = getattr(sender, "pool_cls", None)
+    concurrency = int(getattr(sender, "concurrency", 0) or 1)
+    if pool_cls is None:
+        return 1, False
+    module = get_implementation(pool_cls).__module__
+    if module.endswith(".prefork"):
+        return 1, True
+    if module.endswith(".solo"):
+        return 1, False
+    return concurrency, False
+
+
+def _size_the_database_pool(sender: object) -> bool:
+    """Size this worker's database pool from its concurrency (models.db.size_for_loops) and cap
+    it to what PostgreSQL accepts (models.db.fit_to_server); returns whether the pool forks."""
+    from models.db import fit_to_server, pool_limits, size_for_loops
+
+    loops, forks = _pool_shape(sender)
+    size_for_loops(loops)
+    processes = (int(getattr(sender, "concurrency", 1) or 1) + 1) if forks else 1
+    try:
+        cap = fit_to_server(processes)
+    except Exception:  # a database that is down now: the pool keeps its size, the boot goes on
+        log_event(log, "db_pool_not_checked", logging.WARNING, exc_info=True)
+        cap = None
+    size, overflow = pool_limits()
+    level = logging.WARNING if cap is not None else logging.INFO
+    log_event(log, "db_pool", level, loops=loops, processes=processes, size=size, overflow=overflow, capped=cap)
+    return forks
+
+
 @worker_init.connect
 def _boot_generation(sender: object = None, **_: object) -> None:
-    """Record a new boot generation for this worker's stable name (WORKER_ID, else the node
-    name) before the pool forks: work leased by an older generation is taken back at once by
-    the boot scan (models.worker). A database that is down here only costs that speed-up."""
+    """Size the database pool for this worker's pool, then record a new boot generation for
+    this worker's stable name (WORKER_ID, else the node name) before the pool forks: work
+    leased by an older generation is taken back at once by the boot scan (models.worker). A
+    database that is down here only costs that speed-up. A pool that does not fork runs its
+    loops in this process: its statement warm-up starts here (a forked one's, in each child)."""
     from models.worker import boot
     from settings import get_settings
 
+    forks = _size_the_database_pool(sender)
     name = get_settings().WORKER_ID or str(getattr(sender, "hostname", "") or "")
     if not name:
         return
@@ -37,6 +77,8 @@ def _boot_generation(sender: object = None, **_: object) -> None:
     finally:
         release_for_fork(close=True)  # never hand the main process's sockets to the forked pool
     log_event(log, "worker_boot", worker=name, generation=generation)
+    if not forks:
+        _warm_up()
 
 
 @worker_process_init.connect

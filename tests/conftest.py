@@ -250,14 +250,23 @@ class Stack:
         *,
         queues: str | None = None,
         argv: list[str] | None = None,
+        pool: str = "prefork",
         **env: str,
     ) -> Worker:
         """A real ``celery -A tasks worker`` subprocess: bare (every queue) unless ``queues``
-        narrows it with -Q; ``argv`` is a whole command line after ``celery`` (a Procfile line)."""
+        narrows it with -Q; ``argv`` is a whole command line after ``celery`` (a Procfile line);
+        ``pool``: Celery's -P (prefork or threads)."""
         from devstack.processes import Worker
 
         w = Worker(
-            {**self.env, **env}, self.log_dir, name=name, concurrency=concurrency, beat=beat, queues=queues, argv=argv
+            {**self.env, **env},
+            self.log_dir,
+            name=name,
+            concurrency=concurrency,
+            beat=beat,
+            queues=queues,
+            argv=argv,
+            pool=pool,
         )
         self.workers.append(w)
         return w.start()

@@ -155,3 +155,135 @@ def private_redis_fixture(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis", executable=require_redis_server())
     with server.start():
         yield server
+
+
+# --- a private PgBouncer in transaction mode, in front of the test PostgreSQL -------------------
+
+
+def require_pgbouncer(executable: str = "pgbouncer") -> str:
+    """Debian's pgbouncer binary (``apt-get install pgbouncer``; .ci/run installs it); skips the
+    test without it on a developer machine, fails in CI."""
+    path = shutil.which(executable) or (f"/usr/sbin/{executable}" if Path(f"/usr/sbin/{executable}").exists() else None)
+    if path is None:
+        message = f"{executable} is not installed (apt-get install pgbouncer)"
+        if IN_CI:
+            pytest.fail(f"{message} (CI=true: services are required)", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+def tcp_answers(host: str, port: int, timeout_seconds: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_seconds):
+            return True
+    except OSError:
+        return False
+
+
+class PgBouncer:
+    """One ``pgbouncer`` subprocess of the test's own, on a free port, in ``pool_mode``
+    (transaction by default), forwarding every database name to the PostgreSQL at
+    ``server_host:server_port`` as ``server_user`` (``auth_type = any``: loopback tests only).
+    Never the system's pgbouncer service. As root it runs as ``nobody`` (PgBouncer refuses
+    root); its configuration and log live in ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        server_host: str,
+        server_port: int,
+        server_user: str = "postgres",
+        pool_mode: str = "transaction",
+        pool_size: int = 20,
+        executable: str = "pgbouncer",
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.host = LOOPBACK
+        self.executable = executable
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.config = self.workdir / "pgbouncer.ini"
+        self.body = "\n".join(
+            [
+                "[databases]",
+                f"* = host={server_host} port={server_port} user={server_user}",
+                "[pgbouncer]",
+                f"listen_addr = {self.host}",
+                f"listen_port = {self.port}",
+                "unix_socket_dir =",
+                "auth_type = any",
+                f"admin_users = {server_user}",
+                f"pool_mode = {pool_mode}",
+                f"default_pool_size = {pool_size}",
+                "max_client_conn = 1000",
+                "",
+            ]
+        )
+
+    def url(self, database: str, user: str = "postgres") -> str:
+        """A SQLAlchemy URL of ``database`` through this PgBouncer."""
+        return f"postgresql+psycopg2://{user}@{self.host}:{self.port}/{database}"
+
+    def start(self, timeout_seconds: float = 10.0) -> PgBouncer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.chmod(0o755)
+        self.config.write_text(self.body)
+        self.config.chmod(0o644)
+        cmd = [self.executable]
+        if os.geteuid() == 0:
+            cmd += ["-u", "nobody"]
+        cmd.append(str(self.config))
+        with open(self.workdir / "pgbouncer.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_seconds
+        while not tcp_answers(self.host, self.port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited on start:\n{self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"pgbouncer not listening after {timeout_seconds:g}s:\n{self.log()[-2000:]}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def stats(self, database: str) -> dict[str, int]:
+        """``SHOW STATS`` of ``database`` from PgBouncer's admin console (transactions and
+        queries it forwarded)."""
+        import psycopg2
+
+        conn = psycopg2.connect(host=self.host, port=self.port, user="postgres", dbname="pgbouncer")
+        conn.autocommit = True
+        try:
+            cur = conn.cursor()
+            cur.execute("SHOW STATS")
+            names = [d[0] for d in cur.description or ()]
+            for row in cur.fetchall():
+                found = dict(zip(names, row, strict=True))
+                if found["database"] == database:
+                    return {k: int(v) for k, v in found.items() if k != "database"}
+        finally:
+            conn.close()
+        return {}
+
+    def log(self) -> str:
+        try:
+            return (self.workdir / "pgbouncer.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> PgBouncer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -220,7 +220,28 @@ def test_crash_at_a_shape_specific_point_then_recovery_delivers_exactly_once(
     crash_trial(stack_factory, monkeypatch, shape_name, point)
 
 
-def crash_trial(stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str) -> None:
+#: On a threads pool (the Procfile's ``worker``: many loops per process, a crash ends them all):
+#: every point of the matrix with the two-children shape, and the shape-specific points whose
+#: crash lands inside a tool or between two children. Not the whole matrix: each trial boots
+#: two workers, and the points' commit boundaries are the same code on either pool; what the
+#: pool changes (one process for every loop, counts per process) these cover.
+THREADS_TRIALS = [(point, "two_children") for point in POINTS] + [
+    ("child.after_take", "two_children"),
+    ("deliver.before_run_here", "two_children"),
+    ("journal.after_tool_start", "one_child"),
+]
+
+
+@pytest.mark.parametrize(("point", "shape_name"), THREADS_TRIALS)
+def test_on_a_threads_pool_a_crash_at_point_then_recovery_delivers_exactly_once(
+    stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str
+) -> None:
+    crash_trial(stack_factory, monkeypatch, shape_name, point, pool="threads")
+
+
+def crash_trial(
+    stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, shape_name: str, point: str, *, pool: str = "prefork"
+) -> None:
     shape = {**SHAPES, **JOURNAL_SHAPES}[shape_name]
     stack = stack_factory(shape.script)
     extra = {"AGENTS_FILE": AGENTS_LOCAL} if shape.local else {}
@@ -233,14 +254,16 @@ def crash_trial(stack_factory: StackFactory, monkeypatch: pytest.MonkeyPatch, sh
         events._redis.cache_clear()
         presence.connect("cli")
     armed, concurrency = _arm(shape, point)
-    w1 = stack.worker("w1", concurrency=concurrency, **armed, **extra)
+    if pool == "threads":
+        concurrency = 8  # one process counts every loop's hits: any concurrency keeps the N-th
+    w1 = stack.worker("w1", concurrency=concurrency, pool=pool, **armed, **extra)
     sid = stack.submit("please work", agent="main")
     wait_until(lambda: f"crash_point={point}" in w1.log() or w1.exited, timeout=60, what=f"crash at {point}")
     assert f"crash_point={point}" in w1.log()
     w1.kill()
     before = [(e.id, e.child_session_id) for e in executions_of(sid)]
 
-    stack.worker("w2", beat=True, **extra)
+    stack.worker("w2", beat=True, pool=pool, concurrency=8 if pool == "threads" else 2, **extra)
     snap = stack.wait_phase(sid, timeout=100)
 
     execs = executions_of(sid)

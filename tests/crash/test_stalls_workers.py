@@ -27,14 +27,23 @@ def _final_answers(sid: int) -> list[int]:
     return [m.id for m in messages_of(sid) if m.role == "ASSISTANT" and not json.loads(m.tool_calls or "[]")]
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_parent_stalled_inside_its_delegating_transaction_for_three_leases_answers_once(
-    stack_factory: Any,
+    stack_factory: Any, pool: str
 ) -> None:
+    # On a threads pool the stop freezes every loop of the process at once, its heartbeat
+    # threads with them.
     stack = stack_factory(script())
-    frozen = stack.worker("frozen", concurrency=1, CRASH_POINT="delegate.after_user_message", CRASH_POINT_MODE="stop")
+    frozen = stack.worker(
+        "frozen",
+        concurrency=1 if pool == "prefork" else 8,
+        pool=pool,
+        CRASH_POINT="delegate.after_user_message",
+        CRASH_POINT_MODE="stop",
+    )
     sid = stack.submit("plain")
     wait_until(lambda: "crash_point=delegate.after_user_message" in frozen.log(), timeout=60, what="the parent froze")
-    stack.worker("other", beat=True)
+    stack.worker("other", beat=True, pool=pool, concurrency=2 if pool == "prefork" else 8)
     time.sleep(3 * LEASE)  # stalled with its round's transaction open, past its lease
     os.killpg(frozen.proc.pid, signal.SIGCONT)
     stack.wait_phase(sid, timeout=90)

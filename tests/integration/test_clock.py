@@ -76,3 +76,30 @@ def test_the_test_skew_moves_the_local_clock_but_not_the_databases_time(
         assert datetime.now(UTC) - clock.local_utcnow() > timedelta(seconds=590)
     finally:
         clock.set_local_skew(0)
+
+
+def test_loops_that_ask_while_the_first_measurement_runs_get_the_databases_time(
+    stepped_wall_clock: type[_SteppedDatetime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A threads pool starts many loops at once: the first measures, the others must wait for
+    # that measurement, never write leases computed from this machine's wrong clock.
+    import threading
+    import time
+
+    measure = clock._measure
+    measuring = threading.Event()
+
+    def slow_measure() -> tuple[float, datetime] | None:
+        measuring.set()
+        time.sleep(0.5)
+        return measure()
+
+    monkeypatch.setattr(clock, "_measure", slow_measure)
+    monkeypatch.setattr(clock, "_anchor", None)  # a process that never measured yet
+    stepped_wall_clock.step = timedelta(seconds=-600)  # this machine's clock is ten minutes late
+    first = threading.Thread(target=clock.db_utcnow)
+    first.start()
+    assert measuring.wait(timeout=10)
+    seen = clock.db_utcnow()  # another loop, while the first one's measurement runs
+    first.join(timeout=10)
+    assert abs(seen - _db_now()) < timedelta(seconds=2)

@@ -444,3 +444,25 @@ def test_fail_first_answers_the_failures_in_order_then_the_reply_and_reset_start
         assert received[0] == {"model": "m", "temperature": 0.5, "max_tokens": None, "tools": []}
         server.reset()
         assert requests.post(url, json=body, timeout=5).status_code == 429
+
+
+def test_a_lognormal_delay_draws_each_answers_wait() -> None:
+    # bench/scale.py --model-latency lognormal:MU,SIGMA: real providers' latencies spread.
+    server = ScriptedModelServer([{"reply": {"content": "ok"}, "delay_seconds": {"lognormal": [-2.0, 0.6]}}])
+    server.start()
+    try:
+        waits = []
+        for _ in range(6):
+            started = time.monotonic()
+            assert content_of(chat(server.base_url, sys_user("s", "u"))) == "ok"
+            waits.append(time.monotonic() - started)
+    finally:
+        server.stop()
+    assert all(w > 0.01 for w in waits), waits  # exp(-2 - 4 x 0.6) is 0.012 s: every draw waits
+    assert len({round(w, 3) for w in waits}) > 1, waits  # drawn, not one fixed wait
+
+
+@pytest.mark.parametrize("bad", [{"lognormal": [1]}, {"lognormal": [0, -1]}, {"normal": [0, 1]}, {"lognormal": "x"}])
+def test_a_delay_that_is_not_a_number_or_a_lognormal_is_refused(bad: Any) -> None:
+    with pytest.raises(ScriptError, match="delay_seconds"):
+        load_script([{"reply": {"content": "x"}, "delay_seconds": bad}])

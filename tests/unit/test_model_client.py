@@ -263,3 +263,52 @@ def test_a_proxy_from_the_environment_is_read_once_when_the_client_is_made(monke
         assert model.complete(MESSAGES).content == "via proxy"
         headers, body = proxy.requests[0]
         assert headers["Host"] == "model.example.invalid" and body["model"] == "scripted"
+
+
+def test_one_client_keeps_a_connection_per_loop_of_a_threads_pool() -> None:
+    # One ModelClient serves every loop of a process (tasks.agent). On a threads pool, 16 loops
+    # call at once: each must find its kept-alive connection again on the next call, instead
+    # of urllib3 discarding all but its default 10 and connecting anew.
+    import time
+
+    from models.db import size_for_loops
+
+    body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+    peers: set[int] = set()
+    lock = threading.Lock()
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with lock:
+                peers.add(self.client_address[1])
+            time.sleep(0.3)  # every loop's call is in flight at once
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    loops = 16
+    try:
+        size_for_loops(loops)
+        shared = client(f"http://127.0.0.1:{httpd.server_address[1]}/v1")
+        for _ in range(2):
+            wave = [threading.Thread(target=shared.complete, args=(MESSAGES,)) for _ in range(loops)]
+            for t in wave:
+                t.start()
+            for t in wave:
+                t.join(timeout=30)
+        assert len(peers) == loops, f"{len(peers)} connections for {loops} loops calling twice"
+    finally:
+        size_for_loops(1)
+        httpd.shutdown()
+        httpd.server_close()
