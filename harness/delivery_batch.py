@@ -74,18 +74,32 @@ def deliver_rounds(parents: Sequence[tuple[int, int]]) -> dict[int, DeliveryOutc
     A parent named twice is delivered once (the first pair counts). Raises only what
     ``deliver_round`` raises for a parent on its own (an infrastructure error), after every
     other parent had its turn."""
+    outcomes, failure = _deliver_each(parents)
+    if failure is not None:
+        raise failure
+    return outcomes
+
+
+def _deliver_each(parents: Sequence[tuple[int, int]]) -> tuple[dict[int, DeliveryOutcome], Exception | None]:
+    """``deliver_rounds`` that returns the first error of a parent's own delivery beside the
+    outcomes of every other parent, instead of raising it."""
     wanted: dict[int, int] = {}
     for parent_id, epoch in parents:
         wanted.setdefault(int(parent_id), int(epoch))
     together: dict[int, _Delivered] = {}
     if len(wanted) > 1:
+        written: dict[int, _Delivered] = {}
         try:
             with transaction() as s:
-                together = _deliver_together(s, wanted)
+                written = _deliver_together(s, wanted)
+            together = written
         except Exception:
-            # Nothing of the batch was written: every parent goes on its own below.
+            # NOTE: an error at the COMMIT itself (the connection lost while the server
+            # answered) does not say whether it landed: when the transaction got as far as its
+            # writes, one read of a row it inserted tells. A batch that landed is the
+            # batch's to resume (its parents' own deliveries would find them STALE).
             log_event(log, "deliver_rounds_batch_failed", logging.WARNING, exc_info=True, parents=len(wanted))
-            together = {}
+            together = _landed_after_all(written)
     outcomes: dict[int, DeliveryOutcome] = {}
     for parent_id, done in together.items():
         for eid, call_id in done.members:
@@ -109,9 +123,34 @@ def deliver_rounds(parents: Sequence[tuple[int, int]]) -> dict[int, DeliveryOutc
         except Exception as exc:  # one parent's fault: the others still get theirs
             log_event(log, "deliver_round_failed", logging.WARNING, exc_info=True, parent_id=parent_id)
             failure = failure or exc
-    if failure is not None:
-        raise failure
-    return outcomes
+    return outcomes, failure
+
+
+def _landed_after_all(written: dict[int, _Delivered]) -> dict[int, _Delivered]:
+    """``written`` when the batch transaction that wrote it committed although its caller got an
+    error, else nothing. The batch is one transaction: the assistant row it inserted for one
+    parent exists exactly when all of it landed (an id is never reused, a rolled-back insert
+    leaves no row). When the read itself fails, nothing is assumed: each parent then goes on
+    its own, and one the batch did hand over is resumed by the scan once its reservation lapses.
+
+    NOTE: the server may still be finishing that transaction when the client already saw its
+    connection die (the COMMIT on its way, the backend not yet done): its rows are invisible
+    until then, and reading at once could answer "not landed" for a commit that lands a moment
+    later. So the parent's row is locked first: that waits until the batch's transaction has
+    ended either way (it holds that row's lock to its end; the wait is bounded by the
+    connection's lock timeout), and the next statement's snapshot sees its outcome."""
+    if not written:
+        return {}
+    parent_id, done = next(iter(written.items()))
+    try:
+        with transaction() as s:
+            s.execute(select(AgentSession.id).where(AgentSession.id == parent_id).with_for_update()).first()
+            landed = s.execute(select(Message.id).where(Message.id == done.assistant_id)).first() is not None
+    except Exception:
+        log_event(log, "deliver_rounds_commit_unknown", logging.WARNING, exc_info=True, parents=len(written))
+        return {}
+    log_event(log, "deliver_rounds_commit_checked", landed=landed, parents=len(written))
+    return written if landed else {}
 
 
 @dataclass(frozen=True)
@@ -120,6 +159,7 @@ class _Delivered:
 
     outcome: DeliveryOutcome
     members: tuple[tuple[int, str | None], ...]
+    assistant_id: int  #: the assistant row the batch inserted for this parent
 
 
 def _deliver_together(s: Session, wanted: dict[int, int]) -> dict[int, _Delivered]:
@@ -177,8 +217,9 @@ def _deliver_together(s: Session, wanted: dict[int, int]) -> dict[int, _Delivere
         p.id: _Delivered(
             DeliveryOutcome(DeliveryKind.RESUME, new_epoch=epochs[p.id], delivered=tuple(m.id for m in ordered)),
             tuple((m.id, m.parent_tool_call_id) for m in ordered),
+            assistant_id,
         )
-        for p, (ordered, _) in zip(kept, members, strict=True)
+        for p, (ordered, _), (assistant_id, _ids) in zip(kept, members, written, strict=True)
     }
 
 
@@ -227,10 +268,11 @@ def _history_stmt() -> Any:
 
 
 def deliver_rounds_and_resume(parents: Sequence[tuple[int, int]], scheduler: Scheduler) -> dict[int, DeliveryOutcome]:
-    """``deliver_rounds``, then each parent handed a new epoch is sent its run. A broker error
-    there loses nothing: the parent waits RUNNING under a reservation and the scan resumes it
-    once that lapses (R18)."""
-    outcomes = deliver_rounds(parents)
+    """``deliver_rounds``, then each parent handed a new epoch is sent its run, also when
+    another parent's own delivery raised (that error is raised after the runs were sent). A
+    broker error there loses nothing: the parent waits RUNNING under a reservation and the
+    scan resumes it once that lapses (R18)."""
+    outcomes, failure = _deliver_each(parents)
     for parent_id, outcome in sorted(outcomes.items()):
         if outcome.kind != DeliveryKind.RESUME or outcome.new_epoch is None:
             continue
@@ -238,4 +280,6 @@ def deliver_rounds_and_resume(parents: Sequence[tuple[int, int]], scheduler: Sch
             scheduler.resume_parent(parent_id, outcome.new_epoch)
         except Exception as exc:
             log_event(log, "parent_resume_not_enqueued", logging.WARNING, parent_id=parent_id, error=type(exc).__name__)
+    if failure is not None:
+        raise failure
     return outcomes

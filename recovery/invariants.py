@@ -1,14 +1,16 @@
-"""Checks of invariants I1–I5 (docs/invariants.md) over the WHOLE database (tests, soak, demo), the
-round journal's two rules: J1 a tool call that is neither read-only nor idempotent is started
-at most once; J2 a journaled reply is never asked for again; and the two rules of local call
-ids (harness.callids): K1 no two distinct calls share a key (a local id names one call of one
-assistant message, in the whole installation); K2 never two TOOL rows for one call.
+"""Checks of invariants I1–I5 (docs/invariants.md) over the WHOLE database (tests, soak, demo),
+I6's trace in a history (no turn answered twice), the round journal's two rules: J1 a tool
+call that is neither read-only nor idempotent is started at most once; J2 a journaled reply is
+never asked for again; and the two rules of local call ids (harness.callids): K1 no two
+distinct calls share a key (a local id names one call of one assistant message, in the whole
+installation); K2 never two TOOL rows for one call.
 
 Each check returns human-readable violations; an empty list means it holds.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +19,7 @@ from itertools import pairwise
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.delivery import result_content
 from harness.history import PROVIDER_ID, check_legal, parse_tool_calls
 from models import (
     ACTIVE_EXECUTION,
@@ -57,11 +60,12 @@ def _snapshot(s: Session) -> _Snapshot:
 
 
 def check_all(s: Session, *, settled: bool = True, deadline_slack_seconds: float = 15.0) -> list[str]:
-    """I1–I5, then J1-J2, K1-K2 and A1-A3. With ``settled`` the system must also be at rest:
-    nothing PENDING, no session RUNNING/RESUMING, no open round."""
+    """I1–I5, I6's trace in a history, then J1-J2, K1-K2 and A1-A3. With ``settled`` the system
+    must also be at rest: nothing PENDING, no session RUNNING/RESUMING, no open round."""
     db = _snapshot(s)
     return [
         *_legal_histories(db),
+        *_one_answer_per_turn(db),
         *_exactly_once(db, settled=settled),
         *_barrier(s, db, settled=settled),
         *_no_duplicate_child(db),
@@ -83,6 +87,44 @@ def _legal_histories(db: _Snapshot) -> list[str]:
         for p in check_legal([m for m in rows if boundary is None or m.id > boundary]):
             problems.append(f"I2 session {sid}: {p}")
     return problems
+
+
+def _one_answer_per_turn(db: _Snapshot) -> list[str]:
+    """I6, as a history shows it: every turn holds at most one final answer (an ASSISTANT
+    message without tool calls). A turn starts at a USER message, or at the assistant message a
+    delivery wrote children's results under (a pre-upgrade row is delivered after its parent
+    answered, and the parent answers that delivery). A run ends at its final answer and only a
+    new turn starts the next one, so a second answer in the same turn was written by a run that
+    should have been fenced out (a duplicate or late message whose take did not check its
+    epoch). Checked on the live history after the compaction boundary, as I2."""
+    delivered_under = {
+        e.parent_assistant_message_id for e in db.executions if e.delivery_status == DeliveryStatus.DELIVERED
+    }
+    problems: list[str] = []
+    for sid, rows in db.live.items():
+        session = db.sessions.get(sid)
+        boundary = session.compaction_boundary_message_id if session is not None else None
+        turn: int | None = None  # the message the turn starts at (None: before any)
+        answers: dict[int | None, list[int]] = defaultdict(list)
+        for m in rows:
+            if boundary is not None and m.id <= boundary:
+                continue
+            if m.role == Role.USER or m.id in delivered_under:
+                turn = m.id
+            elif m.role == Role.ASSISTANT and _final_answer(m):
+                answers[turn].append(m.id)
+        for start, ids in answers.items():
+            if len(ids) > 1:
+                problems.append(f"I6 session {sid}: the turn from message {start} answered {len(ids)} times {ids}")
+    return problems
+
+
+def _final_answer(m: Message) -> bool:
+    """An assistant message that ends a run: no tool calls (an unreadable ``tool_calls`` is
+    not counted: I2 says what is wrong with it)."""
+    if not m.tool_calls:
+        return True
+    return parse_tool_calls(m.tool_calls) == []
 
 
 def _exactly_once(db: _Snapshot, *, settled: bool) -> list[str]:
@@ -115,6 +157,10 @@ def _delivery_of(db: _Snapshot, e: SubagentExecution, *, settled: bool) -> list[
             problems.append(f"I1 execution {e.id}: parent_tool_message_id does not point at its TOOL")
         elif tools and tools[0].source_session_id not in (None, e.child_session_id):
             problems.append(f"I1 execution {e.id}: TOOL source_session_id is not the child")
+        elif e.pending_round_id is not None and not _same_json(tools[0].content, result_content(e)):
+            # Only a round's members: a row without a round may have been marked DELIVERED on
+            # a complete pair written before the upgrade (R11), whose content is its own.
+            problems.append(f"I1 execution {e.id}: its TOOL content is not the child's stored result")
     elif e.delivery_status == DeliveryStatus.SUPPRESSED and tools:
         problems.append(f"I1 execution {e.id}: SUPPRESSED but its result is in the parent")
     elif e.delivery_status == DeliveryStatus.PENDING:
@@ -125,6 +171,14 @@ def _delivery_of(db: _Snapshot, e: SubagentExecution, *, settled: bool) -> list[
     if e.delivery_status in (DeliveryStatus.DELIVERED, DeliveryStatus.SUPPRESSED) and e.status in ACTIVE_EXECUTION:
         problems.append(f"I1 execution {e.id}: {e.delivery_status} but still {e.status}")
     return problems
+
+
+def _same_json(content: str | None, expected: str) -> bool:
+    """Whether a TOOL content is the expected JSON text (compared as parsed values)."""
+    try:
+        return bool(json.loads(content or "") == json.loads(expected))
+    except ValueError:
+        return False
 
 
 def _barrier(s: Session, db: _Snapshot, *, settled: bool) -> list[str]:

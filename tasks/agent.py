@@ -82,12 +82,15 @@ def deliver_rounds_task(parents: list[list[int]]) -> int:
     batches); returns how many parents were handed a new epoch. The parents handed over are
     then run here, one after the other, with no ``agent.run`` hop, until those runs have taken
     RUN_HERE_SECONDS (the rest are sent); a worker that does not serve agent loops (``-Q
-    recovery``) sends them all."""
+    recovery``) sends them all. A parent whose own delivery raised holds back none of them:
+    they run first, then the error is raised."""
     scheduler = CeleryScheduler(app)
     here = ResumeHere(scheduler) if serves_loops() else None
-    outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], here or scheduler)
-    if here is not None:
-        here.run_kept(run_parent, budget_seconds=RUN_HERE_SECONDS)
+    try:
+        outcomes = deliver_rounds_and_resume([(int(pid), int(epoch)) for pid, epoch in parents], here or scheduler)
+    finally:
+        if here is not None:
+            here.run_kept(run_parent, budget_seconds=RUN_HERE_SECONDS)
     return sum(1 for outcome in outcomes.values() if outcome.kind == DeliveryKind.RESUME)
 
 

@@ -8,15 +8,19 @@ of them, as the scan hands them out. Real PostgreSQL and Redis, the scripted mod
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import event, text, update
+from sqlalchemy.exc import OperationalError
 
 from crashpoints import InjectedKill, armed_fault
 from harness.delivery import DeliveryKind
 from harness.delivery_batch import deliver_rounds, deliver_rounds_and_resume
-from models import AgentSession, Phase, transaction
+from models import AgentSession, Phase, get_engine, transaction
+from tests.faultproxy import FaultProxy
 from tests.helpers import (
     TWO,
     RecordingScheduler,
@@ -196,3 +200,107 @@ def test_a_crash_between_the_parents_a_batch_runs_itself_loses_none_and_runs_non
         _assert_delivered_once(sid)
         assert _roles(sid) == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert invariants() == []
+
+
+# --- one parent's fault never holds back the runs of the parents the batch delivered ---------
+
+
+@contextmanager
+def _lock_waits_cut_after(ms: int) -> Iterator[None]:
+    """Every transaction of this process waits at most ``ms`` for a row lock (the engine's
+    own bound is half a lease): a lock another connection holds ends the statement with a
+    lock timeout (SQLSTATE 55P03) soon."""
+    engine = get_engine()
+
+    def bound(conn: Any) -> None:
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
+
+    event.listen(engine, "begin", bound)
+    try:
+        yield
+    finally:
+        event.remove(engine, "begin", bound)
+
+
+@contextmanager
+def _row_held(parent_id: int) -> Iterator[None]:
+    """Another connection holds the parent's row (FOR UPDATE) meanwhile."""
+    holder = get_engine().connect()
+    holder.begin()
+    holder.execute(text(f"SELECT id FROM agent_session WHERE id = {parent_id} FOR UPDATE"))
+    try:
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_a_parent_whose_delivery_times_out_on_its_lock_holds_back_none_of_the_runs_the_batch_handed_over(
+    model_factory: ModelFactory,
+) -> None:
+    """Another path holds one parent's row: the batch passes it over (SKIP LOCKED) and delivers
+    the two others; that parent's own delivery then ends in a lock timeout. The call still
+    raises it, but only after the two parents it handed over were sent their runs: they do
+    not wait two leases and a scan. The locked parent is delivered once by a later call."""
+    model = model_factory(TWO)
+    (a, ea), (locked, e_locked), (c, ec) = _parents(model, 3)
+    sched = RecordingScheduler()
+    with _row_held(locked), _lock_waits_cut_after(200), pytest.raises(OperationalError) as raised:
+        deliver_rounds_and_resume([(a, ea), (locked, e_locked), (c, ec)], sched)
+    assert getattr(raised.value.orig, "pgcode", None) == "55P03"
+    assert sorted(sched.resumed) == sorted([(a, ea + 1), (c, ec + 1)])
+    for sid in (a, c):
+        _assert_delivered_once(sid)
+    assert _roles(locked) == ["USER"] and _statuses(locked) == {"PENDING"}
+    assert deliver_rounds_and_resume([(locked, e_locked)], sched)[locked].kind == DeliveryKind.RESUME
+    _assert_delivered_once(locked)
+    assert invariants(settled=False) == []
+
+
+def test_the_batch_task_runs_the_parents_it_handed_over_before_it_raises_another_parents_lock_timeout(
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task ``agent.deliver_rounds`` on a worker that serves agent loops runs the parents it
+    handed over itself (ResumeHere): a lock timeout of another parent of its batch does not
+    skip those runs."""
+    import tasks.agent as agent_tasks
+
+    ran: list[tuple[int, int]] = []
+    monkeypatch.setattr(agent_tasks, "run_parent", lambda pid, epoch: ran.append((pid, epoch)) or "done")
+    monkeypatch.setattr(agent_tasks, "serves_loops", lambda: True)
+    model = model_factory(TWO)
+    (a, ea), (locked, e_locked), (c, ec) = _parents(model, 3)
+    with _row_held(locked), _lock_waits_cut_after(200), pytest.raises(OperationalError):
+        agent_tasks.deliver_rounds_task.run([[a, ea], [locked, e_locked], [c, ec]])
+    assert sorted(ran) == sorted([(a, ea + 1), (c, ec + 1)])
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_batch_whose_commit_lands_but_whose_acknowledgement_is_lost_sends_every_run_it_handed_over(
+    model_factory: ModelFactory, db: str, monkeypatch: pytest.MonkeyPatch, when: Literal["after", "before"]
+) -> None:
+    """The batch's COMMIT reaches PostgreSQL, which commits it, but the connection dies before
+    the answer comes back (tests/faultproxy.py, ``cut_on(b"COMMIT", when="after")``): the
+    batch's task cannot tell from the error whether it landed. It finds out, and sends each
+    parent it handed over its run (not STALE, not a wait of two leases and a scan); nothing is
+    delivered twice. When the COMMIT never reached the server (``when="before"``), each parent
+    is delivered on its own instead, with the same outcome."""
+    import harness.delivery_batch as batch_module
+
+    model = model_factory(TWO)
+    parents = _parents(model, 3)
+    sched = RecordingScheduler()
+    with FaultProxy.for_url(db) as proxy:
+        proxied = proxy.rewrite(db)
+        monkeypatch.setattr(batch_module, "transaction", lambda: transaction(proxied))
+        proxy.cut_on(b"COMMIT", when=when)
+        try:
+            outcomes = deliver_rounds_and_resume(parents, sched)
+        finally:
+            get_engine(proxied).dispose()
+        assert proxy.stats().pattern_hits == 1
+    assert {pid: o.kind for pid, o in outcomes.items()} == {sid: DeliveryKind.RESUME for sid, _ in parents}
+    assert sorted(sched.resumed) == sorted((sid, epoch + 1) for sid, epoch in parents)
+    for sid, _ in parents:
+        _assert_delivered_once(sid)
+    assert invariants(settled=False) == []
