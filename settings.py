@@ -229,6 +229,10 @@ class Settings(BaseSettings):
     CONSOLE_READ_ONLY: bool = False
     #: The console shows message content (the users' data); otherwise roles, tool names and sizes.
     CONSOLE_SHOW_CONTENT: bool = False
+    #: Comma-separated host names the console answers besides loopback names and the address it
+    #: listens on ("console.example.com,.ops.example": a leading dot allows every name under it).
+    #: A request naming any other Host is refused (DNS rebinding; docs/console.md).
+    CONSOLE_ALLOWED_HOSTS: str = Field(default="", description="host names the console answers beyond loopback")
 
     #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
     booking_field_recovery: FieldRecoverySettings = Field(default_factory=FieldRecoverySettings)

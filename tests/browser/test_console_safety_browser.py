@@ -1,0 +1,80 @@
+"""The console's safety in a real browser (Debian's Chromium): a site whose name was rebound to
+127.0.0.1 gets nothing from a console on loopback without a token, and the console's pages
+work under its Content-Security-Policy (no inline script: the cancel button's question comes
+from the console's own script file)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from console.auth import ConsoleConfig
+from models import Phase
+from tests.browser.conftest import REBOUND_NAME
+from tests.console_server import serve
+from tests.helpers import make_session, phase_of
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def test_a_site_rebound_to_loopback_reads_nothing_and_cancels_nothing(
+    db: str, redis_url: str, browser_page: Any
+) -> None:
+    page = browser_page
+    sid = make_session()
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        port = base.rsplit(":", 1)[1]
+        rebound = f"http://{REBOUND_NAME}:{port}"
+        # The attacker's page, same origin as the rebound name: the console answers it nothing.
+        answer = page.goto(f"{rebound}/")
+        assert answer is not None and answer.status == 400
+        assert "host_not_allowed" in page.content()
+        seen = page.evaluate(
+            """async (sid) => {
+                const csrf = await fetch('/api/csrf');
+                const list = await fetch('/api/sessions');
+                const cancel = await fetch(`/api/sessions/${sid}/cancel`, {method: 'POST'});
+                return [csrf.status, list.status, cancel.status, await list.text()];
+            }""",
+            sid,
+        )
+        assert seen[:3] == [400, 400, 400]
+        assert str(sid) not in seen[3]
+        assert phase_of(sid) == Phase.RUNNING
+        # The same browser, by the console's own name, is served.
+        ok = page.goto(f"{base}/sessions/{sid}")
+        assert ok is not None and ok.status == 200
+        assert page.locator("#session-phase").inner_text() == "RUNNING"
+
+
+def test_the_cancel_button_asks_first_under_the_content_security_policy(
+    db: str, redis_url: str, browser_page: Any
+) -> None:
+    page = browser_page
+    violations: list[str] = []
+    page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
+    questions: list[str] = []
+    answers = iter([False, True])  # first No, then Yes
+
+    def answer(dialog: Any) -> None:
+        questions.append(dialog.message)
+        if next(answers):
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    page.on("dialog", answer)
+    sid = make_session()
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        page.goto(f"{base}/sessions/{sid}")
+        page.click("#cancel")
+        page.wait_for_timeout(300)
+        assert questions == [f"Cancel session {sid}?"]
+        assert phase_of(sid) == Phase.RUNNING  # answered No: nothing sent
+        page.click("#cancel")
+        page.wait_for_url(re.compile(r".*outcome=cancelled"))
+        assert len(questions) == 2
+        assert page.locator("#session-phase").inner_text() == "CANCELLED"
+    assert violations == []
