@@ -17,6 +17,7 @@ no action. The pages post the same actions as forms and are sent back to where t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -54,11 +55,17 @@ class _Environment(jinja2.Environment):
         return super().getattr(obj, attribute)
 
 
+def _pretty(value: Any) -> str:
+    """A JSON value indented, whole (the template escapes it): an approval's arguments."""
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
 templates = Jinja2Templates(
     env=_Environment(
         loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=jinja2.select_autoescape(("html",))
     )
 )
+templates.env.filters["pretty"] = _pretty
 #: Paths served without the token: the login form and the static files.
 OPEN_PATHS = ("/login", "/static/")
 
