@@ -367,6 +367,15 @@ class Settings(BaseSettings):
         description="The console shows message content (the users' data); otherwise roles, tool names and sizes.",
     )
 
+    CONSOLE_ALLOWED_HOSTS: str = Field(
+        default="",
+        description=(
+            "Comma-separated host names the console answers besides loopback names and the address it listens "
+            "on (console.example.com,.ops.example: a leading dot allows every name under it); a request naming "
+            "any other Host is refused (DNS rebinding)."
+        ),
+    )
+
     #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
     booking_field_recovery: FieldRecoverySettings = Field(
         default_factory=FieldRecoverySettings,

@@ -177,6 +177,10 @@ def _show(args: argparse.Namespace) -> int:
         decided = f" by {a['decided_by']} at {a['decided_at']}" if a["decided_by"] else f" until {a['expires_at']}"
         why = f": {_short(a['reason'], 80)}" if a["reason"] else ""
         print(f"  approval {a['call_id']} {a['tool']}: {a['status']}{decided}{why}")
+        # Whole, on one line each: what the model asked, and what an approver edited it to.
+        print(f"    arguments: {json.dumps(a['arguments'], ensure_ascii=False)}")
+        if a["approved_arguments"] is not None:
+            print(f"    edited to: {json.dumps(a['approved_arguments'], ensure_ascii=False)}")
     return 0
 
 

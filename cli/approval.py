@@ -1,5 +1,6 @@
-"""`agent-recovery approvals | approve | deny`: the pending approval requests, and a human's
-decision on one (a compare-and-set: the first decision wins; exit 1 when another stands)."""
+"""`agent-recovery approvals [show SESSION CALL] | approve | deny`: the pending approval
+requests, one request whole, and a human's decision on one (a compare-and-set: the first
+decision wins). Exit codes (docs/console.md, "Approval commands"): EXIT_* below."""
 
 from __future__ import annotations
 
@@ -9,11 +10,23 @@ import json
 import sys
 from typing import Any
 
+#: Exit codes of the approval commands: done (or the same decision stood already) is 0.
+EXIT_CONFLICT = 1  #: another decision (an expiry, a cancel) stands: nothing done
+EXIT_BAD_ARGUMENTS = 2  #: the command line or the edited arguments were refused: nothing done
+EXIT_NOT_FOUND = 3  #: no approval request for that session and call
+EXIT_UNREACHABLE = 4  #: the database could not be reached: nothing known, nothing done
+
 
 def register(sub: Any) -> None:
-    ls = sub.add_parser("approvals", help="pending approval requests, oldest first")
+    ls = sub.add_parser("approvals", help="pending approval requests, oldest first (show: one request whole)")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(handler=_list)
+    lsub = ls.add_subparsers(dest="approvals_command")
+    show = lsub.add_parser("show", help="one approval request whole: every argument, its decision")
+    show.add_argument("session", type=int, help="session id (the list's session_id)")
+    show.add_argument("call", help="call id (the list's call_id)")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=_show)
 
     ap = sub.add_parser("approve", help="approve a pending tool call (the first decision wins)")
     ap.add_argument("session", type=int, help="session id (the list's session_id)")
@@ -45,10 +58,44 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         print(
-            f"session {r['session_id']} call {r['call_id']} {r['agent_type']}: {r['tool']} {r['arguments']}"
+            f"session {r['session_id']} call {r['call_id']} {r['agent_type']}: {r['tool']} {r['summary']}"
             f"  (waiting {r['age_seconds']:g} s, expires {r['expires_at']})"
         )
     return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from cli.agent import fail
+    from models import transaction
+    from models.approval import described, request_of
+
+    with transaction() as s:
+        row = request_of(s, args.session, args.call)
+        shown = None if row is None else described(row)
+    if shown is None:
+        return fail(f"approvals show: no approval request for session {args.session} call {args.call}", EXIT_NOT_FOUND)
+    if args.json:
+        print(json.dumps(shown, indent=2, ensure_ascii=False))
+        return 0
+    print(f"approval request {shown['id']}: session {shown['session_id']} call {shown['call_id']}")
+    print(f"  tool:      {shown['tool']} (agent {shown['agent_type']})")
+    print(f"  status:    {shown['status']}")
+    print(f"  requested: {shown['requested_at']}, expires {shown['expires_at']}")
+    if shown["decided_at"]:
+        print(f"  decided:   {shown['decided_at']} by {shown['decided_by']}")
+    if shown["reason"]:
+        print(f"  reason:    {shown['reason']}")
+    print("  arguments:")
+    print(_indented(shown["arguments"]))
+    if shown["approved_arguments"] is not None:
+        print("  edited to (the tool ran with these):")
+        print(_indented(shown["approved_arguments"]))
+    return 0
+
+
+def _indented(value: Any) -> str:
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    return "\n".join("    " + line for line in text.splitlines())
 
 
 def _decide(args: argparse.Namespace) -> int:

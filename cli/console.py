@@ -32,6 +32,10 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(get_settings(), args.host, secure_cookies=args.secure_cookies)
     except ConsoleConfigError as exc:
         return fail(f"console: {exc}", 2)
-    # No access log: our own request line (console.app.Gate) names the path without its query.
+    from tasks.signals import setup_logging
+
+    # Our own lines (console.app: one per request, action and refused sign-in) go to stderr at
+    # LOG_LEVEL; no access log: the request line names the path without its query.
+    setup_logging(get_settings().LOG_LEVEL)
     uvicorn.run(create_app(config), host=args.host, port=args.port, access_log=False, log_level="info")
     return 0

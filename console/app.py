@@ -17,7 +17,9 @@ no action. The pages post the same actions as forms and are sent back to where t
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -53,11 +55,17 @@ class _Environment(jinja2.Environment):
         return super().getattr(obj, attribute)
 
 
+def _pretty(value: Any) -> str:
+    """A JSON value indented, whole (the template escapes it): an approval's arguments."""
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
 templates = Jinja2Templates(
     env=_Environment(
         loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=jinja2.select_autoescape(("html",))
     )
 )
+templates.env.filters["pretty"] = _pretty
 #: Paths served without the token: the login form and the static files.
 OPEN_PATHS = ("/login", "/static/")
 
@@ -74,26 +82,53 @@ def _config(request: Request) -> ConsoleConfig:
 # --- who is asking --------------------------------------------------------------------------
 
 
+#: Headers of every answer: no script but the console's own files (nothing inline), no framing,
+#: no MIME sniffing, no Referer leaving the console (docs/console.md, "Headers").
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
 class Gate(BaseHTTPMiddleware):
-    """The token (401 without it), the CSRF cookie, and one log line per request (method, path
-    without its query, status, duration: never a header, a cookie or a parameter)."""
+    """The allowed host names (400 for any other ``Host``), the token (401 without it, 429 while
+    an address that guessed wrong waits), the CSRF cookie, the security headers, and one log
+    line per request (method, path without its query, status, duration, operator: never a
+    header, a cookie or a parameter)."""
 
     async def dispatch(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         started = time.monotonic()
         config = _config(request)
         path = request.url.path
-        operator = self._operator(request, config)
-        csrf = request.cookies.get(auth.CSRF_COOKIE)
-        request.state.csrf = csrf or auth.new_csrf()
-        if operator is None and not path.startswith(OPEN_PATHS):
-            response: Response = _unauthorized(request)
-        else:
-            request.state.operator = operator or "anonymous"
-            response = await call_next(request)
-        if csrf is None:
-            response.set_cookie(
-                auth.CSRF_COOKIE, request.state.csrf, httponly=True, samesite="strict", secure=config.secure_cookies
-            )
+        request.state.operator = None
+        response = _refusal(request, config)
+        if response is None:
+            csrf = request.cookies.get(auth.CSRF_COOKIE)
+            request.state.csrf = csrf or auth.new_csrf()
+            operator = _operator(request, config)
+            if isinstance(operator, Response):
+                response = operator
+            elif operator is None and not path.startswith(OPEN_PATHS):
+                response = _unauthorized(request)
+            else:
+                request.state.operator = operator or "anonymous"
+                response = await call_next(request)
+            if csrf is None:
+                response.set_cookie(
+                    auth.CSRF_COOKIE,
+                    request.state.csrf,
+                    httponly=True,
+                    samesite="strict",
+                    secure=config.secure_cookies,
+                )
+        response.headers.update(SECURITY_HEADERS)
+        if not path.startswith("/static/"):
+            response.headers["Cache-Control"] = "no-store"
         log_event(
             log,
             "console_request",
@@ -101,19 +136,86 @@ class Gate(BaseHTTPMiddleware):
             path=path,
             status=response.status_code,
             duration_ms=round((time.monotonic() - started) * 1000),
+            operator=request.state.operator,
         )
         return response
 
-    @staticmethod
-    def _operator(request: Request, config: ConsoleConfig) -> str | None:
-        """The operator's name, or None when a token is required and not shown."""
-        named = request.headers.get(auth.OPERATOR_HEADER)
-        if not config.needs_token:
-            cookie = request.cookies.get(auth.SESSION_COOKIE)
-            return auth.clean_operator(named or (cookie.rsplit(".", 1)[0] if cookie else None) or "local")
-        if auth.bearer_ok(config.token, request.headers.get("authorization")):
+
+def _refusal(request: Request, config: ConsoleConfig) -> Response | None:
+    """The answer to a request that names a host the console is not reached by, else None."""
+    header = request.headers.get("host")
+    if auth.host_allowed(header, config.allowed_hosts):
+        return None
+    log_event(log, "console_host_refused", logging.WARNING, host=auth.host_name(header)[:100] or None)
+    return JSONResponse({"error": "host_not_allowed"}, status_code=400)
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client else "-"
+
+
+def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
+    """The operator's name; None when a token is required and not shown; a 429 answer when a
+    token is shown by an address that must still wait after refused sign-ins."""
+    named = request.headers.get(auth.OPERATOR_HEADER)
+    if not config.needs_token:
+        cookie = request.cookies.get(auth.SESSION_COOKIE)
+        return auth.clean_operator(named or (cookie.rsplit(".", 1)[0] if cookie else None) or "local")
+    header = request.headers.get("authorization")
+    if header is not None:
+        throttled = _throttled(request, auth.clean_operator(named or "api"), via="bearer")
+        if throttled is not None:
+            return throttled
+        if auth.bearer_ok(config.token, header):
+            _throttle(request).succeeded(_address(request))
             return auth.clean_operator(named or "api")
-        return auth.operator_of_session(config.token, request.cookies.get(auth.SESSION_COOKIE))
+        _sign_in_refused(request, auth.clean_operator(named or "api"), via="bearer")
+        return None
+    return auth.operator_of_session(config.token, request.cookies.get(auth.SESSION_COOKIE))
+
+
+def _throttle(request: Request) -> auth.SignInThrottle:
+    throttle: auth.SignInThrottle = request.app.state.throttle
+    return throttle
+
+
+def _throttled(request: Request, operator: str, *, via: str) -> Response | None:
+    """429 with Retry-After while this address waits after refused sign-ins, else None."""
+    wait = _throttle(request).wait_seconds(_address(request))
+    if wait <= 0:
+        return None
+    log_event(
+        log,
+        "console_login_refused",
+        logging.WARNING,
+        operator=operator,
+        via=via,
+        reason="throttled",
+        address=_address(request),
+    )
+    retry = str(max(1, math.ceil(wait)))
+    if request.url.path.startswith("/api/") or via == "bearer":
+        return JSONResponse({"error": "too_many_refused_sign_ins"}, status_code=429, headers={"Retry-After": retry})
+    return templates.TemplateResponse(
+        request,
+        "login.html",
+        _context(request, next_path="/", failed=False, wait_seconds=retry),
+        status_code=429,
+        headers={"Retry-After": retry},
+    )
+
+
+def _sign_in_refused(request: Request, operator: str, *, via: str) -> None:
+    _throttle(request).refused(_address(request))
+    log_event(
+        log,
+        "console_login_refused",
+        logging.WARNING,
+        operator=operator,
+        via=via,
+        reason="wrong_token",
+        address=_address(request),
+    )
 
 
 def _unauthorized(request: Request) -> Response:
@@ -284,7 +386,15 @@ def _respond(request: Request, result: actions.ActionResult, back: str) -> Respo
     return RedirectResponse(f"{back}?outcome={result.outcome}", status_code=303)
 
 
-def _action(run: Callable[[Request, dict[str, str]], actions.ActionResult], back: Callable[[Request], str]) -> Any:
+def _action(
+    name: str,
+    target: str,
+    run: Callable[[Request, dict[str, str]], actions.ActionResult],
+    back: Callable[[Request], str],
+) -> Any:
+    """An action's endpoint: refused (read-only, CSRF) or run, then one ``console_action`` line
+    naming the operator, the action, its target (``target``: the id field's name) and outcome."""
+
     async def endpoint(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
@@ -292,6 +402,8 @@ def _action(run: Callable[[Request, dict[str, str]], actions.ActionResult], back
         if refusal is not None:
             return refusal
         result = await run_in_threadpool(run, request, form)
+        fields: dict[str, Any] = {"action": name, target: _id(request), "outcome": result.outcome}
+        log_event(log, "console_action", **fields, status=result.status, operator=request.state.operator)
         return _respond(request, result, back(request))
 
     return endpoint
@@ -310,14 +422,22 @@ def _execution_back(request: Request) -> str:
     return back if back.startswith("/sessions/") else "/"
 
 
-cancel = _action(lambda r, f: actions.cancel(_id(r), _actor(r)), _session_page)
-redeliver_parent = _action(lambda r, f: actions.redeliver_parent(_id(r), _actor(r)), _session_page)
-redeliver_execution = _action(lambda r, f: actions.redeliver_execution(_id(r), _actor(r)), _execution_back)
+cancel = _action("cancel", "session_id", lambda r, f: actions.cancel(_id(r), _actor(r)), _session_page)
+redeliver_parent = _action(
+    "redeliver", "session_id", lambda r, f: actions.redeliver_parent(_id(r), _actor(r)), _session_page
+)
+redeliver_execution = _action(
+    "redeliver", "execution_id", lambda r, f: actions.redeliver_execution(_id(r), _actor(r)), _execution_back
+)
 approve = _action(
+    "approve",
+    "request_id",
     lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=_actor(r)),
     lambda r: "/approvals",
 )
 deny = _action(
+    "deny",
+    "request_id",
     lambda r, f: actions.decide(_id(r), approve=False, reason=f.get("reason", ""), actor=_actor(r)),
     lambda r: "/approvals",
 )
@@ -368,11 +488,16 @@ async def login(request: Request) -> Response:
     token = str(form.get("token", ""))
     nxt = str(form.get("next", "/"))
     nxt = nxt if nxt.startswith("/") and not nxt.startswith("//") else "/"
-    if config.needs_token and not auth.bearer_ok(config.token, f"Bearer {token}"):
-        log_event(log, "console_login_refused", operator=operator)
-        return templates.TemplateResponse(
-            request, "login.html", _context(request, next_path=nxt, failed=True), status_code=401
-        )
+    if config.needs_token:
+        throttled = _throttled(request, operator, via="login")
+        if throttled is not None:
+            return throttled
+        if not auth.bearer_ok(config.token, f"Bearer {token}"):
+            _sign_in_refused(request, operator, via="login")
+            return templates.TemplateResponse(
+                request, "login.html", _context(request, next_path=nxt, failed=True), status_code=401
+            )
+        _throttle(request).succeeded(_address(request))
     response = RedirectResponse(nxt, status_code=303)
     value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
     response.set_cookie(auth.SESSION_COOKIE, value, httponly=True, samesite="strict", secure=config.secure_cookies)
@@ -424,4 +549,5 @@ def create_app(config: ConsoleConfig) -> Starlette:
         exception_handlers={BadRequest: _bad_request, SQLAlchemyError: _database_down},
     )
     app.state.config = config
+    app.state.throttle = auth.SignInThrottle()
     return app

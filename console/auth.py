@@ -10,6 +10,11 @@
   SameSite=Strict). ``GET /api/csrf`` hands one to an API client.
 - The token never appears in a page, a URL or a log line: it is compared with
   ``hmac.compare_digest`` and never echoed.
+- Only requests naming an allowed host are answered (``host_allowed``), token or not: a page
+  that rebinds its own name to 127.0.0.1 sends its name as the ``Host``, and is refused.
+- Refused sign-ins (a wrong token at ``/login`` or in ``Authorization``) are counted per
+  client address (``SignInThrottle``): past FREE_FAILURES, the address waits before its next
+  attempt is even checked.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import hmac
 import ipaddress
 import re
 import secrets
-from dataclasses import dataclass
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from settings import Settings
@@ -31,6 +39,12 @@ CSRF_HEADER = "x-csrf-token"
 OPERATOR_HEADER = "x-console-operator"
 #: An operator's name as it may appear in a log line.
 _OPERATOR = re.compile(r"[^A-Za-z0-9._@-]")
+
+
+#: Names of this machine that no other site can make a browser send (with or without a port).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: Addresses that listen on every interface: they name no host a request may be sent to.
+_WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class ConsoleConfigError(RuntimeError):
@@ -46,6 +60,8 @@ class ConsoleConfig:
     show_content: bool
     #: Cookies carry the Secure flag (the console is served over HTTPS, behind a proxy).
     secure_cookies: bool = False
+    #: Host names a request may name (``host_allowed``); a leading dot allows every name under it.
+    allowed_hosts: frozenset[str] = field(default=LOOPBACK_NAMES)
 
     @property
     def needs_token(self) -> bool:
@@ -80,7 +96,42 @@ def load_config(settings: Settings, host: str, *, secure_cookies: bool = False) 
         read_only=settings.CONSOLE_READ_ONLY,
         show_content=settings.CONSOLE_SHOW_CONTENT,
         secure_cookies=secure_cookies,
+        allowed_hosts=allowed_hosts(settings.CONSOLE_ALLOWED_HOSTS, host),
     )
+
+
+def allowed_hosts(setting: str, listen_host: str) -> frozenset[str]:
+    """Loopback names, the address listened on (unless it is a wildcard), and the names of
+    CONSOLE_ALLOWED_HOSTS (comma-separated), all lower case."""
+    named = {_bare(name) for name in setting.split(",") if name.strip()}
+    if _bare(listen_host) not in _WILDCARDS:
+        named.add(_bare(listen_host))
+    return LOOPBACK_NAMES | frozenset(named)
+
+
+def _bare(host: str) -> str:
+    host = host.strip().lower().rstrip(".")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def host_name(header: str | None) -> str:
+    """The name in a ``Host`` header, lower case, without its port (``[::1]:8089`` -> ``::1``)."""
+    value = (header or "").strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else ""
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def host_allowed(header: str | None, allowed: frozenset[str]) -> bool:
+    """True when the request names an allowed host; an empty or missing Host is refused."""
+    name = host_name(header)
+    if not name:
+        return False
+    if name in allowed:
+        return True
+    return any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)
 
 
 def clean_operator(name: str | None) -> str:
@@ -117,3 +168,40 @@ def new_csrf() -> str:
 
 def csrf_ok(cookie: str | None, sent: str | None) -> bool:
     return bool(cookie) and bool(sent) and hmac.compare_digest(str(cookie), str(sent))
+
+
+#: Refused sign-ins an address may make before it has to wait.
+FREE_FAILURES = 5
+#: The first wait; each further refusal doubles it, up to MAX_WAIT_SECONDS.
+FIRST_WAIT_SECONDS = 1.0
+MAX_WAIT_SECONDS = 60.0
+#: Addresses remembered at most (the oldest is forgotten first): a bound on memory.
+MAX_ADDRESSES = 10_000
+
+
+class SignInThrottle:
+    """Refused sign-ins per client address, and how long that address waits before its next
+    attempt is checked. One per application; used from the event loop only (no lock)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: address -> (refusals in a row, monotonic time before which it is not checked)
+        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def wait_seconds(self, address: str) -> float:
+        """Seconds ``address`` still waits (0: its attempt may be checked)."""
+        _, until = self._seen.get(address, (0, 0.0))
+        return max(0.0, until - self._clock())
+
+    def refused(self, address: str) -> None:
+        failures = self._seen.pop(address, (0, 0.0))[0] + 1
+        until = 0.0
+        if failures >= FREE_FAILURES:
+            wait = min(MAX_WAIT_SECONDS, FIRST_WAIT_SECONDS * 2 ** (failures - FREE_FAILURES))
+            until = self._clock() + wait
+        self._seen[address] = (failures, until)
+        while len(self._seen) > MAX_ADDRESSES:
+            self._seen.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        self._seen.pop(address, None)

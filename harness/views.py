@@ -93,6 +93,7 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
 def _approvals(s: Session, session_id: int) -> list[dict[str, Any]]:
     """The session's approval requests: who asked for what, and who decided, when and why."""
     from models.approval import ApprovalRequest as A
+    from models.approval import parsed
 
     rows = s.execute(select(A).where(A.session_id == session_id).order_by(A.id)).scalars()
     return [
@@ -106,6 +107,8 @@ def _approvals(s: Session, session_id: int) -> list[dict[str, Any]]:
             "decided_at": r.decided_at.isoformat() if r.decided_at else None,
             "reason": r.reason,
             "edited_arguments": r.approved_arguments is not None,
+            "arguments": parsed(r.arguments),
+            "approved_arguments": parsed(r.approved_arguments),
         }
         for r in rows
     ]

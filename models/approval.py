@@ -391,20 +391,33 @@ def pending(s: Session) -> list[ApprovalRequest]:
     )
 
 
-#: Longest argument text a listing shows for one request.
+#: Longest argument text a listing's one-line summary shows for one request.
 SUMMARY_CHARS = 60
 
 
 def summary(arguments: str) -> str:
-    """The arguments on one line, cut to SUMMARY_CHARS (a listing's view of them)."""
+    """The arguments on one line, cut to SUMMARY_CHARS and ending in "…" when cut (a listing's
+    one-line view; the whole arguments go beside it, see ``parsed``)."""
     flat = " ".join(arguments.split())
     return flat if len(flat) <= SUMMARY_CHARS else flat[: SUMMARY_CHARS - 1] + "…"
 
 
+def parsed(arguments: str | None) -> Any:
+    """Argument text as the JSON value it holds (an object, as journaled), or the text itself
+    when it is not JSON: shown whole either way, never cut."""
+    if arguments is None:
+        return None
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
     """The pending requests as the CLI's ``approvals --json`` and the console's
-    ``/api/approvals`` show them, oldest first (one shape, a public one). ``with_arguments``
-    False leaves the argument summary out (the console shows users' data only when told)."""
+    ``/api/approvals`` show them, oldest first (one shape, a public one): ``arguments`` is the
+    whole JSON object, ``summary`` its one-line view. ``with_arguments`` False leaves both out
+    (the console shows users' data only when told)."""
     now = utcnow()
     rows = []
     for r in pending(s):
@@ -420,9 +433,30 @@ def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
             "age_seconds": round((now - r.requested_at).total_seconds(), 1),
         }
         if with_arguments:
-            row["arguments"] = summary(r.arguments)
+            row["arguments"] = parsed(r.arguments)
+            row["summary"] = summary(r.arguments)
         rows.append(row)
     return rows
+
+
+def described(r: ApprovalRequest) -> dict[str, Any]:
+    """One request whole, decided or not (``agent-recovery approvals show --json``)."""
+    return {
+        "id": r.id,
+        "session_id": r.session_id,
+        "call_id": r.call_id,
+        "tool": r.tool,
+        "agent_type": r.agent_type,
+        "execution_id": r.execution_id,
+        "status": str(r.status),
+        "requested_at": r.requested_at.isoformat(),
+        "expires_at": r.expires_at.isoformat(),
+        "decided_at": r.decided_at.isoformat() if r.decided_at else None,
+        "decided_by": r.decided_by,
+        "reason": r.reason,
+        "arguments": parsed(r.arguments),
+        "approved_arguments": parsed(r.approved_arguments),
+    }
 
 
 def waiting_for_approval(session: Any) -> Any:

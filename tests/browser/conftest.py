@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import IN_CI
 
+#: A site's name that this browser resolves to 127.0.0.1 (the state after a DNS rebinding).
+REBOUND_NAME = "rebound.example"
 #: Flags for a headless Chromium in a container, with no call home.
 CHROMIUM_ARGS = [
     "--headless",
@@ -23,6 +25,8 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # A name that resolves to loopback, as a DNS-rebinding site's name does after its rebind.
+    f"--host-resolver-rules=MAP {REBOUND_NAME} 127.0.0.1",
 ]
 
 

@@ -359,7 +359,8 @@ def test_pending_approvals_are_listed_in_the_clis_shape_and_waiting_sessions_are
     assert {"requested_at", "expires_at", "id"} <= set(row)
     assert "arguments" not in row  # users' data: only with CONSOLE_SHOW_CONTENT=true
     shown = console(show_content=True)
-    assert "A-1" in client(shown).get(f"{shown}/api/approvals", timeout=10).json()["approvals"][0]["arguments"]
+    shown_row = client(shown).get(f"{shown}/api/approvals", timeout=10).json()["approvals"][0]
+    assert shown_row["arguments"] == {"order": "A-1", "amount": 30}
     waiting = http.get(f"{base}/api/sessions", params={"waiting_approval": "true"}, timeout=10).json()
     assert [r["id"] for r in waiting["sessions"]] == [sid]
     page = http.get(f"{base}/approvals", timeout=10)

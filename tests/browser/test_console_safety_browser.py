@@ -1,0 +1,113 @@
+"""The console's safety in a real browser (Debian's Chromium): a site whose name was rebound to
+127.0.0.1 gets nothing from a console on loopback without a token, and the console's pages
+work under its Content-Security-Policy (no inline script: the cancel button's question comes
+from the console's own script file); an approver signed in sees a call's every argument."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from console.auth import ConsoleConfig
+from models import Phase
+from tests.browser.conftest import REBOUND_NAME
+from tests.console_server import serve
+from tests.helpers import make_session, phase_of
+from tests.integration.test_approvals import Runs
+from tests.integration.test_approvals import runs as runs  # the fixture
+from tests.types import ModelFactory
+
+pytestmark = [pytest.mark.timeout(120)]
+
+TOKEN = "browser-safety-token"
+
+
+def test_a_site_rebound_to_loopback_reads_nothing_and_cancels_nothing(
+    db: str, redis_url: str, browser_page: Any
+) -> None:
+    page = browser_page
+    sid = make_session()
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        port = base.rsplit(":", 1)[1]
+        rebound = f"http://{REBOUND_NAME}:{port}"
+        # The attacker's page, same origin as the rebound name: the console answers it nothing.
+        answer = page.goto(f"{rebound}/")
+        assert answer is not None and answer.status == 400
+        assert "host_not_allowed" in page.content()
+        seen = page.evaluate(
+            """async (sid) => {
+                const csrf = await fetch('/api/csrf');
+                const list = await fetch('/api/sessions');
+                const cancel = await fetch(`/api/sessions/${sid}/cancel`, {method: 'POST'});
+                return [csrf.status, list.status, cancel.status, await list.text()];
+            }""",
+            sid,
+        )
+        assert seen[:3] == [400, 400, 400]
+        assert str(sid) not in seen[3]
+        assert phase_of(sid) == Phase.RUNNING
+        # The same browser, by the console's own name, is served.
+        ok = page.goto(f"{base}/sessions/{sid}")
+        assert ok is not None and ok.status == 200
+        assert page.locator("#session-phase").inner_text() == "RUNNING"
+
+
+def test_the_cancel_button_asks_first_under_the_content_security_policy(
+    db: str, redis_url: str, browser_page: Any
+) -> None:
+    page = browser_page
+    violations: list[str] = []
+    page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
+    questions: list[str] = []
+    answers = iter([False, True])  # first No, then Yes
+
+    def answer(dialog: Any) -> None:
+        questions.append(dialog.message)
+        if next(answers):
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    page.on("dialog", answer)
+    sid = make_session()
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        page.goto(f"{base}/sessions/{sid}")
+        page.click("#cancel")
+        page.wait_for_timeout(300)
+        assert questions == [f"Cancel session {sid}?"]
+        assert phase_of(sid) == Phase.RUNNING  # answered No: nothing sent
+        page.click("#cancel")
+        page.wait_for_url(re.compile(r".*outcome=cancelled"))
+        assert len(questions) == 2
+        assert page.locator("#session-phase").inner_text() == "CANCELLED"
+    assert violations == []
+
+
+def test_a_signed_in_approver_sees_every_argument_and_approves(
+    model_factory: ModelFactory, runs: Runs, browser_page: Any
+) -> None:
+    from tests.integration.test_approvals import call, parent_script, parked_parent, requests
+
+    page = browser_page
+    order = "A-" + "9" * 300 + "-LAST"
+    model = model_factory(parent_script(call("refund", order=order, amount=4321)))
+    sid, _ = parked_parent(model.base_url)
+    with serve(ConsoleConfig(token=TOKEN, read_only=False, show_content=True)) as base:
+        page.goto(f"{base}/login")
+        page.fill("input[name=operator]", "erin")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{base}/")
+        page.goto(f"{base}/approvals")
+        (req,) = requests()
+        shown = page.locator(f"#arguments-{req.id}")
+        assert json.loads(shown.inner_text()) == {"order": order, "amount": 4321}  # whole
+        box = shown.bounding_box()
+        assert box is not None and box["width"] < 1280  # folded onto lines, not off the page
+        page.locator(f"tr[data-request-id='{req.id}'] button.approve").click()
+        page.wait_for_url(re.compile(r".*outcome=approved"))
+    (req,) = requests()
+    assert (req.session_id, req.status, req.decided_by) == (sid, "APPROVED", "console:erin")
