@@ -225,7 +225,9 @@ def round_results(
 def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
     """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
     ordered, results = round_results(rnd, pending)
-    assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
+    assistant_id, tool_ids = write_round(
+        s, parent_id, rnd.assistant_content, rnd.tool_calls, results, provider_fields=rnd.provider_fields
+    )
     crash_point("deliver.mid_round")
     marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
     mark_all_delivered(s, marked, assistant_message_id=assistant_id)

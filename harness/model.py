@@ -71,6 +71,10 @@ _RETRY_STATUSES = frozenset({408, 409, 429})
 _NOT_OUTAGE_STATUSES = frozenset({409, 500, 501, 505})
 #: finish_reason values that say the answer is not the model's whole answer.
 INCOMPLETE_FINISH_REASONS = frozenset({"length", "content_filter", "refusal"})
+#: Keys of an assistant message that the client reads or that are only ever part of an answer;
+#: every other key (``reasoning_content``, ``thinking_blocks``, ``reasoning_details``, ...) is a
+#: provider field, kept as sent and sent back with the message (docs/providers.md).
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "function_call", "annotations", "audio"})
 #: Keys of a tool call that the client reads; every other key (Gemini's ``extra_content`` with
 #: its thought signature) is kept as the provider sent it and sent back unchanged.
 _TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
@@ -124,6 +128,9 @@ class ModelReply:
     finish_reason: str | None = None
     #: The model's refusal text, when it refused (OpenAI's ``message.refusal``).
     refusal: str | None = None
+    #: The assistant message's other fields, as the provider sent them (reasoning, thinking
+    #: blocks, ``content`` as a list of typed parts): sent back with the message.
+    provider_fields: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def incomplete(self) -> str | None:
@@ -347,7 +354,13 @@ class ModelClient:
         if not isinstance(message, dict):
             raise bad("a choice without a message")
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        provider_fields = {k: v for k, v in message.items() if k not in _MESSAGE_KEYS and v is not None}
+        if isinstance(content, list):
+            # Typed parts (a reasoning model's thinking beside its text): the text parts are
+            # the answer; the list goes back to the provider whole.
+            provider_fields["content"] = content
+            content = _text_of_parts(content)
+        elif content is not None and not isinstance(content, str):
             raise bad("message content that is not text")
         refusal = message.get("refusal")
         finish_reason = choices[0].get("finish_reason")
@@ -370,6 +383,7 @@ class ModelClient:
             completion_tokens=_count(usage.get("completion_tokens")),
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             refusal=refusal if isinstance(refusal, str) and refusal else None,
+            provider_fields=provider_fields,
         )
 
 
@@ -431,6 +445,14 @@ def _parse_tool_call(raw: Any) -> ToolCall | None:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
     extra = {k: v for k, v in raw.items() if k not in _TOOL_CALL_KEYS}
     return ToolCall(id=call_id, name=name, arguments=arguments, extra=extra)
+
+
+def _text_of_parts(parts: list[Any]) -> str | None:
+    """The text of a ``content`` list: its ``{"type": "text"}`` parts joined; None when it has none."""
+    texts = [
+        p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+    ]
+    return "".join(texts) if texts else None
 
 
 def _count(value: Any) -> int:

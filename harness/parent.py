@@ -183,7 +183,9 @@ def _parent_rounds(
                     if not end_run(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER):
                         fence.check(s)
                         raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
-                    append_message(s, session_id, Role.ASSISTANT, reply.content or "")
+                    append_message(
+                        s, session_id, Role.ASSISTANT, reply.content or "", provider_fields=reply.provider_fields
+                    )
                 publish_status(session_id, Phase.WAITING_USER)
                 return RunOutcome.WAITING_USER
             if _delegates(reply, allowed, {}):
@@ -269,6 +271,7 @@ def _create_round(
         assistant_content=reply.content,
         tool_calls=[c.to_openai() for c in reply.tool_calls],
         inline_results={},
+        provider_fields=reply.provider_fields or None,
         prompt_tokens=reply.prompt_tokens,
         completion_tokens=reply.completion_tokens,
     )

@@ -77,6 +77,10 @@ class AgentSession(Base):
     model_outage_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     #: Re-sends by the scan of an unclaimed reservation of this session's run (the back-off).
     resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: Why the session ended FAILED or CANCELLED (a ``FailureCode``) and a short message without
+    #: content or secrets; written by the compare-and-set that stops it (docs/providers.md).
+    failure_code: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    failure_message: Mapped[str | None] = mapped_column(String(300), nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
