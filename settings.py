@@ -184,6 +184,14 @@ class Settings(BaseSettings):
     MODEL_MAX_RETRIES: int = Field(default=4, ge=0, le=20)
     #: No retry starts a wait that would end more than this long after the call's first attempt.
     MODEL_RETRY_MAX_SECONDS: float = Field(default=60.0, ge=0)
+    #: Retries of a model call whose answer did not come within MODEL_READ_TIMEOUT_SECONDS (each
+    #: is billed by the provider); past them the run fails with the reason ``read_timeout``.
+    MODEL_READ_TIMEOUT_RETRIES: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="retries of a model call after a read timeout; then the run fails (read_timeout)",
+    )
     #: TOML file with [agents.NAME] tables; empty means the built-in default.
     AGENTS_FILE: str = ""
     #: Comma-separated modules of @tool functions that every process imports at start

@@ -281,7 +281,13 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
-                waiting = wait_for_model(fence, info.child_session_id, execution_id=execution_id, deadline=deadline)
+                waiting = wait_for_model(
+                    fence,
+                    info.child_session_id,
+                    execution_id=execution_id,
+                    deadline=deadline,
+                    retry_after_seconds=exc.retry_after_seconds,
+                )
             if fault:
                 return ChildEnd(ChildOutcome.INFRA_ERROR)
             if waiting:

@@ -125,7 +125,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault:
-                waiting = wait_for_model(fence, session_id)
+                waiting = wait_for_model(fence, session_id, retry_after_seconds=exc.retry_after_seconds)
             if fault:
                 return RunOutcome.INFRA_ERROR
             if waiting:
