@@ -112,6 +112,8 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(snap, ensure_ascii=False, indent=2))
         return 0
     print(f"session {snap['id']} {snap['session_type']} agent={snap['agent_type']} phase={snap['phase']}")
+    if snap.get("failure_code"):
+        print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:

@@ -37,12 +37,12 @@ class CancelResult:
     suppressed: list[int] = field(default_factory=list)
 
 
-def cancel_session(session_id: int) -> tuple[bool, list[int]]:
-    """Phase -> CANCELLED (unless already stopped) and, in the same transaction, its PENDING
-    executions SUPPRESSED with their children cancelled, and their pending approval requests
-    CANCELLED. Running loops notice and stop."""
+def cancel_session(session_id: int, *, actor: str = "system") -> tuple[bool, list[int]]:
+    """Phase -> CANCELLED (unless already stopped; the reason names ``actor``) and, in the same
+    transaction, its PENDING executions SUPPRESSED with their children cancelled, and their
+    pending approval requests CANCELLED. Running loops notice and stop."""
     with transaction() as s:
-        changed = request_cancel(s, session_id)
+        changed = request_cancel(s, session_id, actor=actor)
         suppressed = suppress_parent(s, session_id) if changed else []
         if changed:
             cancel_for_tree(s, session_id)  # its and its children's pending approvals
@@ -60,7 +60,7 @@ def cancel(session_id: int, *, actor: str) -> CancelResult:
     if not exists:
         result = CancelResult(CancelOutcome.NOT_FOUND)
     else:
-        changed, suppressed = cancel_session(session_id)
+        changed, suppressed = cancel_session(session_id, actor=actor)
         result = CancelResult(CancelOutcome.CANCELLED if changed else CancelOutcome.ALREADY_STOPPED, suppressed)
     log_event(
         log,

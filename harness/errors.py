@@ -66,6 +66,10 @@ class DeadlineExceeded(HarnessError):
     """The absolute deadline of this execution has passed."""
 
 
+class MaxRoundsReached(HarnessError):
+    """The agent's max_rounds passed without a final answer."""
+
+
 #: Driver errors that mean the statement itself is wrong (bad data, a broken constraint, SQL
 #: that does not fit the schema): running it again fails again, so they end a run with a reason.
 _DETERMINISTIC_DB = ("DataError", "IntegrityError", "ProgrammingError", "NotSupportedError")

@@ -30,8 +30,9 @@ from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, park, refuse_beside_delegation
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
-from harness.errors import Cancelled, ModelUnavailable, infrastructure_boundary
+from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
+from harness.failure import reason_for
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume, resume_in
@@ -43,7 +44,7 @@ from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
-from models.session import end_run, release_session, take_session_facts
+from models.session import FailureReason, end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         log_event(
             log, "agent_run_failed", logging.WARNING, exc_info=True, session_id=session_id, error=type(exc).__name__
         )
-        _release(fence, Phase.FAILED)
+        _release(fence, Phase.FAILED, reason_for(exc))
         return RunOutcome.FAILED
 
 
@@ -141,9 +142,9 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since", JOURNAL_OPEN)
 
 
-def _release(fence: Fence, phase: Phase | None) -> None:
+def _release(fence: Fence, phase: Phase | None, reason: FailureReason | None = None) -> None:
     with transaction() as s:
-        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=phase)
+        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=phase, reason=reason)
     if phase is not None:
         publish_status(fence.session_id, phase)
 
@@ -213,10 +214,11 @@ def _parent_rounds(
             ):
                 return RunOutcome.WAITING_APPROVAL
             in_flight = resume(fence, session_id)  # answered meanwhile: the round goes on
+    reason = reason_for(MaxRoundsReached(f"reached max_rounds={agent.max_rounds} without a final answer"))
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
-        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED)
+        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
     publish_status(session_id, Phase.FAILED)
     return RunOutcome.FAILED
 

@@ -84,6 +84,8 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
         "session_type": str(row.session_type),
         "agent_type": row.agent_type,
         "parent_session_id": row.parent_session_id,
+        "failure_code": row.failure_code,
+        "failure_message": row.failure_message,
         "messages": [_message(m) for m in messages],
         "executions": [_execution(e) for e in executions],
         "approvals": _approvals(s, session_id),
@@ -120,6 +122,7 @@ def session_list(s: Session, limit: int = 50) -> list[dict[str, Any]]:
             "session_type": str(r.session_type),
             "agent_type": r.agent_type,
             "parent_session_id": r.parent_session_id,
+            "failure_code": r.failure_code,
         }
         for r in rows
     ]
