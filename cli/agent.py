@@ -123,7 +123,8 @@ def _show(args: argparse.Namespace) -> int:
             src = f" from session {m['source_session_id']}" if m["source_session_id"] else ""
             print(f"{head} result for {m['tool_call_id']}{src}: {_short(m['content'])}")
         else:
-            print(f"{head} {_short(m['content'])}")
+            mark = f"[{m['incomplete']}] " if m.get("incomplete") else ""
+            print(f"{head} {mark}{_short(m['content'])}")
     for e in snap["executions"]:
         print(
             f"  execution {e['id']}: {e['invocation_type']} child={e['child_session_id']} "

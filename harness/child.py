@@ -32,7 +32,7 @@ from harness.errors import (
     infrastructure_boundary,
 )
 from harness.events import publish_status
-from harness.failure import INCOMPLETE_CODES, reason_for
+from harness.failure import INCOMPLETE_CODES, INCOMPLETE_REASONS, reason_for
 from harness.fence import ExecutionFence, Heartbeat
 from harness.history import Compaction
 from harness.journal import RoundInFlight, journal_reply, resume, resume_in
@@ -306,14 +306,6 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         )
         failed = Failed(f"subagent failed: {describe_exception(exc)}", code=reason_for(exc).code)
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
-
-
-#: Why an answer the model did not finish is not the child's result, by ``ModelReply.incomplete``.
-INCOMPLETE_REASONS = {
-    "length": "the model's answer was cut off at its token limit (finish_reason length)",
-    "content_filter": "the provider's content filter withheld the model's answer (finish_reason content_filter)",
-    "refusal": "the model refused the task",
-}
 
 
 def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:

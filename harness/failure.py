@@ -13,7 +13,20 @@ INCOMPLETE_CODES = {
     "length": FailureCode.TRUNCATED,
     "content_filter": FailureCode.CONTENT_FILTER,
     "refusal": FailureCode.REFUSAL,
+    "no_tool_calls": FailureCode.NO_TOOL_CALLS,
 }
+#: Why an answer the model did not finish is not a result, by ``ModelReply.incomplete``.
+INCOMPLETE_REASONS = {
+    "length": "the model's answer was cut off at its token limit (finish_reason length)",
+    "content_filter": "the provider's content filter withheld the model's answer (finish_reason content_filter)",
+    "refusal": "the model refused the task",
+    "no_tool_calls": "the model said it called tools but its reply held no call (finish_reason tool_calls)",
+}
+
+
+def incomplete_reason(incomplete: str) -> FailureReason:
+    """The reason of a run that ends on an answer the model did not finish."""
+    return FailureReason(INCOMPLETE_CODES[incomplete], INCOMPLETE_REASONS[incomplete])
 
 
 def reason_for(exc: BaseException) -> FailureReason:

@@ -367,6 +367,7 @@ def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]])
             "tool_call_id": r.get("tool_call_id"),
             "source_session_id": r.get("source_session_id"),
             "provider_fields": r.get("provider_fields") or None,
+            "incomplete": r.get("incomplete"),
             "deleted": False,
             "created_at": now,
         }
@@ -391,6 +392,7 @@ def append_message(
     tool_call_id: str | None = None,
     source_session_id: int | None = None,
     provider_fields: dict[str, Any] | None = None,
+    incomplete: str | None = None,
 ) -> int:
     """Insert one row in the caller's transaction (a Core INSERT ... RETURNING); its id."""
     row = {
@@ -400,6 +402,7 @@ def append_message(
         "tool_call_id": tool_call_id,
         "source_session_id": source_session_id,
         "provider_fields": provider_fields,
+        "incomplete": incomplete,
     }
     return insert_messages(s, session_id, [row])[0]
 

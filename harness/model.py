@@ -145,9 +145,12 @@ class ModelReply:
     @property
     def incomplete(self) -> str | None:
         """Why this answer is not the model's whole answer ("length": cut off, "content_filter":
-        filtered, "refusal": refused), or None when it is."""
+        filtered, "refusal": refused, "no_tool_calls": it said it called tools and sent no
+        call), or None when it is."""
         if self.refusal:
             return "refusal"
+        if self.finish_reason == "tool_calls" and not self.tool_calls:
+            return "no_tool_calls"
         return self.finish_reason if self.finish_reason in INCOMPLETE_FINISH_REASONS else None
 
 

@@ -32,7 +32,7 @@ from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
-from harness.failure import reason_for
+from harness.failure import incomplete_reason, reason_for
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume, resume_in
@@ -178,17 +178,7 @@ def _parent_rounds(
                 model_answered(session_id)
                 model_waiting = False
             if not reply.tool_calls:
-                with transaction() as s:
-                    # The release is the fence (one statement); when it does not land the
-                    # fence says why (Cancelled or LeaseLost) and the answer rolls back.
-                    if not end_run(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER):
-                        fence.check(s)
-                        raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
-                    append_message(
-                        s, session_id, Role.ASSISTANT, reply.content or "", provider_fields=reply.provider_fields
-                    )
-                publish_status(session_id, Phase.WAITING_USER)
-                return RunOutcome.WAITING_USER
+                return _final_answer(session_id, fence, agent, reply)
             if _delegates(reply, allowed, {}):
                 # NOTE: a delegating reply's journal entry is its pending round, committed with
                 # its children before any of its tools (children or inline ones) runs: no
@@ -221,6 +211,37 @@ def _parent_rounds(
         release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
     publish_status(session_id, Phase.FAILED)
     return RunOutcome.FAILED
+
+
+def _final_answer(session_id: int, fence: SessionFence, agent: AgentDef, reply: ModelReply) -> RunOutcome:
+    """Store the model's answer and end the run: the user is next. An answer the model did not
+    finish is stored as it came (a refusal's text as its content) and marked; with the agent's
+    ``on_incomplete = "fail"`` the session ends FAILED with the reason instead."""
+    mark = reason = None
+    if reply.incomplete is not None:
+        reason = incomplete_reason(reply.incomplete)
+        mark = reason.code
+    fail = reason is not None and agent.on_incomplete == "fail"
+    phase = Phase.FAILED if fail else Phase.WAITING_USER
+    with transaction() as s:
+        # The release is the fence (one statement); when it does not land the fence says why
+        # (Cancelled or LeaseLost) and the answer rolls back.
+        if not end_run(s, session_id, epoch=fence.epoch, to_phase=phase, reason=reason if fail else None):
+            fence.check(s)
+            raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
+        content = reply.content or reply.refusal or ""
+        append_message(
+            s,
+            session_id,
+            Role.ASSISTANT,
+            content,
+            provider_fields=reply.provider_fields,
+            incomplete=None if mark is None else str(mark),
+        )
+    if mark is not None:
+        log_event(log, "parent_answer_incomplete", session_id=session_id, mark=str(mark), failed=fail)
+    publish_status(session_id, phase)
+    return RunOutcome.FAILED if fail else RunOutcome.WAITING_USER
 
 
 def _delegates(reply: ModelReply, allowed: tuple[str, ...], refused: dict[str, str]) -> bool:

@@ -52,6 +52,7 @@ def _message(m: Message) -> dict[str, Any]:
         "tool_calls": calls if isinstance(calls, list) else None,
         "tool_call_id": m.tool_call_id,
         "source_session_id": m.source_session_id,
+        "incomplete": m.incomplete,
     }
 
 

@@ -81,6 +81,7 @@ class FailureCode(StrEnum):
     REFUSAL = "refusal"  #: the model refused (its refusal text is kept in the history)
     CONTENT_FILTER = "content_filter"  #: the provider's filter withheld the answer
     TRUNCATED = "truncated"  #: the answer was cut off at its token limit (finish_reason length)
+    NO_TOOL_CALLS = "no_tool_calls"  #: finish_reason tool_calls, but the reply held no call
     MAX_ROUNDS = "max_rounds"  #: the agent's max_rounds passed without a final answer
     DEADLINE = "deadline"  #: a child's absolute deadline passed
     TOOL_CRASH = "tool_crash"  #: running a tool failed outside the tool (its own errors are TOOL results)

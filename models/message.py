@@ -29,6 +29,9 @@ class Message(Base):
     #: An ASSISTANT's fields of the provider's message that the client does not read itself
     #: (reasoning, thinking blocks, content parts), as sent: sent back with the message.
     provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    #: An ASSISTANT answer the model did not finish: ``refusal``, ``content_filter``,
+    #: ``truncated``, ``no_tool_calls`` (a ``FailureCode``); NULL for a whole answer.
+    incomplete: Mapped[str | None] = mapped_column(String(32), nullable=True)
     #: For a delivered TOOL result: the child session that produced it.
     source_session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: Logical delete (tail cleanup); deleted rows are never shown to a model.

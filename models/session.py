@@ -608,21 +608,32 @@ def _release_stmt(to_phase: Phase | None, with_reason: bool = False) -> Any:
     return update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
 
 
-def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
+def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase, reason: FailureReason | None = None) -> bool:
     """The epoch's owner ends its run (its last write's transaction): lease dropped and phase
     moved in ONE compare-and-set that is also the fence (``fence_session``'s conditions: owned
-    at this epoch, not stopped, this process not replaced under its name). False, nothing
+    at this epoch, not stopped, this process not replaced under its name). ``reason``: why
+    the session stops (``to_phase`` FAILED), written by the same statement. False, nothing
     written, when any of them fails: the caller asks the fence why (cancelled or lost)."""
     params = {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}
-    return cas(s, _end_run_stmt(to_phase, identity_for()), params) == 1
+    if reason is not None:
+        params.update(_reason_params(reason))
+    return cas(s, _end_run_stmt(to_phase, identity_for(), reason is not None), params) == 1
 
 
 @built_once
-def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None) -> Any:
+def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None, with_reason: bool = False) -> Any:
+    values: dict[str, Any] = {
+        "phase": to_phase,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "updated_at": bindparam("b_now"),
+    }
+    if with_reason:
+        values.update(_REASON_VALUES)
     return (
         update(S)
         .where(*_held_by(me), _phase_in(STARTABLE_PHASES))
-        .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=bindparam("b_now"))
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
 

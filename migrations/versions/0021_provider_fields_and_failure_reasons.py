@@ -5,6 +5,8 @@
   client does not read itself (``reasoning_content``, ``thinking_blocks``,
   ``reasoning_details``, a ``content`` given as a list of typed parts, ...), as the provider sent
   them; they are sent back with the message (docs/providers.md).
+- ``message.incomplete``: an ASSISTANT answer the model did not finish, marked (``refusal``,
+  ``content_filter``, ``truncated``, ``no_tool_calls``); NULL for a whole answer.
 - ``agent_session.failure_code``, ``agent_session.failure_message``: why the session ended
   FAILED or CANCELLED (docs/providers.md, "Failure reasons"), written by the compare-and-set
   that moves it there.
@@ -30,6 +32,7 @@ depends_on = None
 def upgrade() -> None:
     for table in ("message", "round_journal", "pending_round"):
         op.add_column(table, sa.Column("provider_fields", sa.JSON(none_as_null=True), nullable=True))
+    op.add_column("message", sa.Column("incomplete", sa.String(32), nullable=True))
     op.add_column("agent_session", sa.Column("failure_code", sa.String(32), nullable=True))
     op.add_column("agent_session", sa.Column("failure_message", sa.String(300), nullable=True))
 
@@ -37,5 +40,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_column("agent_session", "failure_message")
     op.drop_column("agent_session", "failure_code")
+    op.drop_column("message", "incomplete")
     for table in ("pending_round", "round_journal", "message"):
         op.drop_column(table, "provider_fields")
