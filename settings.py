@@ -241,6 +241,15 @@ class Settings(BaseSettings):
         ge=0,
         description="No retry starts a wait that would end more than this long after the call's first attempt.",
     )
+    MODEL_READ_TIMEOUT_RETRIES: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description=(
+            "Retries of a model call whose answer did not come within MODEL_READ_TIMEOUT_SECONDS (each is "
+            "billed by the provider); past them the run fails with the reason read_timeout."
+        ),
+    )
     AGENTS_FILE: str = Field(
         default="",
         description="TOML file with [agents.NAME] tables; empty means the built-in main, reviewer and researcher.",

@@ -158,6 +158,8 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(snap, ensure_ascii=False, indent=2))
         return 0
     print(f"session {snap['id']} {snap['session_type']} agent={snap['agent_type']} phase={snap['phase']}")
+    if snap.get("failure_code"):
+        print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:
@@ -167,7 +169,8 @@ def _show(args: argparse.Namespace) -> int:
             src = f" from session {m['source_session_id']}" if m["source_session_id"] else ""
             print(f"{head} result for {m['tool_call_id']}{src}: {_short(m['content'])}")
         else:
-            print(f"{head} {_short(m['content'])}")
+            mark = f"[{m['incomplete']}] " if m.get("incomplete") else ""
+            print(f"{head} {mark}{_short(m['content'])}")
     for e in snap["executions"]:
         print(
             f"  execution {e['id']}: {e['invocation_type']} child={e['child_session_id']} "

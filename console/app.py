@@ -3,7 +3,8 @@
 The API paths are a public interface:
 
 - ``GET /api/sessions``: filters ``phase``, ``agent``, ``user``, ``waiting_approval``,
-  ``recovered``, ``failed`` (true/false), ``since``, ``until`` (ISO 8601, on started_at);
+  ``recovered``, ``failed`` (true/false), ``failure_code`` (why a session stopped:
+  docs/providers.md), ``since``, ``until`` (ISO 8601, on started_at);
   paging ``limit`` and ``before`` (the ``next_before`` of the previous page); newest first.
 - ``GET /api/sessions/{id}``: the tree, its executions, the rounds as a timeline.
 - ``GET /api/approvals``, ``GET /api/health``, ``GET /api/csrf``.
@@ -294,6 +295,7 @@ def _filter(request: Request) -> queries.SessionFilter:
         waiting_approval=_flag(request, "waiting_approval"),
         recovered=_flag(request, "recovered"),
         failed=_flag(request, "failed"),
+        failure_code=_text(request, "failure_code"),
         since=_when(request, "since"),
         until=_when(request, "until"),
     )

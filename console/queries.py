@@ -64,6 +64,8 @@ class SessionFilter:
     waiting_approval: bool | None = None
     recovered: bool | None = None
     failed: bool | None = None
+    #: Sessions stopped with this reason (``agent_session.failure_code``: docs/providers.md).
+    failure_code: str | None = None
     since: datetime | None = None
     until: datetime | None = None
 
@@ -110,6 +112,8 @@ def _where(f: SessionFilter) -> list[Any]:
         clauses.append(S.agent_type == f.agent)
     if f.user:
         clauses.append(S.user_id == f.user)
+    if f.failure_code:
+        clauses.append(S.failure_code == f.failure_code)
     for flag, clause in (
         (f.waiting_approval, approvals.waiting_clause),
         (f.recovered, _recovered_clause),
@@ -159,6 +163,7 @@ def list_sessions(
                 "age_seconds": _age(now, r.started_at),
                 "executions": int(counts.get(r.id, 0)),
                 "recovered": r.id in recovered,
+                "failure_code": r.failure_code,
             }
             for r in rows
         ],
@@ -169,9 +174,15 @@ def list_sessions(
 # --- one session: the tree -----------------------------------------------------------------
 
 
-def _execution(e: Any, now: datetime) -> dict[str, Any]:
+#: Execution statuses whose child session's reason is the execution's.
+_ENDED_WITHOUT_RESULT = (ExecutionStatus.FAILED.value, ExecutionStatus.CANCELLED.value)
+
+
+def _execution(e: Any, now: datetime, child: Any = None) -> dict[str, Any]:
+    """``child``: the child session's row, whose reason a failed or cancelled execution shows."""
     from harness.child import child_deadline
 
+    ended = str(e.status) in _ENDED_WITHOUT_RESULT and child is not None
     return {
         "id": e.id,
         "parent_session_id": e.parent_session_id,
@@ -194,6 +205,8 @@ def _execution(e: Any, now: datetime) -> dict[str, Any]:
         "tokens": {"prompt": e.prompt_tokens, "completion": e.completion_tokens, "total": e.total_tokens},
         "tool_calls": e.total_tool_calls,
         "error": e.error is not None,
+        "error_message": e.error,
+        "failure_code": child.failure_code if ended else None,
     }
 
 
@@ -213,6 +226,8 @@ def _node(row: Any, executions: list[dict[str, Any]], rounds: int, now: datetime
         "started_at": _iso(row.started_at),
         "updated_at": _iso(row.updated_at),
         "age_seconds": _age(now, row.started_at),
+        "failure_code": row.failure_code,
+        "failure_message": row.failure_message,
         "rounds": rounds,
         "tokens": tokens,
         "executions": executions,
@@ -241,7 +256,7 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
         return None
     now = utcnow()
     mine = s.execute(select(E.__table__).where(E.child_session_id == session_id).order_by(E.id)).all()
-    own = [_execution(e, now) for e in mine]
+    own = [_execution(e, now, root) for e in mine]
     top = _node(root, own, _assistant_rounds(s, session_id), now)
     level = {session_id: top}
     for _ in range(MAX_TREE_DEPTH):
@@ -254,7 +269,7 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
         )
         by_child: dict[int, list[dict[str, Any]]] = {}
         for e in execs:
-            by_child.setdefault(e.child_session_id, []).append(_execution(e, now))
+            by_child.setdefault(e.child_session_id, []).append(_execution(e, now, sessions.get(e.child_session_id)))
         next_level: dict[int, dict[str, Any]] = {}
         for e in execs:
             cid = e.child_session_id

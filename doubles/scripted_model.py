@@ -6,6 +6,9 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
               | {"content": "half an answ", "finish_reason": "length"}
               | {"error": {"status": 500, "message": "..."}},
+     (a content or tool_calls reply may add "message_fields": {"reasoning_content": "...", ...}:
+      more fields of the assistant message, sent as given; a "content" among them replaces the
+      text, e.g. with a list of typed parts)
      "delay_seconds": 0.5 | {"lognormal": [MU, SIGMA]},
      "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
 
@@ -30,7 +33,8 @@ failure is journaled as ``{"rule", "turn", "reply": "error"}``.
 clears it (and the ``fail_first`` counts). ``GET /_received`` lists what each chat-completions
 request asked for besides its messages: ``{"model", "temperature", "max_tokens", "tools"}`` (tool
 names; absent options are null). In-process, ``sent_back_extras()`` lists per request the
-``extra_content`` of every assistant tool call it sent back (a provider's own call fields).
+``extra_content`` of every assistant tool call it sent back (a provider's own call fields), and
+``sent_back_messages()`` every assistant message each request carried, as sent.
 Run it with ``agent-recovery scripted-model serve --script FILE --port N`` (or
 ``python -m doubles.scripted_model`` with the same flags).
 """
@@ -72,7 +76,7 @@ _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"
 #: Status of a scripted failure that closes the connection without an answer.
 DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
-_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason"})
+_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason", "message_fields"})
 _TOOL_CALL_KEYS = frozenset({"name", "arguments", "id", "extra_content"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
@@ -121,6 +125,8 @@ class Reply:
     error_message: str = ""
     #: A content reply's finish_reason ("length", "content_filter", ...; default "stop").
     finish_reason: str = "stop"
+    #: More fields of the assistant message (reasoning, thinking blocks), JSON text of an object.
+    message_fields: str | None = None
 
     @property
     def kind(self) -> str:
@@ -351,6 +357,10 @@ def _when(at: str, raw: Any) -> When:
 def _reply(at: str, raw: Any) -> Reply:
     reply = dict(_check_keys(raw, _REPLY_KEYS, f"{at} reply"))
     finish_reason = reply.pop("finish_reason", "stop")
+    fields = reply.pop("message_fields", None)
+    if fields is not None and (not isinstance(fields, dict) or "error" in reply):
+        raise ScriptError(f"{at} reply: message_fields is an object, for a content or tool_calls reply")
+    message_fields = None if fields is None else json.dumps(fields)
     if len(reply) != 1:
         raise ScriptError(f"{at} reply: give exactly one of content, tool_calls, error")
     if not isinstance(finish_reason, str) or (finish_reason != "stop" and "content" not in reply):
@@ -358,7 +368,7 @@ def _reply(at: str, raw: Any) -> Reply:
     if "content" in reply:
         if not isinstance(reply["content"], str):
             raise ScriptError(f"{at} reply: content must be a string")
-        return Reply(content=reply["content"], finish_reason=finish_reason)
+        return Reply(content=reply["content"], finish_reason=finish_reason, message_fields=message_fields)
     if "error" in reply:
         error = _check_keys(reply["error"], _ERROR_KEYS, f"{at} reply error")
         status = error.get("status")
@@ -392,7 +402,7 @@ def _reply(at: str, raw: Any) -> Reply:
                 extra_content=None if extra is None else json.dumps(extra),
             )
         )
-    return Reply(tool_calls=tuple(out))
+    return Reply(tool_calls=tuple(out), message_fields=message_fields)
 
 
 # --- serving -------------------------------------------------------------------------------------
@@ -428,6 +438,7 @@ class ScriptedModelServer:
         self._rejected: list[dict[str, Any]] = []
         self._received: list[dict[str, Any]] = []
         self._extras: list[list[Any]] = []  #: per request: the extra_content of the calls it sent back
+        self._assistants: list[list[dict[str, Any]]] = []  #: per request: its assistant messages
         self._matched: dict[int, int] = {}  #: how often each rule matched (fail_first counts)
         self._local = threading.local()  #: extra response headers of the request on this thread
         self._lock = threading.Lock()
@@ -498,8 +509,14 @@ class ScriptedModelServer:
         with self._lock:
             return [list(e) for e in self._extras]
 
+    def sent_back_messages(self) -> list[list[dict[str, Any]]]:
+        """Per request, every assistant message it carried, as sent."""
+        with self._lock:
+            return [[dict(m) for m in ms] for ms in self._assistants]
+
     def reset(self) -> None:
         with self._lock:
+            self._assistants.clear()
             self._extras.clear()
             self._journal.clear()
             self._rejected.clear()
@@ -550,6 +567,9 @@ class ScriptedModelServer:
                         if isinstance(t, dict) and isinstance(t.get("function"), dict)
                     ],
                 }
+            )
+            self._assistants.append(
+                [dict(m) for m in body["messages"] if isinstance(m, dict) and m.get("role") == "assistant"]
             )
             self._extras.append(
                 [
@@ -605,6 +625,8 @@ class ScriptedModelServer:
             message_out["content"] = request.fill(reply.content or "")
             completion_chars = len(message_out["content"])
             finish_reason = reply.finish_reason
+        if reply.message_fields is not None:
+            message_out.update(json.loads(reply.message_fields))
         prompt_tokens, completion_tokens = max(1, request.prompt_chars // 4), max(1, completion_chars // 4)
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -11,7 +11,9 @@ stdio server; ``timeout_seconds``, ``trust_annotations`` for both) whose tools a
 ``<name>__<tool>``; ``tools`` may name them (``travel__search``, or ``travel__*``) to offer only
 those; ``approve`` (tool names or globs, ``["refund_order", "travel__book*"]``: every call of a
 matching tool waits for a human decision) and ``approve_destructive`` (true: so does every MCP
-tool whose ``destructiveHint`` is true or absent). A subagent's tools
+tool whose ``destructiveHint`` is true or absent), ``on_incomplete`` (``wait_for_user``, the
+default, or ``fail``: what a parent does when the model's answer is a refusal, filtered, cut off
+or says it called tools without a call; the answer is stored and marked either way). A subagent's tools
 never include ``delegate`` / ``delegate_followup`` (no recursive delegation: a child never delegates).
 
 ``load_at_start`` is what every process calls at start: it imports the tool modules and checks
@@ -49,7 +51,10 @@ _KEYS = {
     "mcp_servers",
     "approve",
     "approve_destructive",
+    "on_incomplete",
 }
+#: What a parent does with an answer the model did not finish (``on_incomplete``).
+ON_INCOMPLETE = ("wait_for_user", "fail")
 _MCP_KEYS = {"name", "url", "timeout_seconds", "command", "args", "env", "cwd", "headers", "trust_annotations"}
 _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 
@@ -88,6 +93,9 @@ class AgentDef:
     approve: tuple[str, ...] = ()
     #: Every MCP tool whose ``destructiveHint`` is true or absent waits for a human decision.
     approve_destructive: bool = False
+    #: A parent's answer the model did not finish: "wait_for_user" (stored, marked, the user is
+    #: next) or "fail" (stored, marked, the session FAILED with the reason). A child always fails.
+    on_incomplete: str = "wait_for_user"
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers
@@ -148,6 +156,9 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
         approve_destructive = table.get("approve_destructive", False)
         if not isinstance(approve_destructive, bool):
             raise AgentConfigError(f"{source}: agents.{name}.approve_destructive must be true or false")
+        on_incomplete = table.get("on_incomplete", "wait_for_user")
+        if on_incomplete not in ON_INCOMPLETE:
+            raise AgentConfigError(f"{source}: agents.{name}.on_incomplete must be wait_for_user or fail")
         max_rounds = table.get("max_rounds", 20)
         if not isinstance(max_rounds, int) or max_rounds < 1:
             raise AgentConfigError(f"{source}: agents.{name}.max_rounds must be a positive integer")
@@ -167,6 +178,7 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             mcp_servers=_mcp_servers(f"{source}: agents.{name}", table.get("mcp_servers", [])),
             approve=tuple(approve),
             approve_destructive=approve_destructive,
+            on_incomplete=on_incomplete,
         )
     _check_mcp_names(source, out)
     return out

@@ -37,15 +37,15 @@ class CancelResult:
     suppressed: list[int] = field(default_factory=list)
 
 
-def cancel_session(session_id: int) -> tuple[bool, list[int]]:
-    """Phase -> CANCELLED (unless already stopped) and, in the same transaction, its PENDING
-    executions SUPPRESSED with their children cancelled, and their pending approval requests
-    CANCELLED. Running loops notice and stop. A child parked for an approval has no loop to
-    notice: its execution is freed for the next scan, whose recovery ends it CANCELLED and
-    delivers it (docs/approvals.md, "Cancelling a session that waits")."""
+def cancel_session(session_id: int, *, actor: str = "system") -> tuple[bool, list[int]]:
+    """Phase -> CANCELLED (unless already stopped; the reason names ``actor``) and, in the same
+    transaction, its PENDING executions SUPPRESSED with their children cancelled, and their
+    pending approval requests CANCELLED. Running loops notice and stop. A child parked for an
+    approval has no loop to notice: its execution is freed for the next scan, whose recovery
+    ends it CANCELLED and delivers it (docs/approvals.md, "Cancelling a session that waits")."""
     with transaction() as s:
         lock_for_cancel(s, session_id)
-        changed = request_cancel(s, session_id)
+        changed = request_cancel(s, session_id, actor=actor)
         suppressed = suppress_parent(s, session_id) if changed else []
         if changed:
             cancel_for_tree(s, session_id)  # its and its children's pending approvals
@@ -64,7 +64,7 @@ def cancel(session_id: int, *, actor: str) -> CancelResult:
     if not exists:
         result = CancelResult(CancelOutcome.NOT_FOUND)
     else:
-        changed, suppressed = cancel_session(session_id)
+        changed, suppressed = cancel_session(session_id, actor=actor)
         result = CancelResult(CancelOutcome.CANCELLED if changed else CancelOutcome.ALREADY_STOPPED, suppressed)
     log_event(
         log,

@@ -23,8 +23,16 @@ from harness.agents import AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.delivery import deliver_and_resume
-from harness.errors import BoundaryInvalid, Cancelled, DeadlineExceeded, ModelUnavailable, infrastructure_boundary
+from harness.errors import (
+    BoundaryInvalid,
+    Cancelled,
+    DeadlineExceeded,
+    MaxRoundsReached,
+    ModelUnavailable,
+    infrastructure_boundary,
+)
 from harness.events import publish_status
+from harness.failure import INCOMPLETE_CODES, INCOMPLETE_REASONS, reason_for
 from harness.fence import ExecutionFence, Heartbeat
 from harness.history import Compaction
 from harness.journal import RoundInFlight, journal_reply, resume, resume_in
@@ -48,6 +56,7 @@ from models import (
 )
 from models.base import utcnow
 from models.db import built_once, is_postgresql
+from models.enums import FailureCode
 from models.execution import take_execution
 from models.journal import has_open_entry
 from models.session import child_not_cancelled, set_child_phase, set_phase
@@ -277,11 +286,17 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         return end_with_failure(info, epoch, ChildOutcome.CANCELLED, Stopped())
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason))
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason, code=FailureCode.DEADLINE))
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
-                waiting = wait_for_model(fence, info.child_session_id, execution_id=execution_id, deadline=deadline)
+                waiting = wait_for_model(
+                    fence,
+                    info.child_session_id,
+                    execution_id=execution_id,
+                    deadline=deadline,
+                    retry_after_seconds=exc.retry_after_seconds,
+                )
             if fault:
                 return ChildEnd(ChildOutcome.INFRA_ERROR)
             if waiting:
@@ -289,15 +304,8 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         log_event(
             log, "child_failed", logging.WARNING, exc_info=True, execution_id=execution_id, error=type(exc).__name__
         )
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(f"subagent failed: {describe_exception(exc)}"))
-
-
-#: Why an answer the model did not finish is not the child's result, by ``ModelReply.incomplete``.
-INCOMPLETE_REASONS = {
-    "length": "the model's answer was cut off at its token limit (finish_reason length)",
-    "content_filter": "the provider's content filter withheld the model's answer (finish_reason content_filter)",
-    "refusal": "the model refused the task",
-}
+        failed = Failed(f"subagent failed: {describe_exception(exc)}", code=reason_for(exc).code)
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
 
 
 def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:
@@ -308,7 +316,8 @@ def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:
     if incomplete is None:
         return Completed(final.content or ""), ChildOutcome.COMPLETED
     partial = final.content or final.refusal or ""
-    return Failed(INCOMPLETE_REASONS[incomplete], partial=partial), ChildOutcome.FAILED
+    failed = Failed(INCOMPLETE_REASONS[incomplete], partial=partial, code=INCOMPLETE_CODES[incomplete])
+    return failed, ChildOutcome.FAILED
 
 
 def end_with_failure(info: ChildInfo, epoch: int, outcome: ChildOutcome, result: Failed | Stopped) -> ChildEnd:
@@ -388,7 +397,7 @@ def _child_rounds(
             in_flight = resume(fence, info.child_session_id)  # answered meanwhile: the round goes on
             continue
         crash_point("child.after_round")
-    raise RuntimeError(f"reached max_rounds={agent.max_rounds} without a final answer")
+    raise MaxRoundsReached(f"reached max_rounds={agent.max_rounds} without a final answer")
 
 
 def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:

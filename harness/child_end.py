@@ -32,8 +32,9 @@ from models import (
     transaction,
 )
 from models.db import built_once
+from models.enums import FailureCode
 from models.execution import finish_execution
-from models.session import set_child_phase
+from models.session import FailureReason, set_child_phase
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,8 @@ class Failed:
 
     reason: str
     partial: str | None = None
+    #: Why, as the child session stores it (its ``failure_code``).
+    code: FailureCode = FailureCode.INTERNAL_ERROR
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class Stopped:
     """The child session was cancelled."""
 
     reason: str = "subagent cancelled"
+    code: FailureCode = FailureCode.CANCELLED_BY
 
 
 #: What an execution ends with: the one argument of ``finish_child``.
@@ -173,6 +177,8 @@ class _End:
     tool_calls: int
     prompt_tokens: int  #: the execution's totals, this end's usage counted
     completion_tokens: int
+    #: Why the child session stops (FAILED, CANCELLED); None when it completed.
+    failure: FailureReason | None = None
 
 
 def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usage = Usage()) -> RoundState | None:
@@ -301,9 +307,10 @@ def _build_end(
         followup=followup,
         partial=result.partial if isinstance(result, Failed) else None,
     )
+    why = FailureReason(result.code, failure["error"])
     if stopped:
-        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion)
-    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls, prompt, completion)
+        return _End(ExecutionStatus.CANCELLED, Phase.CANCELLED, failure, rounds, tool_calls, prompt, completion, why)
+    return _End(ExecutionStatus.FAILED, Phase.FAILED, failure, rounds, tool_calls, prompt, completion, why)
 
 
 def _finish_with_phase(s: Session, info: ChildInfo, *, epoch: int, end: _End, final_message_id: int | None) -> None:
@@ -324,4 +331,4 @@ def _finish_with_phase(s: Session, info: ChildInfo, *, epoch: int, end: _End, fi
     )
     if not landed:
         raise _Lost()
-    set_child_phase(s, info.child_session_id, end.phase)
+    set_child_phase(s, info.child_session_id, end.phase, reason=end.failure)

@@ -52,7 +52,7 @@ from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.legacy import infer_and_store
 from models.round import close_open_round, close_round
-from models.session import cancel_child, hand_over, stop_session
+from models.session import INVALID_BOUNDARY, cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
 E = SubagentExecution
@@ -225,7 +225,9 @@ def round_results(
 def _deliver_open_round(s: Session, parent_id: int, rnd: PendingRound, pending: list[SubagentExecution]) -> list[int]:
     """Write the whole open round (one assistant + every TOOL) and close it. Returns ids."""
     ordered, results = round_results(rnd, pending)
-    assistant_id, tool_ids = write_round(s, parent_id, rnd.assistant_content, rnd.tool_calls, results)
+    assistant_id, tool_ids = write_round(
+        s, parent_id, rnd.assistant_content, rnd.tool_calls, results, provider_fields=rnd.provider_fields
+    )
     crash_point("deliver.mid_round")
     marked = {m.id: tool_ids[str(m.parent_tool_call_id)] for m in ordered}
     mark_all_delivered(s, marked, assistant_message_id=assistant_id)
@@ -298,7 +300,7 @@ def deliver_round(parent_id: int, epoch: int) -> DeliveryOutcome:
         log_event(log, "parent_stopped", logging.ERROR, parent_id=parent_id, reason="invalid_compaction_boundary")
         with transaction() as s:
             parent = _lock_parent(s, parent_id)
-            if parent is None or not stop_session(s, parent_id, epoch=epoch, to_phase=Phase.FAILED):
+            if parent is None or not stop_session(s, parent_id, epoch=epoch, reason=INVALID_BOUNDARY):
                 return DeliveryOutcome(DeliveryKind.STALE)
             suppressed = suppress_parent(s, parent_id)
         publish_status(parent_id, Phase.FAILED)

@@ -193,7 +193,7 @@ def _deliver_together(s: Session, wanted: dict[int, int]) -> dict[int, _Delivere
     written = write_rounds(
         s,
         [
-            RoundWrite(p.id, p.rnd.assistant_content, p.rnd.tool_calls, results)
+            RoundWrite(p.id, p.rnd.assistant_content, p.rnd.tool_calls, results, p.rnd.provider_fields)
             for p, (_, results) in zip(kept, members, strict=True)
             if p.rnd is not None
         ],

@@ -25,12 +25,25 @@ class BoundaryInvalid(HarnessError):
 
 class ModelUnavailable(HarnessError):
     """The model endpoint could not be reached or answered with an error. ``transient``: an
-    outage (unreachable, overloaded, a server error), not a refusal of this request."""
+    outage (unreachable, overloaded, a server error), not a refusal of this request.
+    ``reason``: the failure code a session that ends on it records (docs/providers.md,
+    "Failure reasons"); ``retry_after_seconds``: how long the provider asked us to wait, when
+    that was longer than the client's own retries."""
 
-    def __init__(self, message: str | None = None, *, code: str = "model_unavailable", transient: bool = False) -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        code: str = "model_unavailable",
+        transient: bool = False,
+        reason: str | None = None,
+        retry_after_seconds: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.transient = transient
+        self.reason = reason or ("bad_response" if code == "bad_response" else "model_unavailable")
+        self.retry_after_seconds = retry_after_seconds
 
 
 class AgentConfigError(HarnessError):
@@ -51,6 +64,10 @@ class Cancelled(HarnessError):
 
 class DeadlineExceeded(HarnessError):
     """The absolute deadline of this execution has passed."""
+
+
+class MaxRoundsReached(HarnessError):
+    """The agent's max_rounds passed without a final answer."""
 
 
 #: Driver errors that mean the statement itself is wrong (bad data, a broken constraint, SQL

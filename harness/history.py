@@ -366,6 +366,8 @@ def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]])
             "tool_calls": json.dumps(r["tool_calls"]) if r.get("tool_calls") else None,
             "tool_call_id": r.get("tool_call_id"),
             "source_session_id": r.get("source_session_id"),
+            "provider_fields": r.get("provider_fields") or None,
+            "incomplete": r.get("incomplete"),
             "deleted": False,
             "created_at": now,
         }
@@ -389,6 +391,8 @@ def append_message(
     tool_calls: list[dict[str, Any]] | None = None,
     tool_call_id: str | None = None,
     source_session_id: int | None = None,
+    provider_fields: dict[str, Any] | None = None,
+    incomplete: str | None = None,
 ) -> int:
     """Insert one row in the caller's transaction (a Core INSERT ... RETURNING); its id."""
     row = {
@@ -397,6 +401,8 @@ def append_message(
         "tool_calls": tool_calls,
         "tool_call_id": tool_call_id,
         "source_session_id": source_session_id,
+        "provider_fields": provider_fields,
+        "incomplete": incomplete,
     }
     return insert_messages(s, session_id, [row])[0]
 
@@ -419,6 +425,8 @@ def to_openai(rows: Sequence[Row]) -> list[dict[str, Any]]:
             if isinstance(calls, list):
                 provider_ids = {str(c["id"]): str(c[PROVIDER_ID]) for c in calls if PROVIDER_ID in c}
                 msg["tool_calls"] = [_provider_call(c) for c in calls] if provider_ids else calls
+            # The provider's own fields go back as they came (a ``content`` list replaces the text).
+            msg.update(getattr(row, "provider_fields", None) or {})
         if role == "tool":
             msg["tool_call_id"] = provider_ids.get(str(row.tool_call_id), row.tool_call_id)
         out.append(msg)
@@ -434,7 +442,14 @@ def _provider_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 #: The columns a model view reads (a Core select: no ORM objects on the hot path).
-_VIEW_COLUMNS = (Message.id, Message.role, Message.content, Message.tool_calls, Message.tool_call_id)
+_VIEW_COLUMNS = (
+    Message.id,
+    Message.role,
+    Message.content,
+    Message.tool_calls,
+    Message.tool_call_id,
+    Message.provider_fields,
+)
 
 
 @dataclass(frozen=True)

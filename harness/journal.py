@@ -136,6 +136,7 @@ def resume_in(s: Session, session_id: int, epoch: int) -> RoundInFlight | None:
         tuple(call_of(c) for c in entry.tool_calls),
         entry.prompt_tokens,
         entry.completion_tokens,
+        provider_fields=dict(entry.provider_fields or {}),
     )
     rnd = RoundInFlight(
         entry.id,
@@ -185,6 +186,7 @@ def journal_reply(
             refused=refused,
             prompt_tokens=reply.prompt_tokens,
             completion_tokens=reply.completion_tokens,
+            provider_fields=reply.provider_fields,
         )
         if approval is not None:
             requested = approval.record(s, session_id=session_id, journal_id=journal_id, reply=reply, refused=refused)
@@ -341,6 +343,7 @@ def commit_round(fence: Fence, session_id: int, rnd: RoundInFlight, results: dic
             reply.content,
             [c.to_openai() for c in rnd.calls()],
             [ToolResult(c.id, results[c.id]) for c in reply.tool_calls],
+            provider_fields=reply.provider_fields,
         )
         store.close(s, _entry_of(rnd))
 

@@ -10,16 +10,21 @@ Retries (as the official openai client does): HTTP 408, 409, 429, every 5xx, a c
 error (``connect``: the endpoint could not be reached, or dropped the connection), an answer
 with ``x-should-retry: true`` whatever its status (``x-should-retry: false`` is never retried),
 and an HTTP 200 whose body is an error object instead of a chat completion (``provider_error``:
-OpenRouter forwards an upstream failure that way) are retried with exponential backoff and
-jitter, honouring ``Retry-After`` (seconds or an HTTP date), at most ``max_retries`` times, and
-only while the wait still ends before the absolute deadline the call was given and within
-``retry_max_seconds`` of the first attempt. A wait that would cross either gives up at once with
-the last error. Other 4xx, a read timeout and an answer that is not a chat completion fail at
-once. Each retry is one ``event=model_retry`` log line (status, code, attempt, wait), never
-message content.
+OpenRouter forwards an upstream failure that way; when its ``error.code`` is an HTTP status, or
+``context_length_exceeded``, it is handled as that status would be) are retried with
+exponential backoff and jitter, honouring ``retry-after-ms`` and ``Retry-After`` (seconds or an
+HTTP date; 0 or a date passed is no instruction: the backoff applies), at most ``max_retries``
+times, and only while the wait still ends before the absolute deadline the call was given and
+within ``retry_max_seconds`` of the first attempt. A wait that would cross either gives up at
+once with the last error; a Retry-After that was the reason is carried on the error
+(``retry_after_seconds``), and the outage back-off honours it. A read timeout is retried at
+most ``read_timeout_retries`` times (a slow answer is billed each time), then fails with the
+reason ``read_timeout``: not an outage. Other 4xx and an answer that is not a chat completion
+fail at once. Each retry is one ``event=model_retry`` log line (status, code, attempt, wait),
+never message content. Every failure carries its ``reason`` (docs/providers.md).
 
 ``ModelUnavailable.transient`` says whether the failure is an outage (the endpoint unreachable,
-a read timeout, 408, 429, 502, 503, 504 and other 5xx, an error object in a 200) rather than an
+408, 429, 502, 503, 504 and other 5xx, an error object in a 200 without a status) rather than an
 answer about this request (other 4xx, and a 409, 500, 501 or 505 that persists through the
 retries): the loops do not fail a session on an outage, they resume it later
 (harness.outage).
@@ -29,12 +34,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -70,8 +76,16 @@ _RETRY_STATUSES = frozenset({408, 409, 429})
 #: server answered about THIS request (a 500 it raises on every try, a conflict), so the run fails
 #: with the reason instead of waiting for a provider that is up.
 _NOT_OUTAGE_STATUSES = frozenset({409, 500, 501, 505})
+#: ``error.code`` values that mean the request is longer than the model's context.
+_CONTEXT_CODES = frozenset({"context_length_exceeded", "string_above_max_length", "request_too_large"})
+#: Lower-cased phrases of an error message that mean the same, for providers that give no code.
+_CONTEXT_PHRASES = ("context length", "context_length", "maximum context", "context window", "too many tokens")
 #: finish_reason values that say the answer is not the model's whole answer.
 INCOMPLETE_FINISH_REASONS = frozenset({"length", "content_filter", "refusal"})
+#: Keys of an assistant message that the client reads or that are only ever part of an answer;
+#: every other key (``reasoning_content``, ``thinking_blocks``, ``reasoning_details``, ...) is a
+#: provider field, kept as sent and sent back with the message (docs/providers.md).
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "function_call", "annotations", "audio"})
 #: Keys of a tool call that the client reads; every other key (Gemini's ``extra_content`` with
 #: its thought signature) is kept as the provider sent it and sent back unchanged.
 _TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
@@ -125,13 +139,19 @@ class ModelReply:
     finish_reason: str | None = None
     #: The model's refusal text, when it refused (OpenAI's ``message.refusal``).
     refusal: str | None = None
+    #: The assistant message's other fields, as the provider sent them (reasoning, thinking
+    #: blocks, ``content`` as a list of typed parts): sent back with the message.
+    provider_fields: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def incomplete(self) -> str | None:
         """Why this answer is not the model's whole answer ("length": cut off, "content_filter":
-        filtered, "refusal": refused), or None when it is."""
+        filtered, "refusal": refused, "no_tool_calls": it said it called tools and sent no
+        call), or None when it is."""
         if self.refusal:
             return "refusal"
+        if self.finish_reason == "tool_calls" and not self.tool_calls:
+            return "no_tool_calls"
         return self.finish_reason if self.finish_reason in INCOMPLETE_FINISH_REASONS else None
 
 
@@ -173,6 +193,7 @@ class ModelClient:
         max_retries: int = 0,
         retry_max_seconds: float = 0.0,
         retry_base_seconds: float = DEFAULT_RETRY_BASE_SECONDS,
+        read_timeout_retries: int = 0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -182,6 +203,8 @@ class ModelClient:
         self.max_retries = max_retries
         self.retry_max_seconds = retry_max_seconds
         self.retry_base_seconds = retry_base_seconds
+        #: Retries after a read timeout (their own count: a slow answer is billed each time).
+        self.read_timeout_retries = read_timeout_retries
         self._api_key = api_key
         self._url = f"{self.base_url}/chat/completions"
         #: The endpoint as messages may show it: no userinfo, no query.
@@ -203,6 +226,7 @@ class ModelClient:
             s.MODEL_READ_TIMEOUT_SECONDS,
             max_retries=s.MODEL_MAX_RETRIES,
             retry_max_seconds=s.MODEL_RETRY_MAX_SECONDS,
+            read_timeout_retries=s.MODEL_READ_TIMEOUT_RETRIES,
         )
 
     def __repr__(self) -> str:
@@ -237,21 +261,32 @@ class ModelClient:
         # Serialized here so that a message that is not JSON is a programming error (TypeError),
         # not a transport failure.
         data = json.dumps(body).encode("utf-8")
-        attempt = 0
+        attempt = timeouts = 0
         while True:
             left = None if give_up_at is None else give_up_at - time.monotonic()
             try:
                 return self._attempt(data, messages, left)
             except _Retryable as failure:
-                attempt += 1
-                wait = self._backoff(attempt, failure.retry_after)
                 now = time.monotonic()
-                if (
-                    attempt > self.max_retries
-                    or now + wait > retry_until
-                    or (give_up_at is not None and now + wait >= give_up_at)
-                ):
-                    raise failure.error from failure.__cause__
+                if failure.read_timeout:
+                    # Its own count, not the retry window: one attempt may outlast the window.
+                    timeouts += 1
+                    wait = self._backoff(timeouts, None)
+                    if timeouts > self.read_timeout_retries or (give_up_at is not None and now + wait >= give_up_at):
+                        raise failure.error from failure.__cause__
+                else:
+                    attempt += 1
+                    wait = self._backoff(attempt, failure.retry_after)
+                    if (
+                        attempt > self.max_retries
+                        or now + wait > retry_until
+                        or (give_up_at is not None and now + wait >= give_up_at)
+                    ):
+                        if failure.retry_after is not None and failure.retry_after == wait:
+                            # The provider named the wait: an outage whose back-off honours it.
+                            failure.error.transient = True
+                            failure.error.retry_after_seconds = failure.retry_after
+                        raise failure.error from failure.__cause__
                 log_event(
                     log,
                     "model_retry",
@@ -275,7 +310,9 @@ class ModelClient:
         connect, read = self.connect_timeout, self.read_timeout
         if left is not None:
             if left <= 0:
-                raise ModelUnavailable(f"no time left for a model call to {self._where}", code="timeout")
+                raise ModelUnavailable(
+                    f"no time left for a model call to {self._where}", code="timeout", reason="deadline"
+                )
             connect, read = min(connect, left), min(read, left)
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self._api_key:
@@ -291,9 +328,10 @@ class ModelClient:
             )
             raise _Retryable(error, None, None) from exc
         except requests.Timeout as exc:
-            raise self._unavailable(
-                f"{self._where} did not answer within {read:g}s", "timeout", transient=True
-            ) from exc
+            # A read capped by the time left to the deadline ran into the deadline.
+            reason = "deadline" if read < self.read_timeout else "read_timeout"
+            error = self._unavailable(f"{self._where} did not answer within {read:g}s", "timeout", reason=reason)
+            raise _Retryable(error, None, None, read_timeout=True) from exc
         except requests.RequestException as exc:
             error = self._unavailable(f"could not reach {self._where}: {_reason(exc)}", "connect", transient=True)
             raise _Retryable(error, None, None) from exc
@@ -301,15 +339,7 @@ class ModelClient:
         status = response.status_code
         should_retry = _should_retry(response.headers.get("x-should-retry"))
         if not 200 <= status < 300:
-            code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
-            summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
-            log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
-            retry = should_retry if should_retry is not None else status in _RETRY_STATUSES or status >= 500
-            outage = retry and status not in _NOT_OUTAGE_STATUSES
-            error = self._unavailable(f"{self._where} answered HTTP {status}: {summary}", code, transient=outage)
-            if retry:
-                raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
-            raise error
+            raise self._status_failure(status, response, messages, duration_ms, should_retry)
         try:
             payload = response.json()
         except ValueError as exc:
@@ -317,7 +347,11 @@ class ModelClient:
                 f"{self._where} answered HTTP {status} with a body that is not JSON", "bad_response"
             ) from exc
         if isinstance(payload, dict) and payload.get("error") and not payload.get("choices"):
-            # An error object in a 200 (OpenRouter forwards an upstream failure this way).
+            # An error object in a 200 (OpenRouter forwards an upstream failure this way, with
+            # the upstream's status in ``error.code``): as that status would be, when it has one.
+            upstream = _upstream_status(payload["error"])
+            if upstream is not None:
+                raise self._status_failure(upstream, response, messages, duration_ms, should_retry, in_body=True)
             summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
             log_event(log, "model_call_failed", status=status, error_code="provider_error", duration_ms=duration_ms)
             retry = should_retry is not False
@@ -325,7 +359,7 @@ class ModelClient:
                 f"{self._where} answered HTTP {status} with an error: {summary}", "provider_error", transient=retry
             )
             if retry:
-                raise _Retryable(error, status, _retry_after(response.headers.get("Retry-After")))
+                raise _Retryable(error, status, _retry_after(response.headers))
             raise error
         reply = self._parse(payload)
         log_event(
@@ -340,10 +374,37 @@ class ModelClient:
         )
         return reply
 
-    def _unavailable(self, message: str, code: str, *, transient: bool = False) -> ModelUnavailable:
+    def _status_failure(
+        self,
+        status: int,
+        response: requests.Response,
+        messages: list[dict[str, Any]],
+        duration_ms: int,
+        should_retry: bool | None,
+        *,
+        in_body: bool = False,
+    ) -> Exception:
+        """The failure an HTTP error status stands for (the response's own, or the upstream's in
+        the error object of a 200): ``_Retryable`` when it may be tried again, else the
+        ModelUnavailable with its reason."""
+        code = "http_5xx" if status >= 500 else "http_4xx" if status >= 400 else "bad_response"
+        summary = _summarize_error(response.text, _request_texts(messages), self._api_key)
+        log_event(log, "model_call_failed", status=status, error_code=code, duration_ms=duration_ms)
+        retry = should_retry if should_retry is not None else status in _RETRY_STATUSES or status >= 500
+        outage = retry and status not in _NOT_OUTAGE_STATUSES
+        reason = "model_unavailable" if outage else _reason_of(status, response.text)
+        said = f"HTTP {response.status_code} with an upstream {status}" if in_body else f"HTTP {status}"
+        error = self._unavailable(f"{self._where} answered {said}: {summary}", code, transient=outage, reason=reason)
+        if retry:
+            return _Retryable(error, status, _retry_after(response.headers))
+        return error
+
+    def _unavailable(
+        self, message: str, code: str, *, transient: bool = False, reason: str | None = None
+    ) -> ModelUnavailable:
         if self._api_key:
             message = message.replace(self._api_key, _REDACTED)
-        return ModelUnavailable(message, code=code, transient=transient)
+        return ModelUnavailable(message, code=code, transient=transient, reason=reason)
 
     def _parse(self, payload: Any) -> ModelReply:
         def bad(what: str) -> ModelUnavailable:
@@ -358,7 +419,13 @@ class ModelClient:
         if not isinstance(message, dict):
             raise bad("a choice without a message")
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        provider_fields = {k: v for k, v in message.items() if k not in _MESSAGE_KEYS and v is not None}
+        if isinstance(content, list):
+            # Typed parts (a reasoning model's thinking beside its text): the text parts are
+            # the answer; the list goes back to the provider whole.
+            provider_fields["content"] = content
+            content = _text_of_parts(content)
+        elif content is not None and not isinstance(content, str):
             raise bad("message content that is not text")
         refusal = message.get("refusal")
         finish_reason = choices[0].get("finish_reason")
@@ -381,36 +448,91 @@ class ModelClient:
             completion_tokens=_count(usage.get("completion_tokens")),
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             refusal=refusal if isinstance(refusal, str) and refusal else None,
+            provider_fields=provider_fields,
         )
 
 
 class _Retryable(Exception):
     """Control flow only: an attempt failed in a way worth another attempt."""
 
-    def __init__(self, error: ModelUnavailable, status: int | None, retry_after: float | None) -> None:
+    def __init__(
+        self, error: ModelUnavailable, status: int | None, retry_after: float | None, *, read_timeout: bool = False
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.status = status
         self.retry_after = retry_after
+        self.read_timeout = read_timeout
 
 
-def _retry_after(value: str | None) -> float | None:
-    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None when absent
-    or unreadable."""
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds the server asks us to wait: ``retry-after-ms`` (OpenAI's), else ``Retry-After``
+    (delta-seconds or an HTTP date). None when absent, unreadable, or not in the future (a
+    ``Retry-After: 0`` is no instruction: the client's own backoff applies, never no pause)."""
+    millis = _seconds(headers.get("retry-after-ms"))
+    if millis is not None and millis > 0:
+        return millis / 1000.0
+    value = (headers.get("Retry-After") or "").strip()
     if not value:
         return None
-    value = value.strip()
+    seconds = _seconds(value)
+    if seconds is None:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    return seconds if seconds > 0 else None
+
+
+def _seconds(value: str | None) -> float | None:
+    if not value:
+        return None
     try:
-        return max(0.0, float(value))
+        number = float(value.strip())
     except ValueError:
-        pass
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _upstream_status(error: Any) -> int | None:
+    """The HTTP status an error object in a 200 stands for: its ``code`` when that is a status
+    (a number or its digits), 400 for a context-length code; None when it names none."""
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, str) and code.strip().isdigit():
+        code = int(code.strip())
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    if isinstance(code, str) and code in _CONTEXT_CODES:
+        return 400
+    return None
+
+
+def _reason_of(status: int, body: str) -> str:
+    """The failure code of a refusal of this request (docs/providers.md, "Failure reasons")."""
+    if status in (401, 403):
+        return "auth"
+    if status == 404:
+        return "model_not_found"
+    if status == 413 or _says_context_too_long(body):
+        return "context_too_long"
+    return "provider_rejected" if status < 500 else "provider_error"
+
+
+def _says_context_too_long(body: str) -> bool:
     try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict) and error.get("code") in _CONTEXT_CODES:
+        return True
+    head = body[:_ERROR_SCAN_CHARS].lower()
+    return any(phrase in head for phrase in _CONTEXT_PHRASES)
 
 
 def _should_retry(value: str | None) -> bool | None:
@@ -442,6 +564,14 @@ def _parse_tool_call(raw: Any) -> ToolCall | None:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
     extra = {k: v for k, v in raw.items() if k not in _TOOL_CALL_KEYS}
     return ToolCall(id=call_id, name=name, arguments=arguments, extra=extra)
+
+
+def _text_of_parts(parts: list[Any]) -> str | None:
+    """The text of a ``content`` list: its ``{"type": "text"}`` parts joined; None when it has none."""
+    texts = [
+        p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+    ]
+    return "".join(texts) if texts else None
 
 
 def _count(value: Any) -> int:

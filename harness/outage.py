@@ -42,12 +42,19 @@ def _exhausted(since: datetime | None, now: datetime) -> bool:
 
 
 def wait_for_model(
-    fence: Fence, session_id: int, *, execution_id: int | None = None, deadline: datetime | None = None
+    fence: Fence,
+    session_id: int,
+    *,
+    execution_id: int | None = None,
+    deadline: datetime | None = None,
+    retry_after_seconds: float | None = None,
 ) -> bool:
     """End this run waiting for the model: True when the wait is recorded (the lease lapses
     after the back-off and the scan resumes the work); False when the outage has lasted
     MODEL_OUTAGE_MAX_SECONDS (the caller fails the run) or this epoch no longer holds the work
-    (nothing written)."""
+    (nothing written). ``retry_after_seconds``: the provider asked for at least this long (a
+    Retry-After longer than the client's retries): the back-off is not shorter, up to
+    MODEL_OUTAGE_MAX_SECONDS."""
     with transaction() as s:
         now = utcnow()
         since = store.outage_since(s, session_id)
@@ -55,6 +62,8 @@ def wait_for_model(
             log_event(log, "model_outage_gave_up", logging.WARNING, session_id=session_id)
             return False
         backoff = backoff_seconds(since, now)
+        if retry_after_seconds is not None:
+            backoff = max(backoff, min(retry_after_seconds, get_settings().MODEL_OUTAGE_MAX_SECONDS))
         if deadline is not None:
             backoff = max(1.0, min(backoff, (deadline - now).total_seconds()))
         if execution_id is None:

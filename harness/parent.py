@@ -30,8 +30,9 @@ from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, park, refuse_beside_delegation
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
-from harness.errors import Cancelled, ModelUnavailable, infrastructure_boundary
+from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
+from harness.failure import incomplete_reason, reason_for
 from harness.fence import Fence, Heartbeat, SessionFence
 from harness.history import Compaction, append_message
 from harness.journal import RoundInFlight, close_in, journal_reply, resume, resume_in
@@ -43,7 +44,7 @@ from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
-from models.session import end_run, release_session, take_session_facts
+from models.session import FailureReason, end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault:
-                waiting = wait_for_model(fence, session_id)
+                waiting = wait_for_model(fence, session_id, retry_after_seconds=exc.retry_after_seconds)
             if fault:
                 return RunOutcome.INFRA_ERROR
             if waiting:
@@ -133,7 +134,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         log_event(
             log, "agent_run_failed", logging.WARNING, exc_info=True, session_id=session_id, error=type(exc).__name__
         )
-        _release(fence, Phase.FAILED)
+        _release(fence, Phase.FAILED, reason_for(exc))
         return RunOutcome.FAILED
 
 
@@ -141,9 +142,9 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since", JOURNAL_OPEN)
 
 
-def _release(fence: Fence, phase: Phase | None) -> None:
+def _release(fence: Fence, phase: Phase | None, reason: FailureReason | None = None) -> None:
     with transaction() as s:
-        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=phase)
+        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=phase, reason=reason)
     if phase is not None:
         publish_status(fence.session_id, phase)
 
@@ -177,15 +178,7 @@ def _parent_rounds(
                 model_answered(session_id)
                 model_waiting = False
             if not reply.tool_calls:
-                with transaction() as s:
-                    # The release is the fence (one statement); when it does not land the
-                    # fence says why (Cancelled or LeaseLost) and the answer rolls back.
-                    if not end_run(s, session_id, epoch=fence.epoch, to_phase=Phase.WAITING_USER):
-                        fence.check(s)
-                        raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
-                    append_message(s, session_id, Role.ASSISTANT, reply.content or "")
-                publish_status(session_id, Phase.WAITING_USER)
-                return RunOutcome.WAITING_USER
+                return _final_answer(session_id, fence, agent, reply)
             if _delegates(reply, allowed, {}):
                 # NOTE: a delegating reply's journal entry is its pending round, committed with
                 # its children before any of its tools (children or inline ones) runs: no
@@ -211,12 +204,44 @@ def _parent_rounds(
             ):
                 return RunOutcome.WAITING_APPROVAL
             in_flight = resume(fence, session_id)  # answered meanwhile: the round goes on
+    reason = reason_for(MaxRoundsReached(f"reached max_rounds={agent.max_rounds} without a final answer"))
     with transaction() as s:
         fence.check(s)
         append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
-        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED)
+        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
     publish_status(session_id, Phase.FAILED)
     return RunOutcome.FAILED
+
+
+def _final_answer(session_id: int, fence: SessionFence, agent: AgentDef, reply: ModelReply) -> RunOutcome:
+    """Store the model's answer and end the run: the user is next. An answer the model did not
+    finish is stored as it came (a refusal's text as its content) and marked; with the agent's
+    ``on_incomplete = "fail"`` the session ends FAILED with the reason instead."""
+    mark = reason = None
+    if reply.incomplete is not None:
+        reason = incomplete_reason(reply.incomplete)
+        mark = reason.code
+    fail = reason is not None and agent.on_incomplete == "fail"
+    phase = Phase.FAILED if fail else Phase.WAITING_USER
+    with transaction() as s:
+        # The release is the fence (one statement); when it does not land the fence says why
+        # (Cancelled or LeaseLost) and the answer rolls back.
+        if not end_run(s, session_id, epoch=fence.epoch, to_phase=phase, reason=reason if fail else None):
+            fence.check(s)
+            raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
+        content = reply.content or reply.refusal or ""
+        append_message(
+            s,
+            session_id,
+            Role.ASSISTANT,
+            content,
+            provider_fields=reply.provider_fields,
+            incomplete=None if mark is None else str(mark),
+        )
+    if mark is not None:
+        log_event(log, "parent_answer_incomplete", session_id=session_id, mark=str(mark), failed=fail)
+    publish_status(session_id, phase)
+    return RunOutcome.FAILED if fail else RunOutcome.WAITING_USER
 
 
 def _delegates(reply: ModelReply, allowed: tuple[str, ...], refused: dict[str, str]) -> bool:
@@ -269,6 +294,7 @@ def _create_round(
         assistant_content=reply.content,
         tool_calls=[c.to_openai() for c in reply.tool_calls],
         inline_results={},
+        provider_fields=reply.provider_fields or None,
         prompt_tokens=reply.prompt_tokens,
         completion_tokens=reply.completion_tokens,
     )

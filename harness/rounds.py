@@ -29,14 +29,16 @@ def write_round(
     assistant_content: str | None,
     tool_calls: list[dict[str, Any]],
     results: Sequence[ToolResult],
+    provider_fields: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Insert the assistant and its TOOL rows; returns (assistant id, {tool_call_id: TOOL id}).
 
     ``results`` must answer every tool call exactly once (I2); anything else is a bug.
+    ``provider_fields``: the reply's own fields, kept on the assistant (docs/providers.md).
     """
     # ONE statement for the whole round: the assistant first, then every TOOL in the order
     # given (delivery orders by execution id); the crash points stay inside the transaction.
-    rows = _round_rows(assistant_content, tool_calls, results)
+    rows = _round_rows(assistant_content, tool_calls, results, provider_fields)
     assistant_id, *tool_row_ids = insert_messages(s, session_id, rows)
     crash_point("round.after_assistant")
     tool_ids = {r.tool_call_id: i for r, i in zip(results, tool_row_ids, strict=True)}
@@ -47,7 +49,10 @@ def write_round(
 
 
 def _round_rows(
-    assistant_content: str | None, tool_calls: list[dict[str, Any]], results: Sequence[ToolResult]
+    assistant_content: str | None,
+    tool_calls: list[dict[str, Any]],
+    results: Sequence[ToolResult],
+    provider_fields: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The message rows of one round: the assistant, then every TOOL in the order given.
     ``results`` must answer every tool call exactly once (I2); anything else is a bug."""
@@ -56,7 +61,12 @@ def _round_rows(
     if sorted(by_id) != sorted(ids) or len(results) != len(ids):
         raise ValueError("a round must answer every tool call exactly once")
     rows: list[dict[str, Any]] = [
-        {"role": Role.ASSISTANT, "content": assistant_content or "", "tool_calls": tool_calls}
+        {
+            "role": Role.ASSISTANT,
+            "content": assistant_content or "",
+            "tool_calls": tool_calls,
+            "provider_fields": provider_fields,
+        }
     ]
     rows += [
         {
@@ -78,6 +88,7 @@ class RoundWrite:
     assistant_content: str | None
     tool_calls: list[dict[str, Any]]
     results: Sequence[ToolResult]
+    provider_fields: dict[str, Any] | None = None
 
 
 def write_rounds(s: Session, rounds: Sequence[RoundWrite]) -> list[tuple[int, dict[str, int]]]:
@@ -88,7 +99,7 @@ def write_rounds(s: Session, rounds: Sequence[RoundWrite]) -> list[tuple[int, di
     for rnd in rounds:
         rows += [
             {**row, "session_id": rnd.session_id}
-            for row in _round_rows(rnd.assistant_content, rnd.tool_calls, rnd.results)
+            for row in _round_rows(rnd.assistant_content, rnd.tool_calls, rnd.results, rnd.provider_fields)
         ]
     ids = iter(insert_messages(s, rounds[0].session_id, rows) if rows else [])
     written = []

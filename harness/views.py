@@ -52,6 +52,7 @@ def _message(m: Message) -> dict[str, Any]:
         "tool_calls": calls if isinstance(calls, list) else None,
         "tool_call_id": m.tool_call_id,
         "source_session_id": m.source_session_id,
+        "incomplete": m.incomplete,
     }
 
 
@@ -84,6 +85,8 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
         "session_type": str(row.session_type),
         "agent_type": row.agent_type,
         "parent_session_id": row.parent_session_id,
+        "failure_code": row.failure_code,
+        "failure_message": row.failure_message,
         "messages": [_message(m) for m in messages],
         "executions": [_execution(e) for e in executions],
         "approvals": _approvals(s, session_id),
@@ -123,6 +126,7 @@ def session_list(s: Session, limit: int = 50) -> list[dict[str, Any]]:
             "session_type": str(r.session_type),
             "agent_type": r.agent_type,
             "parent_session_id": r.parent_session_id,
+            "failure_code": r.failure_code,
         }
         for r in rows
     ]

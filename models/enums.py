@@ -64,3 +64,28 @@ class DeliveryStatus(StrEnum):
 class InvocationType(StrEnum):
     DELEGATE = "DELEGATE"  #: first delegation; created the child session
     FOLLOWUP = "FOLLOWUP"  #: delegate_followup to an existing child session
+
+
+class FailureCode(StrEnum):
+    """Why a session ended FAILED or CANCELLED (``agent_session.failure_code``; docs/providers.md,
+    "Failure reasons")."""
+
+    AUTH = "auth"  #: the provider refused our key (HTTP 401, 403)
+    MODEL_NOT_FOUND = "model_not_found"  #: the provider has no such model (HTTP 404)
+    CONTEXT_TOO_LONG = "context_too_long"  #: the request is longer than the model takes (413, context_length_exceeded)
+    PROVIDER_REJECTED = "provider_rejected"  #: the provider refused this request (another 4xx)
+    PROVIDER_ERROR = "provider_error"  #: the provider failed on this request every time (a 409, 500, 501, 505)
+    BAD_RESPONSE = "bad_response"  #: the answer was not a chat completion
+    READ_TIMEOUT = "read_timeout"  #: no answer within MODEL_READ_TIMEOUT_SECONDS, past its retries
+    MODEL_UNAVAILABLE = "model_unavailable"  #: a provider outage lasted MODEL_OUTAGE_MAX_SECONDS
+    REFUSAL = "refusal"  #: the model refused (its refusal text is kept in the history)
+    CONTENT_FILTER = "content_filter"  #: the provider's filter withheld the answer
+    TRUNCATED = "truncated"  #: the answer was cut off at its token limit (finish_reason length)
+    NO_TOOL_CALLS = "no_tool_calls"  #: finish_reason tool_calls, but the reply held no call
+    MAX_ROUNDS = "max_rounds"  #: the agent's max_rounds passed without a final answer
+    DEADLINE = "deadline"  #: a child's absolute deadline passed
+    TOOL_CRASH = "tool_crash"  #: running a tool failed outside the tool (its own errors are TOOL results)
+    INVALID_HISTORY = "invalid_history"  #: the history can never be shown to a model (a bad compaction boundary)
+    CANCELLED_BY = "cancelled_by"  #: an operator or a user cancelled it (the message names who)
+    PARENT_STOPPED = "parent_stopped"  #: a child whose parent was stopped: its result is suppressed
+    INTERNAL_ERROR = "internal_error"  #: anything else: the message names the exception's type

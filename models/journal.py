@@ -84,6 +84,8 @@ class RoundJournal(Base):
     tool_calls: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     #: tool_call_id -> TOOL error written instead of running the call (e.g. a repeated id).
     refused: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    #: The reply's own fields besides content and tool calls (docs/providers.md), as sent.
+    provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: How many recovered loops continued this round without asking the model again.
@@ -168,6 +170,7 @@ def write_reply(
     refused: dict[str, str],
     prompt_tokens: int,
     completion_tokens: int,
+    provider_fields: dict[str, Any] | None = None,
 ) -> int:
     """Insert the session's open entry; returns its id. An entry still open for the session
     (a run that ended without landing its round and was not continued: a failed execution
@@ -189,6 +192,7 @@ def write_reply(
         refused=refused,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        provider_fields=provider_fields or None,
         replays=0,
     )
     s.add(row)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, CheckConstraint, ForeignKey, Index, String, Text, false
+from sqlalchemy import JSON, BigInteger, Boolean, CheckConstraint, ForeignKey, Index, String, Text, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
@@ -25,6 +26,12 @@ class Message(Base):
     #: OpenAI tool_calls as JSON text, exactly as stored; old rows may hold malformed JSON.
     tool_calls: Mapped[str | None] = mapped_column(Text, nullable=True)
     tool_call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    #: An ASSISTANT's fields of the provider's message that the client does not read itself
+    #: (reasoning, thinking blocks, content parts), as sent: sent back with the message.
+    provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    #: An ASSISTANT answer the model did not finish: ``refusal``, ``content_filter``,
+    #: ``truncated``, ``no_tool_calls`` (a ``FailureCode``); NULL for a whole answer.
+    incomplete: Mapped[str | None] = mapped_column(String(32), nullable=True)
     #: For a delivered TOOL result: the child session that produced it.
     source_session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: Logical delete (tail cleanup); deleted rows are never shown to a model.

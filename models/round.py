@@ -39,6 +39,8 @@ class PendingRound(Base):
     assistant_content: Mapped[str | None] = mapped_column(Text, nullable=True)
     tool_calls: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     inline_results: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    #: The reply's own fields besides content and tool calls (docs/providers.md), as sent.
+    provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     #: Usage of the model call that produced this round (for the parent's counters).
     prompt_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -31,7 +32,7 @@ from models import lease
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas, ids_param
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
-from models.enums import ExecutionMode, Phase, SessionType
+from models.enums import ExecutionMode, FailureCode, Phase, SessionType
 from models.errors import IllegalTransition
 from models.journal import JOURNAL_OPEN, has_open_entry
 from models.lease import reservation_expiry
@@ -77,11 +78,50 @@ class AgentSession(Base):
     model_outage_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     #: Re-sends by the scan of an unclaimed reservation of this session's run (the back-off).
     resends: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: Why the session ended FAILED or CANCELLED (a ``FailureCode``) and a short message without
+    #: content or secrets; written by the compare-and-set that stops it (docs/providers.md).
+    failure_code: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    failure_message: Mapped[str | None] = mapped_column(String(300), nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
 S = AgentSession
+
+#: Longest ``failure_message`` kept (the column's width).
+MAX_FAILURE_MESSAGE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class FailureReason:
+    """Why a session stops: written with the phase, in the compare-and-set that stops it.
+    ``message`` is short and holds no content of the conversation and no secret."""
+
+    code: FailureCode
+    message: str
+
+    def values(self) -> dict[str, Any]:
+        """The columns, for an UPDATE's ``values``."""
+        message = " ".join(self.message.split())
+        if len(message) > MAX_FAILURE_MESSAGE_CHARS:
+            message = message[: MAX_FAILURE_MESSAGE_CHARS - 1] + "…"
+        return {"failure_code": str(self.code), "failure_message": message}
+
+
+def _reason_params(reason: FailureReason | None) -> dict[str, Any]:
+    values = reason.values() if reason is not None else {"failure_code": None, "failure_message": None}
+    return {"b_failure_code": values["failure_code"], "b_failure_message": values["failure_message"]}
+
+
+#: The reason of a session whose compaction boundary is not a live message of it: it can never
+#: get a legal history.
+INVALID_BOUNDARY = FailureReason(FailureCode.INVALID_HISTORY, "the compaction boundary is not a live message")
+
+#: The reason columns as bound parameters (``_reason_params`` fills them).
+_REASON_VALUES: dict[str, Any] = {
+    "failure_code": bindparam("b_failure_code"),
+    "failure_message": bindparam("b_failure_message"),
+}
 
 #: Phases from which a session may be (re)started by a loop or recovery. Stopped phases never
 #: come back (a cancelled parent stays stopped).
@@ -129,10 +169,13 @@ def reservation_seconds() -> float:
     return lease.reservation_seconds()
 
 
-def set_child_phase(s: Session, child_id: int, to_phase: Phase) -> None:
+def set_child_phase(s: Session, child_id: int, to_phase: Phase, *, reason: FailureReason | None = None) -> None:
     """Move a child session's phase as the holder of its execution's epoch (the caller's
-    transaction carries the execution's compare-and-set); a cancelled child stays cancelled."""
-    cas(s, _child_phase_stmt(to_phase), {"b_sid": child_id, "b_now": utcnow()})
+    transaction carries the execution's compare-and-set); a cancelled child stays cancelled
+    (and keeps its reason). ``reason``: why it stops (FAILED, CANCELLED), written with the phase;
+    any other phase clears the reason of an earlier end."""
+    params = {"b_sid": child_id, "b_now": utcnow(), **_reason_params(reason)}
+    cas(s, _child_phase_stmt(to_phase), params)
 
 
 @built_once
@@ -140,7 +183,7 @@ def _child_phase_stmt(to_phase: Phase) -> Any:
     return (
         update(S)
         .where(S.id == bindparam("b_sid"), child_not_cancelled())
-        .values(phase=to_phase, updated_at=bindparam("b_now"))
+        .values(phase=to_phase, updated_at=bindparam("b_now"), **_REASON_VALUES)
         .execution_options(synchronize_session=False)
     )
 
@@ -176,12 +219,14 @@ def _insert_child_stmt(user_from_parent: bool) -> Any:
     return stmt.returning(sessions.c.id)
 
 
-def cancel_child(s: Session, child_id: int) -> None:
-    """A suppressed execution's child session -> CANCELLED, unless already stopped."""
+def cancel_child(s: Session, child_id: int, *, reason: FailureReason | None = None) -> None:
+    """A suppressed execution's child session -> CANCELLED, unless already stopped; with
+    ``reason`` (default: its parent was stopped)."""
+    reason = reason or FailureReason(FailureCode.PARENT_STOPPED, "the parent session was stopped")
     s.execute(
         update(S)
         .where(S.id == child_id, not_stopped())
-        .values(phase=Phase.CANCELLED, updated_at=utcnow())
+        .values(phase=Phase.CANCELLED, updated_at=utcnow(), **reason.values())
         .execution_options(synchronize_session=False)
     )
 
@@ -198,7 +243,7 @@ def reopen_child_for_followup(s: Session, child_id: int) -> bool:
             s,
             update(S)
             .where(S.id == child_id, S.phase.in_(FOLLOWUP_FROM))
-            .values(phase=Phase.RUNNING, updated_at=utcnow()),
+            .values(phase=Phase.RUNNING, updated_at=utcnow(), failure_code=None, failure_message=None),
         )
         == 1
     )
@@ -525,13 +570,19 @@ def renew_session_lease(s: Session, sid: int, epoch: int, lease_seconds: float) 
     return False
 
 
-def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None = None) -> bool:
-    """Drop the lease (and optionally move the phase) as the epoch's owner.
+def release_session(
+    s: Session, sid: int, *, epoch: int, to_phase: Phase | None = None, reason: FailureReason | None = None
+) -> bool:
+    """Drop the lease (and optionally move the phase) as the epoch's owner. ``reason``: why
+    the session stops (with ``to_phase`` FAILED), written by the same compare-and-set.
 
-    A session that was cancelled meanwhile keeps CANCELLED: a stopped phase is never
-    overwritten. Returns False when a newer owner exists.
+    A session that was cancelled meanwhile keeps CANCELLED (and its reason): a stopped phase is
+    never overwritten. Returns False when a newer owner exists.
     """
-    rows = cas(s, _release_stmt(to_phase), {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()})
+    params = {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}
+    if reason is not None:
+        params.update(_reason_params(reason))
+    rows = cas(s, _release_stmt(to_phase, reason is not None), params)
     if rows == 1:
         return True
     if to_phase is not None:
@@ -546,30 +597,43 @@ def release_session(s: Session, sid: int, *, epoch: int, to_phase: Phase | None 
 
 
 @built_once
-def _release_stmt(to_phase: Phase | None) -> Any:
+def _release_stmt(to_phase: Phase | None, with_reason: bool = False) -> Any:
     values: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": bindparam("b_now")}
     conditions = [S.id == bindparam("b_sid"), S.epoch == bindparam("b_epoch")]
+    if with_reason:
+        values.update(_REASON_VALUES)
     if to_phase is not None:
         values["phase"] = to_phase
         conditions.append(_phase_in(STARTABLE_PHASES))
     return update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
 
 
-def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase) -> bool:
+def end_run(s: Session, sid: int, *, epoch: int, to_phase: Phase, reason: FailureReason | None = None) -> bool:
     """The epoch's owner ends its run (its last write's transaction): lease dropped and phase
     moved in ONE compare-and-set that is also the fence (``fence_session``'s conditions: owned
-    at this epoch, not stopped, this process not replaced under its name). False, nothing
+    at this epoch, not stopped, this process not replaced under its name). ``reason``: why
+    the session stops (``to_phase`` FAILED), written by the same statement. False, nothing
     written, when any of them fails: the caller asks the fence why (cancelled or lost)."""
     params = {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}
-    return cas(s, _end_run_stmt(to_phase, identity_for()), params) == 1
+    if reason is not None:
+        params.update(_reason_params(reason))
+    return cas(s, _end_run_stmt(to_phase, identity_for(), reason is not None), params) == 1
 
 
 @built_once
-def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None) -> Any:
+def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None, with_reason: bool = False) -> Any:
+    values: dict[str, Any] = {
+        "phase": to_phase,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "updated_at": bindparam("b_now"),
+    }
+    if with_reason:
+        values.update(_REASON_VALUES)
     return (
         update(S)
         .where(*_held_by(me), _phase_in(STARTABLE_PHASES))
-        .values(phase=to_phase, lease_owner=None, lease_expires_at=None, updated_at=bindparam("b_now"))
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
 
@@ -639,30 +703,46 @@ def _hand_over_many_stmt(to_phase: Phase, n: int) -> Any:
 
 
 def set_phase(
-    s: Session, sid: int, *, to_phase: Phase, from_phases: tuple[Phase | None, ...], epoch: int | None = None
+    s: Session,
+    sid: int,
+    *,
+    to_phase: Phase,
+    from_phases: tuple[Phase | None, ...],
+    epoch: int | None = None,
+    reason: FailureReason | None = None,
 ) -> bool:
-    """One compare-and-set on the phase; stopped phases are never left."""
+    """One compare-and-set on the phase; stopped phases are never left. ``reason``: why the
+    session stops, written by the same statement."""
     if any(p in STOPPED_PHASES_ for p in from_phases):
         raise IllegalTransition(f"session {sid}: a stopped phase never goes back (to {to_phase})")
-    stmt = _set_phase_stmt(to_phase, from_phases, epoch is not None)
-    return cas(s, stmt, {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}) == 1
+    stmt = _set_phase_stmt(to_phase, from_phases, epoch is not None, reason is not None)
+    params = {"b_sid": sid, "b_epoch": epoch, "b_now": utcnow()}
+    if reason is not None:
+        params.update(_reason_params(reason))
+    return cas(s, stmt, params) == 1
 
 
 @built_once
-def _set_phase_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...], at_epoch: bool) -> Any:
+def _set_phase_stmt(
+    to_phase: Phase, from_phases: tuple[Phase | None, ...], at_epoch: bool, with_reason: bool = False
+) -> Any:
     conditions = [S.id == bindparam("b_sid"), _phase_in(from_phases)]
     if at_epoch:
         conditions.append(S.epoch == bindparam("b_epoch"))
-    return (
-        update(S)
-        .where(*conditions)
-        .values(phase=to_phase, updated_at=bindparam("b_now"))
-        .execution_options(synchronize_session=False)
-    )
+    values: dict[str, Any] = {"phase": to_phase, "updated_at": bindparam("b_now")}
+    if with_reason:
+        values.update(_REASON_VALUES)
+    return update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
 
 
 def stop_session(
-    s: Session, sid: int, *, epoch: int, to_phase: Phase = Phase.FAILED, require_free: bool = False
+    s: Session,
+    sid: int,
+    *,
+    epoch: int,
+    to_phase: Phase = Phase.FAILED,
+    require_free: bool = False,
+    reason: FailureReason | None = None,
 ) -> bool:
     """The epoch's holder stops the session for good (``to_phase`` is a stopped phase) and
     drops the lease. With ``require_free`` it only lands while no live lease is held (the scan
@@ -674,10 +754,18 @@ def stop_session(
     if require_free:
         conditions.append(lease_free(S))
     values = {"phase": to_phase, "lease_owner": None, "lease_expires_at": None, "updated_at": utcnow()}
+    if reason is not None:
+        values.update(reason.values())
     return cas(s, update(S).where(*conditions).values(**values)) == 1
 
 
-def request_cancel(s: Session, sid: int) -> bool:
+def request_cancel(s: Session, sid: int, *, actor: str = "system") -> bool:
     """Any process may ask: phase -> CANCELLED unless already stopped (a session waiting for an
-    approval too). The loop honours it."""
-    return set_phase(s, sid, to_phase=Phase.CANCELLED, from_phases=(*STARTABLE_PHASES, Phase.WAITING_APPROVAL))
+    approval too), with the reason ``cancelled_by`` naming ``actor``. The loop honours it."""
+    return set_phase(
+        s,
+        sid,
+        to_phase=Phase.CANCELLED,
+        from_phases=(*STARTABLE_PHASES, Phase.WAITING_APPROVAL),
+        reason=FailureReason(FailureCode.CANCELLED_BY, f"cancelled by {actor}"),
+    )

@@ -47,6 +47,7 @@ from harness.scheduler import SerialBatch
 from logfmt import log_event
 from models import (
     ExecutionStatus,
+    FailureCode,
     IllegalTransition,
     Message,
     Phase,
@@ -230,7 +231,8 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
         tail_removed=taken.tail_removed,
     )
     if taken.unrecoverable is not None:
-        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, Failed(taken.unrecoverable))
+        unrecoverable = Failed(taken.unrecoverable, code=FailureCode.INVALID_HISTORY)
+        return end_with_failure(info, new_epoch, ChildOutcome.FAILED, unrecoverable)
     try:
         with infrastructure_boundary(log, "subagent_recovery_infra_error", execution_id=execution_id) as fault:
             if taken.final is not None:
@@ -243,7 +245,8 @@ def _recover(execution_id: int, epoch: int, deps: LoopDeps) -> ChildEnd:
                 # loop to notice its cancel, so its recovery ends it (docs/approvals.md).
                 return end_with_failure(info, new_epoch, ChildOutcome.CANCELLED, Stopped())
             if utcnow() >= child_deadline(info.started_at):
-                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, Failed(timeout_reason()))
+                timed_out = Failed(timeout_reason(), code=FailureCode.DEADLINE)
+                return end_with_failure(info, new_epoch, ChildOutcome.TIMED_OUT, timed_out)
         if fault:
             return ChildEnd(ChildOutcome.INFRA_ERROR)
     except Exception as exc:

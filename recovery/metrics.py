@@ -16,6 +16,7 @@ follows the work in flight, not the history:
    ``ix_field_recovery_invocation_in_progress``.
 4. The last scan: the single ``recovery_scan`` row.
 5. Worker names two live processes share: ``worker_boot`` (one row per name).
+6. Sessions stopped with a reason, by ``failure_code``: a settled count (below).
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
@@ -44,7 +45,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from fieldrecovery.tables import InvocationStatus
 from logfmt import log_event
-from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, get_engine, lease
+from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, FailureCode, get_engine, lease
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ FROM subagent_execution
 WHERE status IN ('COMPLETED', 'FAILED', 'CANCELLED') AND delivery_status <> 'PENDING'
 GROUP BY status, delivery_status
 """
+#: Sessions that ended FAILED or CANCELLED with a reason, per code (O(history), recounted with the
+#: settled rows).
+FAILURES_SQL = """
+SELECT failure_code, count(*) FROM agent_session WHERE failure_code IS NOT NULL GROUP BY failure_code
+"""
 FIELD_SETTLED_SQL = """
 SELECT status, count(*) FROM "{schema}".field_recovery_invocation
 WHERE status <> 'IN_PROGRESS' GROUP BY status
@@ -135,6 +141,7 @@ class _Settled:
 
     executions: dict[tuple[str, str], int] = field(default_factory=dict)
     field_invocations: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
     counted_at: float | None = None
 
 
@@ -356,7 +363,8 @@ class RecoveryCollector(Collector):
         if counted_at is None or now - counted_at >= self.settled_refresh_seconds:
             executions = {(str(s), str(d)): int(n) for s, d, n in conn.execute(text(SETTLED_SQL))}
             fields = {str(s): int(n) for s, n in conn.execute(text(FIELD_SETTLED_SQL.format(schema=self.field_schema)))}
-            self._settled = _Settled(executions, fields, now)
+            failures = {str(c): int(n) for c, n in conn.execute(text(FAILURES_SQL))}
+            self._settled = _Settled(executions, fields, failures, now)
         settled = CounterMetricFamily(
             _name("executions_settled"),
             "Terminal executions whose delivery ended (delivered, suppressed, legacy), by status and "
@@ -374,7 +382,15 @@ class RecoveryCollector(Collector):
         )
         for status_name in FIELD_FINISHED:
             finished.add_metric([status_name.lower()], float(self._settled.field_invocations.get(status_name, 0)))
-        return [settled, finished]
+        reasons = CounterMetricFamily(
+            _name("session_failures"),
+            "Sessions that ended FAILED or CANCELLED, by failure_code (docs/providers.md); recounted at most "
+            "every settled_refresh_seconds",
+            labels=["failure_code"],
+        )
+        for code in sorted({*(c.value for c in FailureCode), *self._settled.failures}):
+            reasons.add_metric([code], float(self._settled.failures.get(code, 0)))
+        return [settled, finished, reasons]
 
 
 def build_registry(collector: RecoveryCollector | None = None) -> CollectorRegistry:

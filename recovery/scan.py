@@ -75,6 +75,7 @@ from models.base import UTCDateTime, utcnow
 from models.db import built_once, is_postgresql
 from models.reservation import ReservedBatch, Reserver, newest_first_runs
 from models.session import (
+    INVALID_BOUNDARY,
     lock_unheld_stmt,
     not_stopped,
     release_dead_parents_owned,
@@ -644,7 +645,7 @@ def _clean_tail(s: Session, sid: int, epoch: int) -> bool:
             cleanup_incomplete_tail(s, sid, validated_boundary(s, sid))
         return True
     except BoundaryInvalid:
-        stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED)
+        stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED, reason=INVALID_BOUNDARY)
         return False
 
 
@@ -676,7 +677,9 @@ def _take_plain(sid: int, epoch: int) -> int | None:
             return new_epoch
     except BoundaryInvalid:
         with transaction() as s:
-            stopped = stop_session(s, sid, epoch=epoch, to_phase=Phase.FAILED, require_free=True)
+            stopped = stop_session(
+                s, sid, epoch=epoch, to_phase=Phase.FAILED, require_free=True, reason=INVALID_BOUNDARY
+            )
         if stopped:
             log_event(log, "session_stopped", logging.ERROR, session_id=sid, reason="invalid_compaction_boundary")
             publish_status(sid, Phase.FAILED)

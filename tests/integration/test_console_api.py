@@ -15,7 +15,7 @@ from markupsafe import escape
 from sqlalchemy import text
 
 from console.auth import ConsoleConfig, ConsoleConfigError, load_config
-from models import DeliveryStatus, ExecutionStatus, Phase, Role, transaction
+from models import DeliveryStatus, ExecutionStatus, Phase, Role, SessionType, transaction
 from models.base import utcnow
 from tests.console_server import serve
 from tests.helpers import (
@@ -561,3 +561,45 @@ def test_a_session_cookie_made_without_the_token_or_for_another_name_is_answered
         assert r.status_code == 401, cookie
     good = requests.get(f"{base}/api/sessions", cookies={"console_session": session_value(TOKEN, "alice")}, timeout=10)
     assert good.status_code == 200
+
+
+def test_why_a_session_failed_is_shown_in_the_api_the_pages_and_the_list_filters_by_it(console: Serve) -> None:
+    base = console()
+    http = client(base)
+    parent = make_session(phase=Phase.WAITING_USER)
+    child = make_session(
+        session_type=SessionType.SUBAGENT,
+        phase=Phase.FAILED,
+        parent_session_id=parent,
+        failure_code="context_too_long",
+        failure_message="subagent failed: the provider answered HTTP 413",
+    )
+    make_execution(
+        parent,
+        child,
+        status=ExecutionStatus.FAILED,
+        delivery=DeliveryStatus.PENDING,
+        error="subagent failed: the provider answered HTTP 413",
+        completed_at=utcnow(),
+    )
+    other = make_session(phase=Phase.FAILED, failure_code="auth", failure_message="HTTP 401: bad key")
+    d = http.get(f"{base}/api/sessions/{parent}", timeout=10).json()
+    (node,) = d["tree"]["children"]
+    assert (node["failure_code"], node["failure_message"]) == (
+        "context_too_long",
+        "subagent failed: the provider answered HTTP 413",
+    )
+    (ex,) = node["executions"]
+    assert ex["error"] is True  # the key stays as it was
+    assert ex["error_message"] == "subagent failed: the provider answered HTTP 413"
+    assert ex["failure_code"] == "context_too_long"
+    top = http.get(f"{base}/api/sessions/{other}", timeout=10).json()["tree"]
+    assert (top["failure_code"], top["failure_message"]) == ("auth", "HTTP 401: bad key")
+    listed = http.get(f"{base}/api/sessions", params={"failure_code": "auth"}, timeout=10).json()["sessions"]
+    assert [(r["id"], r["failure_code"]) for r in listed] == [(other, "auth")]
+    page = http.get(f"{base}/sessions/{other}", timeout=10).text
+    assert 'id="failure-reason"' in page and "auth" in page and "HTTP 401: bad key" in page
+    child_page = http.get(f"{base}/sessions/{parent}", timeout=10).text
+    assert "context_too_long" in child_page
+    rows = http.get(f"{base}/", params={"failure_code": "auth"}, timeout=10).text
+    assert f'href="/sessions/{other}"' in rows and f'href="/sessions/{child}"' not in rows

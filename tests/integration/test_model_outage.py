@@ -152,3 +152,21 @@ def test_a_child_answer_cut_off_or_filtered_ends_it_failed_with_the_reason_and_i
         assert result is not None and result["success"] is False
         assert words in result["error"] and result["partial_result"] == "The first half of an answ"
     assert invariants() == []
+
+
+def test_a_retry_after_longer_than_the_retries_sets_the_outage_back_off(model_factory: ModelFactory) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN},
+                "reply": {"content": "x"},
+                "fail_first": [{"status": 429, "retry_after": 900}],
+            }
+        ]
+    )
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_model"
+    _, since, lease = session_row(sid)
+    assert since is not None
+    assert lease > utcnow() + timedelta(seconds=850)  # the provider's 15 minutes, not the 10 s back-off
+    assert len(model.journal()) == 1  # asked once: the wait is the session's, not a worker's

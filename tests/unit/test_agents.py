@@ -87,3 +87,13 @@ def test_the_built_in_main_agent_lists_its_tools_and_is_not_offered_a_tool_modul
         "echo",
         "wait",
     )
+
+
+def test_on_incomplete_is_wait_for_user_by_default_and_only_fail_or_wait_for_user() -> None:
+    from harness.agents import parse_agents as parse
+
+    base = '[agents.a]\nsystem_prompt = "p"\n'
+    assert parse(base)["a"].on_incomplete == "wait_for_user"
+    assert parse(base + 'on_incomplete = "fail"\n')["a"].on_incomplete == "fail"
+    with pytest.raises(AgentConfigError, match="on_incomplete"):
+        parse(base + 'on_incomplete = "retry"\n')
