@@ -33,7 +33,7 @@ import queue
 import re
 import threading
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, overload
 
@@ -534,12 +534,23 @@ def safe_message(exc: BaseException) -> str:
     return text
 
 
+#: Secrets of the tools' own configuration (the values an MCP server's ``${NAME}`` stand for),
+#: redacted like the process's own keys.
+_tool_secrets: set[str] = set()
+
+
+def add_secrets(values: Iterable[str]) -> None:
+    """Redact these values (4 characters or more) from every tool error from now on."""
+    _tool_secrets.update(v for v in values if len(v) >= 4)
+
+
 def _secrets() -> list[str]:
+    extra = sorted(_tool_secrets, key=len, reverse=True)
     try:
         from settings import get_settings
 
         s = get_settings()
         keys = [s.MODEL_API_KEY, s.booking_field_recovery.open_api.api_key.get_secret_value()]
     except Exception:
-        return []
-    return [k for k in keys if len(k) >= 4]
+        return extra
+    return [*extra, *(k for k in keys if len(k) >= 4)]
