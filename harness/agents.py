@@ -7,7 +7,9 @@ tool names: built-ins, ``@tool`` functions of TOOL_MODULES / entry points), ``de
 as the chat-completions API names them; unset means the endpoint's default,
 and ``model`` defaults to MODEL_NAME), ``mcp_servers`` (a list of tables: ``{name, url}``
 for streamable HTTP, with optional ``headers``; ``{name, command, args, env, cwd}`` for a
-stdio server; ``timeout_seconds``, ``trust_annotations`` for both) whose tools are offered as
+stdio server; ``timeout_seconds`` (one call, default 60), ``connect_timeout_seconds`` (start and
+``initialize``, default 10), ``trust_annotations`` for both; ``${NAME}`` in url, headers, env and
+args is read from the environment) whose tools are offered as
 ``<name>__<tool>``; ``tools`` may name them (``travel__search``, or ``travel__*``) to offer only
 those; ``approve`` (tool names or globs, ``["refund_order", "travel__book*"]``: every call of a
 matching tool waits for a human decision) and ``approve_destructive`` (true: so does every MCP
@@ -55,7 +57,18 @@ _KEYS = {
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
-_MCP_KEYS = {"name", "url", "timeout_seconds", "command", "args", "env", "cwd", "headers", "trust_annotations"}
+_MCP_KEYS = {
+    "name",
+    "url",
+    "timeout_seconds",
+    "connect_timeout_seconds",
+    "command",
+    "args",
+    "env",
+    "cwd",
+    "headers",
+    "trust_annotations",
+}
 _MCP_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
 
 DEFAULT_AGENTS_TOML = """
@@ -246,9 +259,12 @@ def _mcp_servers(at: str, raw: Any) -> tuple[McpServer, ...]:
         trust = entry.get("trust_annotations", False)
         if not isinstance(trust, bool):
             raise AgentConfigError(f"{where}.trust_annotations must be true or false")
-        timeout = entry.get("timeout_seconds", 10.0)
+        timeout = entry.get("timeout_seconds", 60.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise AgentConfigError(f"{where}.timeout_seconds must be a number > 0")
+        connect_timeout = entry.get("connect_timeout_seconds", 10.0)
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, int | float) or connect_timeout <= 0:
+            raise AgentConfigError(f"{where}.connect_timeout_seconds must be a number > 0")
         if any(s.name == name for s in servers):
             raise AgentConfigError(f"{where}: MCP server {name!r} is listed twice")
         servers.append(
@@ -256,6 +272,7 @@ def _mcp_servers(at: str, raw: Any) -> tuple[McpServer, ...]:
                 name=name,
                 url=str(url or ""),
                 timeout_seconds=float(timeout),
+                connect_timeout_seconds=float(connect_timeout),
                 command=str(command or ""),
                 args=tuple(args),
                 env=env,

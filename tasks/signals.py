@@ -9,7 +9,15 @@ import threading
 from typing import Any
 
 from celery.signals import setup_logging as setup_logging_signal
-from celery.signals import task_postrun, task_prerun, worker_init, worker_process_init, worker_ready
+from celery.signals import (
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from logfmt import log_event
 from models import lease, warmup
@@ -222,3 +230,14 @@ def _start_name_watcher(consumer: object) -> None:
         return
     period = lease.renewal_seconds()
     watcher = NameWatcher(consumer, booted[0], booted[1], period).start()
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _close_mcp_sessions(**_: object) -> None:
+    # Each process closes the MCP sessions it kept (docs/mcp.md): a stdio server gets its stdin
+    # closed, then SIGTERM, then SIGKILL. A process that dies without this still takes its
+    # servers with it (the parent-death signal).
+    from harness.tools.mcp import close_sessions
+
+    close_sessions()

@@ -13,9 +13,12 @@ What a call can end in (``run_inline``):
   validate (the pydantic errors, without the values), a ``ToolError`` (its message), or any other
   exception (its type and message, one line, secrets redacted, never a traceback);
 - only ``Cancelled``, ``DeadlineExceeded`` and ``LeaseLost`` stop the loop from inside a tool;
-  every other exception the tool raises, whatever its module, and ``SystemExit`` /
+  every other exception the tool raises on its thread, whatever its module, and ``SystemExit`` /
   ``KeyboardInterrupt`` too, is that call's TOOL error result (a tool has no access to our
-  connections: its database or Redis errors are its own).
+  connections: its database or Redis errors are its own);
+- what is raised on the loop's own thread while it waits for the tool (a stopping worker's
+  ``SystemExit``) is never a result: it propagates, and the journal's open entry makes recovery
+  report the call interrupted (or run it again when it is repeatable).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import queue
 import re
 import threading
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, overload
 
@@ -379,42 +382,54 @@ def parse_arguments(raw: str) -> dict[str, Any]:
 def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[str, ...]) -> str:
     """Run one inline tool and return its TOOL result text. Every failure of the tool itself is
     that text; cancellation, the deadline and a lost lease propagate so the loop can stop
-    without writing a result."""
+    without writing a result. So does whatever is raised on the caller's own thread while it
+    waits for the tool (``SystemExit`` from a stopping worker's signal handler): that is the
+    process ending, not the tool's result, and the journal's open entry tells recovery so."""
     found = lookup(name) if name in allowed else None
     if found is None or found.run is None:
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
-        return capped(_bounded(found, ctx, parse_arguments(raw_arguments)))
+        ended = _bounded(found, ctx, parse_arguments(raw_arguments))
     except ToolError as exc:
         return f"error: {exc}"
-    except (Cancelled, DeadlineExceeded, LeaseLost, InjectedKill, GeneratorExit):
-        raise
-    except BaseException as exc:
-        # NOTE: whatever a tool raises is its result, whatever its module: a tool has no access
-        # to our connections, so its WRONGTYPE from the shop's own Redis or its UndefinedTable
-        # from the shop's own PostgreSQL is the shop's, not our infrastructure failing. So are
-        # SystemExit (argparse on bad model input) and KeyboardInterrupt: the loop goes on.
-        log_event(
-            log,
-            "tool_failed",
-            logging.WARNING,
-            session_id=ctx.session_id,
-            tool=name,
-            tool_call_id=ctx.tool_call_id,
-            error=type(exc).__name__,
-        )
-        return error_result(exc)
+    if ended.ok:
+        return capped(str(ended.value))
+    return _raised_by_tool(name, ctx, ended.value)
+
+
+def _raised_by_tool(name: str, ctx: ToolContext, exc: BaseException) -> str:
+    """The TOOL result of an exception the tool itself raised (on its own thread)."""
+    if isinstance(exc, ToolError):
+        return f"error: {exc}"
+    if isinstance(exc, Cancelled | DeadlineExceeded | LeaseLost | InjectedKill | GeneratorExit):
+        raise exc
+    # NOTE: whatever a tool raises is its result, whatever its module: a tool has no access
+    # to our connections, so its WRONGTYPE from the shop's own Redis or its UndefinedTable
+    # from the shop's own PostgreSQL is the shop's, not our infrastructure failing. So are
+    # SystemExit (argparse on bad model input) and KeyboardInterrupt raised by the tool on its
+    # own thread: the loop goes on.
+    log_event(
+        log,
+        "tool_failed",
+        logging.WARNING,
+        session_id=ctx.session_id,
+        tool=name,
+        tool_call_id=ctx.tool_call_id,
+        error=type(exc).__name__,
+    )
+    return error_result(exc)
 
 
 class ToolTimedOut(ToolError):
     """Raised when a tool call did not end within its timeout; it may or may not have taken effect."""
 
 
-def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> str:
+def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
     """Run the call on a thread of its own and wait at most the tool's timeout (and never past
-    the loop's deadline). A call still running then is left to end on its own (a thread cannot
-    be stopped): ToolTimedOut, or DeadlineExceeded when the deadline came first. Whatever the
-    call raised is raised here, as if it ran on this thread."""
+    the loop's deadline); returns the ended call (its value, or what the tool raised). A call
+    still running then is left to end on its own (a thread cannot be stopped): ToolTimedOut,
+    or DeadlineExceeded when the deadline came first. What is raised on this thread while it
+    waits (a signal handler's SystemExit) propagates as is: it is not the tool's."""
     from settings import get_settings
 
     assert found.run is not None
@@ -431,9 +446,7 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolTimedOut(
             f"tool {found.name!r} timed out after {limit:g} seconds; it may or may not have taken effect"
         )
-    if call.ok:
-        return str(call.value)
-    raise call.value
+    return call
 
 
 class _Call:
@@ -521,12 +534,23 @@ def safe_message(exc: BaseException) -> str:
     return text
 
 
+#: Secrets of the tools' own configuration (the values an MCP server's ``${NAME}`` stand for),
+#: redacted like the process's own keys.
+_tool_secrets: set[str] = set()
+
+
+def add_secrets(values: Iterable[str]) -> None:
+    """Redact these values (4 characters or more) from every tool error from now on."""
+    _tool_secrets.update(v for v in values if len(v) >= 4)
+
+
 def _secrets() -> list[str]:
+    extra = sorted(_tool_secrets, key=len, reverse=True)
     try:
         from settings import get_settings
 
         s = get_settings()
         keys = [s.MODEL_API_KEY, s.booking_field_recovery.open_api.api_key.get_secret_value()]
     except Exception:
-        return []
-    return [k for k in keys if len(k) >= 4]
+        return extra
+    return [*extra, *(k for k in keys if len(k) >= 4)]

@@ -2,7 +2,8 @@
 and the worker is SIGKILLed in the middle of the call (after the server answered, before its
 result was journaled): a new worker's scan recovers the child, which runs the read-only call
 again only when the agent trusts the server's annotations, and otherwise reports it
-interrupted; either way the parent gets exactly one result."""
+interrupted; either way the parent gets exactly one result. And a stdio server whose worker is
+SIGKILLed while its call hangs dies with the worker (no orphan)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from devstack.processes import ROOT
 from tests.helpers import executions_of, messages_of, wait_until
 from tests.types import StackFactory
+
+ODD_SERVER = Path(__file__).resolve().parent.parent / "data" / "mcp_stdio_server.py"
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(180)]
 
@@ -73,3 +76,45 @@ def test_a_worker_killed_mid_call_of_a_stdio_mcp_server_is_recovered_with_one_re
     assert sum(1 for j in stack.model.journal() if j["rule"] == 2) == 1  # the child's reply: asked once
     assert snap["messages"][-1]["content"].startswith("parent got: ")
     assert stack.invariants() == []
+
+
+HANG_SCRIPT = [
+    {
+        "when": {"system_contains": MAIN, "turn": 0},
+        "reply": {"tool_calls": [{"name": "odd__block", "arguments": {"seconds": 600}, "id": "call_block"}]},
+    },
+    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "after: {tool_results}"}},
+]
+
+
+def server_pid(record: Path) -> int | None:
+    lines = record.read_text(encoding="utf-8").splitlines() if record.exists() else []
+    if "call block" not in lines:
+        return None
+    before = lines[: lines.index("call block")]
+    return int([line for line in before if line.startswith("start ")][-1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_stdio_server_dies_with_its_worker_sigkilled_mid_call(stack_factory: StackFactory, tmp_path: Path) -> None:
+    record = tmp_path / "record"
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        '[agents.main]\nsystem_prompt = "You are the main agent."\ntools = ["odd__*"]\n'
+        f'mcp_servers = [{{name = "odd", command = "{sys.executable}", args = ["{ODD_SERVER}"], '
+        f'env = {{MCP_RECORD = "{record}"}}, timeout_seconds = 900}}]\n',
+        encoding="utf-8",
+    )
+    stack = stack_factory(HANG_SCRIPT)
+    w1 = stack.worker("w1", concurrency=1, AGENTS_FILE=str(agents), PYTHONPATH=str(ROOT))
+    stack.submit("hang")
+    pid = wait_until(lambda: server_pid(record), timeout=60, what="the hanging call reached the server")
+    assert alive(pid)
+    w1.kill()  # SIGKILL of the worker's process group; the server has a session of its own
+    wait_until(lambda: not alive(pid), timeout=10, what="the server died with its worker")

@@ -211,6 +211,12 @@ CASES: dict[str, tuple[str, list[str], list[str], str | None]] = {
         ],
         None,
     ),
+    "mcp_calls": (
+        "mcp_calls",
+        ["--calls", "3", "--threads", "2"],
+        ["mcp_calls calls=3 threads=2 ok=3 seconds=", "mcp_calls calls_per_second=", "server_starts=1"],
+        "mcp",
+    ),
 }
 
 #: What a bench prints instead of figures when its extra is missing.

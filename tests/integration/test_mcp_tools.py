@@ -211,7 +211,8 @@ def test_headers_of_an_http_server_are_read_from_the_environment_and_never_logge
         ).values()
         (server,) = agent.mcp_servers
         allowed = agent.tool_names((), subagent=True)
-        assert run_inline("travel__whoami", "{}", ctx(), allowed) == f"Bearer {token}"
+        # The server got the token (not the text ``${TRAVEL_TOKEN}``), and the model never sees it.
+        assert run_inline("travel__whoami", "{}", ctx(), allowed) == "Bearer [redacted]"
     mcp_tools.forget()
     assert token not in repr(agent) and token not in repr(server) and token not in caplog.text
 
