@@ -55,6 +55,7 @@ POINTS = (
     "mcp.after_call",  # an MCP server answered a tools/call; its result not journaled yet
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
     "field.after_run_recorded",  # field recovery: the platform's run id committed on the invocation, mid-stream
+    "parent.after_inline_start",  # a delegating round's inline call: its start committed under the fence, not run yet
 )
 
 EXIT_CODE = 137

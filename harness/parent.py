@@ -43,6 +43,7 @@ from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
+from models.round import start_inline
 from models.session import end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,7 @@ def _create_round(
         assistant_content=reply.content,
         tool_calls=[c.to_openai() for c in reply.tool_calls],
         inline_results={},
+        inline_started=[],
         prompt_tokens=reply.prompt_tokens,
         completion_tokens=reply.completion_tokens,
     )
@@ -340,7 +342,11 @@ def _delegating_round(
         round_id=made.round_id,
         execution_ids=[c.execution_id for c in made.executions],
     )
+    started: list[str] = []
     for call in made.inline:
+        started.append(call.id)
+        _start_inline(fence, made.round_id, started)
+        crash_point("parent.after_inline_start")
         ctx = context_for(session_id, call, None, fence.should_stop, "parent")
         result = run_inline(call.name, call.arguments, ctx, allowed)
         _record_inline(fence, made.round_id, call.id, result)
@@ -358,6 +364,20 @@ def _delegating_round(
         # the executions' creation reservations lapse and the scan starts them (docs/fault-model.md).
         log_event(log, "children_handoff_failed", logging.WARNING, session_id=session_id, error=type(exc).__name__)
     return True
+
+
+def _start_inline(fence: SessionFence, round_id: int, started: list[str]) -> None:
+    """Commit the start of the round's next inline call (the last of ``started``) under the
+    parent's fence, before it runs. A parent that lost its lease (stopped past it, and taken over
+    by the scan, which delivers the round without this call's result) raises LeaseLost here and
+    starts nothing; delivery tells the model a call that never started did not run
+    (docs/exactly-once.md, "Inline tools of a delegating round")."""
+    with transaction() as s:
+        fence.check(s)
+        if not start_inline(s, round_id, started):
+            # NOTE: under a fence that landed the round is open (a delivery or a suppression
+            # needs the parent's row without this epoch's lease): closed means no longer ours.
+            raise LeaseLost(f"pending round {round_id} is closed")
 
 
 def _record_inline(fence: SessionFence, round_id: int, call_id: str, result: str) -> None:
