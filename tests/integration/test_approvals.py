@@ -1,6 +1,6 @@
 """A human approves a tool call before it runs: requests written with the reply, the session
 parked in WAITING_APPROVAL, decisions as compare-and-sets, the scan as backstop, children in a
-round (real PostgreSQL, scripted model over loopback HTTP)."""
+round, delegations that need approval (real PostgreSQL, scripted model over loopback HTTP)."""
 
 from __future__ import annotations
 

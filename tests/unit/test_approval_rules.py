@@ -1,6 +1,7 @@
 """Which calls wait for a human decision: ``@tool(requires_approval=True)``, the agent's
 ``approve`` globs, and ``approve_destructive`` over MCP annotations (which only ever add the
-need); AGENTS_FILE validation of the two keys."""
+need); AGENTS_FILE validation of the two keys, and the start refusing an ``approve`` entry that
+can match no tool the agent may call."""
 
 from __future__ import annotations
 
