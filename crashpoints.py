@@ -56,6 +56,7 @@ POINTS = (
     "field.after_claim",  # field recovery: invocation claimed, provider not yet called
     "field.after_run_recorded",  # field recovery: the platform's run id committed on the invocation, mid-stream
     "approval.after_edited_call",  # an approver's edited arguments journaled as the call, the tool not run yet
+    "parent.after_inline_start",  # a delegating round's inline call: its start committed under the fence, not run yet
 )
 
 EXIT_CODE = 137

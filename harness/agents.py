@@ -17,6 +17,9 @@ tool whose ``destructiveHint`` is true or absent), ``on_incomplete`` (``wait_for
 default, or ``fail``: what a parent does when the model's answer is a refusal, filtered, cut off
 or says it called tools without a call; the answer is stored and marked either way). A subagent's tools
 never include ``delegate`` / ``delegate_followup`` (no recursive delegation: a child never delegates).
+``approve`` globs match the built-in tools like any other (``["*"]`` gates delegations too:
+the round waits before any child exists, docs/approvals.md); an entry that can match no tool
+the agent may call stops the start (``load_at_start``).
 
 ``load_at_start`` is what every process calls at start: it imports the tool modules and checks
 every agent's tools, so that a configuration error stops the process before it takes work.
@@ -115,9 +118,7 @@ class AgentDef:
         that could be listed (a server that is down offers none until it is back). When
         ``tools`` names tools of a server (``travel__search``, or a pattern ``travel__*``), only
         those of that server are offered; a server it does not name offers all its tools."""
-        names = [n for n in available if (self.tools is None or n in self.tools) and n not in self.deny]
-        if subagent:
-            names = [n for n in names if n not in DELEGATION_TOOLS]
+        names = list(self.registered_tool_names(available, subagent=subagent))
         if self.mcp_servers:
             from harness.tools.mcp import server_tool_names
 
@@ -129,6 +130,11 @@ class AgentDef:
                     if n not in self.deny and (allowed is None or any(fnmatch.fnmatchcase(n, p) for p in allowed))
                 )
         return tuple(names)
+
+    def registered_tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
+        """The tools of ``available`` (registered ones, not MCP) this agent may call, in order."""
+        names = [n for n in available if (self.tools is None or n in self.tools) and n not in self.deny]
+        return tuple(n for n in names if not (subagent and n in DELEGATION_TOOLS))
 
     def mcp_allow_list(self, server: str) -> tuple[str, ...] | None:
         """The names and patterns of ``tools`` that name tools of ``server``; None when it names none."""
@@ -305,6 +311,33 @@ def _check_mcp_names(source: str, agents: dict[str, AgentDef]) -> None:
                 )
 
 
+def _check_approve(agent: AgentDef, registered: tuple[str, ...]) -> None:
+    """Refuse an ``approve`` entry that can match no tool the agent may call: it guards nothing,
+    and the operator who wrote it believes some call waits for a human (a typo, a tool the
+    agent's ``tools`` or ``deny`` leaves out, a tool of another agent's server). The tools it may
+    call are its registered ones as a parent (the delegations included) and those of its MCP
+    servers, which are known only once listed: an entry naming ``<server>__...`` for one of its
+    servers, or a pattern without a server part when it has servers, may match them.
+    Raises AgentConfigError."""
+    from harness.tools.registry import MCP_SEPARATOR
+
+    offered = agent.registered_tool_names(registered, subagent=False)  # servers are not listed at start
+    for entry in agent.approve:
+        if any(fnmatch.fnmatchcase(name, entry) for name in offered):
+            continue
+        server, sep, _ = entry.partition(MCP_SEPARATOR)
+        if sep and any(fnmatch.fnmatchcase(s.name, server) for s in agent.mcp_servers):
+            continue
+        if not sep and agent.mcp_servers and any(c in entry for c in "*?["):
+            continue
+        raise AgentConfigError(
+            f"agent {agent.name!r}: approve entry {entry!r} matches no tool this agent may call "
+            f"(its tools: {', '.join(offered) or 'none'}"
+            + (f"; its MCP servers: {', '.join(s.name for s in agent.mcp_servers)}" if agent.mcp_servers else "")
+            + "). A rule that matches nothing guards nothing: correct the name or remove the entry"
+        )
+
+
 @lru_cache(maxsize=4)
 def _load(path: str) -> dict[str, AgentDef]:
     if not path:
@@ -355,6 +388,8 @@ def load_at_start() -> dict[str, AgentDef]:
                     f"agent {agent.name!r} lists tool {name!r}, which no tool module defines ({where}; "
                     "built-ins: delegate, delegate_followup, echo, wait)"
                 )
+    for agent in agents.values():
+        _check_approve(agent, tuple(REGISTRY))
     for agent in agents.values():
         for server in agent.mcp_servers:
             missing = sorted(v for v in server.references() if v not in os.environ)

@@ -84,20 +84,6 @@ def needs_approval(agent: AgentDef, name: str) -> bool:
     return agent.approve_destructive and MCP_SEPARATOR in name and found.destructive is not False
 
 
-def refuse_beside_delegation(agent: AgentDef, reply: ModelReply) -> dict[str, str]:
-    """A delegating reply's calls that need approval, refused as TOOL errors: a delegating
-    round's inline tools run before the parent yields to its children, with no place to wait
-    for a human. The model may call the tool again in a reply of its own."""
-    return {
-        c.id: (  # the journal's own key of a refused call (RoundInFlight.refused)
-            f"error: the call to {c.name!r} needs a human approval and cannot run in the same reply as a "
-            "delegation; it was not run. Call it again in a reply of its own."
-        )
-        for c in reply.tool_calls
-        if needs_approval(agent, c.name)
-    }
-
-
 def denied_result(by: str, reason: str) -> str:
     """The TOOL result the model sees for a denied, expired or cancelled request."""
     return f"denied by {by}: {reason}"

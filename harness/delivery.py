@@ -31,7 +31,7 @@ from harness.delegate import delegate_arguments, tool_name
 from harness.errors import BoundaryInvalid
 from harness.events import publish_status
 from harness.history import cleanup_incomplete_tail, delete_rows, pair_state
-from harness.journal import interrupted_result
+from harness.journal import interrupted_result, not_started_result
 from harness.model import ToolCall
 from harness.results import failure_result
 from harness.rounds import ToolResult, write_round
@@ -51,7 +51,7 @@ from models import (
 from models.db import built_once
 from models.execution import mark_all_delivered, mark_delivered, suppress_execution
 from models.legacy import infer_and_store
-from models.round import close_open_round, close_round
+from models.round import close_open_round, close_round, was_started
 from models.session import INVALID_BOUNDARY, cancel_child, hand_over, stop_session
 
 log = logging.getLogger(__name__)
@@ -212,12 +212,14 @@ def round_results(
             member_call = str(member.parent_tool_call_id)
             results.append(ToolResult(member_call, result_content(member), member.child_session_id))
         else:
-            # An inline call without a recorded result was interrupted (the parent died while
-            # running it, or before it started): never run again here (docs/state-machines.md, "Tool call").
+            # An inline call without a recorded result is never run here (docs/state-machines.md,
+            # "Tool call"): started, it was interrupted and may have taken effect; never started,
+            # it did not run (its start is fenced: the parent that lost the round starts nothing).
             result = rnd.inline_results.get(call_id)
             if result is None:
                 fn = call.get("function") or {}
-                result = interrupted_result(ToolCall(call_id, str(fn.get("name")), str(fn.get("arguments") or "")))
+                missing = ToolCall(call_id, str(fn.get("name")), str(fn.get("arguments") or ""))
+                result = interrupted_result(missing) if was_started(rnd, call_id) else not_started_result(missing)
             results.append(ToolResult(call_id, result))
     return sorted(members.values(), key=lambda m: m.id), results
 

@@ -80,6 +80,16 @@ def interrupted_result(call: ToolCall) -> str:
     )
 
 
+def not_started_result(call: ToolCall) -> str:
+    """The TOOL result of a delegating round's inline call whose start was never committed: its
+    parent's run stopped before it (a crash, or a take-over after a stall), and no later run of
+    it can start it (its start is fenced), so it did not take effect."""
+    return (
+        f"error: the call to {call.name!r} was not run: the run that was to start it stopped before it "
+        "started, so it did not take effect. Call it again if it is still needed."
+    )
+
+
 @dataclass(frozen=True)
 class RoundInFlight:
     """A journaled round: the reply and what its tools left in the journal."""

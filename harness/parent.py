@@ -8,6 +8,11 @@
   for a child.
 - A broker error at that hand-off is not the parent's failure: everything the recovery needs
   is committed, the executions' creation reservations lapse and the scan starts them.
+- A reply with a call that needs approval (a delegation too) is journaled with its requests;
+  a delegating one waits in WAITING_APPROVAL before any child exists, then creates the
+  approved delegations' children and gives a denied one its denial as its TOOL result.
+- Each inline call of a delegating round starts only after its start is committed under the
+  parent's fence: a parent that lost its lease starts nothing (docs/exactly-once.md).
 - A cancel lands between rounds, inside ``wait``, and in the fence of every write: a
   cancelled parent writes nothing more (it neither commits a round nor creates children).
 - Every call gets its local id when its reply is first committed (harness.callids): a
@@ -27,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
-from harness.approval import AwaitingApproval, Gate, ParkOutcome, park, refuse_beside_delegation
+from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
@@ -44,6 +49,7 @@ from harness.tools import run_inline, tool_names
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
+from models.round import start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
@@ -179,21 +185,21 @@ def _parent_rounds(
                 model_waiting = False
             if not reply.tool_calls:
                 return _final_answer(session_id, fence, agent, reply)
-            if _delegates(reply, allowed, {}):
+            if _delegates(reply, allowed, {}) and not gate.calls(reply, {}):
                 # NOTE: a delegating reply's journal entry is its pending round, committed with
                 # its children before any of its tools (children or inline ones) runs: no
-                # journal transaction of its own (one commit fewer). It is journaled only when none of
-                # its delegations creates a child and it becomes an ordinary round.
-                # Local ids first: the refusals below are keyed by them (harness.callids).
+                # journal transaction of its own (one commit fewer). It is journaled only when a
+                # call of it needs approval (its requests are written with it: harness.approval),
+                # or when none of its delegations creates a child and it becomes an ordinary round.
                 unique, refusals = localize(reply, session_id=session_id)
-                rnd = RoundInFlight(None, unique, {**refusals, **refuse_beside_delegation(agent, unique)})
+                rnd = RoundInFlight(None, unique, refusals)
             else:
                 rnd = journal_reply(fence, session_id, reply, approval=gate)
-        if _delegates(rnd.reply, allowed, rnd.refused):
-            if _delegating_round(session_id, fence, rnd, allowed=allowed, deps=deps):
-                return RunOutcome.YIELDED
-            continue
         try:
+            if _delegates(rnd.reply, allowed, rnd.refused):
+                if _delegating_round(session_id, fence, rnd, allowed=allowed, deps=deps, gate=gate):
+                    return RunOutcome.YIELDED
+                continue
             inline_round(
                 fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent", approval=gate
             )
@@ -274,8 +280,48 @@ class _Created:
     inline: tuple[ToolCall, ...]
 
 
+#: tool_call_id -> the arguments an approved call runs (or creates its child) with.
+Approved = dict[str, str]
+
+
+def _answered(fence: SessionFence, session_id: int, rnd: RoundInFlight, gate: Gate) -> tuple[RoundInFlight, Approved]:
+    """Answer the round's calls that need approval, before any child of it exists: a denied,
+    expired or cancelled call (a delegation too) gets its denial as its TOOL result (added to
+    ``refused``: it never runs, no child is created for it); an approved one runs (or creates
+    its child) with the arguments the approval stands for. Raises ``AwaitingApproval`` while a
+    request is PENDING: the loop parks, and the round is continued from its journal entry once
+    every request is answered (docs/approvals.md, "Delegations that need approval")."""
+    runnable = [c for c in rnd.reply.tool_calls if c.id not in rnd.refused and c.id not in rnd.results]
+    gated = gate.gated(
+        fence, session_id=session_id, journal_id=rnd.journal_id, runnable=runnable, replayed=rnd.replayed
+    )
+    if not gated or rnd.journal_id is None:
+        return rnd, {}
+    refused, approved, waiting = dict(rnd.refused), {}, []
+    for call in rnd.reply.tool_calls:
+        if call_id_of(call) not in gated or call.id in refused:
+            continue
+        answer = verdict(fence, session_id, call)
+        if answer.waits:
+            waiting.append(call.id)
+        elif answer.result is not None:
+            refused[call.id] = answer.result
+        else:
+            approved[call.id] = answer.arguments or call.arguments
+    if waiting:
+        raise AwaitingApproval(rnd.journal_id, waiting)
+    return replace(rnd, refused=refused), approved
+
+
 def _create_round(
-    s: Session, session_id: int, fence: SessionFence, rnd: RoundInFlight, *, allowed: tuple[str, ...], deps: LoopDeps
+    s: Session,
+    session_id: int,
+    fence: SessionFence,
+    rnd: RoundInFlight,
+    *,
+    allowed: tuple[str, ...],
+    deps: LoopDeps,
+    approved: Approved,
 ) -> _Created:
     """ONE transaction: the pending round, a child session + execution + instruction per
     delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
@@ -295,6 +341,7 @@ def _create_round(
         tool_calls=[c.to_openai() for c in reply.tool_calls],
         inline_results={},
         provider_fields=reply.provider_fields or None,
+        inline_started=[],
         prompt_tokens=reply.prompt_tokens,
         completion_tokens=reply.completion_tokens,
     )
@@ -309,7 +356,7 @@ def _create_round(
             s,
             parent,
             name=call.name,
-            raw_arguments=call.arguments,
+            raw_arguments=approved.get(call.id, call.arguments),
             tool_call_id=call.id,
             pending_round_id=round_row.id,
             lease_seconds=deps.lease_seconds,
@@ -339,14 +386,17 @@ def _delegating_round(
     *,
     allowed: tuple[str, ...],
     deps: LoopDeps,
+    gate: Gate,
 ) -> bool:
     """Returns True when the loop yielded to its children, False when no child was created
-    (every delegation was refused: the round was committed whole with the errors). The
-    transaction that creates the children closes the round's journal entry: a journaled
-    delegating reply creates its children once."""
+    (every delegation was refused or denied: the round was committed whole with the errors).
+    The transaction that creates the children closes the round's journal entry: a journaled
+    delegating reply creates its children once. Raises ``AwaitingApproval`` while a call of the
+    round waits for a decision (nothing is created before every request is answered)."""
+    rnd, approved = _answered(fence, session_id, rnd, gate)
     try:
         with transaction() as s:
-            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps)
+            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps, approved=approved)
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
         refused = {**nothing.rnd.refused, **nothing.errors}
@@ -354,7 +404,9 @@ def _delegating_round(
             rnd = journal_reply(fence, session_id, nothing.rnd.reply, lambda s, r: (r, refused))
         else:
             rnd = replace(nothing.rnd, refused=refused)
-        inline_round(fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent")
+        inline_round(
+            fence, session_id=session_id, rnd=rnd, allowed=allowed, deadline=None, kind="parent", approval=gate
+        )
         return False
     if rnd.journal_id is None:
         crash_point("journal.after_reply")  # the reply is committed (as its pending round)
@@ -366,9 +418,13 @@ def _delegating_round(
         round_id=made.round_id,
         execution_ids=[c.execution_id for c in made.executions],
     )
+    started: list[str] = []
     for call in made.inline:
+        started.append(call.id)
+        _start_inline(fence, made.round_id, started)
+        crash_point("parent.after_inline_start")
         ctx = context_for(session_id, call, None, fence.should_stop, "parent")
-        result = run_inline(call.name, call.arguments, ctx, allowed)
+        result = run_inline(call.name, approved.get(call.id, call.arguments), ctx, allowed)
         _record_inline(fence, made.round_id, call.id, result)
         crash_point("parent.mid_inline")
     crash_point("parent.before_yield")
@@ -384,6 +440,20 @@ def _delegating_round(
         # the executions' creation reservations lapse and the scan starts them (docs/fault-model.md).
         log_event(log, "children_handoff_failed", logging.WARNING, session_id=session_id, error=type(exc).__name__)
     return True
+
+
+def _start_inline(fence: SessionFence, round_id: int, started: list[str]) -> None:
+    """Commit the start of the round's next inline call (the last of ``started``) under the
+    parent's fence, before it runs. A parent that lost its lease (stopped past it, and taken over
+    by the scan, which delivers the round without this call's result) raises LeaseLost here and
+    starts nothing; delivery tells the model a call that never started did not run
+    (docs/exactly-once.md, "Inline tools of a delegating round")."""
+    with transaction() as s:
+        fence.check(s)
+        if not start_inline(s, round_id, started):
+            # NOTE: under a fence that landed the round is open (a delivery or a suppression
+            # needs the parent's row without this epoch's lease): closed means no longer ours.
+            raise LeaseLost(f"pending round {round_id} is closed")
 
 
 def _record_inline(fence: SessionFence, round_id: int, call_id: str, result: str) -> None:

@@ -18,7 +18,9 @@ class PendingRound(Base):
     the transaction that writes the round into the history (docs/exactly-once.md).
 
     ``tool_calls`` is the OpenAI list as the model returned it (ids, names, argument strings);
-    ``inline_results`` maps tool_call_id -> TOOL content for the non-delegate calls.
+    ``inline_results`` maps tool_call_id -> TOOL content for the non-delegate calls;
+    ``inline_started`` lists those whose start was committed under the parent's fence (None: a
+    round written before starts were recorded, whose calls without a result are all in doubt).
     Executions point here through ``subagent_execution.pending_round_id``.
     """
 
@@ -41,11 +43,37 @@ class PendingRound(Base):
     inline_results: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     #: The reply's own fields besides content and tool calls (docs/providers.md), as sent.
     provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    #: tool_call ids of the inline calls started (a start is committed before the call runs).
+    inline_started: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=list)
     #: Usage of the model call that produced this round (for the parent's counters).
     prompt_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+def start_inline(s: Session, round_id: int, started: list[str]) -> bool:
+    """Record the round's started inline calls (``started``: every one so far, the new one
+    last), in the caller's fenced transaction: the parent's fence is the only writer of an open
+    round's inline calls, so the list it passes is the whole truth. False, nothing done: the
+    round is closed (delivered, or its parent stopped)."""
+    return cas(s, _start_inline_stmt(), {"b_round": round_id, "b_started": started}) == 1
+
+
+@built_once
+def _start_inline_stmt() -> Any:
+    return (
+        update(PendingRound)
+        .where(PendingRound.id == bindparam("b_round"), PendingRound.closed_at.is_(None))
+        .values(inline_started=bindparam("b_started", type_=JSON()))
+        .execution_options(synchronize_session=False)
+    )
+
+
+def was_started(rnd: PendingRound, call_id: str) -> bool:
+    """True when the inline call may have run: its start was committed, or the round was written
+    before starts were recorded (``inline_started`` NULL)."""
+    return rnd.inline_started is None or call_id in rnd.inline_started
 
 
 def close_open_round(s: Session, session_id: int) -> None:

@@ -15,7 +15,7 @@ New nullable columns: no rewrite of the tables, no backfill (sessions that ended
 migration have no reason).
 
 Revision ID: 0021
-Revises: 0015
+Revises: 0017
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0021"
-down_revision = "0015"
+down_revision = "0017"
 branch_labels = None
 depends_on = None
 

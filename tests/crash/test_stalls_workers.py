@@ -1,7 +1,8 @@
 """Stalls through real workers (``celery -A tasks worker``, LEASE_SECONDS=3 in the stack): a
 process SIGSTOPped with a transaction open holds nothing past its lease, a live process whose
 database connection froze (tests/faultproxy.py ``freeze_on``) stops renewing the lease of the
-work stuck on it, and a parent never answers twice."""
+work stuck on it, a parent never answers twice, and a parent taken over while it was stopped
+starts none of its round's inline tools when it wakes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.crash.test_liveness import _dead_child, script
+from devstack.processes import ROOT
+from tests.crash.test_liveness import DATA, MAIN, _dead_child, script
 from tests.faultproxy import FaultProxy
 from tests.helpers import executions_of, messages_of, wait_until
 
@@ -121,4 +124,63 @@ def test_a_parent_whose_connection_freezes_in_its_delegating_transaction_is_take
     assert [m.role for m in messages_of(sid)] == ["USER", "ASSISTANT", "TOOL", "TOOL", "ASSISTANT"]
     assert len(executions_of(sid)) == 2
     assert not frozen.exited
+
+
+#: A main agent that may ``charge`` (tests/data/usertools/charge_tools.py: not safe to repeat,
+#: every real run appended to CHARGE_TOOL_LOG) in the same reply as its delegation.
+CHARGE_ENV = {
+    "PYTHONPATH": f"{ROOT}{os.pathsep}{DATA / 'usertools'}",
+    "TOOL_MODULES": "charge_tools",
+    "AGENTS_FILE": str(DATA / "agents_charge.toml"),
+}
+
+
+def charge_script() -> list[dict[str, Any]]:
+    return [
+        {
+            "when": {"system_contains": MAIN, "turn": 0},
+            "reply": {
+                "tool_calls": [
+                    {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "review the order"}},
+                    {"name": "charge", "arguments": {"order": "A-1", "amount": 30}},
+                ]
+            },
+        },
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "final: {tool_results}"}},
+        {"when": {"system_contains": "subagent"}, "reply": {"content": "child answer"}},
+    ]
+
+
+#: Where the parent stops, how often the charge has run at the end, and what the model is told
+#: of it: stopped before the charge's fenced start, the woken process starts nothing and the
+#: model is told the charge did not run; stopped after it (the start committed, the charge not
+#: yet run), the woken process runs it once, late, and the model was told it may have run.
+STOPS = [
+    ("delegate.after_create", 0, "was not run"),
+    ("parent.after_inline_start", 1, "may or may not have taken effect"),
+]
+
+
+@pytest.mark.parametrize(("point", "runs", "told"), STOPS, ids=["before_the_start", "after_the_start"])
+def test_a_parent_stopped_in_its_inline_charge_and_taken_over_charges_at_most_once_and_tells_the_model_the_truth(
+    stack_factory: Any, tmp_path: Path, point: str, runs: int, told: str
+) -> None:
+    charges = tmp_path / "charges.log"
+    env = {**CHARGE_ENV, "CHARGE_TOOL_LOG": str(charges)}
+    stack = stack_factory(charge_script())
+    frozen = stack.worker("frozen", concurrency=1, CRASH_POINT=point, CRASH_POINT_MODE="stop", **env)
+    sid = stack.submit("charge and review")
+    wait_until(lambda: f"crash_point={point}" in frozen.log(), timeout=60, what="the parent froze")
+    stack.worker("other", beat=True, **env)
+    # The child ends; the scan takes the stalled parent over (its lease lapsed) and delivers
+    # the round; the parent answers.
+    stack.wait_phase(sid, timeout=90)
+    os.killpg(frozen.proc.pid, signal.SIGCONT)
+    wait_until(lambda: "agent_run_lost" in frozen.log(), timeout=30, what="the woken parent found its lease lost")
+    ran = charges.read_text(encoding="utf-8").splitlines() if charges.exists() else []
+    assert len(ran) == runs, f"the charge ran {len(ran)} time(s) after the take-over: {ran}"
+    calls = [c for m in messages_of(sid) for c in json.loads(m.tool_calls or "[]")]
+    (call,) = [c for c in calls if c["function"]["name"] == "charge"]
+    (result,) = [m.content or "" for m in messages_of(sid) if m.role == "TOOL" and m.tool_call_id == call["id"]]
+    assert told in result, result
     assert stack.invariants() == []

@@ -1,7 +1,8 @@
 """A property over interleavings (hypothesis, real PostgreSQL): approvals, denials, expiries,
 cancels, scans and kills at the named approval points, in any order. Whatever happens, the tool
 runs at most once and only after an approval, a decision is never lost or changed, and the
-invariants hold."""
+invariants hold; a delegation that needs approval creates its child once, only after an
+approval, and nothing of its round runs before the decision."""
 
 from __future__ import annotations
 
@@ -16,13 +17,30 @@ from sqlalchemy import select, update
 from crashpoints import InjectedKill, armed_fault
 from harness.approval import decide
 from harness.cancel import cancel_session
+from harness.child import start_child
+from harness.delivery import deliver_and_resume
 from harness.parent import run_agent
 from harness.views import create_session
 from models import ApprovalRequest, ApprovalStatus, Phase, transaction, utcnow
 from models.approval import Decision
+from recovery.child import recover_child
 from recovery.scan import scan
-from tests.helpers import RecordingScheduler, expire_leases, invariants, loop_deps, messages_of, phase_of
-from tests.integration.test_approvals import Runs, call, parent_script, runs  # noqa: F401 (fixture)
+from tests.helpers import (
+    RecordingScheduler,
+    executions_of,
+    expire_leases,
+    invariants,
+    loop_deps,
+    messages_of,
+    phase_of,
+)
+from tests.integration.test_approvals import (  # noqa: F401 (fixture)
+    Runs,
+    call,
+    gate_delegations,
+    parent_script,
+    runs,
+)
 from tests.types import ModelFactory
 
 #: Points a kill may hit: the reply's commit with its request, the park, a decision's commit
@@ -130,4 +148,90 @@ def test_whatever_the_interleaving_the_tool_runs_at_most_once_and_only_after_an_
     tool_rows = [m for m in messages_of(world.sid) if m.role == "TOOL"]
     if phase_of(world.sid) == Phase.WAITING_USER:
         assert len(tool_rows) == 2, actions
+    assert invariants(settled=False) == [], actions
+
+
+class DelegatingWorld(World):
+    """The same actions over a parent whose reply delegates (the delegation needs approval; an
+    inline call beside it does not): a ``step`` runs whatever the scheduler holds next (a
+    parent run, a child, a recovery, a delivery), as workers would."""
+
+    def _do(self, action: str) -> None:
+        sched = self.deps.scheduler
+        if action != "step" or sched.resumed:
+            super()._do(action)
+        elif sched.children:
+            _, _, children = sched.children.pop(0)
+            for eid, e in children:
+                start_child(eid, e, self.deps)
+        elif sched.recoveries:
+            _, _, children = sched.recoveries.pop(0)
+            for eid, e in children:
+                recover_child(eid, e, self.deps)
+        elif sched.deliveries:
+            deliver_and_resume(*sched.deliveries.pop(0), sched)
+        else:
+            self._scan()
+
+    def settle_all(self) -> None:
+        """Nobody decides any more: requests expire, and whatever is left runs (a child, a
+        delivery, the parent) until the parent is at rest with nothing more to run."""
+        for _ in range(24):
+            self.do("expire")
+            self.do("step")
+            rest = phase_of(self.sid) in (Phase.WAITING_USER, Phase.CANCELLED, Phase.FAILED)
+            if rest and not self.deps.scheduler.pending():
+                return
+        raise AssertionError(f"session {self.sid} did not settle: {phase_of(self.sid)}")
+
+
+#: The delegating round's own points beside the approval ones: the children's creation, and the
+#: fenced start of the inline call beside the delegation; approvals weigh more, so that more
+#: interleavings reach the creation.
+DELEGATING_ACTIONS = st.one_of(
+    st.sampled_from(["step", "step", "step", "approve", "approve", "deny", "expire", "cancel", "scan"]),
+    st.tuples(st.just("kill"), st.sampled_from((*KILL_POINTS, "delegate.after_create", "parent.after_inline_start"))),
+)
+
+
+@pytest.mark.timeout(600)
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(actions=st.lists(DELEGATING_ACTIONS, max_size=12))
+def test_whatever_the_interleaving_a_delegation_that_needs_approval_creates_its_child_once_and_only_after_it(
+    model_factory: ModelFactory,
+    runs: Runs,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+    actions: list[Any],
+) -> None:
+    gate_delegations(monkeypatch, tmp_path, '["delegate"]')
+    model = model_factory(
+        parent_script(call("delegate", agent_type="reviewer", task="t"), call("wire_money", amount=5))
+    )
+    world = DelegatingWorld(model.base_url)
+
+    def mine() -> list[Any]:
+        return [r for r in runs.starts if r[1] == world.sid]
+
+    for action in ["step", *actions]:  # the parent's first run journals the reply and its request
+        world.do(action)
+        req = the_request(world.sid)
+        if req is None or req.status == ApprovalStatus.PENDING:  # nothing of the round before a decision
+            assert executions_of(world.sid) == [] and mine() == [], actions
+    world.settle_all()
+    req = the_request(world.sid)
+    executions = executions_of(world.sid)
+    assert len(executions) <= 1, actions
+    if executions:
+        assert req is not None and req.tool == "delegate" and req.status == ApprovalStatus.APPROVED, actions
+    assert len(mine()) <= 1, actions  # the inline call beside the delegation: at most once
+    assert phase_of(world.sid) != Phase.FAILED, actions  # nothing here fails the session
+    if phase_of(world.sid) == Phase.WAITING_USER:
+        assert len([m for m in messages_of(world.sid) if m.role == "TOOL"]) == 2, actions
+        assert [e.delivery_status for e in executions] == (["DELIVERED"] if executions else []), actions
     assert invariants(settled=False) == [], actions

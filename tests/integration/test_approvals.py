@@ -1,6 +1,6 @@
 """A human approves a tool call before it runs: requests written with the reply, the session
 parked in WAITING_APPROVAL, decisions as compare-and-sets, the scan as backstop, children in a
-round (real PostgreSQL, scripted model over loopback HTTP)."""
+round, delegations that need approval (real PostgreSQL, scripted model over loopback HTTP)."""
 
 from __future__ import annotations
 
@@ -432,11 +432,13 @@ def cli(*argv: str, env: dict[str, str]) -> Any:
 def test_the_cli_lists_pending_approvals_and_decides_with_first_wins_and_a_non_zero_exit_on_conflict(
     model_factory: ModelFactory, runs: Runs, db: str, tmp_path: Any
 ) -> None:
-    import os
-
     model = model_factory(parent_script(call("refund", order="A-1", amount=30)))
     sid, deps = parked_parent(model.base_url)
-    env = {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": os.environ["AGENTS_FILE"]}
+    # The CLI's own tools are tests.approval_tools' (``wire_money`` lives in this process only): its
+    # agents file has no ``approve = ["wire_*"]``, a rule that would match none of its tools.
+    agents = tmp_path / "agents_cli.toml"
+    agents.write_text(AGENTS.replace('approve = ["wire_*"]\n', ""), encoding="utf-8")
+    env = {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": str(agents)}
     listed = cli("approvals", "--json", env=env)
     assert listed.returncode == 0, listed.stderr
     (row,) = json.loads(listed.stdout)
@@ -524,3 +526,76 @@ def test_a_heartbeat_that_renews_a_child_right_after_it_parked_does_not_leave_it
     model = model_factory(child_script(call("refund", order="C-9", amount=12)))
     _sid, execution, _deps = child_parked(model.base_url)
     assert execution.lease_expires_at == requests()[0].expires_at
+
+
+def gate_delegations(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, approve: str) -> None:
+    """The main agent's ``approve`` list is ``approve`` (a glob list over the built-ins too)."""
+    from harness.agents import _load
+
+    agents = tmp_path / "agents_gated.toml"
+    agents.write_text(AGENTS.replace('approve = ["wire_*"]', f"approve = {approve}"), encoding="utf-8")
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    _load.cache_clear()
+
+
+def subagent_sessions() -> list[int]:
+    from models import SessionType
+
+    with transaction() as s:
+        return list(
+            s.execute(select(AgentSession.id).where(AgentSession.session_type == SessionType.SUBAGENT)).scalars()
+        )
+
+
+@pytest.mark.parametrize("approve_list", ['["*"]', '["delegate"]'], ids=["star", "delegate"])
+def test_a_delegation_that_needs_approval_waits_with_no_child_and_its_approval_creates_the_child_delivered_once(
+    model_factory: ModelFactory, runs: Runs, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, approve_list: str
+) -> None:
+    gate_delegations(monkeypatch, tmp_path, approve_list)
+    model = model_factory(
+        parent_script(call("delegate", agent_type="reviewer", task="review it"), call("wire_money", amount=5))
+    )
+    sid, deps = parked_parent(model.base_url)
+    # Parked before any child exists: no execution, no child session, nothing sent.
+    assert executions_of(sid) == [] and subagent_sessions() == [] and not deps.scheduler.pending()
+    assert runs.starts == []
+    gated = {r.tool: r for r in requests()}
+    assert set(gated) == ({"delegate", "wire_money"} if approve_list == '["*"]' else {"delegate"})
+    assert json.loads(gated["delegate"].arguments) == {"agent_type": "reviewer", "task": "review it"}
+    a_scan_after_every_lease_lapsed(deps)  # the scan neither resumes nor delivers it
+    assert not deps.scheduler.pending() and executions_of(sid) == []
+    for req in gated.values():
+        approve(sid, req.call_id, deps)
+    settle(deps)
+    (execution,) = executions_of(sid)
+    assert (execution.status, execution.delivery_status) == ("COMPLETED", "DELIVERED")
+    assert len(subagent_sessions()) == 1
+    assert runs.starts == [("wire_money", sid, {"amount": 5})]
+    tools = [m for m in messages_of(sid) if m.role == "TOOL"]
+    assert [t.tool_call_id for t in tools] == [gated["delegate"].call_id, tools[1].tool_call_id]
+    assert json.loads(tools[0].content or "")["result"] == "child result" and tools[1].content == "wired 5"
+    assert messages_of(sid)[-1].content.startswith("parent saw: ")
+    a_scan_after_every_lease_lapsed(deps)
+    settle(deps)
+    assert len(executions_of(sid)) == 1 and len([m for m in messages_of(sid) if m.role == "TOOL"]) == 2
+    assert len(runs.starts) == 1
+    assert invariants() == []
+
+
+def test_a_denied_delegation_creates_no_child_and_the_model_sees_the_denial_as_its_result(
+    model_factory: ModelFactory, runs: Runs, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    gate_delegations(monkeypatch, tmp_path, '["delegate*"]')
+    model = model_factory(
+        parent_script(call("delegate", agent_type="reviewer", task="review it"), call("echo", text="hi"))
+    )
+    sid, deps = parked_parent(model.base_url)
+    (req,) = requests()
+    assert req.tool == "delegate"
+    assert deny(sid, req.call_id, deps, "not this one").resumed
+    settle(deps)
+    assert executions_of(sid) == [] and subagent_sessions() == []
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["denied by bob: not this one", "hi"]
+    assert messages_of(sid)[-1].content == "parent saw: denied by bob: not this one\nhi"
+    assert phase_of(sid) == Phase.WAITING_USER
+    assert invariants() == []

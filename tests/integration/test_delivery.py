@@ -201,6 +201,42 @@ def test_r23_inside_a_pending_round_results_follow_ascending_execution_id(model_
     assert invariants() == []
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["starts_recorded", "written_before_starts_were_recorded"])
+def test_an_inline_call_without_a_result_is_reported_interrupted_when_it_started_and_not_run_when_it_never_did(
+    model_factory: ModelFactory, legacy: bool
+) -> None:
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "parent continues"}}])
+    parent = make_session(phase=Phase.RUNNING)
+    add_message(parent, Role.USER, "q")
+    calls = [
+        {"id": cid, "type": "function", "function": {"name": name, "arguments": '{"order": "A-1"}'}}
+        for cid, name in (("c_child", "delegate"), ("c_done", "charge"), ("c_started", "charge"), ("c_never", "charge"))
+    ]
+    with transaction() as s:
+        rnd = PendingRound(
+            session_id=parent,
+            assistant_content="",
+            tool_calls=calls,
+            inline_results={"c_done": "charged"},
+            inline_started=None if legacy else ["c_done", "c_started"],
+        )
+        s.add(rnd)
+        s.flush()
+        round_id = rnd.id
+    eid = make_execution(parent, status=ExecutionStatus.RUNNING, tool_call_id="c_child")
+    with transaction() as s:
+        s.execute(update(SubagentExecution).where(SubagentExecution.id == eid).values(pending_round_id=round_id))
+        finish_execution(s, eid, epoch=0, status=ExecutionStatus.COMPLETED, result={"success": True})
+    drive(model.base_url)
+    told = {m.tool_call_id: m.content or "" for m in messages_of(parent) if m.role == Role.TOOL}
+    assert told["c_done"] == "charged"
+    assert "may or may not have taken effect" in told["c_started"]
+    # A start is committed under the parent's fence before a call runs: a call with none did not run.
+    never = "may or may not have taken effect" if legacy else "was not run"
+    assert never in told["c_never"] and ("was not run:" in told["c_never"]) is not legacy
+    assert invariants() == []
+
+
 def test_r24_parent_side_delivery_after_a_compaction_boundary_with_deleted_rows(model_factory: ModelFactory) -> None:
     model = model_factory(one_child_script())
     sid, _ = parent_yielded(model.base_url)

@@ -1,17 +1,18 @@
 """Which calls wait for a human decision: ``@tool(requires_approval=True)``, the agent's
 ``approve`` globs, and ``approve_destructive`` over MCP annotations (which only ever add the
-need); AGENTS_FILE validation of the two keys."""
+need); AGENTS_FILE validation of the two keys, and the start refusing an ``approve`` entry that
+can match no tool the agent may call."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from harness.agents import AgentDef, parse_agents
-from harness.approval import needs_approval, refuse_beside_delegation
+from harness.approval import needs_approval
 from harness.errors import AgentConfigError
-from harness.model import ModelReply, ToolCall
 from harness.tools import ToolContext, tool, unregister
 from harness.tools.registry import Tool
 
@@ -68,12 +69,6 @@ def test_approve_destructive_covers_mcp_tools_whose_destructive_hint_is_true_or_
     assert needs_approval(agent(approve='["files__read"]'), "files__read")  # annotations only tighten
 
 
-def test_a_call_needing_approval_beside_a_delegation_is_refused_with_a_reason(tools: None) -> None:
-    reply = ModelReply(None, (ToolCall("c1", "delegate", "{}"), ToolCall("c2", "refund_order", "{}")), 0, 0)
-    refused = refuse_beside_delegation(agent(), reply)
-    assert list(refused) == ["c2"] and "needs a human approval" in refused["c2"]
-
-
 @pytest.mark.parametrize(
     ("line", "message"),
     [('approve = "refund"', "approve must be a list"), ('approve_destructive = "yes"', "true or false")],
@@ -81,3 +76,64 @@ def test_a_call_needing_approval_beside_a_delegation_is_refused_with_a_reason(to
 def test_agents_file_rejects_a_malformed_approve_setting(line: str, message: str) -> None:
     with pytest.raises(AgentConfigError, match=message):
         parse_agents(f'[agents.a]\nsystem_prompt = "p"\n{line}\n')
+
+
+def start_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str) -> dict[str, AgentDef]:
+    """``load_at_start`` (what every worker, beat and CLI runs first) over one agent ``a``."""
+    from harness.agents import _load, load_at_start
+    from harness.tools import mcp
+    from settings import get_settings
+
+    path = tmp_path / "agents.toml"
+    path.write_text(f'[agents.a]\nsystem_prompt = "p"\n{table}\n', encoding="utf-8")
+    monkeypatch.setenv("AGENTS_FILE", str(path))
+    monkeypatch.setenv("TOOL_MODULES", "")
+    get_settings.cache_clear()
+    _load.cache_clear()
+    try:
+        return load_at_start()
+    finally:
+        get_settings.cache_clear()
+        _load.cache_clear()
+        mcp.forget()
+
+
+TRAVEL = 'mcp_servers = [{name = "travel", url = "http://127.0.0.1:9/mcp"}]'
+
+
+@pytest.mark.parametrize(
+    ("table", "entry"),
+    [
+        ('approve = ["refund_ordr"]', "refund_ordr"),  # a typo: the tool meant runs unguarded
+        ('tools = ["echo", "wait"]\napprove = ["delegate"]', "delegate"),  # a tool the agent is not offered
+        ('deny = ["echo"]\napprove = ["ech*"]', "ech*"),  # a tool its deny list removes
+        (f'{TRAVEL}\napprove = ["files__delete"]', "files__delete"),  # a server of another agent
+    ],
+    ids=["no_such_tool", "not_offered", "denied", "another_server"],
+)
+def test_an_approve_rule_that_matches_no_tool_the_agent_may_call_stops_the_start_with_a_clear_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str, entry: str
+) -> None:
+    with pytest.raises(AgentConfigError) as info:
+        start_with(tmp_path, monkeypatch, table)
+    message = str(info.value)
+    assert f"agent 'a': approve entry {entry!r} matches no tool this agent may call" in message
+    assert "guards nothing" in message
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        'approve = ["*"]',
+        'approve = ["delegate"]',
+        'tools = ["delegate", "echo"]\napprove = ["delegate*", "echo"]',
+        f'{TRAVEL}\napprove = ["travel__book*", "*cancel*"]',  # tools of its server, listed only later
+    ],
+    ids=["star", "delegate", "globs_over_built_ins", "mcp_patterns"],
+)
+def test_approve_rules_over_the_built_in_tools_and_the_agents_mcp_servers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    agents = start_with(tmp_path, monkeypatch, table)
+    assert agents["a"].approve
+    assert needs_approval(agents["a"], "delegate") is ("delegate" in table or '"*"' in table)
