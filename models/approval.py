@@ -376,7 +376,8 @@ def decide(
     s.refresh(row)
     if rows == 1:
         return DecisionOutcome.DECIDED, row
-    if row.status == decision.status and (row.approved_arguments or None) == edited:
+    stands = canonical(row.approved_arguments) if row.approved_arguments else None  # rows of any release
+    if row.status == decision.status and stands == edited:
         return DecisionOutcome.REPEATED, row
     return DecisionOutcome.CONFLICT, row
 
