@@ -299,3 +299,24 @@ def test_the_invariants_name_a_history_that_shows_the_unapproved_arguments_or_hi
     problems = invariants()
     assert any("shows arguments the approver did not approve" in p for p in problems), problems
     assert any("does not say so" in p for p in problems), problems
+
+
+def test_a_child_cancelled_before_its_first_run_is_ended_cancelled_without_asking_the_model(
+    model_factory: ModelFactory,
+    runs: Runs,  # noqa: F811
+) -> None:
+    from harness.child import start_child
+
+    model = model_factory(child_script(call("refund", order="C-9", amount=12)))
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, _, ((eid, epoch),) = deps.scheduler.children.pop()
+    (execution,) = executions_of(sid)
+    assert cancel_session(execution.child_session_id)[0]
+    assert start_child(eid, epoch, deps) == "cancelled"  # its message arrives after the cancel
+    settle(deps)
+    (execution,) = executions_of(sid)
+    assert (execution.status, execution.delivery_status) == ("CANCELLED", "DELIVERED")
+    assert subagent_asks(model) == 0 and runs.starts == [] and requests() == []
+    assert invariants() == []
