@@ -11,8 +11,9 @@ One round, in the order its commits happen:
 2. the calls that need no approval run first, as usual (harness.journal);
 3. each call that needs approval is answered from its request: APPROVED runs the tool (with
    the edited arguments when the approver gave some; at most once unless read-only or
-   idempotent, as any tool); DENIED, EXPIRED and CANCELLED are the TOOL result
-   ``denied by NAME: REASON``; a request past its expiry is expired on the spot;
+   idempotent, as any tool); DENIED and EXPIRED are the TOOL result
+   ``denied by NAME: REASON``; a request past its expiry is expired on the spot; a CANCELLED
+   one (its session was cancelled) stops the loop: nothing more of the round runs;
 4. if a request is still PENDING the loop parks (``park``): under the request rows' locks, the
    session goes to WAITING_APPROVAL (a child: its execution's lease dropped, its session
    WAITING_APPROVAL) and the loop returns: no lease, no worker slot, no process waits;
@@ -204,6 +205,8 @@ def verdict(fence: Fence, session_id: int, call: ToolCall) -> Verdict:
             return Verdict(result=f"error: the approval request of the call to {call.name!r} is missing; not run")
         if row.status == ApprovalStatus.PENDING:
             return Verdict()
+        if row.status == ApprovalStatus.CANCELLED:
+            raise Cancelled(f"session {session_id} was cancelled")  # its loop stops: nothing more is run
         if row.tool != call.name or not store.same_arguments(row, call.arguments):
             return Verdict(result=f"error: the approval does not match the call to {call.name!r}; not run")
         if row.status == ApprovalStatus.APPROVED:

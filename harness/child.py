@@ -259,6 +259,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
     database/Redis fault: nothing written, the lease lapses and the scan resumes it:
     docs/fault-model.md). Never raises: a failure becomes a FAILED execution."""
     execution_id = info.execution_id
+    if info.child_phase == Phase.CANCELLED:
+        # A cancelled child is never run, whichever message takes it (docs/approvals.md).
+        return end_with_failure(info, epoch, ChildOutcome.CANCELLED, Stopped())
     deadline = child_deadline(info.started_at)
     fence = ExecutionFence(info.child_session_id, epoch, deps.lease_seconds, execution_id=execution_id)
     try:

@@ -325,9 +325,10 @@ def free_cancelled_parked(s: Session) -> int:
     parked = exists().where(
         A.execution_id == E.id, A.status == ApprovalStatus.CANCELLED, A.expires_at == E.lease_expires_at
     )
-    return cas(
-        s,
-        update(E)
+    # NOTE: SKIP LOCKED: a scan statement never waits on a row another path holds (a take, a
+    # cancel); such a row is freed by a later pass, or ended by the path that holds it.
+    freed = (
+        select(E.id)
         .where(
             E.status.in_(ACTIVE_EXECUTION),
             E.delivery_status == DeliveryStatus.PENDING,
@@ -336,8 +337,9 @@ def free_cancelled_parked(s: Session) -> int:
             cancelled,
             parked,
         )
-        .values(lease_expires_at=None),
+        .with_for_update(skip_locked=True)
     )
+    return cas(s, update(E).where(E.id.in_(freed.scalar_subquery())).values(lease_expires_at=None))
 
 
 def session_cancelled(s: Session, session_id: int) -> bool:
@@ -374,7 +376,8 @@ def decide(
     s.refresh(row)
     if rows == 1:
         return DecisionOutcome.DECIDED, row
-    if row.status == decision.status and (row.approved_arguments or None) == edited:
+    stands = canonical(row.approved_arguments) if row.approved_arguments else None  # rows of any release
+    if row.status == decision.status and stands == edited:
         return DecisionOutcome.REPEATED, row
     return DecisionOutcome.CONFLICT, row
 

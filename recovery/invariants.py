@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -38,6 +39,9 @@ from models import (
     SubagentExecution,
 )
 from settings import get_settings
+
+if TYPE_CHECKING:
+    from models.approval import ApprovalRequest
 
 
 @dataclass(frozen=True)
@@ -339,6 +343,31 @@ def check_approvals(s: Session) -> list[str]:
                 problems.append(f"A2 {where}: approved but its TOOL result is a denial")
             elif r.status != ApprovalStatus.APPROVED and not content.startswith(denial):
                 problems.append(f"A2 {where}: {r.status} but its TOOL result is not a denial")
+        if r.status == ApprovalStatus.APPROVED and r.approved_arguments is not None:
+            problems += _edited_call_problems(s, r, where, tools.get((r.session_id, r.call_id), []))
+    return problems
+
+
+def _edited_call_problems(s: Session, r: ApprovalRequest, where: str, tool_rows: list[Message]) -> list[str]:
+    """A2 for an approval with edited arguments: the history's call is the approved one, and its
+    TOOL result says the approver edited it (docs/approvals.md)."""
+    from harness.approval import edited_result
+    from models.approval import SYSTEM, canonical
+
+    problems = []
+    note = edited_result(r.decided_by or SYSTEM, "")
+    if any(not (m.content or "").startswith(note) for m in tool_rows):
+        problems.append(f"A2 {where}: ran with edited arguments but its TOOL result does not say so")
+    approved = canonical(r.approved_arguments or "")
+    for m in s.execute(
+        select(Message).where(
+            Message.session_id == r.session_id, Message.role == Role.ASSISTANT, Message.deleted.is_(False)
+        )
+    ).scalars():
+        calls = parse_tool_calls(m.tool_calls)
+        for c in calls if isinstance(calls, list) else []:
+            if str(c.get("id")) == r.call_id and canonical(str(c["function"].get("arguments") or "")) != approved:
+                problems.append(f"A2 {where}: the history shows arguments the approver did not approve")
     return problems
 
 

@@ -6,6 +6,7 @@ approval, and nothing of its round runs before the decision."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -45,9 +46,15 @@ from tests.types import ModelFactory
 
 #: Points a kill may hit: the reply's commit with its request, the park, a decision's commit
 #: before its hand-over is sent, and the approved tool's start.
-KILL_POINTS = ("approval.after_request", "approval.after_park", "approval.after_decision", "journal.after_tool_start")
+KILL_POINTS = (
+    "approval.after_request",
+    "approval.after_park",
+    "approval.after_decision",
+    "journal.after_tool_start",
+    "approval.after_edited_call",
+)
 ACTIONS = st.one_of(
-    st.sampled_from(["step", "step", "step", "approve", "deny", "expire", "cancel", "scan"]),
+    st.sampled_from(["step", "step", "step", "approve", "approve_edited", "deny", "expire", "cancel", "scan"]),
     st.tuples(st.just("kill"), st.sampled_from(KILL_POINTS)),
 )
 
@@ -91,6 +98,8 @@ class World:
             self._scan()
         elif action in ("approve", "deny") and req is not None:
             decide(self.sid, req.call_id, Decision(action == "approve", "hypo", "because"), sched)
+        elif action == "approve_edited" and req is not None:
+            decide(self.sid, req.call_id, Decision(True, "hypo", "because", {"amount": 25, "order": "A-1"}), sched)
         elif action == "expire":
             with transaction() as s:
                 s.execute(
@@ -142,6 +151,12 @@ def test_whatever_the_interleaving_the_tool_runs_at_most_once_and_only_after_an_
     assert len(mine) <= 1, actions
     if mine:
         assert req is not None and req.status == ApprovalStatus.APPROVED, actions
+        # It ran with the arguments the approval that stands gave: the approver's, or the model's.
+        expected = json.loads(req.approved_arguments or req.arguments)
+        assert mine[0][2] == expected, actions
+    if req is not None and req.approved_arguments is not None and phase_of(world.sid) == Phase.WAITING_USER:
+        (assistant,) = [m for m in messages_of(world.sid) if m.role == "ASSISTANT" and m.tool_calls]
+        assert '\\"amount\\":25' in json.dumps(assistant.tool_calls), actions  # the approved call is in the history
     if req is not None:
         assert len(set(decisions)) <= 1, (actions, decisions)  # the first decision stands
         assert req.status != ApprovalStatus.PENDING or phase_of(world.sid) == Phase.CANCELLED, actions

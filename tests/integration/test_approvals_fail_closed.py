@@ -275,3 +275,48 @@ def test_a_crash_right_after_the_edited_call_is_journaled_runs_it_once_with_the_
     (tool_row,) = [m for m in messages_of(sid) if m.role == "TOOL"]
     assert tool_row.content == edited_result("alice", "refunded 25 on A-1")
     assert invariants() == []
+
+
+def test_the_invariants_name_a_history_that_shows_the_unapproved_arguments_or_hides_the_edit(
+    model_factory: ModelFactory,
+    runs: Runs,  # noqa: F811
+) -> None:
+    from models import Message
+
+    model = model_factory(parent_script(call("refund", order="A-1", amount=300)))
+    sid, deps = parked_parent(model.base_url)
+    (req,) = requests()
+    approve(sid, req.call_id, deps, arguments={"order": "A-1", "amount": 25})
+    settle(deps)
+    assert invariants() == []
+    # Broken on purpose: the history's call back to the model's arguments, the note dropped.
+    with transaction() as s:
+        rows = s.execute(select(Message).where(Message.session_id == sid)).scalars()
+        (assistant,) = [m for m in rows if m.tool_calls]
+        assistant.tool_calls = assistant.tool_calls.replace('\\"amount\\":25', '\\"amount\\":300')
+        tool_row = update(Message).where(Message.session_id == sid, Message.role == "TOOL")
+        s.execute(tool_row.values(content="refunded 25 on A-1"))
+    problems = invariants()
+    assert any("shows arguments the approver did not approve" in p for p in problems), problems
+    assert any("does not say so" in p for p in problems), problems
+
+
+def test_a_child_cancelled_before_its_first_run_is_ended_cancelled_without_asking_the_model(
+    model_factory: ModelFactory,
+    runs: Runs,  # noqa: F811
+) -> None:
+    from harness.child import start_child
+
+    model = model_factory(child_script(call("refund", order="C-9", amount=12)))
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    _, _, ((eid, epoch),) = deps.scheduler.children.pop()
+    (execution,) = executions_of(sid)
+    assert cancel_session(execution.child_session_id)[0]
+    assert start_child(eid, epoch, deps) == "cancelled"  # its message arrives after the cancel
+    settle(deps)
+    (execution,) = executions_of(sid)
+    assert (execution.status, execution.delivery_status) == ("CANCELLED", "DELIVERED")
+    assert subagent_asks(model) == 0 and runs.starts == [] and requests() == []
+    assert invariants() == []
