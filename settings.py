@@ -201,6 +201,12 @@ class Settings(BaseSettings):
     TOOL_TIMEOUT_SECONDS: float = Field(default=300.0, gt=0)
     #: Longest TOOL result kept; a longer one is cut, with a note where.
     TOOL_RESULT_MAX_CHARS: int = Field(default=100_000, ge=1000)
+    #: Tool threads a process may leave running past their call (timed out, cancelled: a thread
+    #: cannot be stopped); past this many, the worker finishes its task and stops, so that its
+    #: supervisor starts a fresh one (docs/tools.md).
+    TOOL_MAX_STUCK_THREADS: int = Field(
+        default=20, ge=1, description="stuck tool threads a worker process tolerates before it stops"
+    )
     SUBAGENT_TIMEOUT_SECONDS: float = Field(default=3600.0, gt=0)
     SUBAGENT_CANCEL_GRACE_SECONDS: float = Field(default=30.0, ge=0)
     #: How long a tool call's approval request waits for a human decision; past it the call is
