@@ -485,7 +485,7 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
     call = _submit(lambda: context.run(run, ctx, args))
     ends_at = time.monotonic() + wait
     while not call.done.wait(max(0.0, min(CANCEL_CHECK_SECONDS, ends_at - time.monotonic()))):
-        if ctx.cancelled() and _abandon(call, found, ctx):
+        if _cancelled(ctx) and _abandon(call, found, ctx):
             raise Cancelled(f"cancelled while tool {found.name!r} ran")
         if time.monotonic() < ends_at or not _abandon(call, found, ctx):
             continue
@@ -500,6 +500,15 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
 
 #: How often the wait for a tool looks at the call's cancellation.
 CANCEL_CHECK_SECONDS = 0.1
+
+
+def _cancelled(ctx: ToolContext) -> bool:
+    """The call's cancellation; False when it cannot be read now (the database does not answer):
+    the wait goes on, and the loop meets the outage at its next write, as before the tool."""
+    try:
+        return bool(ctx.cancelled())
+    except Exception:
+        return False
 
 
 def _abandon(call: _Call, found: Tool, ctx: ToolContext) -> bool:
