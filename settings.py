@@ -289,6 +289,15 @@ class Settings(BaseSettings):
     TOOL_RESULT_MAX_CHARS: int = Field(
         default=100_000, ge=1000, description="Longest TOOL result kept; a longer one is cut, with a note where."
     )
+    TOOL_MAX_STUCK_THREADS: int = Field(
+        default=20,
+        ge=1,
+        description=(
+            "Tool threads a process may leave running past their call (timed out or cancelled: a thread cannot "
+            "be stopped); past this many the worker finishes its task and stops, so that its supervisor starts "
+            "a fresh one."
+        ),
+    )
     SUBAGENT_TIMEOUT_SECONDS: float = Field(
         default=3600.0,
         gt=0,

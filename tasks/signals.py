@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -106,6 +107,22 @@ def _pause_the_warm_up(**_: object) -> None:
 @task_postrun.connect
 def _resume_the_warm_up(**_: object) -> None:
     warmup.quiet.task_ended()
+
+
+@task_postrun.connect
+def _stop_when_tool_threads_are_stuck(**_: object) -> None:
+    # Past TOOL_MAX_STUCK_THREADS the process holds threads it can never get back: the worker
+    # stops warmly (its other tasks end first) and its supervisor starts a fresh one
+    # (docs/tools.md). A prefork pool process asks its worker's main process.
+    from harness.tools.registry import over_stuck_limit
+
+    if not over_stuck_limit():
+        return
+    from billiard.process import current_process
+
+    main = os.getppid() if current_process().name != "MainProcess" else os.getpid()
+    log_event(log, "worker_stopping_for_stuck_tool_threads", logging.ERROR, worker_pid=main)
+    os.kill(main, signal.SIGTERM)
 
 
 def _warm_up() -> None:

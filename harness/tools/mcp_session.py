@@ -104,12 +104,21 @@ def run(make: Callable[[], Coroutine[Any, Any, T]], timeout: float, cancelled: C
             return future.result(max(step, 0.0))
         except concurrent.futures.TimeoutError:
             waited += step
-            if cancelled is not None and cancelled():
+            if cancelled is not None and _asked(cancelled):
                 future.cancel()
                 raise concurrent.futures.CancelledError() from None
             if waited >= timeout:
                 future.cancel()
                 raise TimeoutError() from None
+
+
+def _asked(cancelled: Callable[[], bool]) -> bool:
+    # A cancellation that cannot be read now (the database does not answer) is not one: the
+    # call goes on, and the loop meets the outage at its next write.
+    try:
+        return bool(cancelled())
+    except Exception:
+        return False
 
 
 # --- sessions ----------------------------------------------------------------------------------

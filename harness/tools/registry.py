@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import inspect
 import json
 import logging
@@ -32,6 +33,7 @@ import os
 import queue
 import re
 import threading
+import time
 import typing
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -379,28 +381,67 @@ def parse_arguments(raw: str) -> dict[str, Any]:
     return value
 
 
+#: Longest description of a tool's parameters in the answer to arguments that are not JSON.
+PARAMETERS_HINT_CHARS = 500
+
+
+def _arguments_of(found: Tool, raw: str) -> dict[str, Any]:
+    """The call's arguments; a ToolError that tells the model what to fix when they are not a
+    JSON object (truncated JSON, text, a list): what was wrong, and the parameters it takes."""
+    try:
+        return parse_arguments(raw)
+    except ToolError as exc:
+        where = ""
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError as bad:
+            where = f" ({bad.msg} at character {bad.pos})"
+        raise ToolError(
+            f"the arguments of tool {found.name!r} {'are not valid JSON' if where else 'are not a JSON object'}"
+            f"{where}: send the call again with the arguments as one JSON object; its parameters: "
+            f"{_parameters_hint(found)}"
+        ) from exc
+
+
+def _parameters_hint(found: Tool) -> str:
+    """``{"city": "string", "nights": "integer"}, required: city, nights`` from the schema."""
+    properties = found.parameters.get("properties") or {}
+    kinds = {
+        name: (spec.get("type") or "any") if isinstance(spec, dict) else "any" for name, spec in properties.items()
+    }
+    required = found.parameters.get("required") or []
+    text = json.dumps(kinds, ensure_ascii=False) + (f", required: {', '.join(map(str, required))}" if required else "")
+    return text if len(text) <= PARAMETERS_HINT_CHARS else text[: PARAMETERS_HINT_CHARS - 1] + "…"
+
+
 def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[str, ...]) -> str:
     """Run one inline tool and return its TOOL result text. Every failure of the tool itself is
-    that text; cancellation, the deadline and a lost lease propagate so the loop can stop
-    without writing a result. So does whatever is raised on the caller's own thread while it
-    waits for the tool (``SystemExit`` from a stopping worker's signal handler): that is the
-    process ending, not the tool's result, and the journal's open entry tells recovery so."""
+    that text (an error's text capped and redacted like a result); cancellation, the deadline
+    and a lost lease propagate so the loop can stop without writing a result. So does whatever
+    is raised on the caller's own thread while it waits for the tool (``SystemExit`` from a
+    stopping worker's signal handler): that is the process ending, not the tool's result, and
+    the journal's open entry tells recovery so."""
     found = lookup(name) if name in allowed else None
     if found is None or found.run is None:
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
-        ended = _bounded(found, ctx, parse_arguments(raw_arguments))
+        ended = _bounded(found, ctx, _arguments_of(found, raw_arguments))
     except ToolError as exc:
-        return f"error: {exc}"
+        return tool_error_result(exc)
     if ended.ok:
         return capped(str(ended.value))
     return _raised_by_tool(name, ctx, ended.value)
 
 
+def tool_error_result(exc: ToolError) -> str:
+    """``error: <message>``, secrets redacted, cut to TOOL_RESULT_MAX_CHARS like any result."""
+    return capped(redact(f"error: {exc}"))
+
+
 def _raised_by_tool(name: str, ctx: ToolContext, exc: BaseException) -> str:
     """The TOOL result of an exception the tool itself raised (on its own thread)."""
     if isinstance(exc, ToolError):
-        return f"error: {exc}"
+        return tool_error_result(exc)
     if isinstance(exc, Cancelled | DeadlineExceeded | LeaseLost | InjectedKill | GeneratorExit):
         raise exc
     # NOTE: whatever a tool raises is its result, whatever its module: a tool has no access
@@ -425,11 +466,13 @@ class ToolTimedOut(ToolError):
 
 
 def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
-    """Run the call on a thread of its own and wait at most the tool's timeout (and never past
-    the loop's deadline); returns the ended call (its value, or what the tool raised). A call
-    still running then is left to end on its own (a thread cannot be stopped): ToolTimedOut,
-    or DeadlineExceeded when the deadline came first. What is raised on this thread while it
-    waits (a signal handler's SystemExit) propagates as is: it is not the tool's."""
+    """Run the call on a thread of its own, in a copy of the caller's context variables, and
+    wait at most the tool's timeout (and never past the loop's deadline, nor past a cancel);
+    returns the ended call (its value, or what the tool raised). A call still running then is
+    left to end on its own (a thread cannot be stopped; it is counted as stuck until it ends):
+    ToolTimedOut, DeadlineExceeded when the deadline came first, Cancelled when the session was
+    cancelled. What is raised on this thread while it waits (a signal handler's SystemExit)
+    propagates as is: it is not the tool's."""
     from settings import get_settings
 
     assert found.run is not None
@@ -438,8 +481,14 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
     left = ctx.seconds_left()
     by_deadline = left is not None and left < limit
     wait = max(0.0, left) if by_deadline and left is not None else limit
-    call = _submit(lambda: run(ctx, args))
-    if not call.done.wait(wait):
+    context = contextvars.copy_context()
+    call = _submit(lambda: context.run(run, ctx, args))
+    ends_at = time.monotonic() + wait
+    while not call.done.wait(max(0.0, min(CANCEL_CHECK_SECONDS, ends_at - time.monotonic()))):
+        if _cancelled(ctx) and _abandon(call, found, ctx):
+            raise Cancelled(f"cancelled while tool {found.name!r} ran")
+        if time.monotonic() < ends_at or not _abandon(call, found, ctx):
+            continue
         if by_deadline:
             raise DeadlineExceeded(f"deadline reached while tool {found.name!r} ran")
         log_event(log, "tool_timed_out", logging.WARNING, session_id=ctx.session_id, tool=found.name)
@@ -449,15 +498,63 @@ def _bounded(found: Tool, ctx: ToolContext, args: dict[str, Any]) -> _Call:
     return call
 
 
+#: How often the wait for a tool looks at the call's cancellation.
+CANCEL_CHECK_SECONDS = 0.1
+
+
+def _cancelled(ctx: ToolContext) -> bool:
+    """The call's cancellation; False when it cannot be read now (the database does not answer):
+    the wait goes on, and the loop meets the outage at its next write, as before the tool."""
+    try:
+        return bool(ctx.cancelled())
+    except Exception:
+        return False
+
+
+def _abandon(call: _Call, found: Tool, ctx: ToolContext) -> bool:
+    """Stop waiting for a call that is still running: it is counted as a stuck thread until it
+    ends. False when it ended meanwhile (its result is used)."""
+    global _stuck
+    with _idle_lock:
+        if call.done.is_set():
+            return False
+        call.stuck = True
+        _stuck += 1
+        stuck = _stuck
+    log_event(log, "tool_threads_stuck", logging.WARNING, stuck=stuck, tool=found.name, session_id=ctx.session_id)
+    from settings import get_settings
+
+    limit = get_settings().TOOL_MAX_STUCK_THREADS
+    if stuck > limit:
+        log_event(log, "tool_threads_over_limit", logging.ERROR, stuck=stuck, limit=limit)
+    return True
+
+
+def over_stuck_limit() -> bool:
+    """True when more tool threads are stuck than TOOL_MAX_STUCK_THREADS: the process should
+    finish its task and stop, so that its supervisor replaces it (tasks.signals does)."""
+    from settings import get_settings
+
+    return stuck_threads() > get_settings().TOOL_MAX_STUCK_THREADS
+
+
+def stuck_threads() -> int:
+    """Tool threads of this process still running a call nobody waits for any more (timed out,
+    past the deadline, or cancelled)."""
+    with _idle_lock:
+        return _stuck
+
+
 class _Call:
     """One tool call handed to a tool thread, and how it ended."""
 
-    __slots__ = ("done", "fn", "ok", "value")
+    __slots__ = ("done", "fn", "ok", "stuck", "value")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
         self.done = threading.Event()
         self.ok = False
+        self.stuck = False
         self.value: Any = None
 
 
@@ -466,9 +563,12 @@ class _Call:
 #: gets another one. The threads are daemons: a hung tool never holds the process's exit.
 _idle: list[queue.SimpleQueue[_Call]] = []
 _idle_lock = threading.Lock()
+#: Calls abandoned while still running (see ``stuck_threads``); guarded by ``_idle_lock``.
+_stuck = 0
 
 
 def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
+    global _stuck
     while True:
         call = inbox.get()
         try:
@@ -476,8 +576,12 @@ def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
             call.ok = True
         except BaseException as exc:  # re-raised on the caller's thread
             call.value = exc
-        call.done.set()
         with _idle_lock:
+            # NOTE: done is set under the lock that _abandon takes: a call is either abandoned
+            # while running (and counted down here) or seen done by its caller, never both.
+            call.done.set()
+            if call.stuck:
+                _stuck -= 1
             _idle.append(inbox)
 
 
@@ -494,7 +598,9 @@ def _submit(fn: Callable[[], Any]) -> _Call:
 
 def _forget_threads_after_fork() -> None:
     # A forked process (Celery's prefork pool) has none of its parent's threads.
+    global _stuck
     _idle.clear()
+    _stuck = 0
 
 
 os.register_at_fork(after_in_child=_forget_threads_after_fork)
@@ -523,12 +629,18 @@ def _unavailable_reason(name: str) -> str:
     return f" ({reason})" if reason else ""
 
 
-def safe_message(exc: BaseException) -> str:
-    """The exception's message on one line, cut to ERROR_MESSAGE_CHARS, with the secrets this
-    process knows (model API key, field-recovery key) redacted."""
-    text = " ".join(str(exc).split())
+def redact(text: str) -> str:
+    """``text`` with the secrets this process knows (model API key, field-recovery key, the
+    values of MCP servers' ``${NAME}`` references) replaced by ``[redacted]``."""
     for secret in _secrets():
         text = text.replace(secret, "[redacted]")
+    return text
+
+
+def safe_message(exc: BaseException) -> str:
+    """The exception's message on one line, cut to ERROR_MESSAGE_CHARS, with the secrets this
+    process knows redacted (``redact``)."""
+    text = redact(" ".join(str(exc).split()))
     if len(text) > ERROR_MESSAGE_CHARS:
         text = text[: ERROR_MESSAGE_CHARS - 1] + "…"
     return text

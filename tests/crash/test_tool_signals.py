@@ -81,3 +81,34 @@ def test_a_worker_stopped_by_sigterm_mid_tool_leaves_the_call_interrupted_not_it
     assert snap["messages"][-1]["content"].startswith("after: ")
     assert "error=SystemExit" not in w1.log()
     assert stack.invariants() == []
+
+
+STUCK_SCRIPT = [
+    {
+        "when": {"system_contains": MAIN, "turn": 0},
+        "reply": {
+            "tool_calls": [
+                {"name": "never_ends", "arguments": {}, "id": "call_a"},
+                {"name": "never_ends", "arguments": {}, "id": "call_b"},
+            ]
+        },
+    },
+    {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "after: {tool_results}"}},
+]
+
+
+def test_a_worker_past_its_stuck_tool_threads_finishes_its_task_and_stops(
+    stack_factory: StackFactory, tmp_path: Path
+) -> None:
+    stack = stack_factory(STUCK_SCRIPT)
+    env = user_env(tmp_path)
+    agents = tmp_path / "agents.toml"
+    agents.write_text('[agents.main]\nsystem_prompt = "You are the main agent."\ntools = ["never_ends"]\n')
+    w1 = stack.worker("w1", concurrency=1, TOOL_MAX_STUCK_THREADS="1", **env)
+    sid = stack.submit("never ends")
+    snap = stack.wait_phase(sid, timeout=60)  # the task finished first
+    assert "timed out" in results_by_model_id(snap["messages"])["call_b"]
+    wait_until(lambda: w1.exited, timeout=30, what="the worker stopped")
+    log = w1.log()
+    assert "event=tool_threads_over_limit stuck=2 limit=1" in log
+    assert "event=worker_stopping_for_stuck_tool_threads" in log

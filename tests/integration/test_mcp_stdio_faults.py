@@ -5,6 +5,7 @@ real subprocess."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -145,3 +146,38 @@ def test_a_tools_list_changed_notification_refreshes_the_listing(tmp_path: Path)
     assert "odd__grown" not in mcp_tools.server_tool_names(server)
     assert run_inline("odd__grow", "{}", ctx(), mcp_tools.server_tool_names(server)) == "grown"
     wait_until(lambda: "odd__grown" in mcp_tools.server_tool_names(server), timeout=5, what="the new listing")
+
+
+def test_a_failed_listing_is_stamped_when_it_ended_so_a_hung_server_is_not_listed_at_every_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mcp_tools, "FAILED_LISTING_TTL_SECONDS", 1.0)
+    mute = misbehaving(tmp_path, "--no-init", timeout_seconds=1.5, connect_timeout_seconds=1.5)
+    assert mcp_tools.server_tool_names(mute) == ()  # took 1.5 s: longer than the failed listing is kept
+    assert mcp_tools.server_tool_names(mute) == ()
+    assert "is unreachable" in mcp_tools.unavailable_reason("odd__charge")
+    assert len(starts(tmp_path)) == 1  # the second lookup used the failure, it did not list again
+
+
+def test_a_servers_token_is_redacted_from_its_results_errors_and_stderr(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="harness.tools.mcp_session")
+    token = "tok-SECRET-9f2c1d"
+    server = misbehaving(tmp_path)
+    mcp_tools.configure([server])
+    allowed = mcp_tools.server_tool_names(server)
+    assert run_inline("odd__whoami", "{}", ctx(), allowed) == "my token is [redacted]"
+    assert run_inline("odd__leak", "{}", ctx("call_2"), allowed) == "error: upstream said 401 for [redacted]"
+    wait_until(lambda: "event=mcp_server_stderr" in caplog.text, timeout=5, what="the server's stderr in our log")
+    assert "serving whoami with token [redacted]" in caplog.text
+    assert token not in caplog.text
+
+
+def test_a_resource_keeps_its_text_and_binary_parts_are_described(tmp_path: Path) -> None:
+    server = misbehaving(tmp_path)
+    allowed = mcp_tools.server_tool_names(server)
+    assert run_inline("odd__resource", "{}", ctx(), allowed) == (
+        "the report:\nall green\n[application/pdf, 3 B, not shown]"
+    )
+    assert run_inline("odd__image", "{}", ctx("call_2"), allowed) == "the chart:\n[image/png, 48 kB, not shown]"

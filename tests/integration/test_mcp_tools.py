@@ -259,3 +259,21 @@ def test_a_stdio_server_the_official_mcp_server_time_is_listed_and_called() -> N
     finally:
         mcp_tools.forget()
     assert '"timezone": "Europe/Oslo"' in result and '"datetime"' in result
+
+
+def test_a_variable_in_an_http_servers_url_is_read_from_the_environment_and_redacted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mcp_tools.forget()
+    with McpTestServer(extras=True) as travel:
+        port = travel.url.split(":")[2].split("/")[0]
+        monkeypatch.setenv("TRAVEL_PORT", port)
+        (agent,) = parse_agents(
+            '[agents.trip]\nsystem_prompt = "p"\n'
+            'mcp_servers = [{name = "travel", url = "http://127.0.0.1:${TRAVEL_PORT}/mcp"}]\n'
+        ).values()
+        (server,) = agent.mcp_servers
+        assert server.references() == {"TRAVEL_PORT"}
+        allowed = agent.tool_names((), subagent=True)
+        assert run_inline("travel__lookup_city", '{"name": "Oslo"}', ctx(), allowed) == "Oslo: 3 hotels"
+    mcp_tools.forget()

@@ -131,8 +131,13 @@ def test_arguments_that_do_not_validate_are_the_tool_result_and_the_function_nev
     missing = run_inline("count_to", '{"m": "secret-value"}', ctx(), allowed)
     assert missing.startswith("error: invalid arguments") and "n: Field required" in missing
     assert "m: Extra inputs are not permitted" in missing and "secret-value" not in missing
-    assert run_inline("count_to", "not json", ctx(), allowed) == "error: arguments are not valid JSON"
-    assert run_inline("count_to", "[1]", ctx(), allowed) == "error: arguments must be a JSON object"
+    assert run_inline("count_to", "not json", ctx(), allowed) == (
+        "error: the arguments of tool 'count_to' are not valid JSON (Expecting value at character 0): send the "
+        'call again with the arguments as one JSON object; its parameters: {"n": "integer"}, required: n'
+    )
+    assert run_inline("count_to", "[1]", ctx(), allowed).startswith(
+        "error: the arguments of tool 'count_to' are not a JSON object: send the call again"
+    )
     assert ran == []
 
 
