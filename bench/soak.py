@@ -191,6 +191,9 @@ class Soak:
         #: What a fault itself saw go wrong this trial (``freeze``: no rest while frozen).
         self.fault_problems: list[str] = []
         self._frozen_before = 0  #: the proxy's count of frozen connections before this trial's
+        self._freeze_on = FREEZE_ON[0]  #: what this ``freeze`` trial waits for
+        #: ``freeze`` trials by what froze (the statement), or "nothing" (the work went past it).
+        self.froze: dict[str, int] = {}
 
     def worker(self, beat: bool = False, name: str | None = None, bare: bool = False) -> Any:
         from devstack.processes import Worker
@@ -247,6 +250,9 @@ class Soak:
         self.mix[fault] += 1
         self.reset()
         self.ensure_workers()
+        if fault == "freeze":  # armed before the work starts: a parent's first round can freeze too
+            self._freeze_on = rng.choice(FREEZE_ON)
+            self.proxy.freeze_on(self._freeze_on)
         parents = []
         for _ in range(rng.randint(1, 3)):
             sid = create_session("main", f"work [{rng.choice(SHAPES)}]")
@@ -340,18 +346,20 @@ class Soak:
         self.stopped.discard(victim.proc.pid)
 
     def freeze(self, rng: random.Random) -> None:
-        """Freeze the worker connection that next carries one of ``FREEZE_ON`` (drawn), wait
-        for the trial to come to rest while it is frozen, then thaw it and let the late writes
-        of its call arrive (the trial's checks follow)."""
-        pattern = rng.choice(FREEZE_ON)
-        self.proxy.freeze_on(pattern)
+        """The worker connection that next carries the statement drawn from ``FREEZE_ON``
+        (armed when the trial began) freezes: wait for the trial to come to rest while it is
+        frozen, then thaw it and let the late writes of its call arrive (the trial's checks
+        follow)."""
+        pattern = self._freeze_on
         end = time.monotonic() + 15
         while self.proxy.stats().frozen == self._frozen_before and time.monotonic() < end:
             time.sleep(0.05)
         if self.proxy.stats().frozen == self._frozen_before:  # the work went past it: nothing froze
             self.proxy.clear()
+            self.froze["nothing"] = self.froze.get("nothing", 0) + 1
             return
         self._frozen_before = self.proxy.stats().frozen
+        self.froze[pattern.decode()] = self.froze.get(pattern.decode(), 0) + 1
         end = time.monotonic() + FROZEN_REST_SECONDS
         while _not_at_rest() and time.monotonic() < end:
             time.sleep(0.25)
@@ -571,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
     mix = ", ".join(f"{k}={v}" for k, v in soak.mix.items())
     print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s; faults: {mix} (logs in {log_dir})")
+    if soak.froze:
+        print("freeze: " + ", ".join(f"{k!r}={v}" for k, v in sorted(soak.froze.items())))
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 
