@@ -311,7 +311,9 @@ os.register_at_fork(after_in_child=_renewers.forget)
 class Heartbeat:
     """Renews the fence's lease every third of the lease while the thread that enters it (the
     holder) makes progress (``_beat``); marks the fence lost when a renewal fails. On exit it
-    renews no more, after a renewal in flight has ended (at most 5 s)."""
+    renews no more, after a renewal in flight has ended (at most 5 s). Entered outside any
+    transaction of the holder's thread: one open around the whole run would count as one call
+    in flight from its start."""
 
     def __init__(self, fence: Fence) -> None:
         self.fence = fence
