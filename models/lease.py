@@ -140,33 +140,39 @@ def keepalive_probe_seconds() -> int:
     return max(1, int(lease_seconds() / 6))
 
 
-def connect_bounds() -> dict[str, object]:
-    """libpq connect arguments that bound what a stalled or vanished client holds on the server:
-    ``idle_in_transaction_session_timeout``, ``lock_timeout`` (:func:`lock_wait_seconds`), TCP
-    keepalives (:func:`keepalive_probe_seconds`) and ``tcp_user_timeout`` on the client's socket
-    AND, in ``options``, on the server's: a vanished client's locks are freed within the lease,
-    whether its transaction is idle (ended at half a lease), in a statement (the server checks
-    its client every probe interval, ``client_connection_check_interval``, PostgreSQL 14+) or
-    waiting for the server's answer to be acknowledged (``tcp_user_timeout``). The scan's
-    statements wait less still (:func:`lock_timeout_seconds`, set per transaction)."""
-    idle_ms = max(1000, int(idle_in_transaction_seconds() * 1000))
-    lock_ms = max(1000, int(lock_wait_seconds() * 1000))
-    user_timeout_ms = max(1000, int(tcp_user_timeout_seconds() * 1000))
+def server_bounds() -> dict[str, int]:
+    """The server's settings of every connection (name: value in the setting's unit, ms or s)
+    that bound what a stalled or vanished client holds: ``idle_in_transaction_session_timeout``
+    (:func:`idle_in_transaction_seconds`), ``lock_timeout`` (:func:`lock_wait_seconds`), TCP
+    keepalives (:func:`keepalive_probe_seconds`, 3 probes), ``tcp_user_timeout``
+    (:func:`tcp_user_timeout_seconds`) and ``client_connection_check_interval`` (PostgreSQL
+    14+). A vanished client's locks are freed within the lease whether its transaction is idle
+    (ended at half a lease), in a statement (the server checks its client every probe
+    interval) or waiting for the server's answer to be acknowledged (``tcp_user_timeout``)."""
     probe = keepalive_probe_seconds()
-    server = {
-        "idle_in_transaction_session_timeout": idle_ms,
-        "lock_timeout": lock_ms,
+    return {
+        "idle_in_transaction_session_timeout": max(1000, int(idle_in_transaction_seconds() * 1000)),
+        "lock_timeout": max(1000, int(lock_wait_seconds() * 1000)),
         "tcp_keepalives_idle": probe,
         "tcp_keepalives_interval": probe,
         "tcp_keepalives_count": 3,
-        "tcp_user_timeout": user_timeout_ms,
+        "tcp_user_timeout": max(1000, int(tcp_user_timeout_seconds() * 1000)),
         "client_connection_check_interval": probe * 1000,
     }
+
+
+def connect_bounds() -> dict[str, object]:
+    """libpq connect arguments: :func:`server_bounds` as ``-c name=value`` in the startup
+    ``options`` (session-level settings of the connection), and the same keepalives and
+    ``tcp_user_timeout`` on the client's own socket. The scan's statements wait less still
+    (:func:`lock_timeout_seconds`, set per transaction)."""
+    server = server_bounds()
+    probe = keepalive_probe_seconds()
     return {
         "options": " ".join(f"-c {name}={value}" for name, value in server.items()),
         "keepalives": 1,
         "keepalives_idle": probe,
         "keepalives_interval": probe,
         "keepalives_count": 3,
-        "tcp_user_timeout": user_timeout_ms,
+        "tcp_user_timeout": server["tcp_user_timeout"],
     }
