@@ -17,7 +17,13 @@ parents, a backlog of pre-upgrade RUNNING executions two days old, more than one
 that must all be delivered as timed out, once. ``stall`` SIGSTOPs one worker (its pool
 included) mid-trial for two to three leases, then SIGCONT: a process paused with its connections
 open, inside a transaction or not; the server ends its idle transactions, the scan never waits
-on its rows, and the thawed process finds itself fenced. The workers use a private redis-server and
+on its rows, and the thawed process finds itself fenced. ``freeze`` freezes ONE live worker's
+PostgreSQL connection (the proxy holds its bytes both ways, no reset: the TCP connection stays
+up) when it next carries one of a few statements (the pending round's INSERT, a message's
+INSERT, an execution's UPDATE, a COMMIT): the process lives on and only that call waits; the
+trial must come to rest while the connection is still frozen (the stuck holder's lease is
+renewed no more and lapses, the scan takes the work back), then the connection is thawed and
+the stuck call's late writes must change nothing. The workers use a private redis-server and
 reach PostgreSQL through the proxy; the soak itself talks to both directly.
 
 ``--faults stall,kill_one`` draws from those kinds only. SIGTERM or SIGINT (a timeout, ^C)
@@ -57,7 +63,12 @@ FAULTS = (
     "bare_worker",
     "legacy_backlog",
     "stall",
+    "freeze",
 )
+#: What the ``freeze`` fault waits for on a worker's connection (one drawn per trial).
+FREEZE_ON = (b"INSERT INTO pending_round", b"INSERT INTO message", b"UPDATE subagent_execution", b"COMMIT")
+#: How long a trial under ``freeze`` may take to come to rest with the connection still frozen.
+FROZEN_REST_SECONDS = 90.0
 #: The default agents, with the soak's tools (bench/soak_tools.py) allowed to the children.
 AGENTS_TOML = """
 [agents.main]
@@ -177,6 +188,12 @@ class Soak:
         self.stopped: set[int] = set()
         #: Every worker this soak started, replaced ones included (their pools may outlive them).
         self.started: list[Any] = []
+        #: What a fault itself saw go wrong this trial (``freeze``: no rest while frozen).
+        self.fault_problems: list[str] = []
+        self._frozen_before = 0  #: the proxy's count of frozen connections before this trial's
+        self._freeze_on = FREEZE_ON[0]  #: what this ``freeze`` trial waits for
+        #: ``freeze`` trials by what froze (the statement), or "nothing" (the work went past it).
+        self.froze: dict[str, int] = {}
 
     def worker(self, beat: bool = False, name: str | None = None, bare: bool = False) -> Any:
         from devstack.processes import Worker
@@ -212,6 +229,8 @@ class Soak:
         from models import get_engine
 
         self.proxy.clear()
+        self.proxy.thaw()
+        self.fault_problems = []
         flush_broker(self.redis.url, broker="redis")
         for attempt in range(5):
             try:
@@ -231,6 +250,9 @@ class Soak:
         self.mix[fault] += 1
         self.reset()
         self.ensure_workers()
+        if fault == "freeze":  # armed before the work starts: a parent's first round can freeze too
+            self._freeze_on = rng.choice(FREEZE_ON)
+            self.proxy.freeze_on(self._freeze_on)
         parents = []
         for _ in range(rng.randint(1, 3)):
             sid = create_session("main", f"work [{rng.choice(SHAPES)}]")
@@ -246,11 +268,11 @@ class Soak:
             # the workers it waits for (the legacy backlog then missed its 15 minutes). Three
             # index reads say when it is worth running.
             if not _not_at_rest():
-                problems = self._problems(fault)
+                problems = self.fault_problems + self._problems(fault)
                 if not problems:
                     return []
             time.sleep(0.25)
-        problems = self._problems(fault)
+        problems = self.fault_problems + self._problems(fault)
         return [f"fault={fault}", *problems[:5]] if problems else []
 
     def _problems(self, fault: str) -> list[str]:
@@ -322,6 +344,30 @@ class Soak:
         time.sleep(rng.uniform(2.0, 3.0) * lease.lease_seconds())
         os.killpg(victim.proc.pid, signal.SIGCONT)
         self.stopped.discard(victim.proc.pid)
+
+    def freeze(self, rng: random.Random) -> None:
+        """The worker connection that next carries the statement drawn from ``FREEZE_ON``
+        (armed when the trial began) freezes: wait for the trial to come to rest while it is
+        frozen, then thaw it and let the late writes of its call arrive (the trial's checks
+        follow)."""
+        pattern = self._freeze_on
+        end = time.monotonic() + 15
+        while self.proxy.stats().frozen == self._frozen_before and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.proxy.stats().frozen == self._frozen_before:  # the work went past it: nothing froze
+            self.proxy.clear()
+            self.froze["nothing"] = self.froze.get("nothing", 0) + 1
+            return
+        self._frozen_before = self.proxy.stats().frozen
+        self.froze[pattern.decode()] = self.froze.get(pattern.decode(), 0) + 1
+        end = time.monotonic() + FROZEN_REST_SECONDS
+        while _not_at_rest() and time.monotonic() < end:
+            time.sleep(0.25)
+        if _not_at_rest():
+            self.fault_problems.append(
+                f"not at rest {FROZEN_REST_SECONDS:.0f}s after a connection froze on {pattern.decode()!r}"
+            )
+        self.proxy.thaw()
 
     def freeze_scanner(self, rng: random.Random) -> None:
         import signal
@@ -533,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
     mix = ", ".join(f"{k}={v}" for k, v in soak.mix.items())
     print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s; faults: {mix} (logs in {log_dir})")
+    if soak.froze:
+        print("freeze: " + ", ".join(f"{k!r}={v}" for k, v in sorted(soak.froze.items())))
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -3,9 +3,10 @@
 A fence is checked INSIDE each write transaction with one conditional UPDATE that also renews
 the lease; when it does not land, LeaseLost is raised and the transaction rolls back, so a
 paused or duplicate worker never writes. A heartbeat thread renews the lease between writes,
-only while its holder makes progress: not while a database call of the holder's thread has been
-in flight for half a lease (``models.db.CallClock``): a connection frozen in a live process
-lets the lease lapse, and the scan takes the work back.
+only while its holder makes progress: not while a database call of the holder's thread
+(``models.db.CallClock``), or a poll of its fence on a tool's thread, has been in flight for half
+a lease: a connection frozen in a live process lets the lease lapse, and the scan takes the
+work back.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Fence:
     _last_poll: float = field(default_factory=time.monotonic)
     _cancelled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Polls of ``should_stop`` in flight: thread id -> start (monotonic). A tool polls on its
+    #: own thread for the holder, whose heartbeat counts the poll as the holder's work.
+    _polls: dict[int, float] = field(default_factory=dict)
 
     def check(self, s: Session, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         raise NotImplementedError
@@ -62,6 +66,11 @@ class Fence:
 
     def _still_owned(self, s: Session) -> bool:
         raise NotImplementedError
+
+    def oldest_poll_since(self) -> float:
+        """When the oldest ``should_stop`` poll in flight began (monotonic); 0.0 when none is."""
+        with self._lock:
+            return min(self._polls.values(), default=0.0)
 
     def raise_if_stopped(self) -> None:
         """Raises LeaseLost when this worker lost the row, Cancelled when the session was
@@ -80,9 +89,16 @@ class Fence:
             if now - self._last_poll < CANCEL_POLL_SECONDS:
                 return False
             self._last_poll = now
-        with transaction() as s:
-            phase = s.execute(select(AgentSession.phase).where(AgentSession.id == self.session_id)).scalar_one()
-            owned = self._still_owned(s)
+        me = threading.get_ident()
+        with self._lock:
+            self._polls[me] = now
+        try:
+            with transaction() as s:
+                phase = s.execute(select(AgentSession.phase).where(AgentSession.id == self.session_id)).scalar_one()
+                owned = self._still_owned(s)
+        finally:
+            with self._lock:
+                del self._polls[me]
         if not owned:
             self.lost = True
         if phase == Phase.CANCELLED:
@@ -165,14 +181,15 @@ def _renew_once(fence: Fence) -> bool | None:
 
 
 def _beat(fence: Fence, calls: CallClock, stall: list[float]) -> bool | None:
-    """One beat: a renewal (``_renew_once``), unless the holder's database work has been in
-    flight too long (``models.lease.stalled_call_seconds``): then None, nothing renewed, and
+    """One beat: a renewal (``_renew_once``), unless the holder's database work (its thread's
+    ``calls``, or a poll of the fence on a tool's thread) has been in flight too long
+    (``models.lease.stalled_call_seconds``): then None, nothing renewed, and
     ``lease_not_renewed`` logged once per stalled call (``stall`` holds the last one's start)."""
-    in_flight = calls.in_flight_seconds()
+    since = min((t for t in (calls.since, fence.oldest_poll_since()) if t), default=0.0)
+    in_flight = time.monotonic() - since if since else 0.0
     if in_flight <= lease.stalled_call_seconds(fence.lease_seconds):
         return _renew_once(fence)
-    since = calls.since
-    if since and stall[0] != since:
+    if stall[0] != since:
         stall[0] = since
         log_event(
             log,
@@ -296,7 +313,9 @@ os.register_at_fork(after_in_child=_renewers.forget)
 class Heartbeat:
     """Renews the fence's lease every third of the lease while the thread that enters it (the
     holder) makes progress (``_beat``); marks the fence lost when a renewal fails. On exit it
-    renews no more, after a renewal in flight has ended (at most 5 s)."""
+    renews no more, after a renewal in flight has ended (at most 5 s). Entered outside any
+    transaction of the holder's thread: one open around the whole run would count as one call
+    in flight from its start."""
 
     def __init__(self, fence: Fence) -> None:
         self.fence = fence

@@ -172,3 +172,59 @@ def test_a_session_lease_lapses_while_its_holders_statement_has_been_in_flight_p
         assert not fence.lost
     finally:
         stuck.join(4 * lease_seconds)
+
+
+def test_a_session_lease_lapses_while_a_cancel_poll_of_its_fence_on_a_tools_thread_is_frozen(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop waits for its tool (no database call of its own), and the tool polls the fence
+    (``ctx.should_stop``) on its own thread over a connection that froze: that poll is the
+    holder's database work too, so its heartbeat stops renewing and the lease lapses."""
+    from settings import get_settings
+    from tests.faultproxy import FaultProxy
+
+    lease_seconds = 3.0
+    sid = make_session(phase=Phase.RUNNING)
+    with transaction() as s:
+        assert take_session(s, sid, expected_epoch=0, owner="w1", lease_seconds=lease_seconds, to_phase=Phase.RUNNING)
+    with FaultProxy.for_url(db) as proxy:
+        monkeypatch.setenv("DATABASE_URL", proxy.rewrite(db))
+        get_settings.cache_clear()
+        try:
+            fence = SessionFence(session_id=sid, epoch=1, lease_seconds=lease_seconds)
+            fence._last_poll = 0.0  # the first poll asks the database at once
+            proxy.freeze_on(b"SELECT agent_session.phase")
+            tool_done = threading.Event()
+
+            def loop_waiting_for_its_tool() -> None:
+                with Heartbeat(fence):
+                    tool_done.wait(6 * lease_seconds)
+
+            def tool() -> None:
+                try:
+                    fence.should_stop()
+                except Exception:
+                    pass  # the thawed poll fails: its transaction was ended by the server
+                finally:
+                    tool_done.set()
+
+            holder = threading.Thread(target=loop_waiting_for_its_tool, daemon=True)
+            holder.start()
+            polling = threading.Thread(target=tool, daemon=True)
+            polling.start()
+            wait_until(lambda: proxy.stats().frozen == 1, timeout=5, what="the poll froze")
+
+            def lapsed() -> bool:
+                with transaction() as s:
+                    until = s.execute(select(AgentSession.lease_expires_at).where(AgentSession.id == sid)).scalar_one()
+                    return bool(s.execute(select(text("now() > :until")), {"until": until}).scalar_one())
+
+            wait_until(lapsed, timeout=2 * lease_seconds, interval=0.1, what="the holder's lease lapsed")
+            assert polling.is_alive(), "the poll is still frozen"
+        finally:
+            proxy.thaw()
+            tool_done.set()
+            monkeypatch.setenv("DATABASE_URL", db)
+            get_settings.cache_clear()
+    holder.join(10)
+    polling.join(10)
