@@ -343,3 +343,64 @@ def close_connections() -> None:
     for engine in list(db._engines.values()):
         engine.dispose()
     db.dispose_engines()
+
+
+#: ``application_name`` of every worker a scale step starts (libpq reads PGAPPNAME): the
+#: connections counted as the workers' are those, not the bench's own.
+WORKER_APP_NAME = "bench-scale-worker"
+
+
+class Sampler:
+    """Every ``EVERY_SECONDS`` during a step, on connections of its own: the loops in flight (ours
+    only: sessions and executions holding a live lease, i.e. a loop that took them and runs) and
+    the PostgreSQL connections the workers hold open (``application_name`` =
+    :data:`WORKER_APP_NAME`, on the kind's database); keeps the peak of each."""
+
+    EVERY_SECONDS = 0.2
+
+    def __init__(self, admin: Any, database: str, url: str | None) -> None:
+        import threading
+
+        from sqlalchemy import create_engine
+
+        self.admin, self.database = admin, database
+        self.engine = create_engine(url, poolclass=_null_pool()) if url else None
+        self.peak_in_flight = 0
+        self.peak_connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scale-sampler", daemon=True)
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.engine is not None:
+            self.engine.dispose()
+
+    def _run(self) -> None:
+        from sqlalchemy import text
+
+        loops = text(
+            "SELECT (SELECT count(*) FROM agent_session WHERE session_type <> 'SUBAGENT'"
+            " AND phase IN ('RUNNING', 'RESUMING') AND lease_owner IS NOT NULL AND lease_expires_at > now())"
+            " + (SELECT count(*) FROM subagent_execution WHERE status IN ('RUNNING', 'RECOVERING')"
+            " AND epoch >= 1 AND lease_owner IS NOT NULL AND lease_expires_at > now())"
+        )
+        held = text("SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND application_name = :app")
+        conn = self.engine.connect() if self.engine is not None else None
+        try:
+            with self.admin.connect() as admin:
+                while not self._stop.wait(self.EVERY_SECONDS):
+                    n = admin.execute(held, {"db": self.database, "app": WORKER_APP_NAME}).scalar_one()
+                    admin.commit()
+                    self.peak_connections = max(self.peak_connections, int(n))
+                    if conn is not None:
+                        flying = conn.execute(loops).scalar_one()
+                        conn.commit()
+                        self.peak_in_flight = max(self.peak_in_flight, int(flying))
+        finally:
+            if conn is not None:
+                conn.close()

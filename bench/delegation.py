@@ -86,8 +86,10 @@ def _ready(sender: Any = None, **_: Any) -> None:
     print("event=worker_ready", file=sys.__stderr__, flush=True)
 
 
-def app_worker(app: str, queue: str, name: str, env: dict[str, str], log_dir: Path, concurrency: int) -> Any:
-    """``celery -A APP worker -Q QUEUE``, prefork like ours."""
+def app_worker(
+    app: str, queue: str, name: str, env: dict[str, str], log_dir: Path, concurrency: int, pool: str = "prefork"
+) -> Any:
+    """``celery -A APP worker -P POOL -Q QUEUE``, on the pool ours uses."""
     from devstack.processes import Service
 
     cmd = [
@@ -98,7 +100,7 @@ def app_worker(app: str, queue: str, name: str, env: dict[str, str], log_dir: Pa
         app,
         "worker",
         "-P",
-        "prefork",
+        pool,
         "-c",
         str(concurrency),
         "-Q",

@@ -1,8 +1,14 @@
 """How cost grows with load: ``python bench/scale.py [--parents 10,100,1000] [--workers 1,2,4]
-[--children 3] [--trials 1] [--out docs/img/scale.png] [--quick]``.
+[--children 3] [--trials 1] [--pool prefork|threads] [--concurrency 1] [--model-latency 0]
+[--kinds ours,naive] [--out docs/img/scale.png] [--quick]``.
+
+``--model-latency`` delays every scripted model reply: a fixed ``SECONDS``, or
+``lognormal:MU,SIGMA`` (each reply waits exp(N(MU, SIGMA)) seconds: ``lognormal:0.5,0.5`` has a
+median of 1.6 s), as a real provider's latency. ``--pool`` and ``--concurrency`` are Celery's
+``-P`` and ``-c`` of every worker, ours and the naive one alike (docs/scaling.md).
 
 For each worker count W (``--workers``), load N (``--parents``) and trial, W fresh real
-``celery -A tasks worker`` processes (each a prefork pool of ``--concurrency`` processes) and W
+``celery -A tasks worker`` processes (each a ``--pool`` pool of ``--concurrency``) and W
 fresh naive workers (``bench/_naive_app.py``, its own queue and database, as
 ``bench/delegation.py`` uses it) start; N parents are submitted at once to ours, then N to the
 naive baseline, and each kind's workers stop when their step is done (a PostgreSQL backend
@@ -21,7 +27,9 @@ pg_stat_statements), transactions committed and rows inserted/updated/deleted
 (``pg_stat_database`` of the kind's own database), WAL bytes (``pg_current_wal_lsn()`` before and
 after: cluster-wide, so every other writer on the server counts too; take it on a quiet
 server); and the high-water mark of resident memory (``VmHWM``) of each worker's main process
-and of its pool processes, read at the end of the step.
+and of its pool processes, read at the end of the step; sampled every 0.2 s during the step,
+the peak of loops in flight (ours: sessions and executions holding a live lease) and of the
+PostgreSQL connections the kind's workers hold open (``application_name``, set by PGAPPNAME).
 
 Then the scan's cost per pass as history grows (``--history``, bench/scan.py's functions): one
 pass of the real ``recovery.scan.scan`` over a few crashed parents (``--scan-pending``
@@ -47,8 +55,10 @@ if __package__ in (None, ""):  # run as a script: the project root, not bench/, 
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench._scale_probes import (
+    WORKER_APP_NAME,
     Answers,
     Checker,
+    Sampler,
     ServerStatements,
     answer_times,
     close_connections,
@@ -116,6 +126,8 @@ class Step:
     main_mb: float
     pool_mb: float
     tables: dict[str, tuple[int, ...]]  #: per table: rows inserted, updated, HOT updated, deleted
+    in_flight: int = 0  #: peak of loops holding a live lease (ours; 0 for naive: not sampled)
+    connections: int = 0  #: peak of PostgreSQL connections the workers held open
 
     def per_parent(self, name: str) -> float:
         return self.cost[name] / self.parents
@@ -174,6 +186,7 @@ def run_step(
     before = db_counters(admin, database, kind, server)
     cpu_before = cpu_seconds(workers)
     cost: dict[str, int] = {}
+    sampler = Sampler(admin, url.rsplit("/", 1)[1], url if kind == OURS else None).start()
     sent = submit(kind, ids)
     try:
         wait_for(
@@ -190,6 +203,7 @@ def run_step(
             w.stop()
     finally:
         checker.close()
+        sampler.stop()
     time.sleep(STATS_SETTLE_SECONDS)  # the workers' and the checker's backends ended and published
     after = db_counters(admin, database, kind, server)
     tables_after = table_counters(url)
@@ -204,7 +218,19 @@ def run_step(
     wall = max(answered.values()) - min(sent.values())
     cost.update(after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn)))
     cost["xacts"] -= checker.checks
-    return Step(kind, len(workers), parents, parents / wall, latencies, cost, main_mb, pool_mb, tables)
+    return Step(
+        kind,
+        len(workers),
+        parents,
+        parents / wall,
+        latencies,
+        cost,
+        main_mb,
+        pool_mb,
+        tables,
+        in_flight=sampler.peak_in_flight,
+        connections=sampler.peak_connections,
+    )
 
 
 # --- the scan against history -------------------------------------------------------------------
@@ -312,7 +338,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--workers", default="1,2,4", help="worker processes of each kind (1,2,4)")
     parser.add_argument("--children", type=int, default=3, help="children per parent (3)")
-    parser.add_argument("--concurrency", type=int, default=1, help="prefork pool size of each worker (1)")
+    parser.add_argument("--concurrency", type=int, default=1, help="pool size (-c) of each worker (1)")
+    parser.add_argument("--pool", choices=("prefork", "threads"), default="prefork", help="Celery's -P (prefork)")
+    parser.add_argument(
+        "--model-latency",
+        default="0",
+        help="every model reply waits SECONDS, or a draw of lognormal:MU,SIGMA (seconds = exp(normal)); 0",
+    )
+    parser.add_argument("--kinds", default="ours,naive", help="which kinds run: ours, naive or both (ours,naive)")
     parser.add_argument("--trials", type=int, default=1, help="trials per (kind, workers, N); medians printed (1)")
     parser.add_argument("--history", default="0,100000,1000000", help="finished executions under the scan")
     parser.add_argument("--scan-pending", type=int, default=300, help="crashed executions each scan pass takes")
@@ -332,8 +365,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         or min(args.children, args.concurrency, args.trials, args.scan_pending, args.scan_repeat) < 1
     ):
         parser.error("loads, worker counts, --children, --concurrency, --trials and the scan's sizes must be >= 1")
+    try:
+        args.latency = parse_latency(args.model_latency)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not args.kinds or set(args.kinds) - {OURS, NAIVE}:
+        parser.error("--kinds: ours, naive or ours,naive")
     args.parents.sort()
     return args
+
+
+def parse_latency(text: str) -> float | dict[str, list[float]]:
+    """``--model-latency``: a fixed delay in seconds (>= 0), or ``lognormal:MU,SIGMA`` (the
+    scripted model's ``{"lognormal": [MU, SIGMA]}``: each reply waits exp(N(MU, SIGMA)) s)."""
+    if text.startswith("lognormal:"):
+        parts = text.removeprefix("lognormal:").split(",")
+        try:
+            mu, sigma = (float(p) for p in parts)
+        except ValueError:
+            raise ValueError("--model-latency lognormal:MU,SIGMA takes two numbers") from None
+        if sigma < 0:
+            raise ValueError("--model-latency lognormal: SIGMA must be >= 0")
+        return {"lognormal": [mu, sigma]}
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError("--model-latency takes SECONDS or lognormal:MU,SIGMA") from None
+    if seconds < 0:
+        raise ValueError("--model-latency must be >= 0")
+    return seconds
 
 
 def stack_helpers() -> Any:
@@ -344,7 +405,14 @@ def stack_helpers() -> Any:
 
 
 def start_workers(
-    stack: Any, *, count: int, concurrency: int, env: dict[str, str], naive_env: dict[str, str]
+    stack: Any,
+    *,
+    count: int,
+    concurrency: int,
+    env: dict[str, str],
+    naive_env: dict[str, str],
+    pool: str = "prefork",
+    kinds: tuple[str, ...] = (OURS, NAIVE),
 ) -> tuple[list[Any], list[Any]]:
     """``count`` fresh workers of each kind, booted in parallel (each ready line awaited)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -354,23 +422,25 @@ def start_workers(
 
     ours = [
         stack_helpers().Worker(
-            {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS)},
+            {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS), "PGAPPNAME": WORKER_APP_NAME},
             stack.log_dir,
             name=f"scale-{i}",
             concurrency=concurrency,
+            pool=pool,
         )
-        for i in range(count)
+        for i in range(count if OURS in kinds else 0)
     ]
     naive = [
         app_worker(
             "bench._naive_app:naive_app",
             NAIVE_QUEUE,
             f"naive-{i}-{int(time.time() * 1000)}",
-            {**naive_env, "BENCH_STATEMENTS_KEY": statements_key(NAIVE)},
+            {**naive_env, "BENCH_STATEMENTS_KEY": statements_key(NAIVE), "PGAPPNAME": WORKER_APP_NAME},
             stack.log_dir,
             concurrency,
+            pool,
         )
-        for i in range(count)
+        for i in range(count if NAIVE in kinds else 0)
     ]
     for w in ours + naive:
         stack.add_worker(w)
@@ -399,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[tuple[str, int, int], Cell] = {}
     events_url = f"{REDIS_BASE}/{REDIS_DBS[2]}"
     print(
-        f"scale: N concurrent parents {args.parents} x {args.children} children (instant model) over "
-        f"{args.workers} worker processes of each kind (celery worker -c {args.concurrency}), ours then naive "
+        f"scale: N concurrent parents {args.parents} x {args.children} children (model latency "
+        f"{args.model_latency} s) over {args.workers} worker processes of each kind (celery worker -P {args.pool} "
+        f"-c {args.concurrency}), {' then '.join(args.kinds)} "
         f"for each trial, {args.trials} trial(s); {system_load()}",
         flush=True,
     )
@@ -427,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         answers = Answers(events_url)
         with Stack("bench-scale") as stack:
-            model = stack.model(_script(args.children))
+            model = stack.model(_script(args.children, args.latency))
             env = bench_env(url, model.base_url, **counting)
             naive_env = bench_env(naive_url, model.base_url, **counting)
             stack_helpers().apply_env(env)
@@ -437,12 +508,20 @@ def main(argv: list[str] | None = None) -> int:
                     for n in args.parents:
                         for trial in range(1, args.trials + 1):
                             ours_w, naive_w = start_workers(
-                                stack, count=count, concurrency=args.concurrency, env=env, naive_env=naive_env
+                                stack,
+                                count=count,
+                                concurrency=args.concurrency,
+                                env=env,
+                                naive_env=naive_env,
+                                pool=args.pool,
+                                kinds=tuple(args.kinds),
                             )
                             for kind, workers, database in (
                                 (OURS, ours_w, url.rsplit("/", 1)[1]),
                                 (NAIVE, naive_w, naive_url.rsplit("/", 1)[1]),
                             ):
+                                if kind not in args.kinds:
+                                    continue
                                 step = run_step(
                                     kind=kind,
                                     workers=workers,
@@ -462,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                                     f"{step.throughput:7.1f} parents/s, "
                                     f"p50 {statistics.median(step.latencies) * 1000:8.1f} ms, "
                                     f"{step.per_parent('statements'):5.1f} statements/parent, "
-                                    f"{step.per_parent('xacts'):4.1f} tx/parent; {system_load()}"
+                                    f"{step.per_parent('xacts'):4.1f} tx/parent, {step.in_flight} in flight, "
+                                    f"{step.connections} connections; {system_load()}"
                                 )
                             stack.workers = [w for w in stack.workers if w not in ours_w + naive_w]
             except Exception:
@@ -476,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
 
             with transaction() as s:
                 problems = check_all(s, settled=True)
-            ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers)
-            storage = {OURS: storage_per_parent(url, ours_parents), NAIVE: storage_per_parent(naive_url, ours_parents)}
+            ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers) if OURS in args.kinds else 0
+            storage = {
+                kind: storage_per_parent(kind_url, ours_parents) if kind in args.kinds and ours_parents else "-"
+                for kind, kind_url in ((OURS, url), (NAIVE, naive_url))
+            }
             _drop_result_subscriptions(naive_app)
             naive_app.close()
         per_database = server.engine is not None
@@ -493,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{s.history} historic rows {s.ms:.1f} ms ({s.spread})" for s in scans)
         )
     title = (
-        f"bench/scale.py: {args.children} children per parent, instant model; workers -c {args.concurrency}; "
+        f"bench/scale.py: {args.children} children per parent, model latency {args.model_latency} s; "
+        f"workers -P {args.pool} -c {args.concurrency}; "
         f"{args.trials} trial(s); {load}"
     )
     print(f"on disk per parent (tables and their indexes, kB): ours {storage[OURS]}; naive {storage[NAIVE]}")
@@ -508,10 +592,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _script(children: int) -> list[dict[str, Any]]:
+def _script(children: int, latency: float | dict[str, list[float]] = 0.0) -> list[dict[str, Any]]:
+    """bench/delegation.py's instant script, every reply delayed by ``latency`` (--model-latency)."""
     from bench.delegation import instant_script
 
-    return instant_script(children)
+    rules = instant_script(children)
+    if latency:
+        rules = [{**rule, "delay_seconds": latency} for rule in rules]
+    return rules
 
 
 def _drop_result_subscriptions(app: Any) -> None:
@@ -528,7 +616,7 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
     )
     header = (
         f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'cpu ms':>6} {'stmts':>6} "
-        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7}"
+        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7} | {'flying':>6} {'conns':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -544,7 +632,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
             f"{cell.p99 * 1000:8.1f} | {per(cell, 'cpu_ms'):6.1f} {per(cell, 'statements'):6.1f} {server} "
             f"{per(cell, 'xacts'):5.1f} "
             f"{per(cell, 'rows'):5.1f} {per(cell, wal) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
-            f"{cell.median(lambda s: s.pool_mb):7.1f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
+            f"{cell.median(lambda s: s.pool_mb):7.1f} | {cell.median(lambda s: s.in_flight):6.0f} "
+            f"{cell.median(lambda s: s.connections):5.0f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
         )
     parts = []
     for (kind, w, n), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -558,6 +647,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         )
     print("ratios ours/naive (medians): " + "; ".join(parts))
     for kind in (OURS, NAIVE):
+        if not any(k[0] == kind for k in cells):
+            continue
         key = max((k for k in cells if k[0] == kind), key=lambda k: (k[2], k[1]))
         step = cells[key].steps[-1]
         tables = [
@@ -579,7 +670,9 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         "workers sent (SQLAlchemy), srv = statements the server ran "
         "(pg_stat_statements, BEGIN/COMMIT left out; - without it), tx = transactions committed (each worker's boot "
         f"scan included: a few per worker), rows = rows inserted + updated + deleted, {where}, all per parent; "
-        "main/pool MB = the largest VmHWM of a worker's main / pool process in the step"
+        "main/pool MB = the largest VmHWM of a worker's main / pool process in the step (no pool process on "
+        "threads); flying = peak of loops holding a live lease (ours; sampled every 0.2 s); conns = peak of "
+        "PostgreSQL connections the kind's workers held open"
     )
 
 

@@ -147,15 +147,17 @@ def fit_to_server(processes: int, url: str | None = None) -> int | None:
     of them together never hold more connections than PostgreSQL accepts from clients
     (``max_connections - superuser_reserved_connections``); engines are made again with the
     cap. Returns the cap (None: not PostgreSQL, or no cap needed). The server's limits are
-    read once, at boot: a database that is down here is found again at first use."""
+    read once, at boot; a database that is down then raises here, and the pool stays uncapped
+    (``tasks.signals`` logs it). Behind PgBouncer these are the server's limits, which bound
+    PgBouncer's own pools; the workers' bound is then PgBouncer's ``max_client_conn``."""
     global _cap
     engine = get_engine(url)
     if engine.dialect.name != "postgresql":
         return None
+    accepted = "SELECT current_setting('max_connections')::int - current_setting('superuser_reserved_connections')::int"
     with engine.connect() as conn:
-        total = int(conn.exec_driver_sql("SHOW max_connections").scalar_one())
-        reserved = int(conn.exec_driver_sql("SHOW superuser_reserved_connections").scalar_one())
-    per_process = max(1, (total - reserved) // max(1, processes))
+        total = int(conn.exec_driver_sql(accepted).scalar_one())
+    per_process = max(1, total // max(1, processes))
     size, overflow = pool_limits()
     if size + overflow <= per_process:
         return None

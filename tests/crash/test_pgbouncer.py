@@ -131,8 +131,10 @@ def test_a_delegation_and_a_crash_recovery_through_pgbouncer_deliver_exactly_onc
         assert "crash_point=child.mid_tool" in w1.log()
         w1.kill()
         before = [(e.id, e.child_session_id) for e in executions_of(sid)]
-        stack.worker("w2", beat=True, pool="threads", concurrency=8, **through)
+        w2 = stack.worker("w2", beat=True, pool="threads", concurrency=8, **through)
         snap = stack.wait_phase(sid, timeout=100)
+        # No pool process starts on threads: the statement warm-up ran from the worker's boot.
+        wait_until(lambda: "event=worker_warm_up " in w2.log(), timeout=30, what="the warm-up on a threads pool")
         execs = executions_of(sid)
         assert [(e.id, e.child_session_id) for e in execs] == before
         assert {(e.status, e.delivery_status) for e in execs} == {("COMPLETED", "DELIVERED")}
