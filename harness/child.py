@@ -271,7 +271,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
                 final = _child_rounds(
                     info, fence, agent=agent, allowed=allowed, deadline=deadline, deps=deps, local=local, first=first
                 )
-            usage = Usage(final.prompt_tokens, final.completion_tokens)
+            usage = Usage(final.prompt_tokens, final.completion_tokens, reply=final)
             result, outcome = _final_result(final)
             state = finish_child(info, epoch, result, usage=usage)
             return ChildEnd(outcome, state) if state else ChildEnd(ChildOutcome.LOST)

@@ -18,7 +18,9 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.events import publish_status
 from harness.history import Compaction, append_message
+from harness.model import ModelReply
 from harness.results import failure_result, followup_fields, success_result
+from harness.usage import record_call
 from logfmt import log_event
 from models import (
     AgentSession,
@@ -130,6 +132,9 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: The reply itself, fresh from the provider: its usage is recorded with the end
+    #: (harness.usage). None when no model was asked (an end found committed already).
+    reply: ModelReply | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,8 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
             appended = isinstance(result, Completed) and result.final_message_id is None
             end = _build_end(s, info, result, parent=parent, usage=usage, appended=appended)
             _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+            if usage.reply is not None:
+                record_call(s, info.child_session_id, usage.reply, execution_id=info.execution_id)
             state = _round_state(s, parent)
     except _Lost:
         return None
