@@ -314,7 +314,7 @@ def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:
     its result."""
     incomplete = final.incomplete
     if incomplete is None:
-        return Completed(final.content or ""), ChildOutcome.COMPLETED
+        return Completed(final.content or "", provider_fields=final.provider_fields), ChildOutcome.COMPLETED
     partial = final.content or final.refusal or ""
     failed = Failed(INCOMPLETE_REASONS[incomplete], partial=partial, code=INCOMPLETE_CODES[incomplete])
     return failed, ChildOutcome.FAILED

@@ -145,6 +145,8 @@ class Completed:
 
     text: str
     final_message_id: int | None = None
+    #: The answer's own provider fields (reasoning, typed parts), kept on the final ASSISTANT.
+    provider_fields: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | No
         return None
     if result.final_message_id is not None:
         return result.final_message_id
-    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
+    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text, provider_fields=result.provider_fields)
 
 
 def _build_end(
