@@ -278,7 +278,7 @@ class ModelClient:
                         or now + wait > retry_until
                         or (give_up_at is not None and now + wait >= give_up_at)
                     ):
-                        if failure.retry_after is not None and failure.retry_after == wait:
+                        if failure.retry_after is not None:
                             # The provider named the wait: an outage whose back-off honours it.
                             failure.error.transient = True
                             failure.error.retry_after_seconds = failure.retry_after
