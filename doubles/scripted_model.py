@@ -8,7 +8,8 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
               | {"error": {"status": 500, "message": "..."}},
      (a content or tool_calls reply may add "message_fields": {"reasoning_content": "...", ...}:
       more fields of the assistant message, sent as given; a "content" among them replaces the
-      text, e.g. with a list of typed parts)
+      text, e.g. with a list of typed parts; and "usage": {...}: more fields of the answer's usage
+      object, e.g. {"prompt_tokens_details": {"cached_tokens": 8}})
      "delay_seconds": 0.5 | {"lognormal": [MU, SIGMA]},
      "fail_first": [{"status": 429, "retry_after": 1}, {"status": 503}, {"drop_connection": true}]}
 
@@ -76,7 +77,7 @@ _FAILURE_KEYS = frozenset({"status", "retry_after", "message", "drop_connection"
 #: Status of a scripted failure that closes the connection without an answer.
 DROP_CONNECTION = 0
 _WHEN_KEYS = frozenset({"system_contains", "user_contains", "turn", "last_role"})
-_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason", "message_fields"})
+_REPLY_KEYS = frozenset({"content", "tool_calls", "error", "finish_reason", "message_fields", "usage"})
 _TOOL_CALL_KEYS = frozenset({"name", "arguments", "id", "extra_content"})
 _ERROR_KEYS = frozenset({"status", "message"})
 
@@ -127,6 +128,8 @@ class Reply:
     finish_reason: str = "stop"
     #: More fields of the assistant message (reasoning, thinking blocks), JSON text of an object.
     message_fields: str | None = None
+    #: More fields of the answer's usage object (token details), JSON text of an object.
+    usage: str | None = None
 
     @property
     def kind(self) -> str:
@@ -361,6 +364,10 @@ def _reply(at: str, raw: Any) -> Reply:
     if fields is not None and (not isinstance(fields, dict) or "error" in reply):
         raise ScriptError(f"{at} reply: message_fields is an object, for a content or tool_calls reply")
     message_fields = None if fields is None else json.dumps(fields)
+    extra_usage = reply.pop("usage", None)
+    if extra_usage is not None and (not isinstance(extra_usage, dict) or "error" in reply):
+        raise ScriptError(f"{at} reply: usage is an object, for a content or tool_calls reply")
+    usage = None if extra_usage is None else json.dumps(extra_usage)
     if len(reply) != 1:
         raise ScriptError(f"{at} reply: give exactly one of content, tool_calls, error")
     if not isinstance(finish_reason, str) or (finish_reason != "stop" and "content" not in reply):
@@ -368,7 +375,7 @@ def _reply(at: str, raw: Any) -> Reply:
     if "content" in reply:
         if not isinstance(reply["content"], str):
             raise ScriptError(f"{at} reply: content must be a string")
-        return Reply(content=reply["content"], finish_reason=finish_reason, message_fields=message_fields)
+        return Reply(content=reply["content"], finish_reason=finish_reason, message_fields=message_fields, usage=usage)
     if "error" in reply:
         error = _check_keys(reply["error"], _ERROR_KEYS, f"{at} reply error")
         status = error.get("status")
@@ -402,7 +409,7 @@ def _reply(at: str, raw: Any) -> Reply:
                 extra_content=None if extra is None else json.dumps(extra),
             )
         )
-    return Reply(tool_calls=tuple(out), message_fields=message_fields)
+    return Reply(tool_calls=tuple(out), message_fields=message_fields, usage=usage)
 
 
 # --- serving -------------------------------------------------------------------------------------
@@ -638,6 +645,7 @@ class ScriptedModelServer:
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
+                **(json.loads(reply.usage) if reply.usage else {}),
             },
         }
 

@@ -274,7 +274,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
                 final = _child_rounds(
                     info, fence, agent=agent, allowed=allowed, deadline=deadline, deps=deps, local=local, first=first
                 )
-            usage = Usage(final.prompt_tokens, final.completion_tokens)
+            usage = Usage(final.prompt_tokens, final.completion_tokens, reply=final)
             result, outcome = _final_result(final)
             state = finish_child(info, epoch, result, usage=usage)
             return ChildEnd(outcome, state) if state else ChildEnd(ChildOutcome.LOST)
@@ -317,7 +317,7 @@ def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:
     its result."""
     incomplete = final.incomplete
     if incomplete is None:
-        return Completed(final.content or ""), ChildOutcome.COMPLETED
+        return Completed(final.content or "", provider_fields=final.provider_fields), ChildOutcome.COMPLETED
     partial = final.content or final.refusal or ""
     failed = Failed(INCOMPLETE_REASONS[incomplete], partial=partial, code=INCOMPLETE_CODES[incomplete])
     return failed, ChildOutcome.FAILED

@@ -18,7 +18,9 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.events import publish_status
 from harness.history import Compaction, append_message
+from harness.model import ModelReply
 from harness.results import failure_result, followup_fields, success_result
+from harness.usage import record_call
 from logfmt import log_event
 from models import (
     AgentSession,
@@ -130,6 +132,9 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: The reply itself, fresh from the provider: its usage is recorded with the end
+    #: (harness.usage). None when no model was asked (an end found committed already).
+    reply: ModelReply | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,8 @@ class Completed:
 
     text: str
     final_message_id: int | None = None
+    #: The answer's own provider fields (reasoning, typed parts), kept on the final ASSISTANT.
+    provider_fields: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,8 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
             appended = isinstance(result, Completed) and result.final_message_id is None
             end = _build_end(s, info, result, parent=parent, usage=usage, appended=appended)
             _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
+            if usage.reply is not None:
+                record_call(s, info.child_session_id, usage.reply, execution_id=info.execution_id)
             state = _round_state(s, parent)
     except _Lost:
         return None
@@ -273,7 +282,7 @@ def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | No
         return None
     if result.final_message_id is not None:
         return result.final_message_id
-    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text)
+    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text, provider_fields=result.provider_fields)
 
 
 def _build_end(

@@ -45,6 +45,7 @@ from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.rounds import ToolResult, write_round
 from harness.tools import lookup, run_inline
+from harness.usage import record_call
 from logfmt import log_event
 from models import CallStatus, LeaseLost, transaction
 from models import journal as store
@@ -198,6 +199,7 @@ def journal_reply(
             completion_tokens=reply.completion_tokens,
             provider_fields=reply.provider_fields,
         )
+        record_call(s, session_id, reply, execution_id=getattr(fence, "execution_id", None))
         if approval is not None:
             requested = approval.record(s, session_id=session_id, journal_id=journal_id, reply=reply, refused=refused)
     crash_point("journal.after_reply")

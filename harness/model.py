@@ -142,6 +142,13 @@ class ModelReply:
     #: The assistant message's other fields, as the provider sent them (reasoning, thinking
     #: blocks, ``content`` as a list of typed parts): sent back with the message.
     provider_fields: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: Prompt tokens served from the provider's cache (``prompt_tokens_details.cached_tokens``,
+    #: DeepSeek's ``prompt_cache_hit_tokens``, Anthropic's ``cache_read_input_tokens``).
+    cached_tokens: int = 0
+    #: Completion tokens spent on reasoning (``completion_tokens_details.reasoning_tokens``).
+    reasoning_tokens: int = 0
+    #: The model that answered, as the provider named it (None: not said, or a journaled reply).
+    model: str | None = None
 
     @property
     def incomplete(self) -> str | None:
@@ -282,7 +289,7 @@ class ModelClient:
                         or now + wait > retry_until
                         or (give_up_at is not None and now + wait >= give_up_at)
                     ):
-                        if failure.retry_after is not None and failure.retry_after == wait:
+                        if failure.retry_after is not None:
                             # The provider named the wait: an outage whose back-off honours it.
                             failure.error.transient = True
                             failure.error.retry_after_seconds = failure.retry_after
@@ -449,6 +456,9 @@ class ModelClient:
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             refusal=refusal if isinstance(refusal, str) and refusal else None,
             provider_fields=provider_fields,
+            cached_tokens=_cached_tokens(usage),
+            reasoning_tokens=_count(_detail(usage, "completion_tokens_details", "reasoning_tokens")),
+            model=model if isinstance(model := payload.get("model"), str) and model else None,
         )
 
 
@@ -572,6 +582,23 @@ def _text_of_parts(parts: list[Any]) -> str | None:
         p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
     ]
     return "".join(texts) if texts else None
+
+
+def _detail(usage: dict[str, Any], group: str, key: str) -> Any:
+    details = usage.get(group)
+    return details.get(key) if isinstance(details, dict) else None
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens read from the provider's cache, wherever the provider reports them."""
+    for value in (
+        _detail(usage, "prompt_tokens_details", "cached_tokens"),
+        usage.get("prompt_cache_hit_tokens"),
+        usage.get("cache_read_input_tokens"),
+    ):
+        if _count(value):
+            return _count(value)
+    return 0
 
 
 def _count(value: Any) -> int:

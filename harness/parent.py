@@ -46,6 +46,7 @@ from harness.model import ModelReply, ToolCall
 from harness.outage import model_answered, wait_for_model
 from harness.scheduler import Handed
 from harness.tools import run_inline, tool_names
+from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
@@ -244,6 +245,7 @@ def _final_answer(session_id: int, fence: SessionFence, agent: AgentDef, reply: 
             provider_fields=reply.provider_fields,
             incomplete=None if mark is None else str(mark),
         )
+        record_call(s, session_id, reply)
     if mark is not None:
         log_event(log, "parent_answer_incomplete", session_id=session_id, mark=str(mark), failed=fail)
     publish_status(session_id, phase)
@@ -333,6 +335,7 @@ def _create_round(
     if rnd.journal_id is None:
         unique, refusals = localize(rnd.reply, session_id=session_id)
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
+        record_call(s, session_id, rnd.reply)  # a fresh reply: this transaction stores it
     reply, refused = rnd.reply, rnd.refused
     parent = parent_of(s, session_id)
     round_row = PendingRound(

@@ -26,6 +26,7 @@ from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournal
 from models.message import Message
 from models.round import PendingRound
 from models.session import AgentSession
+from models.usage import ModelCallUsage
 from models.worker import RecoveryScan, WorkerBoot
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "JournalStatus",
     "LeaseLost",
     "Message",
+    "ModelCallUsage",
     "ModelError",
     "PendingRound",
     "Phase",

@@ -11,7 +11,10 @@
   FAILED or CANCELLED (docs/providers.md, "Failure reasons"), written by the compare-and-set
   that moves it there.
 
-New nullable columns: no rewrite of the tables, no backfill (sessions that ended before this
+- ``model_call_usage``: the provider's usage of every model call whose reply was stored (prompt,
+  completion, cached and reasoning tokens, the model's name), inserted with the reply.
+
+New nullable columns and a new table: no rewrite of the tables, no backfill (sessions that ended before this
 migration have no reason).
 
 Revision ID: 0021
@@ -35,9 +38,24 @@ def upgrade() -> None:
     op.add_column("message", sa.Column("incomplete", sa.String(32), nullable=True))
     op.add_column("agent_session", sa.Column("failure_code", sa.String(32), nullable=True))
     op.add_column("agent_session", sa.Column("failure_message", sa.String(300), nullable=True))
+    op.create_table(
+        "model_call_usage",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("session_id", sa.BigInteger(), sa.ForeignKey("agent_session.id"), nullable=False),
+        sa.Column("execution_id", sa.BigInteger(), nullable=True),
+        sa.Column("model", sa.String(128), nullable=True),
+        sa.Column("prompt_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False),
+        sa.Column("completion_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False),
+        sa.Column("cached_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False),
+        sa.Column("reasoning_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    )
+    op.create_index("ix_model_call_usage_session", "model_call_usage", ["session_id", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_model_call_usage_session", table_name="model_call_usage")
+    op.drop_table("model_call_usage")
     op.drop_column("agent_session", "failure_message")
     op.drop_column("agent_session", "failure_code")
     op.drop_column("message", "incomplete")

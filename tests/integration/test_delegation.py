@@ -126,7 +126,15 @@ def test_cli_submit_then_session_show_reads_the_delegating_session(stack_factory
         "parent_tool_call_id",
         "invocation_type",
     }
-    assert set(snap["messages"][1]) == {"id", "role", "content", "tool_calls", "tool_call_id", "source_session_id"}
+    assert set(snap["messages"][1]) == {
+        "id",
+        "role",
+        "content",
+        "tool_calls",
+        "tool_call_id",
+        "source_session_id",
+        "incomplete",  # added: an answer the model did not finish (docs/providers.md)
+    }
     human = subprocess.run([*cmd, "session", "show", str(sid)], env=env, capture_output=True, text=True, timeout=30)
     assert "delegate#" in human.stdout and "execution" in human.stdout
     status = subprocess.run([*cmd, "status", "--json"], env=env, capture_output=True, text=True, timeout=30)

@@ -123,3 +123,28 @@ def test_typed_parts_of_a_tool_calling_reply_are_sent_back_as_they_came(model_fa
     assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_user"
     assert _sent_back(model) == {"content": PARTS}
     assert messages_of(sid)[-1].content == "done: hi"
+
+
+def test_a_childs_final_answer_keeps_its_reasoning_fields(model_factory: ModelFactory) -> None:
+    script = [
+        {
+            "when": {"system_contains": MAIN, "turn": 0},
+            "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "check X"}}]},
+        },
+        {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "parent done: {tool_results}"}},
+        {
+            "when": {"system_contains": "reviewer subagent"},
+            "reply": {"content": "unused", "message_fields": {"content": PARTS, **REASONING}},
+        },
+    ]
+    model = model_factory(script)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    drive(model.base_url, after_crash=False, deps=deps)
+    from tests.helpers import executions_of
+
+    (execution,) = executions_of(sid)
+    final = messages_of(execution.child_session_id)[-1]
+    assert (final.role, final.content) == ("ASSISTANT", "the answer is 42")
+    assert final.provider_fields == {"content": PARTS, **REASONING}

@@ -94,7 +94,12 @@ def test_content_reply_carries_text_and_token_usage(scripted: ScriptedModelServe
         [{"role": "system", "content": "plain " * 10}, {"role": "user", "content": "hi"}]
     )
     assert reply == ModelReply(
-        content="hello", tool_calls=(), prompt_tokens=62 // 4, completion_tokens=1, finish_reason="stop"
+        content="hello",
+        tool_calls=(),
+        prompt_tokens=62 // 4,
+        completion_tokens=1,
+        finish_reason="stop",
+        model="scripted",  # the answer's own "model"
     )
 
 
