@@ -1,5 +1,6 @@
 """`agent-recovery approvals | approve | deny`: the pending approval requests, and a human's
-decision on one (a compare-and-set: the first decision wins; exit 1 when another stands)."""
+decision on one (a compare-and-set: the first decision wins; exit 1 when another stands; exit 3
+when its row stayed busy through every attempt: cli.main.EXIT_BUSY)."""
 
 from __future__ import annotations
 
@@ -53,15 +54,19 @@ def _list(args: argparse.Namespace) -> int:
 
 def _decide(args: argparse.Namespace) -> int:
     from harness.approval import DecisionRefused
+    from harness.errors import retry_while_busy
     from models.approval import DecisionOutcome
     from tasks.approval import approve, deny
 
     by = args.by or getpass.getuser()
-    try:
+
+    def decision() -> Any:
         if args.approve:
-            result = approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
-        else:
-            result = deny(args.session, args.call, reason=args.reason, by=by)
+            return approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
+        return deny(args.session, args.call, reason=args.reason, by=by)
+
+    try:
+        result = retry_while_busy(decision, what=f"the approval of call {args.call} (session {args.session})")
     except DecisionRefused as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 2
