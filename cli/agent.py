@@ -208,8 +208,9 @@ def _list(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     from harness.cancel import CancelOutcome, cancel
+    from harness.errors import retry_while_busy
 
-    result = cancel(args.id, actor=cli_actor())
+    result = retry_while_busy(lambda: cancel(args.id, actor=cli_actor()), what=f"session {args.id}")
     if result.outcome == CancelOutcome.NOT_FOUND:
         return fail(f"cancel: no session {args.id}")
     done = "cancelled" if result.outcome == CancelOutcome.CANCELLED else "already stopped"

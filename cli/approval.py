@@ -100,15 +100,19 @@ def _indented(value: Any) -> str:
 
 def _decide(args: argparse.Namespace) -> int:
     from harness.approval import DecisionRefused
+    from harness.errors import retry_while_busy
     from models.approval import DecisionOutcome
     from tasks.approval import approve, deny
 
     by = args.by or getpass.getuser()
-    try:
+
+    def decision() -> Any:
         if args.approve:
-            result = approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
-        else:
-            result = deny(args.session, args.call, reason=args.reason, by=by)
+            return approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
+        return deny(args.session, args.call, reason=args.reason, by=by)
+
+    try:
+        result = retry_while_busy(decision, what=f"the approval of call {args.call} (session {args.session})")
     except DecisionRefused as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 2

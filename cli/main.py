@@ -8,6 +8,11 @@ from collections.abc import Callable, Sequence
 
 from settings import SettingsError
 
+#: The exit code of a command whose row another operation held through every attempt (a lock
+#: timeout): nothing was done, the database is fine, and trying again shortly is the answer. Distinct
+#: from every other command's codes (3 is `submit`'s unsent message and `approvals show`'s unknown request).
+EXIT_BUSY = 5
+
 #: Modules that expose ``register(subparsers)``; each adds its own subcommands.
 FAMILIES = (
     "cli.db",
@@ -56,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from harness.agents import load_at_start
-    from harness.errors import AgentConfigError
+    from harness.errors import AgentConfigError, RowBusy, is_lock_timeout
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -71,7 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 2
+    except RowBusy as exc:
+        print(f"agent-recovery: {args.command}: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     except Exception as exc:
+        if is_lock_timeout(exc):  # a command that does not try again: the same plain answer
+            print(f"agent-recovery: {args.command}: {RowBusy()}", file=sys.stderr)
+            return EXIT_BUSY
         problem = unreachable(exc)
         if problem is None:
             raise

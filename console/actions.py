@@ -3,7 +3,9 @@ call too (``harness.cancel.cancel``, ``recovery.ops.redeliver`` and ``redeliver_
 approvals' decision), with ``actor`` naming the operator: the domain function's log line says
 who did it. Here only the outcome becomes an HTTP status: 200 when something was done, 409
 when nothing was (the compare-and-set did not land, or there was nothing to do), 404 when the
-row does not exist."""
+row does not exist. An action whose row another operation held through every attempt (a lock
+timeout, tried again a few times: ``harness.errors.retry_while_busy``) is a 409 ``busy`` with a
+plain message, never a 503: the database is fine, the row is busy."""
 
 from __future__ import annotations
 
@@ -34,11 +36,19 @@ def _scheduler() -> Any:
     return CeleryScheduler(app)
 
 
+def _busy(exc: Exception) -> ActionResult:
+    return ActionResult(409, "busy", {"message": str(exc)})
+
+
 def cancel(session_id: int, actor: str) -> ActionResult:
     from harness.cancel import CancelOutcome
     from harness.cancel import cancel as cancel_session
+    from harness.errors import RowBusy, retry_while_busy
 
-    result = cancel_session(session_id, actor=actor)
+    try:
+        result = retry_while_busy(lambda: cancel_session(session_id, actor=actor), what=f"session {session_id}")
+    except RowBusy as exc:
+        return _busy(exc)
     status = {CancelOutcome.CANCELLED: 200, CancelOutcome.ALREADY_STOPPED: 409, CancelOutcome.NOT_FOUND: 404}
     return ActionResult(status[result.outcome], str(result.outcome), {"suppressed": result.suppressed})
 
@@ -70,12 +80,19 @@ def redeliver_parent(session_id: int, actor: str) -> ActionResult:
 
 def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> ActionResult:
     """Approve or deny; a denial needs a reason (400 without one)."""
+    from harness.errors import RowBusy, retry_while_busy
+
     if not approve and not reason.strip():
         return ActionResult(400, "reason_required")
     try:
-        outcome = approvals.decide(request_id, approve=approve, reason=reason.strip(), actor=actor)
+        outcome = retry_while_busy(
+            lambda: approvals.decide(request_id, approve=approve, reason=reason.strip(), actor=actor),
+            what=f"approval request {request_id}",
+        )
     except approvals.ApprovalsNotInstalled:
         return ActionResult(501, "approvals_not_installed")
+    except RowBusy as exc:
+        return _busy(exc)
     if outcome == approvals.ConsoleDecision.NOT_FOUND:
         return ActionResult(404, outcome)
     landed = outcome in (approvals.ConsoleDecision.APPROVED, approvals.ConsoleDecision.DENIED)

@@ -17,7 +17,11 @@ Every other parent (and every parent, when that transaction fails) is delivered 
 ``harness.delivery.deliver_round``, which handles each case (stale, busy, stopped, waiting,
 legacy rows, tail repair, an invalid boundary) in its own transactions: a failure of one
 parent never loses nor doubles another's result, because a rolled-back batch wrote nothing,
-and every later attempt re-checks under the parent's lock.
+and every later attempt re-checks under the parent's lock. A batch whose COMMIT raised may still
+have landed (its answer lost on the way back): one read of a row it inserted tells, and a batch
+that landed is resumed as one that answered (``_landed_after_all``). A parent whose own delivery
+raises holds back no other parent's run: ``deliver_rounds_and_resume`` sends every run first,
+then raises.
 """
 
 from __future__ import annotations

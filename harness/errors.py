@@ -4,12 +4,17 @@ an infrastructure fault (database, Redis, broker) is told apart from a result.""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from logfmt import log_event
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class HarnessError(Exception):
@@ -68,6 +73,55 @@ class DeadlineExceeded(HarnessError):
 
 class MaxRoundsReached(HarnessError):
     """The agent's max_rounds passed without a final answer."""
+
+
+class RowBusy(HarnessError):
+    """The row is busy: another operation held it through every attempt; try again shortly."""
+
+
+#: SQLSTATE lock_not_available: the server cut a wait for a row lock (``lock_timeout``).
+LOCK_NOT_AVAILABLE = "55P03"
+#: An operator's action (a cancel, an approval decision) whose row lock wait was cut is tried
+#: this many times in all, waiting BUSY_RETRY_SECONDS, then twice that, ... (with jitter) between.
+BUSY_ATTEMPTS = 3
+BUSY_RETRY_SECONDS = 0.25
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """True when ``exc`` (or what caused it) is the server cutting a wait for a row lock: the
+    row is held by another path, the database is fine."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        orig = getattr(current, "orig", None)
+        if (
+            getattr(orig, "pgcode", None) == LOCK_NOT_AVAILABLE
+            or getattr(current, "pgcode", None) == LOCK_NOT_AVAILABLE
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def retry_while_busy(action: Callable[[], T], *, what: str, attempts: int = BUSY_ATTEMPTS) -> T:
+    """``action()``, tried again while its wait for a row lock is cut (another path holds the
+    row: a delivery, a loop's commit, a stalled transaction); raises RowBusy naming ``what``
+    after ``attempts`` tries. Only for an action that is one transaction, or a compare-and-set
+    whose repeat is a no-op: a cut wait rolled its transaction back."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except Exception as exc:
+            if not is_lock_timeout(exc):
+                raise
+            log_event(log, "operator_action_busy", logging.WARNING, what=what, attempt=attempt, attempts=attempts)
+            if attempt == attempts:
+                raise RowBusy(
+                    f"{what} is busy: another operation held its row through {attempts} attempts; try again shortly"
+                ) from exc
+            time.sleep(BUSY_RETRY_SECONDS * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable: attempts >= 1")
 
 
 #: Driver errors that mean the statement itself is wrong (bad data, a broken constraint, SQL

@@ -177,6 +177,8 @@ def _take_stmt(to_status: ExecutionStatus, creation: bool, me: tuple[str, int] |
             lease_owner=bindparam("owner"),
             lease_generation=bindparam("generation"),
             lease_expires_at=bindparam("until"),
+            # A taken reservation was claimed: a later one, lost, is re-sent after the first window.
+            resends=0,
         )
         .execution_options(synchronize_session=False)
     )
@@ -191,7 +193,8 @@ def take_execution(
     owner: str,
     lease_seconds: float,
 ) -> int | None:
-    """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease.
+    """Take a PENDING, active execution for ``owner``: status -> to_status, epoch + 1, new lease,
+    and the count of re-sent reservations back to 0 (the one it took was claimed).
 
     Returns the new epoch, or None when a newer owner holds it: the epoch moved, or a live
     lease (``models.worker.lease_takeable``: a reservation left for the epoch's holder, unowned

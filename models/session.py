@@ -366,7 +366,8 @@ def take_session(
     to_phase: Phase,
     from_phases: tuple[Phase | None, ...] = STARTABLE_PHASES,
 ) -> int | None:
-    """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease.
+    """Take the session for ``owner``: phase -> to_phase, epoch + 1, new lease, and the count of
+    re-sent reservations back to 0 (the one it took was claimed).
 
     Returns the new epoch, or None when the epoch moved on, a live lease is held (an unowned
     reservation is left for the epoch's holder: ``models.worker.lease_takeable``), the phase
@@ -442,6 +443,8 @@ def _take_stmt(
             lease_owner=bindparam("b_owner"),
             lease_generation=bindparam("b_generation"),
             lease_expires_at=bindparam("b_until"),
+            # A taken reservation was claimed: a later one, lost, is re-sent after the first window.
+            resends=0,
             updated_at=bindparam("b_now"),
         )
         .returning(S.epoch, *(_fact(name) for name in facts))

@@ -22,6 +22,7 @@ concurrent scans (or two beats) are harmless. In order:
    just be late in a long queue, and bumping would make it stale over and over) and release
    their parents in the same statement (a parent whose own lease lapsed — it died before
    yielding — the same way, epoch + 1, RESUMING, no owner; a waiting one shown RESUMING).
+   A batch cut at the statement timeout is tried again at half the size (BatchSize).
 4. NORMAL/SIDE_TASK sessions RUNNING/RESUMING with a lapsed lease and nothing pending:
    tail cleaned and resumed (R18), in batches: the rows locked first (SKIP LOCKED), then
    "nothing pending" read again by the reserving UPDATE, whose snapshot follows the locks.
@@ -102,8 +103,50 @@ log = logging.getLogger(__name__)
 #: 5). A batch of 5,000 holds its parents' rows some 100-150 ms (load 1-2): a cancel or a
 #: finishing child of one of them waits that long at most.
 BATCH = 5000
+#: A batch of the recover step that the server cuts at its statement timeout (a short lease, a
+#: slow database) is tried again at half the size, down to BATCH >> MAX_HALVINGS rows.
+MAX_HALVINGS = 8
+#: Full batches that must fit at a reduced size before it doubles again (grows back gently).
+GROW_AFTER_BATCHES = 4
+#: SQLSTATE query_canceled: the server cut a statement at its statement_timeout.
+STATEMENT_TIMEOUT = "57014"
 
 E, S = SubagentExecution, AgentSession
+
+
+class BatchSize:
+    """The size of the recover step's batches in this process: BATCH rows, halved after a
+    batch the server cut at its statement timeout (which the same size would meet again on
+    every pass), doubled again after GROW_AFTER_BATCHES full batches fitted at a reduced size.
+    Sizes are BATCH >> k, so the step's statements come in a few shapes only (each is built and
+    compiled once per size)."""
+
+    def __init__(self) -> None:
+        self.halvings = 0
+        self._fitted = 0
+
+    def rows(self) -> int:
+        return max(1, BATCH >> self.halvings)
+
+    def halve(self) -> bool:
+        """Halve the size; False when it is as small as it goes (the error stands)."""
+        if self.halvings >= MAX_HALVINGS or self.rows() == 1:
+            return False
+        self.halvings += 1
+        self._fitted = 0
+        return True
+
+    def fitted(self) -> None:
+        """A full batch ran within the timeout: after GROW_AFTER_BATCHES of them, double."""
+        if self.halvings == 0:
+            return
+        self._fitted += 1
+        if self._fitted >= GROW_AFTER_BATCHES:
+            self.halvings -= 1
+            self._fitted = 0
+
+
+_batch_size = BatchSize()
 
 
 @dataclass
@@ -414,19 +457,24 @@ def _recover_dead_executions(
     if leave_first_runs > 0:
         with scan_transaction() as s:
             leave_from, report.left_to_queue = newest_first_runs(s, started, leave_first_runs)
-    reserver = Reserver(started, reservation_seconds(), limit=BATCH, leave_from=leave_from)
+    reserver = Reserver(started, reservation_seconds(), limit=_batch_size.rows(), leave_from=leave_from)
+    passed_over = 0
     for walk in range(1 + FOLLOW_UP_WALKS):
         if walk:
             time.sleep(FOLLOW_UP_WAIT_SECONDS * 2 ** (walk - 1))
-        if not _walk(scheduler, report, right, reserver):
+        passed_over = _walk(scheduler, report, right, reserver)
+        if not passed_over:
             return
+    # Every walk visits all the rows still dead: the last one's count is what this pass left.
+    report.skipped += passed_over
 
 
 def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: Reserver) -> int:
     """One walk by id over the dead executions; returns how many it passed over (a parent
     locked elsewhere). Each batch is one transaction, which checks the right to scan before it
     locks a row (unless the right was just renewed): a pass whose right passed to another
-    scanner stops at its next batch.
+    scanner stops at its next batch. A batch the server cuts at its statement timeout is tried
+    again at half the size (:class:`BatchSize`).
 
     NOTE: the batches are handed to the scheduler on the walk's own thread. Sent from a thread
     of their own while the next batch was reserved, a pass of 10,000 parents took as long or
@@ -435,10 +483,20 @@ def _walk(scheduler: Scheduler, report: ScanReport, right: ScanRight, reserver: 
     cursor = 0
     passed_over = 0
     while True:
-        with held_transaction(right) as s:
-            batch = reserver.batch(s, cursor)
-            if batch.executions:
-                crash_point("scan.inside_batch")
+        reserver.limit = _batch_size.rows()
+        try:
+            with held_transaction(right) as s:
+                batch = reserver.batch(s, cursor)
+                if batch.executions:
+                    crash_point("scan.inside_batch")
+        except OperationalError as exc:
+            # Rolled back, nothing reserved: the same rows again, fewer at a time.
+            if getattr(exc.orig, "pgcode", None) != STATEMENT_TIMEOUT or not _batch_size.halve():
+                raise
+            log_event(log, "scan_batch_halved", logging.WARNING, rows=_batch_size.rows(), after_id=cursor)
+            continue
+        if batch.full:
+            _batch_size.fitted()
         cursor = batch.cursor
         passed_over += batch.passed_over
         if batch.executions:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -747,3 +748,61 @@ def test_the_scans_reservation_is_an_in_place_update(db: str) -> None:
     # NOTE: at least the reservations (the pass's transaction may update more rows: what the
     # count says is that every update in it was in place).
     assert updated >= len(rows) and in_place == updated, f"{in_place} of {updated} updates in place"
+
+
+# --- the recover step's batch fits the statement timeout -----------------------------------------
+
+
+@contextmanager
+def _statements_over_rows_cut(rows: int) -> Iterator[list[int]]:
+    """Every recover-step batch of more than ``rows`` dead executions runs into the server's
+    statement timeout (it is replaced by a statement that outlasts a timeout set just before
+    it: a slow database, or a lease too short for the batch). Yields the sizes tried."""
+    import recovery.scan as scan_module
+    from models import get_engine
+
+    engine = get_engine()
+    tried: list[int] = []
+
+    def slow(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> Any:
+        if "locked_parent" in statement:
+            size = scan_module._batch_size.rows()
+            tried.append(size)
+            if size > rows:
+                return "SET LOCAL statement_timeout = 100; SELECT pg_sleep(5)", {}
+        return statement, parameters
+
+    event.listen(engine, "before_cursor_execute", slow, retval=True)
+    try:
+        yield tried
+    finally:
+        event.remove(engine, "before_cursor_execute", slow)
+
+
+def test_a_recover_batch_cut_at_the_statement_timeout_is_halved_and_the_pass_still_takes_every_dead_row(
+    db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a fixed batch, every pass failed the same way on a slow database; the batch is
+    halved until it fits, and the pass reserves every dead execution once."""
+    import logging
+
+    import recovery.scan as scan_module
+
+    monkeypatch.setattr(scan_module, "BATCH", 16)
+    monkeypatch.setattr(scan_module, "_batch_size", scan_module.BatchSize())
+    dead = []
+    for _ in range(5):
+        parent = make_session()
+        dead += [make_execution(parent, lease_expires_at=utcnow() - timedelta(seconds=5)) for _ in range(4)]
+    sched = RecordingScheduler()
+    caplog.set_level(logging.INFO)
+    with _statements_over_rows_cut(5) as tried:
+        report = scan(sched, callback_grace_seconds=0)
+    assert sorted(report.recovering) == sorted(dead)
+    assert sorted(_sent(sched)) == sorted(dead)
+    # halved twice, then grown back after four full batches that fitted, and halved again
+    assert tried[:7] == [16, 8, 4, 4, 4, 4, 8], tried
+    cut = sum(1 for size in tried if size > 5)
+    assert sum("event=scan_batch_halved" in r.getMessage() for r in caplog.records) == cut
+    assert scan_module._batch_size.rows() == 4
+    assert invariants(settled=False) == []

@@ -102,7 +102,7 @@ def test_the_checker_flags_an_assistant_message_written_inside_a_closed_round(db
 # --- no scan step waits on a row lock ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("step", ["suppress", "deliver", "resume"])
+@pytest.mark.parametrize("step", ["suppress", "deliver", "recover", "resume"])
 def test_no_scan_step_waits_on_a_parent_row_another_path_holds_and_the_pass_says_it_skipped(
     db: str, step: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -114,6 +114,9 @@ def test_no_scan_step_waits_on_a_parent_row_another_path_holds_and_the_pass_says
         from models import ExecutionStatus
 
         make_execution(parent, status=ExecutionStatus.COMPLETED, completed_at=utcnow() - timedelta(seconds=60))
+    elif step == "recover":  # a dead execution: its lease lapsed
+        parent = make_session(lease_owner=None)
+        make_execution(parent, epoch=1, lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5))
     else:
         parent = make_session(lease_owner="dead@host", lease_expires_at=utcnow() - timedelta(seconds=5))
         add_message(parent, Role.USER, "hi")

@@ -199,3 +199,46 @@ def test_the_session_lock_skips_a_session_held_elsewhere_returns_ascending_ids_a
     finally:
         trans.rollback()
         holder.close()
+
+
+# --- a take resets the re-send count -------------------------------------------------------------
+
+
+def test_a_take_of_a_session_resets_its_resends_so_a_later_lost_run_is_re_sent_after_the_first_window() -> None:
+    """A parent whose run was re-sent three times before a worker took it: the take starts a
+    new life for the count. Its run handed over later and lost again is re-sent after the first
+    window (two reservations), not after 2**4 of them."""
+    from datetime import timedelta
+
+    from models.base import utcnow
+    from models.session import reserve_session
+
+    sid = make_session(phase=Phase.RUNNING, epoch=4, resends=3)
+    with transaction() as s:
+        new = take_session(s, sid, expected_epoch=4, owner="w1", lease_seconds=30, to_phase=Phase.RUNNING)
+    assert new == 5
+    assert _session(sid).resends == 0
+    with transaction() as s:  # the run ends, later a delivery hands the parent over; its run is lost
+        assert release_session(s, sid, epoch=5, to_phase=Phase.RUNNING)
+        assert hand_over(s, sid, epoch=5, to_phase=Phase.RUNNING) == 6
+    before = utcnow()
+    with transaction() as s:
+        assert reserve_session(s, sid, expected_epoch=6, to_phase=Phase.RUNNING, reserve_seconds=1.0) == 6
+    row = _session(sid)
+    assert row.resends == 1
+    assert row.lease_expires_at is not None
+    # the first re-send's window is two reservations (2 s here); after three re-sends, 16 s
+    assert row.lease_expires_at - before < timedelta(seconds=3)
+
+
+def test_a_take_of_an_execution_resets_its_resends() -> None:
+    """The same rule for an execution: a take (a child's or a recovery's) starts the count anew."""
+    parent = make_session()
+    eid = make_execution(parent, tool_call_id="call_1", epoch=2, resends=3)
+    assert _take(eid, epoch=2) == 3
+    assert _row(eid).resends == 0
+
+
+def _session(sid: int) -> AgentSession:
+    with transaction() as s:
+        return s.execute(select(AgentSession).where(AgentSession.id == sid)).scalar_one()
