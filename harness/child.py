@@ -15,7 +15,6 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -45,21 +44,19 @@ from harness.scheduler import Scheduler
 from harness.tools import tool_names
 from logfmt import log_event
 from models import (
-    AgentSession,
     ExecutionMode,
     ExecutionStatus,
     IllegalTransition,
     LeaseLost,
     Phase,
-    SubagentExecution,
     transaction,
 )
 from models.base import utcnow
-from models.db import built_once, is_postgresql
+from models.child import child_facts_setting_phase_stmt, child_facts_stmt
+from models.db import is_postgresql
 from models.enums import FailureCode
 from models.execution import take_execution
-from models.journal import has_open_entry
-from models.session import child_not_cancelled, set_child_phase, set_phase
+from models.session import set_child_phase, set_phase
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -84,7 +81,7 @@ def load_child(execution_id: int, s: Session | None = None) -> ChildInfo:
     if s is None:
         with transaction() as own:
             return load_child(execution_id, own)
-    return _child_info(s.execute(_load_child_stmt(), {"b_eid": execution_id}).one())
+    return _child_info(s.execute(child_facts_stmt(), {"b_eid": execution_id}).one())
 
 
 def load_child_setting_phase(s: Session, execution_id: int, to_phase: Phase) -> ChildInfo:
@@ -98,7 +95,7 @@ def load_child_setting_phase(s: Session, execution_id: int, to_phase: Phase) -> 
         set_child_phase(s, info.child_session_id, to_phase)
         return info
     return _child_info(
-        s.execute(_load_child_setting_phase_stmt(to_phase), {"b_eid": execution_id, "b_now": utcnow()}).one()
+        s.execute(child_facts_setting_phase_stmt(to_phase), {"b_eid": execution_id, "b_now": utcnow()}).one()
     )
 
 
@@ -121,53 +118,6 @@ def _child_info(row: Any) -> ChildInfo:
         model_outage_since=row.model_outage_since,
         journal_open=row.journal_open,
     )
-
-
-@built_once
-def _load_child_stmt() -> Any:
-    E = SubagentExecution
-    S = AgentSession
-    return (
-        select(
-            E.id,
-            E.parent_session_id,
-            E.child_session_id,
-            E.agent_type,
-            E.invocation_type,
-            E.started_at,
-            E.execution_start_message_id,
-            S.execution_mode,
-            S.user_id,
-            E.task_description,
-            S.compaction_boundary_message_id,
-            S.compaction_summary,
-            E.parent_tool_call_id,
-            E.final_message_id,
-            S.phase,
-            S.model_outage_since,
-            # Whether the child session has an open round journal entry (ChildInfo.journal_open).
-            has_open_entry(E.child_session_id),
-        )
-        .join(S, S.id == E.child_session_id)
-        .where(E.id == bindparam("b_eid"))
-    )
-
-
-@built_once
-def _load_child_setting_phase_stmt(to_phase: Phase) -> Any:
-    facts = _load_child_stmt().cte("facts")
-    moved = (
-        update(AgentSession)
-        .where(
-            AgentSession.id == select(facts.c.child_session_id).scalar_subquery(),
-            child_not_cancelled(),
-        )
-        .values(phase=to_phase, updated_at=bindparam("b_now"))
-        .cte("moved")
-    )
-    # NOTE: PostgreSQL runs a data-modifying WITH whether or not the query reads it, and the
-    # query's snapshot is the one before it ran (the facts show the previous phase).
-    return select(facts).add_cte(moved)
 
 
 #: Phases of a child session that a taken execution may (re)start from.
