@@ -6,13 +6,12 @@ each command in a subprocess as an operator runs it."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
 from markupsafe import escape
 
-from tests.integration.test_approvals import Runs, call, cli, parent_script, parked_parent
+from tests.integration.test_approvals import AGENTS, Runs, call, cli, parent_script, parked_parent
 from tests.integration.test_approvals import runs as runs  # the fixture
 from tests.integration.test_console_api import Serve, client
 from tests.integration.test_console_api import console as console  # the fixture
@@ -35,8 +34,12 @@ def parked(model_factory: ModelFactory, runs: Runs) -> tuple[int, str, Any]:
 
 
 @pytest.fixture
-def env(db: str, runs: Runs) -> dict[str, str]:
-    return {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": os.environ["AGENTS_FILE"]}
+def env(db: str, runs: Runs, tmp_path: Any) -> dict[str, str]:
+    """The CLI's processes: tests.approval_tools' tools (``wire_money`` lives in this process only,
+    so their agents file has no ``approve = ["wire_*"]``, a rule that would match none of theirs)."""
+    agents = tmp_path / "agents_cli.toml"
+    agents.write_text(AGENTS.replace('approve = ["wire_*"]\n', ""), encoding="utf-8")
+    return {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": str(agents)}
 
 
 def test_the_console_shows_every_argument_of_a_pending_call_and_the_api_gives_them_as_an_object(
