@@ -17,6 +17,7 @@ no action. The pages post the same actions as forms and are sent back to where t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -307,8 +308,11 @@ def _page(request: Request) -> dict[str, Any]:
 
 
 def _detail(request: Request, session_id: int) -> dict[str, Any] | None:
+    offset = _int(request, "children_offset", 0) or 0
+    if offset < 0:
+        raise BadRequest("children_offset must be 0 or more")
     with queries.read_only() as s:
-        return queries.session_detail(s, session_id, show_content=_config(request).show_content)
+        return queries.session_detail(s, session_id, show_content=_config(request).show_content, children_offset=offset)
 
 
 def _health() -> dict[str, Any]:
@@ -319,10 +323,19 @@ def _health() -> dict[str, Any]:
 
 
 def _approvals(request: Request) -> dict[str, Any]:
+    from models.approval import PendingFilter
+
+    f = PendingFilter(
+        tool=_text(request, "tool"),
+        agent_type=_text(request, "agent"),
+        session_id=_int(request, "session"),
+        after=_int(request, "after"),
+        limit=_int(request, "limit"),
+    )
     with queries.read_only() as s:
         return {
             "installed": approvals.installed(),
-            "approvals": approvals.pending(s, show_content=_config(request).show_content),
+            **approvals.pending(s, f, show_content=_config(request).show_content),
         }
 
 
@@ -457,15 +470,24 @@ def page_session(request: Request) -> Response:
     if detail is None:
         return templates.TemplateResponse(request, "missing.html", _context(request, what="session"), status_code=404)
     outcome = request.query_params.get("outcome")
-    return templates.TemplateResponse(request, "session.html", _context(request, d=detail, outcome=outcome))
+    return templates.TemplateResponse(
+        request, "session.html", _context(request, d=detail, outcome=outcome, page_size=queries.CHILDREN_PAGE)
+    )
 
 
 def page_session_live(request: Request) -> Response:
-    """The live part of a session's page (tree and timeline), polled by static/console.js."""
+    """The live part of a session's page (tree and timeline), polled by static/console.js:
+    ``304 Not Modified`` (no body) when it is what the client's ``If-None-Match`` names."""
     detail = _detail(request, _id(request))
     if detail is None:
         return HTMLResponse("", status_code=404)
-    return templates.TemplateResponse(request, "_live.html", _context(request, d=detail))
+    context = _context(request, d=detail, page_size=queries.CHILDREN_PAGE)
+    response = templates.TemplateResponse(request, "_live.html", context)
+    etag = '"' + hashlib.sha256(bytes(response.body)).hexdigest()[:32] + '"'
+    if etag in request.headers.get("if-none-match", ""):
+        return Response(status_code=304, headers={"ETag": etag})
+    response.headers["ETag"] = etag
+    return response
 
 
 def page_health(request: Request) -> Response:
@@ -474,8 +496,9 @@ def page_health(request: Request) -> Response:
 
 def page_approvals(request: Request) -> Response:
     outcome = request.query_params.get("outcome")
+    query = {k: v for k, v in request.query_params.items() if k in ("tool", "agent", "session", "limit")}
     return templates.TemplateResponse(
-        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome)
+        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome, query=query)
     )
 
 

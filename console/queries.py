@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, func, or_, select, text
+from sqlalchemy import BigInteger, Integer, cast, exists, func, literal, or_, select, text
 from sqlalchemy.orm import Session
 
 from harness.events import external_phase
 from harness.history import parse_tool_calls
-from models import AgentSession, ExecutionStatus, Message, Phase, Role, SubagentExecution, transaction
+from models import AgentSession, DeliveryStatus, ExecutionStatus, Message, Phase, Role, SubagentExecution, transaction
 from models.base import utcnow
 from models.journal import RoundJournal, RoundJournalCall
 from models.round import PendingRound
@@ -30,6 +30,17 @@ E = SubagentExecution
 #: A page of the list holds at most this many sessions.
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
+#: A session's own children are shown this many at a time (``children_offset`` pages them).
+CHILDREN_PAGE = 50
+#: A child's children: the first this many, the rest counted by phase.
+NESTED_PAGE = 10
+#: The phase key of a child that has not started yet.
+NOT_STARTED = "NOT_STARTED"
+#: The timeline shows a session's last this many entries (rounds' messages, the round in
+#: flight, the round waiting for its children) ...
+TIMELINE_ENTRIES = 100
+#: ... and in each, the first this many tool calls (the rest counted).
+CALLS_SHOWN = 50
 #: The tree is read this many levels below the session (parent -> children -> grandchildren ...).
 MAX_TREE_DEPTH = 4
 #: Tools that hand work to a child session: their result is delivered from the child.
@@ -231,11 +242,57 @@ def _assistant_rounds(s: Session, session_id: int) -> int:
     )
 
 
-def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
+def _page_of_children(s: Session, parents: list[int], *, offset: int, per_parent: int) -> list[int]:
+    """The child sessions shown under ``parents``, in the order they were started (their first
+    execution's id): for one parent a page from ``offset``; for several, the first
+    ``per_parent`` of each (one window query, not one per parent)."""
+    first = func.min(E.id)
+    if len(parents) == 1:
+        page = (
+            select(E.child_session_id)
+            .where(E.parent_session_id == parents[0])
+            .group_by(E.child_session_id)
+            .order_by(first)
+            .limit(per_parent)
+            .offset(offset)
+        )
+        return list(s.execute(page).scalars())
+    ranked = (
+        select(
+            E.child_session_id,
+            func.row_number().over(partition_by=E.parent_session_id, order_by=first).label("rank"),
+        )
+        .where(E.parent_session_id.in_(parents))
+        .group_by(E.parent_session_id, E.child_session_id)
+        .subquery()
+    )
+    return list(s.execute(select(ranked.c.child_session_id).where(ranked.c.rank <= per_parent)).scalars())
+
+
+def _children_by_phase(s: Session, parents: list[int]) -> dict[int, dict[str, int]]:
+    """Every child of each of ``parents`` counted by phase (shown or not): one aggregate."""
+    rows = s.execute(
+        select(E.parent_session_id, S.phase, func.count(func.distinct(E.child_session_id)))
+        .join(S, S.id == E.child_session_id)
+        .where(E.parent_session_id.in_(parents))
+        .group_by(E.parent_session_id, S.phase)
+    ).all()
+    out: dict[int, dict[str, int]] = {}
+    for parent, phase, n in rows:
+        key = external_phase(phase) or NOT_STARTED
+        by_phase = out.setdefault(parent, {})
+        by_phase[key] = by_phase.get(key, 0) + int(n)
+    return out
+
+
+def session_tree(s: Session, session_id: int, *, children_offset: int = 0) -> dict[str, Any] | None:
     """The session and its descendants, level by level: one query per level and table, so a
-    parent with 200 children costs the same few statements as one with two. Rows are read as
-    Core rows (no ORM identity map: the console never writes them). A child's rounds are its
-    executions' counters; the top session's are its model replies in the history."""
+    parent with 3,000 children costs the same few statements as one with two, and reads no
+    more rows than it shows. The session's own children are shown a page (CHILDREN_PAGE) at a
+    time from ``children_offset``; a child's children, the first NESTED_PAGE. Each node says
+    how many children it has by phase (``children_total``, ``children_by_phase``), shown or
+    not. Rows are read as Core rows (no ORM identity map: the console never writes them). A
+    child's rounds are its executions' counters; the top session's are its model replies."""
     root = s.execute(select(S.__table__).where(S.id == session_id)).one_or_none()
     if root is None:
         return None
@@ -243,15 +300,24 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
     mine = s.execute(select(E.__table__).where(E.child_session_id == session_id).order_by(E.id)).all()
     own = [_execution(e, now) for e in mine]
     top = _node(root, own, _assistant_rounds(s, session_id), now)
+    top["children_offset"] = children_offset
     level = {session_id: top}
-    for _ in range(MAX_TREE_DEPTH):
+    for depth in range(MAX_TREE_DEPTH):
         if not level:
             break
-        execs = s.execute(select(E.__table__).where(E.parent_session_id.in_(list(level))).order_by(E.id)).all()
-        child_ids = list(dict.fromkeys(e.child_session_id for e in execs))
-        sessions = (
-            {r.id: r for r in s.execute(select(S.__table__).where(S.id.in_(child_ids))).all()} if child_ids else {}
-        )
+        parents = list(level)
+        by_phase = _children_by_phase(s, parents)
+        for parent_id, node in level.items():
+            node["children_by_phase"] = by_phase.get(parent_id, {})
+            node["children_total"] = sum(node["children_by_phase"].values())
+        per_parent = CHILDREN_PAGE if depth == 0 else NESTED_PAGE
+        shown = _page_of_children(s, parents, offset=children_offset if depth == 0 else 0, per_parent=per_parent)
+        if not shown:
+            break
+        execs = s.execute(
+            select(E.__table__).where(E.parent_session_id.in_(parents), E.child_session_id.in_(shown)).order_by(E.id)
+        ).all()
+        sessions = {r.id: r for r in s.execute(select(S.__table__).where(S.id.in_(shown))).all()}
         by_child: dict[int, list[dict[str, Any]]] = {}
         for e in execs:
             by_child.setdefault(e.child_session_id, []).append(_execution(e, now))
@@ -265,6 +331,9 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
             level[e.parent_session_id]["children"].append(node)
             next_level[cid] = node
         level = next_level
+    for node in level.values():  # below the deepest level read: nothing is known of children
+        node.setdefault("children_by_phase", {})
+        node.setdefault("children_total", 0)
     return top
 
 
@@ -274,10 +343,48 @@ def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _walk(child)
 
 
+#: Phases in which a session still moves on its own (or waits for a person): its page updates.
+LIVE_PHASES = (Phase.RUNNING, Phase.RESUMING, Phase.IDLE, Phase.WAITING_APPROVAL)
+
+
+def tree_figures(s: Session, session_id: int) -> tuple[dict[str, int], bool]:
+    """Figures of the whole tree (MAX_TREE_DEPTH levels), whatever part of it is shown:
+    sessions, executions, recovered executions, pending deliveries; and whether it is active
+    (a session runs, is not started yet, or waits for an approval; or a result waits for its
+    delivery). Two aggregate statements over one recursive walk of the tree: counts, not rows."""
+    start = select(cast(literal(session_id), BigInteger).label("sid"), literal(0, Integer).label("depth"))
+    walk = start.cte("tree", recursive=True)
+    t = walk.union(
+        select(E.child_session_id, walk.c.depth + 1).where(
+            E.parent_session_id == walk.c.sid, walk.c.depth < MAX_TREE_DEPTH
+        )
+    )
+    nodes = select(t.c.sid).distinct().subquery()
+    below = select(nodes.c.sid).where(nodes.c.sid != session_id)
+    live = or_(S.phase.is_(None), S.phase.in_(LIVE_PHASES))
+    sessions, live_sessions = s.execute(
+        select(func.count(), func.count().filter(live)).select_from(S).where(S.id.in_(select(nodes.c.sid)))
+    ).one()
+    pending = E.delivery_status == DeliveryStatus.PENDING
+    executions, recovered, pending_delivery = s.execute(
+        select(func.count(), func.count().filter(E.recoveries > 0), func.count().filter(pending)).where(
+            E.child_session_id.in_(below), E.parent_session_id.in_(select(nodes.c.sid))
+        )
+    ).one()
+    counts = {
+        "sessions": int(sessions),
+        "executions": int(executions),
+        "recovered": int(recovered),
+        "pending_delivery": int(pending_delivery),
+    }
+    return counts, bool(live_sessions or pending_delivery)
+
+
 def tree_active(tree: dict[str, Any]) -> bool:
-    """Something in the tree still runs or waits for a delivery: the page keeps updating."""
+    """Something in the shown part of the tree still runs, waits, or waits for a delivery."""
+    live = {external_phase(p) for p in LIVE_PHASES}
     for node in _walk(tree):
-        if node["phase"] in (None, Phase.RUNNING.value, Phase.IDLE.value):
+        if node["phase"] is None or node["phase"] in live:
             return True
         if any(e["delivery_status"] == "PENDING" for e in node["executions"]):
             return True
@@ -285,7 +392,7 @@ def tree_active(tree: dict[str, Any]) -> bool:
 
 
 def tree_counts(tree: dict[str, Any]) -> dict[str, int]:
-    """Figures of the whole tree: sessions, executions, recovered executions, pending deliveries."""
+    """Figures of the shown part of the tree (``tree_figures`` counts the whole of it)."""
     nodes = list(_walk(tree))
     executions = [e for n in nodes[1:] for e in n["executions"]]
     return {
@@ -339,38 +446,70 @@ def _message_entry(m: Any, show_content: bool) -> dict[str, Any]:
         "message_id": m.id,
         "role": str(m.role),
         "at": _iso(m.created_at),
-        "size": _size(m.content),
+        "size": int(m.size or 0),
     }
     if show_content:
         entry["content"] = m.content
     return entry
 
 
+def _fold(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timeline as shown: its last TIMELINE_ENTRIES entries (the first one kept says how
+    many came before: ``earlier``), and in each the first CALLS_SHOWN tool calls
+    (``calls_total`` and ``calls_answered`` count them all; a model reply's calls beyond the
+    first CALLS_SHOWN were only counted by ``timeline``)."""
+    for entry in entries:
+        calls = entry.get("tool_calls") or []
+        if "calls_total" in entry or len(calls) > CALLS_SHOWN:
+            entry.setdefault("calls_total", len(calls))
+            answered = sum(1 for c in calls[:CALLS_SHOWN] if c.get("result") or c.get("execution"))
+            entry["calls_answered"] = entry.get("calls_answered", 0) + answered
+            entry["tool_calls"] = calls[:CALLS_SHOWN]
+    if len(entries) <= TIMELINE_ENTRIES:
+        return entries
+    shown = entries[-TIMELINE_ENTRIES:]
+    shown[0] = {**shown[0], "earlier": len(entries) - TIMELINE_ENTRIES}
+    return shown
+
+
 def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list[dict[str, Any]]:
     """The session's history as rounds: each USER message, each model reply with its tool
     calls (their crash behaviour and the result that answered them: inline, or delivered from a
     child session), then the round in flight (journaled, not in the history yet) and the round
-    waiting for its children."""
+    waiting for its children; folded to a bounded size (``_fold``). Message text is read only
+    when it is shown (its size comes from the database)."""
     out: list[dict[str, Any]] = []
     calls_by_id: dict[str, dict[str, Any]] = {}
+    #: Calls beyond a reply's first CALLS_SHOWN: only counted (their reply entry, by call id).
+    folded: dict[str, dict[str, Any]] = {}
+    m_ = Message.__table__.c
+    columns = [m_.id, m_.role, m_.created_at, m_.tool_calls, m_.tool_call_id, m_.source_session_id]
+    columns.append(func.coalesce(func.length(m_.content), 0).label("size"))  # the size, not the text
+    if show_content:
+        columns.append(m_.content)
     messages = s.execute(
-        select(Message.__table__)
-        .where(Message.session_id == session_id, Message.deleted.is_(False))
-        .order_by(Message.id)
+        select(*columns).where(m_.session_id == session_id, m_.deleted.is_(False)).order_by(m_.id)
     ).all()
     for m in messages:
+        if m.role == Role.TOOL and str(m.tool_call_id) in folded:  # counted, not shown
+            folded[str(m.tool_call_id)]["calls_answered"] += 1
+            continue
         entry = _message_entry(m, show_content)
         if m.role == Role.ASSISTANT:
             parsed = parse_tool_calls(m.tool_calls)
-            calls = [_call(c, show_content) for c in parsed] if isinstance(parsed, list) else []
+            parsed = parsed if isinstance(parsed, list) else []
+            calls = [_call(c, show_content) for c in parsed[:CALLS_SHOWN]]
             entry.update(kind="model_reply", tool_calls=calls)
             for c in calls:
                 if c["tool_call_id"]:
                     calls_by_id[str(c["tool_call_id"])] = c
+            if len(parsed) > CALLS_SHOWN:
+                entry.update(calls_total=len(parsed), calls_answered=0)
+                folded.update((str(c.get("id")), entry) for c in parsed[CALLS_SHOWN:] if isinstance(c, dict))
         elif m.role == Role.TOOL:
             result = {
                 "message_id": m.id,
-                "size": _size(m.content),
+                "size": int(m.size or 0),
                 "at": _iso(m.created_at),
                 "delivered_from_session_id": m.source_session_id,
             }
@@ -386,7 +525,7 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
         out.append(entry)
     out.extend(_journal_entries(s, session_id, show_content))
     out.extend(_waiting_round(s, session_id, show_content))
-    return out
+    return _fold(out)
 
 
 def _journal_entries(s: Session, session_id: int, show_content: bool) -> list[dict[str, Any]]:
@@ -444,16 +583,20 @@ def _waiting_round(s: Session, session_id: int, show_content: bool) -> list[dict
     return [{"kind": "waiting_for_children", "round_id": rnd.id, "at": _iso(rnd.created_at), "tool_calls": calls}]
 
 
-def session_detail(s: Session, session_id: int, *, show_content: bool = False) -> dict[str, Any] | None:
-    """``GET /api/sessions/{id}``: the tree, its figures, the timeline and whether it still runs."""
-    tree = session_tree(s, session_id)
+def session_detail(
+    s: Session, session_id: int, *, show_content: bool = False, children_offset: int = 0
+) -> dict[str, Any] | None:
+    """``GET /api/sessions/{id}``: the tree (its children a page at a time), the whole tree's
+    figures, the timeline and whether it still runs."""
+    tree = session_tree(s, session_id, children_offset=children_offset)
     if tree is None:
         return None
+    counts, active = tree_figures(s, session_id)
     return {
         "session": {k: v for k, v in tree.items() if k != "children"},
         "tree": tree,
-        "counts": tree_counts(tree),
-        "active": tree_active(tree),
+        "counts": counts,
+        "active": active,
         "timeline": timeline(s, session_id, show_content=show_content),
         "content_shown": show_content,
     }

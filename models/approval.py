@@ -39,6 +39,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
@@ -290,16 +291,46 @@ def decide(
     return DecisionOutcome.CONFLICT, row
 
 
-def pending(s: Session) -> list[ApprovalRequest]:
-    """Every PENDING request of a session that is not stopped, oldest first."""
-    return list(
-        s.execute(
-            select(A)
-            .join(S, S.id == A.session_id)
-            .where(A.status == ApprovalStatus.PENDING, S.phase.not_in(STOPPED_PHASES))
-            .order_by(A.requested_at, A.id)
-        ).scalars()
-    )
+@dataclass(frozen=True)
+class PendingFilter:
+    """Which pending requests a listing shows (None: any); ``after`` is the id of the last
+    request of the previous page (pages are oldest first)."""
+
+    tool: str | None = None
+    agent_type: str | None = None
+    session_id: int | None = None
+    after: int | None = None
+    limit: int | None = None
+
+
+def _pending_where(f: PendingFilter) -> list[Any]:
+    where: list[Any] = [A.status == ApprovalStatus.PENDING, S.phase.not_in(STOPPED_PHASES)]
+    if f.tool is not None:
+        where.append(A.tool == f.tool)
+    if f.agent_type is not None:
+        where.append(A.agent_type == f.agent_type)
+    if f.session_id is not None:
+        where.append(A.session_id == f.session_id)
+    return where
+
+
+def pending(s: Session, f: PendingFilter = PendingFilter()) -> list[ApprovalRequest]:
+    """The PENDING requests of sessions that are not stopped, oldest first (by request time,
+    then id), filtered and paged by ``f``."""
+    stmt = select(A).join(S, S.id == A.session_id).where(*_pending_where(f))
+    if f.after is not None:
+        last_at = select(A.requested_at).where(A.id == f.after).scalar_subquery()
+        stmt = stmt.where(tuple_(A.requested_at, A.id) > tuple_(last_at, f.after))
+    stmt = stmt.order_by(A.requested_at, A.id)
+    if f.limit is not None:
+        stmt = stmt.limit(f.limit)
+    return list(s.execute(stmt).scalars())
+
+
+def pending_count(s: Session, f: PendingFilter = PendingFilter()) -> int:
+    """How many PENDING requests ``f`` names (its page ignored)."""
+    stmt = select(func.count()).select_from(A).join(S, S.id == A.session_id).where(*_pending_where(f))
+    return int(s.execute(stmt).scalar_one())
 
 
 #: Longest argument text a listing's one-line summary shows for one request.
@@ -324,14 +355,14 @@ def parsed(arguments: str | None) -> Any:
         return arguments
 
 
-def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
+def listing(s: Session, *, with_arguments: bool = True, f: PendingFilter = PendingFilter()) -> list[dict[str, Any]]:
     """The pending requests as the CLI's ``approvals --json`` and the console's
     ``/api/approvals`` show them, oldest first (one shape, a public one): ``arguments`` is the
     whole JSON object, ``summary`` its one-line view. ``with_arguments`` False leaves both out
-    (the console shows users' data only when told)."""
+    (the console shows users' data only when told); ``f`` filters and pages them."""
     now = utcnow()
     rows = []
-    for r in pending(s):
+    for r in pending(s, f):
         row: dict[str, Any] = {
             "id": r.id,
             "session_id": r.session_id,
