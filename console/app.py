@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import jinja2
 from sqlalchemy.exc import SQLAlchemyError
@@ -284,12 +285,25 @@ def _int(request: Request, name: str, default: int | None = None) -> int | None:
 
 
 def _text(request: Request, name: str) -> str | None:
-    return request.query_params.get(name, "").strip() or None
+    value = request.query_params.get(name, "").strip()
+    if "\x00" in value:
+        raise BadRequest(f"{name} must not hold a NUL byte")
+    return value or None
+
+
+def _phase(request: Request) -> str | None:
+    """A phase the list can filter on (any case), or NONE for a session not started."""
+    value = _text(request, "phase")
+    if value is None:
+        return None
+    if value.upper() not in queries.PHASE_FILTERS:
+        raise BadRequest(f"phase must be one of {', '.join(queries.PHASE_FILTERS)}")
+    return value.upper()
 
 
 def _filter(request: Request) -> queries.SessionFilter:
     return queries.SessionFilter(
-        phase=_text(request, "phase"),
+        phase=_phase(request),
         agent=_text(request, "agent"),
         user=_text(request, "user"),
         waiting_approval=_flag(request, "waiting_approval"),
@@ -366,9 +380,10 @@ def api_csrf(request: Request) -> Response:
     return JSONResponse({"csrf": request.state.csrf})
 
 
-async def _refused(request: Request) -> tuple[Response | None, dict[str, str]]:
-    """Read-only mode and the CSRF check, for every action; returns the refusal (or None) and
-    the form fields."""
+async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
+    """Read-only mode and the CSRF check, for every action; returns why it is refused (or None)
+    and the form fields. A JSON body's field that is not text is left out (a ``"reason": null``
+    is no reason)."""
     form: dict[str, str] = {}
     if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded", "multipart/")):
         form = {k: str(v) for k, v in (await request.form()).items()}
@@ -378,25 +393,39 @@ async def _refused(request: Request) -> tuple[Response | None, dict[str, str]]:
         except ValueError:
             body = None
         if isinstance(body, dict):
-            form = {k: str(v) for k, v in body.items()}
+            form = {k: v for k, v in body.items() if isinstance(v, str)}
     if _config(request).read_only:
-        return _action_error(request, 403, "read_only"), form
+        return _action_error(request, "read_only"), form
     sent = request.headers.get(auth.CSRF_HEADER) or form.get(auth.CSRF_FIELD)
     if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), sent):
-        return _action_error(request, 403, "csrf"), form
+        return _action_error(request, "csrf"), form
     return None, form
 
 
-def _action_error(request: Request, status: int, error: str) -> Response:
+def _action_error(request: Request, error: str) -> str:
     log_event(log, "console_action_refused", path=request.url.path, reason=error, actor=_actor(request))
-    return JSONResponse({"error": error}, status_code=status)
+    return error
 
 
-def _respond(request: Request, result: actions.ActionResult, back: str) -> Response:
+#: Longest typed reason a failed page form is sent back with.
+_KEPT_REASON_CHARS = 1000
+
+
+def _back_to(back: str, outcome: str, *, status_ok: bool, form: dict[str, str], request: Request) -> Response:
+    """A page's form goes back to its page with the outcome shown; one that did not land
+    (refused, or its compare-and-set lost) takes the reason typed with it, to be shown again."""
+    query = {"outcome": outcome}
+    reason = form.get("reason", "").strip()
+    if not status_ok and reason:
+        query.update(request=str(_id(request)), reason=reason[:_KEPT_REASON_CHARS])
+    return RedirectResponse(f"{back}?{urlencode(query)}", status_code=303)
+
+
+def _respond(request: Request, result: actions.ActionResult, back: str, form: dict[str, str]) -> Response:
     """JSON for the API; for a page's form, back to the page with the outcome shown."""
     if request.url.path.startswith("/api/"):
         return JSONResponse(result.body(), status_code=result.status)
-    return RedirectResponse(f"{back}?outcome={result.outcome}", status_code=303)
+    return _back_to(back, result.outcome, status_ok=result.status == 200, form=form, request=request)
 
 
 def _action(
@@ -405,19 +434,22 @@ def _action(
     run: Callable[[Request, dict[str, str]], actions.ActionResult],
     back: Callable[[Request], str],
 ) -> Any:
-    """An action's endpoint: refused (read-only, CSRF) or run, then one ``console_action`` line
-    naming the operator, the action, its target (``target``: the id field's name) and outcome."""
+    """An action's endpoint: refused (read-only, CSRF: 403 JSON on the API, back to the page
+    for a form) or run, then one ``console_action`` line naming the operator, the action, its
+    target (``target``: the id field's name) and outcome."""
 
     async def endpoint(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
         refusal, form = await _refused(request)
         if refusal is not None:
-            return refusal
+            if request.url.path.startswith("/api/"):
+                return JSONResponse({"error": refusal}, status_code=403)
+            return _back_to(back(request), refusal, status_ok=False, form=form, request=request)
         result = await run_in_threadpool(run, request, form)
         fields: dict[str, Any] = {"action": name, target: _id(request), "outcome": result.outcome}
         log_event(log, "console_action", **fields, status=result.status, operator=request.state.operator)
-        return _respond(request, result, back(request))
+        return _respond(request, result, back(request), form)
 
     return endpoint
 
@@ -497,8 +529,9 @@ def page_health(request: Request) -> Response:
 def page_approvals(request: Request) -> Response:
     outcome = request.query_params.get("outcome")
     query = {k: v for k, v in request.query_params.items() if k in ("tool", "agent", "session", "limit")}
+    kept = {"kept_for": _int(request, "request"), "kept_reason": request.query_params.get("reason", "")}
     return templates.TemplateResponse(
-        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome, query=query)
+        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome, query=query, **kept)
     )
 
 
@@ -511,6 +544,12 @@ async def login(request: Request) -> Response:
     token = str(form.get("token", ""))
     nxt = str(form.get("next", "/"))
     nxt = nxt if nxt.startswith("/") and not nxt.startswith("//") else "/"
+    if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), str(form.get(auth.CSRF_FIELD, ""))):
+        # Another site's form would sign this browser in under a name of its choosing.
+        log_event(log, "console_login_refused", logging.WARNING, operator=operator, via="login", reason="csrf")
+        return templates.TemplateResponse(
+            request, "login.html", _context(request, next_path=nxt, failed=False, stale=True), status_code=403
+        )
     if config.needs_token:
         throttled = _throttled(request, operator, via="login")
         if throttled is not None:

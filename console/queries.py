@@ -87,6 +87,10 @@ def _age(now: datetime, since: datetime | None) -> float | None:
     return None if since is None else round((now - since).total_seconds(), 1)
 
 
+#: What the list's ``phase`` filter accepts: the phases a client sees, and NONE (not started).
+PHASE_FILTERS = (*(p.value for p in Phase if p != Phase.RESUMING), "NONE")
+
+
 def _phase_clause(phase: str) -> Any:
     if phase == Phase.RUNNING.value:  # RESUMING is shown as RUNNING everywhere
         return S.phase.in_((Phase.RUNNING, Phase.RESUMING))
