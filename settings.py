@@ -206,6 +206,11 @@ class Settings(BaseSettings):
     #: How long a tool call's approval request waits for a human decision; past it the call is
     #: denied with the reason ``expired`` (a child's request also expires at its deadline).
     APPROVAL_TIMEOUT_SECONDS: float = Field(default=86400.0, gt=0)
+    #: Decided approval requests of closed rounds are deleted this long after their decision
+    #: (the beat task ``approval.purge_decided``, hourly).
+    APPROVAL_RETENTION_DAYS: float = Field(
+        default=30.0, gt=0, description="days a decided approval request is kept before it is purged"
+    )
     LEASE_SECONDS: float = Field(default=30.0, gt=0)
     SCAN_INTERVAL_SECONDS: float = Field(default=30.0, gt=0)
     #: A recovery message runs its round's children one after another; those not started this

@@ -23,6 +23,7 @@ from models.execution import SubagentExecution
 from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
+from models.operator_action import OperatorAction
 from models.round import PendingRound
 from models.session import AgentSession
 from models.worker import RecoveryScan, WorkerBoot
@@ -47,6 +48,7 @@ __all__ = [
     "LeaseLost",
     "Message",
     "ModelError",
+    "OperatorAction",
     "PendingRound",
     "Phase",
     "RecoveryScan",

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -34,6 +34,7 @@ from sqlalchemy import (
     UniqueConstraint,
     and_,
     bindparam,
+    delete,
     exists,
     func,
     or_,
@@ -42,10 +43,11 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import built_once, cas
+from models.db import built_once, cas, transaction
 from models.enums import ACTIVE_EXECUTION, STOPPED_PHASES, DeliveryStatus, ExecutionStatus, Phase, SessionType
 from models.execution import SubagentExecution
 from models.session import AgentSession, set_child_phase
@@ -76,6 +78,8 @@ class ApprovalRequest(Base):
         # One request per call of a session: a second decision can only be a compare-and-set.
         UniqueConstraint("session_id", "call_id", name="uq_approval_request_call"),
         # The pending list and the scan's backstop read the pending ones only.
+        # A gated round reads its requests by journal entry (requests_of).
+        Index("ix_approval_request_journal", "journal_id"),
         Index(
             "ix_approval_request_pending",
             "requested_at",
@@ -399,6 +403,36 @@ def described(r: ApprovalRequest) -> dict[str, Any]:
         "arguments": parsed(r.arguments),
         "approved_arguments": parsed(r.approved_arguments),
     }
+
+
+def purge_decided(s: Session, *, retention_days: float, batch: int = 1000) -> int:
+    """Delete up to ``batch`` decided requests decided more than ``retention_days`` ago whose
+    round is closed (no open journal entry reads them again); returns how many. A request
+    waiting, or of a round still open, is never deleted. The invariants' checks read the
+    requests there are: a purged one is simply no longer checked."""
+    from models.journal import JournalStatus, RoundJournal
+
+    cutoff = utcnow() - timedelta(days=retention_days)
+    closed = select(RoundJournal.id).where(RoundJournal.status != JournalStatus.OPEN)
+    doomed = (
+        select(A.id)
+        .where(A.status != ApprovalStatus.PENDING, A.decided_at < cutoff, A.journal_id.in_(closed))
+        .limit(batch)
+        .scalar_subquery()
+    )
+    result = s.execute(delete(A).where(A.id.in_(doomed)).execution_options(synchronize_session=False))
+    return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def purge_decided_all(retention_days: float, *, batch: int = 1000) -> int:
+    """``purge_decided`` batch after batch, one transaction each, until none is left."""
+    total = 0
+    while True:
+        with transaction() as s:
+            done = purge_decided(s, retention_days=retention_days, batch=batch)
+        total += done
+        if done < batch:
+            return total
 
 
 def waiting_for_approval(session: Any) -> Any:
