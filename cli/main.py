@@ -18,6 +18,7 @@ FAMILIES = (
     "cli.metrics",
     "cli.approval",
     "cli.console",
+    "cli.audit",
 )
 
 

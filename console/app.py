@@ -433,10 +433,13 @@ def _action(
     target: str,
     run: Callable[[Request, dict[str, str]], actions.ActionResult],
     back: Callable[[Request], str],
+    *,
+    audited_here: bool = True,
 ) -> Any:
     """An action's endpoint: refused (read-only, CSRF: 403 JSON on the API, back to the page
     for a form) or run, then one ``console_action`` line naming the operator, the action, its
-    target (``target``: the id field's name) and outcome."""
+    target (``target``: the id field's name) and outcome, and its ``operator_action`` row
+    (``audited_here`` False: the domain function writes it, as a decision's does)."""
 
     async def endpoint(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
@@ -449,9 +452,22 @@ def _action(
         result = await run_in_threadpool(run, request, form)
         fields: dict[str, Any] = {"action": name, target: _id(request), "outcome": result.outcome}
         log_event(log, "console_action", **fields, status=result.status, operator=request.state.operator)
+        if audited_here:
+            await run_in_threadpool(_audit, _actor(request), **fields)
         return _respond(request, result, back(request), form)
 
     return endpoint
+
+
+def _audit(actor: str, **fields: Any) -> None:
+    """One ``operator_action`` row; an audit that cannot be written is logged, never the
+    action's answer (the action itself landed or not already)."""
+    from models.operator_action import record_now
+
+    try:
+        record_now(actor=actor, **fields)
+    except SQLAlchemyError as exc:
+        log_event(log, "console_audit_failed", logging.WARNING, action=fields.get("action"), error=type(exc).__name__)
 
 
 def _id(request: Request) -> int:
@@ -479,12 +495,14 @@ approve = _action(
     "request_id",
     lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=_actor(r)),
     lambda r: "/approvals",
+    audited_here=False,
 )
 deny = _action(
     "deny",
     "request_id",
     lambda r, f: actions.decide(_id(r), approve=False, reason=f.get("reason", ""), actor=_actor(r)),
     lambda r: "/approvals",
+    audited_here=False,
 )
 
 
@@ -536,35 +554,44 @@ def page_approvals(request: Request) -> Response:
 
 
 async def login(request: Request) -> Response:
-    config = _config(request)
+    """The sign-in form; each attempt is one ``operator_action`` row (``sign_in``)."""
+    from starlette.concurrency import run_in_threadpool
+
     if request.method == "GET":
         return templates.TemplateResponse(request, "login.html", _context(request, next_path="/", failed=False))
     form = await request.form()
     operator = auth.clean_operator(str(form.get("operator", "")))
+    outcome, response = _sign_in(request, form, operator)
+    await run_in_threadpool(_audit, f"console:{operator}", action="sign_in", outcome=outcome)
+    return response
+
+
+def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
+    """The outcome of one sign-in (``signed_in``, ``csrf``, ``throttled``, ``wrong_token``) and
+    its answer."""
+    config = _config(request)
     token = str(form.get("token", ""))
     nxt = str(form.get("next", "/"))
     nxt = nxt if nxt.startswith("/") and not nxt.startswith("//") else "/"
     if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), str(form.get(auth.CSRF_FIELD, ""))):
         # Another site's form would sign this browser in under a name of its choosing.
         log_event(log, "console_login_refused", logging.WARNING, operator=operator, via="login", reason="csrf")
-        return templates.TemplateResponse(
-            request, "login.html", _context(request, next_path=nxt, failed=False, stale=True), status_code=403
-        )
+        context = _context(request, next_path=nxt, failed=False, stale=True)
+        return "csrf", templates.TemplateResponse(request, "login.html", context, status_code=403)
     if config.needs_token:
         throttled = _throttled(request, operator, via="login")
         if throttled is not None:
-            return throttled
+            return "throttled", throttled
         if not auth.bearer_ok(config.token, f"Bearer {token}"):
             _sign_in_refused(request, operator, via="login")
-            return templates.TemplateResponse(
-                request, "login.html", _context(request, next_path=nxt, failed=True), status_code=401
-            )
+            context = _context(request, next_path=nxt, failed=True)
+            return "wrong_token", templates.TemplateResponse(request, "login.html", context, status_code=401)
         _throttle(request).succeeded(_address(request))
     response = RedirectResponse(nxt, status_code=303)
     value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
     response.set_cookie(auth.SESSION_COOKIE, value, httponly=True, samesite="strict", secure=config.secure_cookies)
     log_event(log, "console_login", operator=operator)
-    return response
+    return "signed_in", response
 
 
 # --- the application --------------------------------------------------------------------------

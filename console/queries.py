@@ -603,4 +603,17 @@ def session_detail(
         "active": active,
         "timeline": timeline(s, session_id, show_content=show_content),
         "content_shown": show_content,
+        "actions": operator_actions(s, session_id),
     }
+
+
+#: A session's page lists its latest this many operator actions.
+ACTIONS_SHOWN = 50
+
+
+def operator_actions(s: Session, session_id: int) -> list[dict[str, Any]]:
+    """What operators asked for on this session (cancels, redeliveries, decisions on its
+    calls), oldest first, the latest ACTIONS_SHOWN."""
+    from models.operator_action import latest
+
+    return list(reversed(latest(s, limit=ACTIONS_SHOWN, session_id=session_id)))

@@ -30,13 +30,16 @@ class OperatorAction(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
     #: Who asked: the decider's name as given (``--by``, ``console:<operator>``).
     actor: Mapped[str] = mapped_column(String(128))
-    #: ``approve``, ``deny``.
+    #: ``approve``, ``deny``, ``cancel``, ``redeliver``, ``sign_in``.
     action: Mapped[str] = mapped_column(String(32))
     session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    execution_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     call_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     #: The approval request's id, when there is one.
     request_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    #: The outcome's value (``decided``, ``repeated``, ``conflict``, ``not_found``, ``refused``).
+    #: The outcome's value (a decision's ``decided``, ``repeated``, ``conflict``, ``not_found``,
+    #: ``refused``; an action's outcome as the console answers it; a sign-in's ``signed_in``,
+    #: ``wrong_token``, ``throttled``, ``csrf``).
     outcome: Mapped[str] = mapped_column(String(32))
 
 
@@ -47,38 +50,68 @@ def record(
     action: str,
     outcome: str,
     session_id: int | None = None,
+    execution_id: int | None = None,
     call_id: str | None = None,
     request_id: int | None = None,
 ) -> None:
-    """One attempt, as one INSERT in the caller's transaction (the actor cut to the column)."""
+    """One attempt, as one INSERT in the caller's transaction (the actor cut to the column). An
+    execution's action is on its parent session too (``session_id`` read in the INSERT)."""
+    from models.execution import SubagentExecution as E
+
+    on_session: Any = session_id
+    if session_id is None and execution_id is not None:
+        on_session = select(E.parent_session_id).where(E.id == execution_id).scalar_subquery()
     s.execute(
         insert(OperatorAction).values(
             actor=actor[:128],
             action=action,
-            outcome=outcome,
-            session_id=session_id,
+            outcome=outcome[:32],
+            session_id=on_session,
+            execution_id=execution_id,
             call_id=call_id,
             request_id=request_id,
         )
     )
 
 
+def record_now(**fields: Any) -> None:
+    """``record`` in a transaction of its own (after the action's own)."""
+    from models.db import transaction
+
+    with transaction() as s:
+        record(s, **fields)
+
+
 def record_decision(
     actor: str, action: str, session_id: int, call_id: str, outcome: str, *, request_id: int | None = None
 ) -> None:
     """A decision's attempt in its own transaction, after the decision's (its outcome known)."""
-    from models.db import transaction
+    record_now(
+        actor=actor, action=action, outcome=outcome, session_id=session_id, call_id=call_id, request_id=request_id
+    )
 
-    with transaction() as s:
-        record(
-            s,
-            actor=actor,
-            action=action,
-            outcome=outcome,
-            session_id=session_id,
-            call_id=call_id,
-            request_id=request_id,
-        )
+
+def _row(r: OperatorAction) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "at": r.at.isoformat(),
+        "actor": r.actor,
+        "action": r.action,
+        "session_id": r.session_id,
+        "execution_id": r.execution_id,
+        "call_id": r.call_id,
+        "request_id": r.request_id,
+        "outcome": r.outcome,
+    }
+
+
+def latest(s: Session, *, limit: int = 100, session_id: int | None = None) -> list[dict[str, Any]]:
+    """The latest actions, newest first (those on one session with ``session_id``)."""
+    A = OperatorAction
+    stmt = select(A).order_by(A.id.desc()).limit(limit)
+    if session_id is not None:
+        stmt = stmt.where(A.session_id == session_id)
+    return [_row(r) for r in s.execute(stmt).scalars()]
 
 
 def attempts_on_call(s: Session, session_id: int, call_id: str) -> list[dict[str, Any]]:

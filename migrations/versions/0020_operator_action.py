@@ -30,6 +30,7 @@ def upgrade() -> None:
         sa.Column("actor", sa.String(128), nullable=False),
         sa.Column("action", sa.String(32), nullable=False),
         sa.Column("session_id", sa.BigInteger(), nullable=True),
+        sa.Column("execution_id", sa.BigInteger(), nullable=True),
         sa.Column("call_id", sa.String(128), nullable=True),
         sa.Column("request_id", sa.BigInteger(), nullable=True),
         sa.Column("outcome", sa.String(32), nullable=False),
