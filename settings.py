@@ -238,6 +238,8 @@ class Settings(BaseSettings):
     #: listens on ("console.example.com,.ops.example": a leading dot allows every name under it).
     #: A request naming any other Host is refused (DNS rebinding; docs/console.md).
     CONSOLE_ALLOWED_HOSTS: str = Field(default="", description="host names the console answers beyond loopback")
+    #: A console sign-in lasts this long (the session cookie's age); then the operator signs in again.
+    CONSOLE_SESSION_HOURS: float = Field(default=12.0, gt=0, description="hours a console sign-in lasts")
 
     #: booking.field-recovery.*, env BOOKING_FIELD_RECOVERY__<NAME>[__<NAME>].
     booking_field_recovery: FieldRecoverySettings = Field(default_factory=FieldRecoverySettings)

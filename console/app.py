@@ -173,7 +173,8 @@ def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
             return auth.clean_operator(named or "api")
         _sign_in_refused(request, auth.clean_operator(named or "api"), via="bearer")
         return None
-    return auth.operator_of_session(config.token, request.cookies.get(auth.SESSION_COOKIE))
+    cookie = request.cookies.get(auth.SESSION_COOKIE)
+    return auth.operator_of_session(config.token, cookie, max_age_seconds=config.session_seconds)
 
 
 def _throttle(request: Request) -> auth.SignInThrottle:
@@ -589,9 +590,34 @@ def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]
         _throttle(request).succeeded(_address(request))
     response = RedirectResponse(nxt, status_code=303)
     value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
-    response.set_cookie(auth.SESSION_COOKIE, value, httponly=True, samesite="strict", secure=config.secure_cookies)
+    response.set_cookie(
+        auth.SESSION_COOKIE,
+        value,
+        max_age=int(config.session_seconds),
+        httponly=True,
+        samesite="strict",
+        secure=config.secure_cookies,
+    )
     log_event(log, "console_login", operator=operator)
     return "signed_in", response
+
+
+async def logout(request: Request) -> Response:
+    """Sign out: the session cookie is cleared (a POST with the CSRF token, so another site
+    cannot sign an operator out)."""
+    from starlette.concurrency import run_in_threadpool
+
+    form = await request.form()
+    if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), str(form.get(auth.CSRF_FIELD, ""))):
+        return JSONResponse({"error": "csrf"}, status_code=403)
+    operator = request.state.operator
+    await run_in_threadpool(_audit, f"console:{operator}", action="sign_out", outcome="signed_out")
+    log_event(log, "console_logout", operator=operator)
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(
+        auth.SESSION_COOKIE, httponly=True, samesite="strict", secure=_config(request).secure_cookies
+    )
+    return response
 
 
 # --- the application --------------------------------------------------------------------------
@@ -611,6 +637,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
     routes = [
         Route("/", page_sessions),
         Route("/login", login, methods=["GET", "POST"]),
+        Route("/logout", logout, methods=["POST"]),
         Route(f"/sessions/{num}", page_session),
         Route(f"/sessions/{num}/live", page_session_live),
         Route("/health", page_health),

@@ -99,7 +99,7 @@ def test_a_signed_in_approver_sees_every_argument_and_approves(
         page.goto(f"{base}/login")
         page.fill("input[name=operator]", "erin")
         page.fill("input[name=token]", TOKEN)
-        page.click("button[type=submit]")
+        page.click("form.login button[type=submit]")
         page.wait_for_url(f"{base}/")
         page.goto(f"{base}/approvals")
         (req,) = requests()
