@@ -366,7 +366,14 @@ def listing(s: Session, *, with_arguments: bool = True, f: PendingFilter = Pendi
     (the console shows users' data only when told); ``f`` filters and pages them."""
     now = utcnow()
     rows = []
-    for r in pending(s, f):
+    found = pending(s, f)
+    sessions = {
+        sid: (user, parent)
+        for sid, user, parent in s.execute(
+            select(S.id, S.user_id, S.parent_session_id).where(S.id.in_({r.session_id for r in found}))
+        )
+    }
+    for r in found:
         row: dict[str, Any] = {
             "id": r.id,
             "session_id": r.session_id,
@@ -374,6 +381,8 @@ def listing(s: Session, *, with_arguments: bool = True, f: PendingFilter = Pendi
             "tool": r.tool,
             "agent_type": r.agent_type,
             "execution_id": r.execution_id,
+            "user_id": sessions.get(r.session_id, (None, None))[0],
+            "parent_session_id": sessions.get(r.session_id, (None, None))[1],
             "requested_at": r.requested_at.isoformat(),
             "expires_at": r.expires_at.isoformat(),
             "age_seconds": round((now - r.requested_at).total_seconds(), 1),
