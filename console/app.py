@@ -18,232 +18,31 @@ no action. The pages post the same actions as forms and are sent back to where t
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-import jinja2
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.templating import Jinja2Templates
 
 from console import actions, approvals, auth, queries
 from console.auth import ConsoleConfig
+from console.gate import Gate, actor, audit, login, logout
+from console.render import HERE, config, context, templates
 from logfmt import log_event
 
 log = logging.getLogger(__name__)
-HERE = Path(__file__).resolve().parent
-
-
-class _Environment(jinja2.Environment):
-    """``row.status`` on the API's dicts looks the key up first (jinja2 tries the attribute
-    first, a failed getattr per field: a third of a 200-child page's render time)."""
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute in obj:
-            return obj[attribute]
-        return super().getattr(obj, attribute)
-
-
-def _pretty(value: Any) -> str:
-    """A JSON value indented, whole (the template escapes it): an approval's arguments."""
-    return json.dumps(value, indent=2, ensure_ascii=False)
-
-
-templates = Jinja2Templates(
-    env=_Environment(
-        loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=jinja2.select_autoescape(("html",))
-    )
-)
-templates.env.filters["pretty"] = _pretty
-#: Paths served without the token: the login form and the static files.
-OPEN_PATHS = ("/login", "/static/")
 
 
 class BadRequest(ValueError):
     """Raised when a query parameter cannot be read; answered 400 naming the parameter."""
-
-
-def _config(request: Request) -> ConsoleConfig:
-    config: ConsoleConfig = request.app.state.config
-    return config
-
-
-# --- who is asking --------------------------------------------------------------------------
-
-
-#: Headers of every answer: no script but the console's own files (nothing inline), no framing,
-#: no MIME sniffing, no Referer leaving the console (docs/console.md, "Headers").
-SECURITY_HEADERS = {
-    "Content-Security-Policy": (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-}
-
-
-class Gate(BaseHTTPMiddleware):
-    """The allowed host names (400 for any other ``Host``), the token (401 without it, 429 while
-    an address that guessed wrong waits), the CSRF cookie, the security headers, and one log
-    line per request (method, path without its query, status, duration, operator: never a
-    header, a cookie or a parameter)."""
-
-    async def dispatch(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.monotonic()
-        config = _config(request)
-        path = request.url.path
-        request.state.operator = None
-        response = _refusal(request, config)
-        if response is None:
-            csrf = request.cookies.get(auth.CSRF_COOKIE)
-            request.state.csrf = csrf or auth.new_csrf()
-            operator = _operator(request, config)
-            if isinstance(operator, Response):
-                response = operator
-            elif operator is None and not path.startswith(OPEN_PATHS):
-                response = _unauthorized(request)
-            else:
-                request.state.operator = operator or "anonymous"
-                response = await call_next(request)
-            if csrf is None:
-                response.set_cookie(
-                    auth.CSRF_COOKIE,
-                    request.state.csrf,
-                    httponly=True,
-                    samesite="strict",
-                    secure=config.secure_cookies,
-                )
-        response.headers.update(SECURITY_HEADERS)
-        if not path.startswith("/static/"):
-            response.headers["Cache-Control"] = "no-store"
-        log_event(
-            log,
-            "console_request",
-            method=request.method,
-            path=path,
-            status=response.status_code,
-            duration_ms=round((time.monotonic() - started) * 1000),
-            operator=request.state.operator,
-        )
-        return response
-
-
-def _refusal(request: Request, config: ConsoleConfig) -> Response | None:
-    """The answer to a request that names a host the console is not reached by, else None."""
-    header = request.headers.get("host")
-    if auth.host_allowed(header, config.allowed_hosts):
-        return None
-    log_event(log, "console_host_refused", logging.WARNING, host=auth.host_name(header)[:100] or None)
-    return JSONResponse({"error": "host_not_allowed"}, status_code=400)
-
-
-def _address(request: Request) -> str:
-    return request.client.host if request.client else "-"
-
-
-def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
-    """The operator's name; None when a token is required and not shown; a 429 answer when a
-    token is shown by an address that must still wait after refused sign-ins."""
-    named = request.headers.get(auth.OPERATOR_HEADER)
-    if not config.needs_token:
-        cookie = request.cookies.get(auth.SESSION_COOKIE)
-        return auth.clean_operator(named or (cookie.rsplit(".", 1)[0] if cookie else None) or "local")
-    header = request.headers.get("authorization")
-    if header is not None:
-        throttled = _throttled(request, auth.clean_operator(named or "api"), via="bearer")
-        if throttled is not None:
-            return throttled
-        if auth.bearer_ok(config.token, header):
-            _throttle(request).succeeded(_address(request))
-            return auth.clean_operator(named or "api")
-        _sign_in_refused(request, auth.clean_operator(named or "api"), via="bearer")
-        return None
-    cookie = request.cookies.get(auth.SESSION_COOKIE)
-    return auth.operator_of_session(config.token, cookie, max_age_seconds=config.session_seconds)
-
-
-def _throttle(request: Request) -> auth.SignInThrottle:
-    throttle: auth.SignInThrottle = request.app.state.throttle
-    return throttle
-
-
-def _throttled(request: Request, operator: str, *, via: str) -> Response | None:
-    """429 with Retry-After while this address waits after refused sign-ins, else None."""
-    wait = _throttle(request).wait_seconds(_address(request))
-    if wait <= 0:
-        return None
-    log_event(
-        log,
-        "console_login_refused",
-        logging.WARNING,
-        operator=operator,
-        via=via,
-        reason="throttled",
-        address=_address(request),
-    )
-    retry = str(max(1, math.ceil(wait)))
-    if request.url.path.startswith("/api/") or via == "bearer":
-        return JSONResponse({"error": "too_many_refused_sign_ins"}, status_code=429, headers={"Retry-After": retry})
-    return templates.TemplateResponse(
-        request,
-        "login.html",
-        _context(request, next_path="/", failed=False, wait_seconds=retry),
-        status_code=429,
-        headers={"Retry-After": retry},
-    )
-
-
-def _sign_in_refused(request: Request, operator: str, *, via: str) -> None:
-    _throttle(request).refused(_address(request))
-    log_event(
-        log,
-        "console_login_refused",
-        logging.WARNING,
-        operator=operator,
-        via=via,
-        reason="wrong_token",
-        address=_address(request),
-    )
-
-
-def _unauthorized(request: Request) -> Response:
-    if request.url.path.startswith("/api/"):
-        return JSONResponse({"error": "unauthorized"}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    return templates.TemplateResponse(
-        request, "login.html", _context(request, next_path=request.url.path, failed=False), status_code=401
-    )
-
-
-def _context(request: Request, **extra: Any) -> dict[str, Any]:
-    config = _config(request)
-    return {
-        "csrf": request.state.csrf,
-        "operator": getattr(request.state, "operator", None),
-        "read_only": config.read_only,
-        "show_content": config.show_content,
-        "needs_token": config.needs_token,
-        "approvals_installed": approvals.installed(),
-        **extra,
-    }
-
-
-def _actor(request: Request) -> str:
-    return f"console:{request.state.operator}"
 
 
 # --- reading parameters -----------------------------------------------------------------------
@@ -327,7 +126,7 @@ def _detail(request: Request, session_id: int) -> dict[str, Any] | None:
     if offset < 0:
         raise BadRequest("children_offset must be 0 or more")
     with queries.read_only() as s:
-        return queries.session_detail(s, session_id, show_content=_config(request).show_content, children_offset=offset)
+        return queries.session_detail(s, session_id, show_content=config(request).show_content, children_offset=offset)
 
 
 def _health() -> dict[str, Any]:
@@ -350,7 +149,7 @@ def _approvals(request: Request) -> dict[str, Any]:
     with queries.read_only() as s:
         return {
             "installed": approvals.installed(),
-            **approvals.pending(s, f, show_content=_config(request).show_content),
+            **approvals.pending(s, f, show_content=config(request).show_content),
         }
 
 
@@ -395,7 +194,7 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
             body = None
         if isinstance(body, dict):
             form = {k: v for k, v in body.items() if isinstance(v, str)}
-    if _config(request).read_only:
+    if config(request).read_only:
         return _action_error(request, "read_only"), form
     sent = request.headers.get(auth.CSRF_HEADER) or form.get(auth.CSRF_FIELD)
     if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), sent):
@@ -404,7 +203,7 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
 
 
 def _action_error(request: Request, error: str) -> str:
-    log_event(log, "console_action_refused", path=request.url.path, reason=error, actor=_actor(request))
+    log_event(log, "console_action_refused", path=request.url.path, reason=error, actor=actor(request))
     return error
 
 
@@ -454,21 +253,10 @@ def _action(
         fields: dict[str, Any] = {"action": name, target: _id(request), "outcome": result.outcome}
         log_event(log, "console_action", **fields, status=result.status, operator=request.state.operator)
         if audited_here:
-            await run_in_threadpool(_audit, _actor(request), **fields)
+            await run_in_threadpool(audit, actor(request), **fields)
         return _respond(request, result, back(request), form)
 
     return endpoint
-
-
-def _audit(actor: str, **fields: Any) -> None:
-    """One ``operator_action`` row; an audit that cannot be written is logged, never the
-    action's answer (the action itself landed or not already)."""
-    from models.operator_action import record_now
-
-    try:
-        record_now(actor=actor, **fields)
-    except SQLAlchemyError as exc:
-        log_event(log, "console_audit_failed", logging.WARNING, action=fields.get("action"), error=type(exc).__name__)
 
 
 def _id(request: Request) -> int:
@@ -484,24 +272,24 @@ def _execution_back(request: Request) -> str:
     return back if back.startswith("/sessions/") else "/"
 
 
-cancel = _action("cancel", "session_id", lambda r, f: actions.cancel(_id(r), _actor(r)), _session_page)
+cancel = _action("cancel", "session_id", lambda r, f: actions.cancel(_id(r), actor(r)), _session_page)
 redeliver_parent = _action(
-    "redeliver", "session_id", lambda r, f: actions.redeliver_parent(_id(r), _actor(r)), _session_page
+    "redeliver", "session_id", lambda r, f: actions.redeliver_parent(_id(r), actor(r)), _session_page
 )
 redeliver_execution = _action(
-    "redeliver", "execution_id", lambda r, f: actions.redeliver_execution(_id(r), _actor(r)), _execution_back
+    "redeliver", "execution_id", lambda r, f: actions.redeliver_execution(_id(r), actor(r)), _execution_back
 )
 approve = _action(
     "approve",
     "request_id",
-    lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=_actor(r)),
+    lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=actor(r)),
     lambda r: "/approvals",
     audited_here=False,
 )
 deny = _action(
     "deny",
     "request_id",
-    lambda r, f: actions.decide(_id(r), approve=False, reason=f.get("reason", ""), actor=_actor(r)),
+    lambda r, f: actions.decide(_id(r), approve=False, reason=f.get("reason", ""), actor=actor(r)),
     lambda r: "/approvals",
     audited_here=False,
 )
@@ -513,16 +301,16 @@ deny = _action(
 def page_sessions(request: Request) -> Response:
     page = _page(request)
     query = {k: v for k, v in request.query_params.items() if k != "before"}
-    return templates.TemplateResponse(request, "sessions.html", _context(request, page=page, query=query))
+    return templates.TemplateResponse(request, "sessions.html", context(request, page=page, query=query))
 
 
 def page_session(request: Request) -> Response:
     detail = _detail(request, _id(request))
     if detail is None:
-        return templates.TemplateResponse(request, "missing.html", _context(request, what="session"), status_code=404)
+        return templates.TemplateResponse(request, "missing.html", context(request, what="session"), status_code=404)
     outcome = request.query_params.get("outcome")
     return templates.TemplateResponse(
-        request, "session.html", _context(request, d=detail, outcome=outcome, page_size=queries.CHILDREN_PAGE)
+        request, "session.html", context(request, d=detail, outcome=outcome, page_size=queries.CHILDREN_PAGE)
     )
 
 
@@ -532,8 +320,8 @@ def page_session_live(request: Request) -> Response:
     detail = _detail(request, _id(request))
     if detail is None:
         return HTMLResponse("", status_code=404)
-    context = _context(request, d=detail, page_size=queries.CHILDREN_PAGE)
-    response = templates.TemplateResponse(request, "_live.html", context)
+    values = context(request, d=detail, page_size=queries.CHILDREN_PAGE)
+    response = templates.TemplateResponse(request, "_live.html", values)
     etag = '"' + hashlib.sha256(bytes(response.body)).hexdigest()[:32] + '"'
     if etag in request.headers.get("if-none-match", ""):
         return Response(status_code=304, headers={"ETag": etag})
@@ -542,7 +330,7 @@ def page_session_live(request: Request) -> Response:
 
 
 def page_health(request: Request) -> Response:
-    return templates.TemplateResponse(request, "health.html", _context(request, h=_health()))
+    return templates.TemplateResponse(request, "health.html", context(request, h=_health()))
 
 
 def page_approvals(request: Request) -> Response:
@@ -550,74 +338,8 @@ def page_approvals(request: Request) -> Response:
     query = {k: v for k, v in request.query_params.items() if k in ("tool", "agent", "session", "limit")}
     kept = {"kept_for": _int(request, "request"), "kept_reason": request.query_params.get("reason", "")}
     return templates.TemplateResponse(
-        request, "approvals.html", _context(request, a=_approvals(request), outcome=outcome, query=query, **kept)
+        request, "approvals.html", context(request, a=_approvals(request), outcome=outcome, query=query, **kept)
     )
-
-
-async def login(request: Request) -> Response:
-    """The sign-in form; each attempt is one ``operator_action`` row (``sign_in``)."""
-    from starlette.concurrency import run_in_threadpool
-
-    if request.method == "GET":
-        return templates.TemplateResponse(request, "login.html", _context(request, next_path="/", failed=False))
-    form = await request.form()
-    operator = auth.clean_operator(str(form.get("operator", "")))
-    outcome, response = _sign_in(request, form, operator)
-    await run_in_threadpool(_audit, f"console:{operator}", action="sign_in", outcome=outcome)
-    return response
-
-
-def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
-    """The outcome of one sign-in (``signed_in``, ``csrf``, ``throttled``, ``wrong_token``) and
-    its answer."""
-    config = _config(request)
-    token = str(form.get("token", ""))
-    nxt = str(form.get("next", "/"))
-    nxt = nxt if nxt.startswith("/") and not nxt.startswith("//") else "/"
-    if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), str(form.get(auth.CSRF_FIELD, ""))):
-        # Another site's form would sign this browser in under a name of its choosing.
-        log_event(log, "console_login_refused", logging.WARNING, operator=operator, via="login", reason="csrf")
-        context = _context(request, next_path=nxt, failed=False, stale=True)
-        return "csrf", templates.TemplateResponse(request, "login.html", context, status_code=403)
-    if config.needs_token:
-        throttled = _throttled(request, operator, via="login")
-        if throttled is not None:
-            return "throttled", throttled
-        if not auth.bearer_ok(config.token, f"Bearer {token}"):
-            _sign_in_refused(request, operator, via="login")
-            context = _context(request, next_path=nxt, failed=True)
-            return "wrong_token", templates.TemplateResponse(request, "login.html", context, status_code=401)
-        _throttle(request).succeeded(_address(request))
-    response = RedirectResponse(nxt, status_code=303)
-    value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
-    response.set_cookie(
-        auth.SESSION_COOKIE,
-        value,
-        max_age=int(config.session_seconds),
-        httponly=True,
-        samesite="strict",
-        secure=config.secure_cookies,
-    )
-    log_event(log, "console_login", operator=operator)
-    return "signed_in", response
-
-
-async def logout(request: Request) -> Response:
-    """Sign out: the session cookie is cleared (a POST with the CSRF token, so another site
-    cannot sign an operator out)."""
-    from starlette.concurrency import run_in_threadpool
-
-    form = await request.form()
-    if not auth.csrf_ok(request.cookies.get(auth.CSRF_COOKIE), str(form.get(auth.CSRF_FIELD, ""))):
-        return JSONResponse({"error": "csrf"}, status_code=403)
-    operator = request.state.operator
-    await run_in_threadpool(_audit, f"console:{operator}", action="sign_out", outcome="signed_out")
-    log_event(log, "console_logout", operator=operator)
-    response = RedirectResponse("/login", status_code=303)
-    response.delete_cookie(
-        auth.SESSION_COOKIE, httponly=True, samesite="strict", secure=_config(request).secure_cookies
-    )
-    return response
 
 
 # --- the application --------------------------------------------------------------------------
