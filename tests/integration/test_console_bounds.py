@@ -165,7 +165,7 @@ def test_pending_approvals_are_paged_oldest_first_and_filtered_by_tool_agent_and
 def test_the_timeline_shows_a_bounded_part_of_a_long_history_and_says_what_it_left_out(console: Serve) -> None:
     import json
 
-    from console.queries import CALLS_SHOWN, TIMELINE_ENTRIES
+    from console.timeline import CALLS_SHOWN, TIMELINE_ENTRIES
     from models import Role
     from tests.helpers import add_message
 
