@@ -299,6 +299,10 @@ deny = _action(
 
 
 def page_sessions(request: Request) -> Response:
+    """The list; with ``id``, straight to that session's page (found by its id)."""
+    wanted = _int(request, "id")
+    if wanted is not None:
+        return RedirectResponse(f"/sessions/{wanted}", status_code=303)
     page = _page(request)
     query = {k: v for k, v in request.query_params.items() if k != "before"}
     return templates.TemplateResponse(request, "sessions.html", context(request, page=page, query=query))

@@ -94,3 +94,13 @@ def test_a_page_form_that_fails_goes_back_to_its_page_with_the_outcome_and_the_t
     assert f'value="{typed}"' in shown  # the reason typed is still there
     blank = browser.post(f"{base}/approvals/{request_id}/deny", data={"csrf": csrf, "reason": "  "}, timeout=10)
     assert "Outcome: <code>reason_required</code>" in blank.text
+
+
+def test_a_session_is_found_by_its_id_from_the_list(console: Serve) -> None:
+    base = console()
+    http = client(base)
+    sid = make_session()
+    found = http.get(f"{base}/", params={"id": f" {sid} "}, allow_redirects=False, timeout=10)
+    assert found.status_code == 303 and found.headers["location"] == f"/sessions/{sid}"
+    assert http.get(f"{base}/", params={"id": "x1"}, timeout=10).status_code == 400
+    assert 'name="id"' in http.get(f"{base}/", timeout=10).text
