@@ -44,6 +44,8 @@ def build() -> dict[str, Any]:
             "recovery-scan": {"task": "recovery.scan", "schedule": s.SCAN_INTERVAL_SECONDS},
             # Field invocations and artifacts past retention_until, in batches.
             "field-purge-expired": {"task": "field.purge_expired", "schedule": 3600.0},
+            # Decided approval requests past APPROVAL_RETENTION_DAYS, in batches.
+            "approval-purge-decided": {"task": "approval.purge_decided", "schedule": 3600.0},
         },
         "imports": ("tasks.signals", "tasks.queues", "tasks.agent", "tasks.recovery", "tasks.field", "tasks.approval"),
         # Short work (scans, fan-out, deliveries, redeliveries) never waits behind hour-long

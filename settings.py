@@ -316,6 +316,14 @@ class Settings(BaseSettings):
             "denied with the reason expired (a child's request also expires at its deadline)."
         ),
     )
+    APPROVAL_RETENTION_DAYS: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Decided approval requests of closed rounds are deleted this long after their decision (the beat "
+            "task approval.purge_decided, hourly)."
+        ),
+    )
     LEASE_SECONDS: float = Field(
         default=30.0,
         gt=0,
@@ -385,6 +393,9 @@ class Settings(BaseSettings):
         description="The console shows message content (the users' data); otherwise roles, tool names and sizes.",
     )
 
+    CONSOLE_SESSION_HOURS: float = Field(
+        default=12.0, gt=0, description="Hours a console sign-in lasts; then the operator signs in again."
+    )
     CONSOLE_ALLOWED_HOSTS: str = Field(
         default="",
         description=(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 #: Exit codes of the approval commands: done (or the same decision stood already) is 0.
@@ -20,13 +22,13 @@ EXIT_UNREACHABLE = 4  #: the database could not be reached: nothing known, nothi
 def register(sub: Any) -> None:
     ls = sub.add_parser("approvals", help="pending approval requests, oldest first (show: one request whole)")
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(handler=_list)
+    ls.set_defaults(handler=_reaching(_list))
     lsub = ls.add_subparsers(dest="approvals_command")
     show = lsub.add_parser("show", help="one approval request whole: every argument, its decision")
     show.add_argument("session", type=int, help="session id (the list's session_id)")
     show.add_argument("call", help="call id (the list's call_id)")
     show.add_argument("--json", action="store_true")
-    show.set_defaults(handler=_show)
+    show.set_defaults(handler=_reaching(_show))
 
     ap = sub.add_parser("approve", help="approve a pending tool call (the first decision wins)")
     ap.add_argument("session", type=int, help="session id (the list's session_id)")
@@ -34,14 +36,42 @@ def register(sub: Any) -> None:
     ap.add_argument("--by", default=None, help="who decides (default: the OS user)")
     ap.add_argument("--note", default="", help="why, kept with the decision")
     ap.add_argument("--arguments", default=None, help="edited arguments (JSON object) the tool runs with instead")
-    ap.set_defaults(handler=_decide, approve=True)
+    ap.set_defaults(handler=_reaching(_decide), approve=True)
 
     dn = sub.add_parser("deny", help="deny a pending tool call: the model gets 'denied by NAME: REASON'")
     dn.add_argument("session", type=int)
     dn.add_argument("call")
     dn.add_argument("--reason", required=True)
     dn.add_argument("--by", default=None)
-    dn.set_defaults(handler=_decide, approve=False)
+    dn.set_defaults(handler=_reaching(_decide), approve=False)
+
+
+#: Longest decider's name a request records (``approval_request.decided_by``).
+MAX_BY_CHARS = 128
+
+
+def _reaching(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``handler``, ending in one line and EXIT_UNREACHABLE when the database (or the broker)
+    cannot be reached, and quietly when its reader stopped reading (``| head``)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from cli.main import unreachable
+
+        try:
+            return handler(args)
+        except BrokenPipeError:
+            # The reader is gone: nothing more can be said to it, and Python's own flush at
+            # exit must not say it either.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except Exception as exc:
+            problem = unreachable(exc)
+            if problem is None:
+                raise
+            print(f"agent-recovery: {args.command}: {problem}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+
+    return run
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -51,7 +81,7 @@ def _list(args: argparse.Namespace) -> int:
     with transaction() as s:
         rows = listing(s)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
         return 0
     if not rows:
         print("no pending approvals")
@@ -61,6 +91,7 @@ def _list(args: argparse.Namespace) -> int:
             f"session {r['session_id']} call {r['call_id']} {r['agent_type']}: {r['tool']} {r['summary']}"
             f"  (waiting {r['age_seconds']:g} s, expires {r['expires_at']})"
         )
+    sys.stdout.flush()  # a closed pipe is seen here, inside the handler
     return 0
 
 
@@ -68,10 +99,11 @@ def _show(args: argparse.Namespace) -> int:
     from cli.agent import fail
     from models import transaction
     from models.approval import described, request_of
+    from models.operator_action import attempts_on_call
 
     with transaction() as s:
         row = request_of(s, args.session, args.call)
-        shown = None if row is None else described(row)
+        shown = None if row is None else {**described(row), "attempts": attempts_on_call(s, args.session, args.call)}
     if shown is None:
         return fail(f"approvals show: no approval request for session {args.session} call {args.call}", EXIT_NOT_FOUND)
     if args.json:
@@ -90,6 +122,8 @@ def _show(args: argparse.Namespace) -> int:
     if shown["approved_arguments"] is not None:
         print("  edited to (the tool ran with these):")
         print(_indented(shown["approved_arguments"]))
+    for a in shown["attempts"]:
+        print(f"  attempt:   {a['at']} {a['actor']} {a['action']}: {a['outcome']}")
     return 0
 
 
@@ -99,12 +133,15 @@ def _indented(value: Any) -> str:
 
 
 def _decide(args: argparse.Namespace) -> int:
+    from cli.agent import fail
     from harness.approval import DecisionRefused
     from harness.errors import retry_while_busy
     from models.approval import DecisionOutcome
     from tasks.approval import approve, deny
 
     by = args.by or getpass.getuser()
+    if len(by) > MAX_BY_CHARS:
+        return fail(f"{args.command}: --by is longer than {MAX_BY_CHARS} characters", EXIT_BAD_ARGUMENTS)
 
     def decision() -> Any:
         if args.approve:
@@ -114,11 +151,11 @@ def _decide(args: argparse.Namespace) -> int:
     try:
         result = retry_while_busy(decision, what=f"the approval of call {args.call} (session {args.session})")
     except DecisionRefused as exc:
-        print(f"agent-recovery: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), EXIT_BAD_ARGUMENTS)
     message = result.describe()
     if result.outcome in (DecisionOutcome.DECIDED, DecisionOutcome.REPEATED):
         print(message)
         return 0
-    print(f"agent-recovery: {message}", file=sys.stderr)
-    return 1
+    if result.outcome == DecisionOutcome.NOT_FOUND:
+        return fail(message, EXIT_NOT_FOUND)
+    return fail(message, EXIT_CONFLICT)

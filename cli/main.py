@@ -23,6 +23,7 @@ FAMILIES = (
     "cli.metrics",
     "cli.approval",
     "cli.console",
+    "cli.audit",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'

@@ -38,12 +38,30 @@ def installed() -> bool:
     return True
 
 
-def pending(s: Session, *, show_content: bool = False) -> list[dict[str, Any]]:
-    """Open approval requests, oldest first, in the shape of ``agent-recovery approvals
-    --json``; the argument summary only when the console may show users' data."""
-    from models.approval import listing
+#: A page of the approvals list holds at most this many requests.
+MAX_PAGE = 500
+DEFAULT_PAGE = 50
 
-    return listing(s, with_arguments=show_content)
+
+def pending(s: Session, f: Any = None, *, show_content: bool = False) -> dict[str, Any]:
+    """A page of open approval requests, oldest first, each in the shape of ``agent-recovery
+    approvals --json`` (the arguments only when the console may show users' data); with
+    ``total`` (every request the filter names) and ``next_after`` (the ``after`` of the next
+    page, None on the last). ``f`` is a ``models.approval.PendingFilter``."""
+    from dataclasses import replace
+
+    from models.approval import PendingFilter, listing, pending_count
+
+    f = f or PendingFilter()
+    limit = max(1, min(f.limit or DEFAULT_PAGE, MAX_PAGE))
+    rows = listing(s, with_arguments=show_content, f=replace(f, limit=limit + 1))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {
+        "approvals": rows,
+        "total": pending_count(s, f),
+        "next_after": rows[-1]["id"] if more else None,
+    }
 
 
 def waiting_clause() -> Any:

@@ -62,6 +62,8 @@ class ConsoleConfig:
     secure_cookies: bool = False
     #: Host names a request may name (``host_allowed``); a leading dot allows every name under it.
     allowed_hosts: frozenset[str] = field(default=LOOPBACK_NAMES)
+    #: A sign-in (the session cookie) lasts this long; then the operator signs in again.
+    session_seconds: float = 12 * 3600.0
 
     @property
     def needs_token(self) -> bool:
@@ -97,6 +99,7 @@ def load_config(settings: Settings, host: str, *, secure_cookies: bool = False) 
         show_content=settings.CONSOLE_SHOW_CONTENT,
         secure_cookies=secure_cookies,
         allowed_hosts=allowed_hosts(settings.CONSOLE_ALLOWED_HOSTS, host),
+        session_seconds=settings.CONSOLE_SESSION_HOURS * 3600.0,
     )
 
 
@@ -140,20 +143,24 @@ def clean_operator(name: str | None) -> str:
     return cleaned or "operator"
 
 
-def session_value(token: str, operator: str) -> str:
-    """The session cookie of ``operator``: their name and an HMAC of it under the token."""
-    mac = hmac.new(token.encode(), f"console-session:{operator}".encode(), hashlib.sha256).hexdigest()
-    return f"{operator}.{mac}"
+def session_value(token: str, operator: str, issued: int | None = None) -> str:
+    """The session cookie of ``operator`` signed in at ``issued`` (Unix seconds, now by
+    default): their name, that time, and an HMAC of both under the token."""
+    issued = int(time.time()) if issued is None else issued
+    mac = hmac.new(token.encode(), f"console-session:{operator}:{issued}".encode(), hashlib.sha256).hexdigest()
+    return f"{operator}.{issued}.{mac}"
 
 
-def operator_of_session(token: str, cookie: str | None) -> str | None:
-    """The operator a session cookie names, or None when it was not made with this token."""
-    if not cookie or "." not in cookie:
+def operator_of_session(token: str, cookie: str | None, *, max_age_seconds: float = 12 * 3600.0) -> str | None:
+    """The operator a session cookie names, or None when it was not made with this token or
+    was made more than ``max_age_seconds`` ago (or in the future: a clock's mistake)."""
+    parts = (cookie or "").rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
         return None
-    operator = cookie.rsplit(".", 1)[0]
-    if operator != clean_operator(operator):
+    operator, issued = parts[0], int(parts[1])
+    if operator != clean_operator(operator) or not 0 <= time.time() - issued <= max_age_seconds:
         return None
-    return operator if hmac.compare_digest(session_value(token, operator), cookie) else None
+    return operator if hmac.compare_digest(session_value(token, operator, issued), str(cookie)) else None
 
 
 def bearer_ok(token: str, header: str | None) -> bool:

@@ -1,6 +1,7 @@
-"""What the console reads: the session list, one session's tree and timeline. Each function
-runs in the caller's READ ONLY transaction (:func:`read_only`) and returns plain JSON values:
-the ``/api`` shapes are a public interface, and the pages render the same values.
+"""What the console reads: the session list, one session's tree and its figures (its timeline:
+``console.timeline``). Each function runs in the caller's READ ONLY transaction
+(:func:`read_only`) and returns plain JSON values: the ``/api`` shapes are a public interface,
+and the pages render the same values.
 
 Content is the users' data: without ``show_content`` a message or a tool call is described by
 its role, its tool names and its size in characters, never its text.
@@ -14,15 +15,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, func, or_, select, text
+from sqlalchemy import BigInteger, Integer, cast, exists, func, literal, or_, select, text
 from sqlalchemy.orm import Session
 
+from console.timeline import timeline
 from harness.events import external_phase
-from harness.history import parse_tool_calls
-from models import AgentSession, ExecutionStatus, Message, Phase, Role, SubagentExecution, transaction
+from models import AgentSession, DeliveryStatus, ExecutionStatus, Message, Phase, Role, SubagentExecution, transaction
 from models.base import utcnow
-from models.journal import RoundJournal, RoundJournalCall
-from models.round import PendingRound
 
 S = AgentSession
 E = SubagentExecution
@@ -30,10 +29,14 @@ E = SubagentExecution
 #: A page of the list holds at most this many sessions.
 MAX_PAGE = 500
 DEFAULT_PAGE = 50
+#: A session's own children are shown this many at a time (``children_offset`` pages them).
+CHILDREN_PAGE = 50
+#: A child's children: the first this many, the rest counted by phase.
+NESTED_PAGE = 10
+#: The phase key of a child that has not started yet.
+NOT_STARTED = "NOT_STARTED"
 #: The tree is read this many levels below the session (parent -> children -> grandchildren ...).
 MAX_TREE_DEPTH = 4
-#: Tools that hand work to a child session: their result is delivered from the child.
-DELEGATING_TOOLS = ("delegate", "delegate_followup")
 #: A statement of the console that the database cannot answer in this time fails.
 STATEMENT_TIMEOUT_MS = 5000
 
@@ -76,6 +79,10 @@ def _iso(value: datetime | None) -> str | None:
 
 def _age(now: datetime, since: datetime | None) -> float | None:
     return None if since is None else round((now - since).total_seconds(), 1)
+
+
+#: What the list's ``phase`` filter accepts: the phases a client sees, and NONE (not started).
+PHASE_FILTERS = (*(p.value for p in Phase if p != Phase.RESUMING), "NONE")
 
 
 def _phase_clause(phase: str) -> Any:
@@ -246,11 +253,57 @@ def _assistant_rounds(s: Session, session_id: int) -> int:
     )
 
 
-def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
+def _page_of_children(s: Session, parents: list[int], *, offset: int, per_parent: int) -> list[int]:
+    """The child sessions shown under ``parents``, in the order they were started (their first
+    execution's id): for one parent a page from ``offset``; for several, the first
+    ``per_parent`` of each (one window query, not one per parent)."""
+    first = func.min(E.id)
+    if len(parents) == 1:
+        page = (
+            select(E.child_session_id)
+            .where(E.parent_session_id == parents[0])
+            .group_by(E.child_session_id)
+            .order_by(first)
+            .limit(per_parent)
+            .offset(offset)
+        )
+        return list(s.execute(page).scalars())
+    ranked = (
+        select(
+            E.child_session_id,
+            func.row_number().over(partition_by=E.parent_session_id, order_by=first).label("rank"),
+        )
+        .where(E.parent_session_id.in_(parents))
+        .group_by(E.parent_session_id, E.child_session_id)
+        .subquery()
+    )
+    return list(s.execute(select(ranked.c.child_session_id).where(ranked.c.rank <= per_parent)).scalars())
+
+
+def _children_by_phase(s: Session, parents: list[int]) -> dict[int, dict[str, int]]:
+    """Every child of each of ``parents`` counted by phase (shown or not): one aggregate."""
+    rows = s.execute(
+        select(E.parent_session_id, S.phase, func.count(func.distinct(E.child_session_id)))
+        .join(S, S.id == E.child_session_id)
+        .where(E.parent_session_id.in_(parents))
+        .group_by(E.parent_session_id, S.phase)
+    ).all()
+    out: dict[int, dict[str, int]] = {}
+    for parent, phase, n in rows:
+        key = external_phase(phase) or NOT_STARTED
+        by_phase = out.setdefault(parent, {})
+        by_phase[key] = by_phase.get(key, 0) + int(n)
+    return out
+
+
+def session_tree(s: Session, session_id: int, *, children_offset: int = 0) -> dict[str, Any] | None:
     """The session and its descendants, level by level: one query per level and table, so a
-    parent with 200 children costs the same few statements as one with two. Rows are read as
-    Core rows (no ORM identity map: the console never writes them). A child's rounds are its
-    executions' counters; the top session's are its model replies in the history."""
+    parent with 3,000 children costs the same few statements as one with two, and reads no
+    more rows than it shows. The session's own children are shown a page (CHILDREN_PAGE) at a
+    time from ``children_offset``; a child's children, the first NESTED_PAGE. Each node says
+    how many children it has by phase (``children_total``, ``children_by_phase``), shown or
+    not. Rows are read as Core rows (no ORM identity map: the console never writes them). A
+    child's rounds are its executions' counters; the top session's are its model replies."""
     root = s.execute(select(S.__table__).where(S.id == session_id)).one_or_none()
     if root is None:
         return None
@@ -258,15 +311,24 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
     mine = s.execute(select(E.__table__).where(E.child_session_id == session_id).order_by(E.id)).all()
     own = [_execution(e, now, root) for e in mine]
     top = _node(root, own, _assistant_rounds(s, session_id), now)
+    top["children_offset"] = children_offset
     level = {session_id: top}
-    for _ in range(MAX_TREE_DEPTH):
+    for depth in range(MAX_TREE_DEPTH):
         if not level:
             break
-        execs = s.execute(select(E.__table__).where(E.parent_session_id.in_(list(level))).order_by(E.id)).all()
-        child_ids = list(dict.fromkeys(e.child_session_id for e in execs))
-        sessions = (
-            {r.id: r for r in s.execute(select(S.__table__).where(S.id.in_(child_ids))).all()} if child_ids else {}
-        )
+        parents = list(level)
+        by_phase = _children_by_phase(s, parents)
+        for parent_id, node in level.items():
+            node["children_by_phase"] = by_phase.get(parent_id, {})
+            node["children_total"] = sum(node["children_by_phase"].values())
+        per_parent = CHILDREN_PAGE if depth == 0 else NESTED_PAGE
+        shown = _page_of_children(s, parents, offset=children_offset if depth == 0 else 0, per_parent=per_parent)
+        if not shown:
+            break
+        execs = s.execute(
+            select(E.__table__).where(E.parent_session_id.in_(parents), E.child_session_id.in_(shown)).order_by(E.id)
+        ).all()
+        sessions = {r.id: r for r in s.execute(select(S.__table__).where(S.id.in_(shown))).all()}
         by_child: dict[int, list[dict[str, Any]]] = {}
         for e in execs:
             by_child.setdefault(e.child_session_id, []).append(_execution(e, now, sessions.get(e.child_session_id)))
@@ -280,6 +342,9 @@ def session_tree(s: Session, session_id: int) -> dict[str, Any] | None:
             level[e.parent_session_id]["children"].append(node)
             next_level[cid] = node
         level = next_level
+    for node in level.values():  # below the deepest level read: nothing is known of children
+        node.setdefault("children_by_phase", {})
+        node.setdefault("children_total", 0)
     return top
 
 
@@ -289,186 +354,70 @@ def _walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _walk(child)
 
 
-def tree_active(tree: dict[str, Any]) -> bool:
-    """Something in the tree still runs or waits for a delivery: the page keeps updating."""
-    for node in _walk(tree):
-        if node["phase"] in (None, Phase.RUNNING.value, Phase.IDLE.value):
-            return True
-        if any(e["delivery_status"] == "PENDING" for e in node["executions"]):
-            return True
-    return False
+#: Phases in which a session still moves on its own (or waits for a person): its page updates.
+LIVE_PHASES = (Phase.RUNNING, Phase.RESUMING, Phase.IDLE, Phase.WAITING_APPROVAL)
 
 
-def tree_counts(tree: dict[str, Any]) -> dict[str, int]:
-    """Figures of the whole tree: sessions, executions, recovered executions, pending deliveries."""
-    nodes = list(_walk(tree))
-    executions = [e for n in nodes[1:] for e in n["executions"]]
-    return {
-        "sessions": len(nodes),
-        "executions": len(executions),
-        "recovered": sum(1 for e in executions if e["recoveries"] > 0),
-        "pending_delivery": sum(1 for e in executions if e["delivery_status"] == "PENDING"),
+def tree_figures(s: Session, session_id: int) -> tuple[dict[str, int], bool]:
+    """Figures of the whole tree (MAX_TREE_DEPTH levels), whatever part of it is shown:
+    sessions, executions, recovered executions, pending deliveries; and whether it is active
+    (a session runs, is not started yet, or waits for an approval; or a result waits for its
+    delivery). Two aggregate statements over one recursive walk of the tree: counts, not rows."""
+    start = select(cast(literal(session_id), BigInteger).label("sid"), literal(0, Integer).label("depth"))
+    walk = start.cte("tree", recursive=True)
+    t = walk.union(
+        select(E.child_session_id, walk.c.depth + 1).where(
+            E.parent_session_id == walk.c.sid, walk.c.depth < MAX_TREE_DEPTH
+        )
+    )
+    nodes = select(t.c.sid).distinct().subquery()
+    below = select(nodes.c.sid).where(nodes.c.sid != session_id)
+    live = or_(S.phase.is_(None), S.phase.in_(LIVE_PHASES))
+    sessions, live_sessions = s.execute(
+        select(func.count(), func.count().filter(live)).select_from(S).where(S.id.in_(select(nodes.c.sid)))
+    ).one()
+    pending = E.delivery_status == DeliveryStatus.PENDING
+    executions, recovered, pending_delivery = s.execute(
+        select(func.count(), func.count().filter(E.recoveries > 0), func.count().filter(pending)).where(
+            E.child_session_id.in_(below), E.parent_session_id.in_(select(nodes.c.sid))
+        )
+    ).one()
+    counts = {
+        "sessions": int(sessions),
+        "executions": int(executions),
+        "recovered": int(recovered),
+        "pending_delivery": int(pending_delivery),
     }
+    return counts, bool(live_sessions or pending_delivery)
 
 
-# --- one session: the rounds as a timeline -----------------------------------------------------
-
-
-def _crash_behaviour(name: str) -> str:
-    """What happens to this tool call after a crash (the tool's declaration)."""
-    from harness.tools.registry import REGISTRY
-
-    if name in DELEGATING_TOOLS:
-        return "delegated"  # a child session; its result is delivered exactly once
-    tool = REGISTRY.get(name)
-    if tool is None:
-        return "unknown"  # not registered in this process (an MCP tool, another deployment's tool)
-    if tool.read_only:
-        return "read_only"
-    if tool.idempotent:
-        return "idempotent"
-    return "at_most_once"
-
-
-def _size(text_value: str | None) -> int:
-    return len(text_value or "")
-
-
-def _call(call: dict[str, Any], show_content: bool) -> dict[str, Any]:
-    fn = call.get("function") or {}
-    name = str(fn.get("name", ""))
-    out: dict[str, Any] = {
-        "tool_call_id": call.get("id"),
-        "name": name,
-        "crash": _crash_behaviour(name),
-        "arguments_size": _size(fn.get("arguments") if isinstance(fn.get("arguments"), str) else None),
-        "result": None,
-    }
-    if show_content:
-        out["arguments"] = fn.get("arguments")
-    return out
-
-
-def _message_entry(m: Any, show_content: bool) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "message_id": m.id,
-        "role": str(m.role),
-        "at": _iso(m.created_at),
-        "size": _size(m.content),
-    }
-    if show_content:
-        entry["content"] = m.content
-    return entry
-
-
-def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list[dict[str, Any]]:
-    """The session's history as rounds: each USER message, each model reply with its tool
-    calls (their crash behaviour and the result that answered them: inline, or delivered from a
-    child session), then the round in flight (journaled, not in the history yet) and the round
-    waiting for its children."""
-    out: list[dict[str, Any]] = []
-    calls_by_id: dict[str, dict[str, Any]] = {}
-    messages = s.execute(
-        select(Message.__table__)
-        .where(Message.session_id == session_id, Message.deleted.is_(False))
-        .order_by(Message.id)
-    ).all()
-    for m in messages:
-        entry = _message_entry(m, show_content)
-        if m.role == Role.ASSISTANT:
-            parsed = parse_tool_calls(m.tool_calls)
-            calls = [_call(c, show_content) for c in parsed] if isinstance(parsed, list) else []
-            entry.update(kind="model_reply", tool_calls=calls)
-            for c in calls:
-                if c["tool_call_id"]:
-                    calls_by_id[str(c["tool_call_id"])] = c
-        elif m.role == Role.TOOL:
-            result = {
-                "message_id": m.id,
-                "size": _size(m.content),
-                "at": _iso(m.created_at),
-                "delivered_from_session_id": m.source_session_id,
-            }
-            if show_content:
-                result["content"] = m.content
-            call = calls_by_id.get(str(m.tool_call_id))
-            if call is not None:
-                call["result"] = result
-                continue
-            entry.update(kind="tool_result", tool_call_id=m.tool_call_id, **result)
-        else:
-            entry["kind"] = str(m.role).lower()
-        out.append(entry)
-    out.extend(_journal_entries(s, session_id, show_content))
-    out.extend(_waiting_round(s, session_id, show_content))
-    return out
-
-
-def _journal_entries(s: Session, session_id: int, show_content: bool) -> list[dict[str, Any]]:
-    entry = s.execute(
-        select(RoundJournal).where(RoundJournal.session_id == session_id, RoundJournal.closed_at.is_(None))
-    ).scalar_one_or_none()
-    if entry is None:
-        return []
-    journaled = {
-        c.tool_call_id: c
-        for c in s.execute(select(RoundJournalCall).where(RoundJournalCall.journal_id == entry.id)).scalars()
-    }
-    calls = []
-    for call in entry.tool_calls or []:
-        item = _call(call, show_content)
-        j = journaled.get(str(item["tool_call_id"]))
-        item["journal"] = None
-        if j is not None:
-            item["journal"] = {"status": str(j.status), "starts": j.starts, "repeatable": j.repeatable}
-        calls.append(item)
-    out: dict[str, Any] = {
-        "kind": "round_in_flight",
-        "journal_id": entry.id,
-        "epoch": entry.epoch,
-        "at": _iso(entry.created_at),
-        "replays": entry.replays,
-        "size": _size(entry.content),
-        "tool_calls": calls,
-    }
-    if show_content:
-        out["content"] = entry.content
-    return [out]
-
-
-def _waiting_round(s: Session, session_id: int, show_content: bool) -> list[dict[str, Any]]:
-    rnd = s.execute(
-        select(PendingRound).where(PendingRound.session_id == session_id, PendingRound.closed_at.is_(None))
-    ).scalar_one_or_none()
-    if rnd is None:
-        return []
-    children = {
-        e.parent_tool_call_id: e
-        for e in s.execute(select(E).where(E.pending_round_id == rnd.id)).scalars()
-        if e.parent_tool_call_id
-    }
-    calls = []
-    for call in rnd.tool_calls or []:
-        item = _call(call, show_content)
-        e = children.get(str(item["tool_call_id"]))
-        if e is not None:
-            item["execution"] = {"id": e.id, "status": str(e.status), "delivery_status": str(e.delivery_status)}
-        elif item["tool_call_id"] in (rnd.inline_results or {}):
-            item["result"] = {"inline": True, "size": _size(rnd.inline_results[item["tool_call_id"]])}
-        calls.append(item)
-    return [{"kind": "waiting_for_children", "round_id": rnd.id, "at": _iso(rnd.created_at), "tool_calls": calls}]
-
-
-def session_detail(s: Session, session_id: int, *, show_content: bool = False) -> dict[str, Any] | None:
-    """``GET /api/sessions/{id}``: the tree, its figures, the timeline and whether it still runs."""
-    tree = session_tree(s, session_id)
+def session_detail(
+    s: Session, session_id: int, *, show_content: bool = False, children_offset: int = 0
+) -> dict[str, Any] | None:
+    """``GET /api/sessions/{id}``: the tree (its children a page at a time), the whole tree's
+    figures, the timeline and whether it still runs."""
+    tree = session_tree(s, session_id, children_offset=children_offset)
     if tree is None:
         return None
+    counts, active = tree_figures(s, session_id)
     return {
         "session": {k: v for k, v in tree.items() if k != "children"},
         "tree": tree,
-        "counts": tree_counts(tree),
-        "active": tree_active(tree),
+        "counts": counts,
+        "active": active,
         "timeline": timeline(s, session_id, show_content=show_content),
         "content_shown": show_content,
+        "actions": operator_actions(s, session_id),
     }
+
+
+#: A session's page lists its latest this many operator actions.
+ACTIONS_SHOWN = 50
+
+
+def operator_actions(s: Session, session_id: int) -> list[dict[str, Any]]:
+    """What operators asked for on this session (cancels, redeliveries, decisions on its
+    calls), oldest first, the latest ACTIONS_SHOWN."""
+    from models.operator_action import latest
+
+    return list(reversed(latest(s, limit=ACTIONS_SHOWN, session_id=session_id)))

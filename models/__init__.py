@@ -24,6 +24,7 @@ from models.execution import SubagentExecution
 from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
+from models.operator_action import OperatorAction
 from models.round import PendingRound
 from models.session import AgentSession
 from models.usage import ModelCallUsage
@@ -51,6 +52,7 @@ __all__ = [
     "Message",
     "ModelCallUsage",
     "ModelError",
+    "OperatorAction",
     "PendingRound",
     "Phase",
     "RecoveryScan",

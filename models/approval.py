@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -34,17 +34,20 @@ from sqlalchemy import (
     UniqueConstraint,
     and_,
     bindparam,
+    delete,
     exists,
     func,
     or_,
     select,
     text,
+    tuple_,
     update,
 )
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
-from models.db import built_once, cas
+from models.db import built_once, cas, transaction
 from models.enums import ACTIVE_EXECUTION, STOPPED_PHASES, DeliveryStatus, ExecutionStatus, Phase, SessionType
 from models.execution import SubagentExecution
 from models.session import AgentSession, set_child_phase
@@ -75,6 +78,8 @@ class ApprovalRequest(Base):
         # One request per call of a session: a second decision can only be a compare-and-set.
         UniqueConstraint("session_id", "call_id", name="uq_approval_request_call"),
         # The pending list and the scan's backstop read the pending ones only.
+        # A gated round reads its requests by journal entry (requests_of).
+        Index("ix_approval_request_journal", "journal_id"),
         Index(
             "ix_approval_request_pending",
             "requested_at",
@@ -382,16 +387,46 @@ def decide(
     return DecisionOutcome.CONFLICT, row
 
 
-def pending(s: Session) -> list[ApprovalRequest]:
-    """Every PENDING request of a session that is not stopped, oldest first."""
-    return list(
-        s.execute(
-            select(A)
-            .join(S, S.id == A.session_id)
-            .where(A.status == ApprovalStatus.PENDING, S.phase.not_in(STOPPED_PHASES))
-            .order_by(A.requested_at, A.id)
-        ).scalars()
-    )
+@dataclass(frozen=True)
+class PendingFilter:
+    """Which pending requests a listing shows (None: any); ``after`` is the id of the last
+    request of the previous page (pages are oldest first)."""
+
+    tool: str | None = None
+    agent_type: str | None = None
+    session_id: int | None = None
+    after: int | None = None
+    limit: int | None = None
+
+
+def _pending_where(f: PendingFilter) -> list[Any]:
+    where: list[Any] = [A.status == ApprovalStatus.PENDING, S.phase.not_in(STOPPED_PHASES)]
+    if f.tool is not None:
+        where.append(A.tool == f.tool)
+    if f.agent_type is not None:
+        where.append(A.agent_type == f.agent_type)
+    if f.session_id is not None:
+        where.append(A.session_id == f.session_id)
+    return where
+
+
+def pending(s: Session, f: PendingFilter = PendingFilter()) -> list[ApprovalRequest]:
+    """The PENDING requests of sessions that are not stopped, oldest first (by request time,
+    then id), filtered and paged by ``f``."""
+    stmt = select(A).join(S, S.id == A.session_id).where(*_pending_where(f))
+    if f.after is not None:
+        last_at = select(A.requested_at).where(A.id == f.after).scalar_subquery()
+        stmt = stmt.where(tuple_(A.requested_at, A.id) > tuple_(last_at, f.after))
+    stmt = stmt.order_by(A.requested_at, A.id)
+    if f.limit is not None:
+        stmt = stmt.limit(f.limit)
+    return list(s.execute(stmt).scalars())
+
+
+def pending_count(s: Session, f: PendingFilter = PendingFilter()) -> int:
+    """How many PENDING requests ``f`` names (its page ignored)."""
+    stmt = select(func.count()).select_from(A).join(S, S.id == A.session_id).where(*_pending_where(f))
+    return int(s.execute(stmt).scalar_one())
 
 
 #: Longest argument text a listing's one-line summary shows for one request.
@@ -416,14 +451,21 @@ def parsed(arguments: str | None) -> Any:
         return arguments
 
 
-def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
+def listing(s: Session, *, with_arguments: bool = True, f: PendingFilter = PendingFilter()) -> list[dict[str, Any]]:
     """The pending requests as the CLI's ``approvals --json`` and the console's
     ``/api/approvals`` show them, oldest first (one shape, a public one): ``arguments`` is the
     whole JSON object, ``summary`` its one-line view. ``with_arguments`` False leaves both out
-    (the console shows users' data only when told)."""
+    (the console shows users' data only when told); ``f`` filters and pages them."""
     now = utcnow()
     rows = []
-    for r in pending(s):
+    found = pending(s, f)
+    sessions = {
+        sid: (user, parent)
+        for sid, user, parent in s.execute(
+            select(S.id, S.user_id, S.parent_session_id).where(S.id.in_({r.session_id for r in found}))
+        )
+    }
+    for r in found:
         row: dict[str, Any] = {
             "id": r.id,
             "session_id": r.session_id,
@@ -431,6 +473,8 @@ def listing(s: Session, *, with_arguments: bool = True) -> list[dict[str, Any]]:
             "tool": r.tool,
             "agent_type": r.agent_type,
             "execution_id": r.execution_id,
+            "user_id": sessions.get(r.session_id, (None, None))[0],
+            "parent_session_id": sessions.get(r.session_id, (None, None))[1],
             "requested_at": r.requested_at.isoformat(),
             "expires_at": r.expires_at.isoformat(),
             "age_seconds": round((now - r.requested_at).total_seconds(), 1),
@@ -460,6 +504,36 @@ def described(r: ApprovalRequest) -> dict[str, Any]:
         "arguments": parsed(r.arguments),
         "approved_arguments": parsed(r.approved_arguments),
     }
+
+
+def purge_decided(s: Session, *, retention_days: float, batch: int = 1000) -> int:
+    """Delete up to ``batch`` decided requests decided more than ``retention_days`` ago whose
+    round is closed (no open journal entry reads them again); returns how many. A request
+    waiting, or of a round still open, is never deleted. The invariants' checks read the
+    requests there are: a purged one is simply no longer checked."""
+    from models.journal import JournalStatus, RoundJournal
+
+    cutoff = utcnow() - timedelta(days=retention_days)
+    closed = select(RoundJournal.id).where(RoundJournal.status != JournalStatus.OPEN)
+    doomed = (
+        select(A.id)
+        .where(A.status != ApprovalStatus.PENDING, A.decided_at < cutoff, A.journal_id.in_(closed))
+        .limit(batch)
+        .scalar_subquery()
+    )
+    result = s.execute(delete(A).where(A.id.in_(doomed)).execution_options(synchronize_session=False))
+    return int(cast("CursorResult[Any]", result).rowcount)
+
+
+def purge_decided_all(retention_days: float, *, batch: int = 1000) -> int:
+    """``purge_decided`` batch after batch, one transaction each, until none is left."""
+    total = 0
+    while True:
+        with transaction() as s:
+            done = purge_decided(s, retention_days=retention_days, batch=batch)
+        total += done
+        if done < batch:
+            return total
 
 
 def waiting_for_approval(session: Any) -> Any:

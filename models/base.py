@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -10,6 +10,7 @@ from sqlalchemy import BigInteger, DateTime, Integer, MetaData, String
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 
+_ZERO = timedelta(0)
 #: BIGINT identity on PostgreSQL; INTEGER on SQLite so that it is the rowid alias (autoincrement).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -45,9 +46,12 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
             return value.replace(tzinfo=UTC)
-        return value
+        # The driver gives the database session's zone (PGTZ, a role's timezone): shown as UTC.
+        return value if value.utcoffset() == _ZERO else value.astimezone(UTC)
 
 
 class StrEnumType(TypeDecorator[StrEnum]):

@@ -158,7 +158,9 @@ def pg_url() -> Iterator[str]:
     admin.dispose()
 
 
-TABLES = ("message", "subagent_execution", "pending_round", "agent_session")
+#: Truncated before each test (with CASCADE: the tables that reference them); operator_action
+#: references nothing, so it is named.
+TABLES = ("message", "subagent_execution", "pending_round", "agent_session", "operator_action")
 
 
 @pytest.fixture

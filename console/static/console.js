@@ -9,23 +9,54 @@ document.addEventListener("submit", function (event) {
 });
 
 // Live updates of a running session's page, without a reload and without a build step: while
-// the session's tree still runs (data-active="true"), fetch its server-rendered live part
-// every second and swap it in. Stops once the tree is settled (one last swap shows the end).
+// the session's tree still runs (data-active="true"), ask for its server-rendered live part
+// every second and swap it in. The request names the part it has (If-None-Match): an unchanged
+// session answers 304 and nothing is swapped. A swap keeps the keyboard focus where it was
+// (the same button or link in the new part), so a keyboard user can still press Cancel. Stops
+// once the tree is settled (one last swap shows the end).
 (function () {
   "use strict";
   var live = document.getElementById("live");
   if (!live) return;
   var INTERVAL_MS = 1000;
+  var etag = null;
+
+  // A selector that finds the focused element again in the swapped-in part, or null.
+  function focusKey(el) {
+    if (!el || el === document.body || !live.contains(el)) return null;
+    if (el.id) return "#" + CSS.escape(el.id);
+    if (el.tagName === "A" && el.getAttribute("href")) return 'a[href="' + CSS.escape(el.getAttribute("href")) + '"]';
+    return null;
+  }
+
+  function swap(html) {
+    var key = focusKey(document.activeElement);
+    live.innerHTML = html;
+    if (key) {
+      var again = live.querySelector(key);
+      if (again) again.focus({ preventScroll: true });
+    }
+    var summary = live.querySelector(".summary");
+    live.dataset.active = summary ? summary.dataset.active : "false";
+  }
+
   function tick() {
-    fetch(live.dataset.src, { credentials: "same-origin", headers: { Accept: "text/html" } })
-      .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
+    var headers = { Accept: "text/html" };
+    if (etag) headers["If-None-Match"] = etag;
+    fetch(live.dataset.src, { credentials: "same-origin", cache: "no-store", headers: headers })
+      .then(function (r) {
+        if (r.status === 304) return null;
+        if (!r.ok) return Promise.reject(r.status);
+        etag = r.headers.get("ETag");
+        return r.text();
+      })
       .then(function (html) {
-        live.innerHTML = html;
-        var summary = live.querySelector(".summary");
-        var active = summary ? summary.dataset.active : "false";
-        live.dataset.active = active;
+        if (html !== null) {
+          swap(html);
+          live.dataset.swappedAt = String(Date.now());
+        }
         live.dataset.updatedAt = String(Date.now());
-        if (active === "true") setTimeout(tick, INTERVAL_MS);
+        if (live.dataset.active === "true") setTimeout(tick, INTERVAL_MS);
       })
       .catch(function () { setTimeout(tick, INTERVAL_MS * 3); });
   }

@@ -18,7 +18,7 @@ New nullable columns and a new table: no rewrite of the tables, no backfill (ses
 migration have no reason).
 
 Revision ID: 0021
-Revises: 0017
+Revises: 0020
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0021"
-down_revision = "0017"
+down_revision = "0020"
 branch_labels = None
 depends_on = None
 

@@ -30,6 +30,19 @@ CHROMIUM_ARGS = [
 ]
 
 
+def wait_js(page: Any, expression: str, *, timeout: float = 30.0, what: str = "") -> None:
+    """Wait until ``expression`` (JavaScript) is truthy in ``page``. Playwright's own
+    ``wait_for_function`` evaluates a string in the page, which the console's
+    Content-Security-Policy refuses (no eval); ``page.evaluate`` is not subject to it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {what or expression}")
+        page.wait_for_timeout(100)
+
+
 def chromium_path() -> str | None:
     """CHROMIUM (a path), else the system's chromium."""
     named = os.environ.get("CHROMIUM", "")

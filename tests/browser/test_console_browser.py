@@ -17,6 +17,7 @@ import pytest
 
 from console.auth import ConsoleConfig
 from devstack.processes import ROOT
+from tests.browser.conftest import wait_js
 from tests.console_server import serve
 from tests.helpers import approval_environment, executions_of, make_session, wait_until
 from tests.types import StackFactory
@@ -68,7 +69,7 @@ def sign_in(page: Any, base: str, operator: str = "alice") -> None:
     page.goto(f"{base}/login")
     page.fill("input[name=operator]", operator)
     page.fill("input[name=token]", TOKEN)
-    page.click("button[type=submit]")
+    page.click("form.login button[type=submit]")
     page.wait_for_url(f"{base}/")
 
 
@@ -98,10 +99,11 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
         # The page polls its live part: the recovered children appear without a reload.
         page.wait_for_selector("text=recovered ×1", timeout=90_000)
         # The scan's reservation counts the recovery (epoch 2); the recovery's take follows (3).
-        page.wait_for_function(
+        wait_js(
+            page,
             "[...document.querySelectorAll('li.node.depth-1 .epoch')]"
             ".some(e => parseInt(e.innerText.replace(/\\D/g, '')) >= 3)",
-            timeout=90_000,
+            timeout=90,
         )
         epochs = page.locator("li.node.depth-1 .epoch").all_inner_texts()
         assert any(int(re.sub(r"\D", "", e)) >= 3 for e in epochs), epochs
@@ -109,10 +111,11 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
         page.locator("#tree").screenshot(path=str(IMG / "console-tree.png"))
 
         # Each recovered child asks for `refund`, which needs a human yes: both park.
-        page.wait_for_function(
+        wait_js(
+            page,
             "document.querySelectorAll('li.node.depth-1').length === 2 && "
             "[...document.querySelectorAll('li.node.depth-1')].every(n => n.innerText.includes('WAITING_APPROVAL'))",
-            timeout=90_000,
+            timeout=90,
         )
         assert approval_env.exists() is False  # nothing ran before a decision
         approvals = page.context.new_page()  # a second tab: the session's page stays as it is
@@ -125,7 +128,7 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
             assert approvals.locator("#approvals tbody tr[data-request-id]").count() == n - 1
         approvals.close()
 
-        page.wait_for_function("document.getElementById('session-phase').innerText === 'WAITING_USER'", timeout=90_000)
+        wait_js(page, "document.getElementById('session-phase').innerText === 'WAITING_USER'", timeout=90)
         assert page.evaluate("window.__loadedOnce") is True  # the same document: never reloaded
         assert page.locator("#live-badge").count() == 0  # settled: no longer live
         assert page.locator("text=delivered from").count() == 2
@@ -161,4 +164,4 @@ def test_the_cancel_button_cancels_the_session_and_read_only_mode_shows_no_butto
         sign_in(page, base, operator="bob")
         page.goto(f"{base}/sessions/{other}")
         assert page.locator("#cancel").count() == 0
-        assert page.locator("form[method=post]").count() == 0
+        assert page.locator("form[method=post]:not([action='/logout'])").count() == 0

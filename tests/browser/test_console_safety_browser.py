@@ -13,7 +13,7 @@ import pytest
 
 from console.auth import ConsoleConfig
 from models import Phase
-from tests.browser.conftest import REBOUND_NAME
+from tests.browser.conftest import REBOUND_NAME, wait_js
 from tests.console_server import serve
 from tests.helpers import make_session, phase_of
 from tests.integration.test_approvals import Runs
@@ -99,7 +99,7 @@ def test_a_signed_in_approver_sees_every_argument_and_approves(
         page.goto(f"{base}/login")
         page.fill("input[name=operator]", "erin")
         page.fill("input[name=token]", TOKEN)
-        page.click("button[type=submit]")
+        page.click("form.login button[type=submit]")
         page.wait_for_url(f"{base}/")
         page.goto(f"{base}/approvals")
         (req,) = requests()
@@ -111,3 +111,38 @@ def test_a_signed_in_approver_sees_every_argument_and_approves(
         page.wait_for_url(re.compile(r".*outcome=approved"))
     (req,) = requests()
     assert (req.session_id, req.status, req.decided_by) == (sid, "APPROVED", "console:erin")
+
+
+def test_a_keyboard_user_cancels_a_running_session_while_its_page_updates(
+    db: str, redis_url: str, browser_page: Any
+) -> None:
+    from sqlalchemy import text
+
+    from models import transaction
+    from tests.helpers import make_execution
+
+    page = browser_page
+    page.on("dialog", lambda dialog: dialog.accept())
+    statuses: list[int] = []
+    page.on("response", lambda r: statuses.append(r.status) if "/live" in r.url else None)
+    sid = make_session()
+    eid = make_execution(sid)
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        page.goto(f"{base}/sessions/{sid}")
+        for _ in range(40):  # the keyboard only: Tab until the Cancel button has the focus
+            page.keyboard.press("Tab")
+            if page.evaluate("document.activeElement.id") == "cancel":
+                break
+        assert page.evaluate("document.activeElement.id") == "cancel"
+        wait_js(page, "document.getElementById('live').dataset.swappedAt !== undefined", timeout=10)
+        swapped = page.evaluate("document.getElementById('live').dataset.swappedAt")
+        page.wait_for_timeout(2500)  # unchanged: answered 304, nothing swapped
+        assert 304 in statuses
+        assert page.evaluate("document.getElementById('live').dataset.swappedAt") == swapped
+        with transaction() as s:
+            s.execute(text("UPDATE subagent_execution SET epoch = 7 WHERE id = :id"), {"id": eid})
+        wait_js(page, "document.getElementById('tree').innerText.includes('epoch 7')", timeout=10)
+        assert page.evaluate("document.activeElement.id") == "cancel"  # the swap kept the focus
+        page.keyboard.press("Enter")
+        page.wait_for_url(re.compile(r".*outcome=cancelled"))
+    assert phase_of(sid) == Phase.CANCELLED

@@ -108,3 +108,31 @@ def test_session_show_prints_the_original_and_the_edited_arguments(
     (approval,) = snap["approvals"]
     assert approval["arguments"]["amount"] == AMOUNT and approval["approved_arguments"] == edited
     assert approval["edited_arguments"] is True
+
+
+def test_an_approval_names_its_user_agent_and_parent_and_links_to_its_call(
+    console: Serve, model_factory: ModelFactory, runs: Runs
+) -> None:
+    from harness.child import start_child
+    from harness.parent import run_agent
+    from harness.views import create_session
+    from tests.helpers import RecordingScheduler, executions_of, loop_deps
+    from tests.integration.test_approvals import child_script, requests, session_row
+
+    model = model_factory(child_script(call("refund", order="C-1", amount=3)))
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    parent = create_session("main", "go")
+    run_agent(parent, 0, deps)
+    (execution,) = executions_of(parent)
+    start_child(execution.id, execution.epoch, deps)
+    (req,) = requests()
+    assert req.session_id == execution.child_session_id
+    base = console(show_content=True)
+    http = client(base)
+    (row,) = http.get(f"{base}/api/approvals", timeout=10).json()["approvals"]
+    assert row["parent_session_id"] == parent and row["user_id"] == session_row(req.session_id).user_id
+    page = http.get(f"{base}/approvals", timeout=10).text
+    assert f'href="/sessions/{parent}"' in page  # the parent
+    assert f'href="/sessions/{req.session_id}#call-{req.call_id}"' in page  # the call in its timeline
+    child_page = http.get(f"{base}/sessions/{req.session_id}", timeout=10).text
+    assert f'id="call-{req.call_id}"' in child_page

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -67,6 +68,12 @@ def client(base: str, *, token: str | None = TOKEN, operator: str = "alice") -> 
     return http
 
 
+def login_csrf(browser: requests.Session, base: str) -> str:
+    """The CSRF token of the sign-in form (``browser`` keeps its cookie)."""
+    page = browser.get(f"{base}/login", timeout=10).text
+    return page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+
+
 # --- who may see -------------------------------------------------------------------------------
 
 
@@ -96,9 +103,12 @@ def test_signing_in_sets_a_cookie_that_holds_no_token_and_no_page_shows_the_toke
     base = console()
     sid = make_session()
     browser = requests.Session()
-    refused = browser.post(f"{base}/login", data={"operator": "bob", "token": "wrong"}, timeout=10)
+    csrf = login_csrf(browser, base)
+    refused = browser.post(f"{base}/login", data={"operator": "bob", "token": "wrong", "csrf": csrf}, timeout=10)
     assert refused.status_code == 401
-    done = browser.post(f"{base}/login", data={"operator": "bob", "token": TOKEN}, allow_redirects=False, timeout=10)
+    done = browser.post(
+        f"{base}/login", data={"operator": "bob", "token": TOKEN, "csrf": csrf}, allow_redirects=False, timeout=10
+    )
     assert done.status_code == 303
     cookies = "; ".join(f"{c.name}={c.value}" for c in browser.cookies)
     assert TOKEN not in cookies
@@ -471,19 +481,25 @@ def test_read_only_mode_refuses_every_action_and_shows_no_button(console: Serve)
         f"/api/executions/{eid}/redeliver",
         "/api/approvals/1/approve",
         "/api/approvals/1/deny",
-        f"/sessions/{parent}/cancel",
     ):
         r = http.post(base + path, data={"reason": "x", "csrf": http.headers["X-CSRF-Token"]}, timeout=10)
         assert r.status_code == 403 and r.json() == {"error": "read_only"}, path
+    form = http.post(
+        f"{base}/sessions/{parent}/cancel", data={"csrf": http.headers["X-CSRF-Token"]}, allow_redirects=False
+    )
+    assert form.status_code == 303 and form.headers["location"] == f"/sessions/{parent}?outcome=read_only"
     assert phase_of(parent) == Phase.RUNNING
     page = http.get(f"{base}/sessions/{parent}", timeout=10).text
-    assert '<form method="post"' not in page and "read-only" in page
+    forms = re.findall(r'<form method="post" action="([^"]*)"', page)
+    assert forms == ["/logout"] and "read-only" in page  # signing out is all there is to post
 
 
 def test_the_page_form_cancels_and_returns_to_the_page_with_the_outcome(console: Serve) -> None:
     base = console()
     browser = requests.Session()
-    browser.post(f"{base}/login", data={"operator": "carol", "token": TOKEN}, timeout=10)
+    browser.post(
+        f"{base}/login", data={"operator": "carol", "token": TOKEN, "csrf": login_csrf(browser, base)}, timeout=10
+    )
     sid = make_session()
     page = browser.get(f"{base}/sessions/{sid}", timeout=10).text
     csrf = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]

@@ -21,7 +21,7 @@ from console.auth import load_config
 from models import Phase
 from tests.console_server import serve
 from tests.helpers import make_session, phase_of, wait_until
-from tests.integration.test_console_api import TOKEN, Serve, client
+from tests.integration.test_console_api import TOKEN, Serve, client, login_csrf
 from tests.integration.test_console_api import console as console  # the fixture
 
 
@@ -121,9 +121,15 @@ def test_repeated_refused_sign_ins_from_one_address_are_slowed_down_then_let_thr
     from console.auth import FREE_FAILURES
 
     base = console()
+    browser = requests.Session()
+    csrf = login_csrf(browser, base)
+
+    def sign_in(token: str) -> requests.Response:
+        return browser.post(f"{base}/login", data={"operator": "x", "token": token, "csrf": csrf}, timeout=10)
+
     for _ in range(FREE_FAILURES):
-        assert requests.post(f"{base}/login", data={"operator": "x", "token": "guess"}, timeout=10).status_code == 401
-    slowed = requests.post(f"{base}/login", data={"operator": "x", "token": TOKEN}, timeout=10)
+        assert sign_in("guess").status_code == 401
+    slowed = sign_in(TOKEN)
     assert slowed.status_code == 429  # even the right token waits: the check is not made at all
     wait = int(slowed.headers["retry-after"])
     assert wait >= 1
@@ -132,7 +138,7 @@ def test_repeated_refused_sign_ins_from_one_address_are_slowed_down_then_let_thr
     time.sleep(wait + 0.2)
     assert requests.get(f"{base}/api/sessions", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).ok
     # A success forgets the failures.
-    assert requests.post(f"{base}/login", data={"operator": "x", "token": "guess"}, timeout=10).status_code == 401
+    assert sign_in("guess").status_code == 401
 
 
 # --- the served command's log -------------------------------------------------------------------
@@ -185,7 +191,9 @@ def test_the_console_command_logs_each_request_each_action_and_each_refused_sign
     http = client(base, operator="alice")
     assert http.get(f"{base}/api/sessions", params={"user": "secret-filter"}, timeout=10).status_code == 200
     assert http.post(f"{base}/api/sessions/{sid}/cancel", timeout=10).status_code == 200
-    refused = requests.post(f"{base}/login", data={"operator": "mallory", "token": TOKEN + "x"}, timeout=10)
+    browser = requests.Session()
+    form = {"operator": "mallory", "token": TOKEN + "x", "csrf": login_csrf(browser, base)}
+    refused = browser.post(f"{base}/login", data=form, timeout=10)
     assert refused.status_code == 401
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=20)
