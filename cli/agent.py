@@ -149,9 +149,13 @@ def wait_for_turn(sid: int, timeout: float) -> str | None:
 def _show(args: argparse.Namespace) -> int:
     from harness.views import snapshot
     from models import transaction
+    from models.usage import session_usage, tree_usage
 
     with transaction() as s:
         snap = snapshot(s, args.id)
+        if snap is not None:
+            own, tree = session_usage(s, args.id), tree_usage(s, args.id)
+            snap["usage"] = {"session": own.as_dict(), "tree": tree.as_dict()}
     if snap is None:
         return fail(f"session show: no session {args.id}")
     if args.json:
@@ -160,6 +164,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"session {snap['id']} {snap['session_type']} agent={snap['agent_type']} phase={snap['phase']}")
     if snap.get("failure_code"):
         print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
+    print(f"  usage: session {_totals(snap['usage']['session'])}; tree {_totals(snap['usage']['tree'])}")
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:
@@ -185,6 +190,13 @@ def _show(args: argparse.Namespace) -> int:
         if a["approved_arguments"] is not None:
             print(f"    edited to: {json.dumps(a['approved_arguments'], ensure_ascii=False)}")
     return 0
+
+
+def _totals(t: dict[str, int]) -> str:
+    return (
+        f"prompt={t['prompt_tokens']} completion={t['completion_tokens']} cached={t['cached_tokens']} "
+        f"reasoning={t['reasoning_tokens']} calls={t['model_calls']}"
+    )
 
 
 def _short(text: str | None, n: int = 160) -> str:

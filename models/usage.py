@@ -5,6 +5,7 @@ and adds none."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, cast
 
@@ -63,3 +64,48 @@ def record_usage(
 @built_once
 def _insert_stmt() -> Any:
     return insert(cast(Table, ModelCallUsage.__table__))
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """Sums of the usage rows of a session or a tree, and how many model calls they count."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    model_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_SUMS = (
+    "COALESCE(SUM(u.prompt_tokens), 0), COALESCE(SUM(u.completion_tokens), 0), "
+    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0), COUNT(u.id)"
+)
+
+
+def session_usage(s: Session, session_id: int) -> UsageTotals:
+    """The session's own model calls (not its children's): one query on the session index."""
+    row = s.execute(
+        text(f"SELECT {_SUMS} FROM model_call_usage u WHERE u.session_id = :sid"), {"sid": session_id}
+    ).one()
+    return UsageTotals(*(int(v) for v in row))
+
+
+def tree_usage(s: Session, root_id: int) -> UsageTotals:
+    """The model calls of ``root_id`` and of every descendant (children, their children, ...):
+    one recursive query down ``agent_session.parent_session_id``. For a root session this is
+    the whole tree; for a child, its own subtree."""
+    row = s.execute(
+        text(
+            "WITH RECURSIVE tree(id) AS ("
+            " SELECT CAST(:root AS BIGINT)"
+            " UNION ALL"
+            " SELECT c.id FROM agent_session c JOIN tree t ON c.parent_session_id = t.id)"
+            f" SELECT {_SUMS} FROM model_call_usage u JOIN tree t ON u.session_id = t.id"
+        ),
+        {"root": root_id},
+    ).one()
+    return UsageTotals(*(int(v) for v in row))
