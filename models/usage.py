@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, insert, text
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, func, insert, select, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
 from models.db import built_once
+from models.session import AgentSession
 
 
 class ModelCallUsage(Base):
@@ -109,3 +111,40 @@ def tree_usage(s: Session, root_id: int) -> UsageTotals:
         {"root": root_id},
     ).one()
     return UsageTotals(*(int(v) for v in row))
+
+
+class UsageGroup(StrEnum):
+    """What `usage_by` groups the model calls by."""
+
+    AGENT = "agent"  #: the agent type of the session that called the model
+    USER = "user"  #: the session's user (a child's is its root's)
+    MODEL = "model"  #: the model that answered, as the provider named it
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    """One group's totals: ``key`` is the agent type, user or model (None: a model not named)."""
+
+    key: str | None
+    totals: UsageTotals
+
+
+def usage_by(s: Session, *, by: UsageGroup, since: datetime | None = None) -> list[GroupUsage]:
+    """Totals of every model call recorded at or after ``since`` (all of them when None), one
+    per group, ordered by key; one query."""
+    u, sess = ModelCallUsage, AgentSession
+    key: Any = {UsageGroup.AGENT: sess.agent_type, UsageGroup.USER: sess.user_id, UsageGroup.MODEL: u.model}[by]
+    stmt = select(
+        key,
+        func.coalesce(func.sum(u.prompt_tokens), 0),
+        func.coalesce(func.sum(u.completion_tokens), 0),
+        func.coalesce(func.sum(u.cached_tokens), 0),
+        func.coalesce(func.sum(u.reasoning_tokens), 0),
+        func.count(u.id),
+    ).select_from(u)
+    if by is not UsageGroup.MODEL:
+        stmt = stmt.join(sess, sess.id == u.session_id)
+    if since is not None:
+        stmt = stmt.where(u.created_at >= since)
+    rows = s.execute(stmt.group_by(key).order_by(key)).all()
+    return [GroupUsage(row[0], UsageTotals(*(int(v) for v in row[1:]))) for row in rows]

@@ -92,3 +92,38 @@ def test_a_session_with_no_model_call_totals_zero() -> None:
     sid = create_session("main", "go")
     with transaction() as s:
         assert session_usage(s, sid) == tree_usage(s, sid) == UsageTotals(0, 0, 0, 0, 0)
+
+
+def test_the_usage_command_groups_totals_by_agent_user_and_model_since_a_time(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = model_factory(SCRIPT)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", user_id="ada")
+    assert run_agent(sid, 0, deps) == "yielded"
+    drive(model.base_url, after_crash=False, deps=deps)
+    journal = model.journal()
+    everything, parent, children = _served(journal), _served(journal, [0, 1]), _served(journal, [2])
+
+    def usage(*argv: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert main(["usage", *argv, "--json"]) == 0
+        shown: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return shown
+
+    by_agent = usage()  # by agent unless told
+    assert by_agent["by"] == "agent" and by_agent["since"] is None
+    assert by_agent["groups"] == [{"key": "main", **parent.as_dict()}, {"key": "reviewer", **children.as_dict()}]
+    assert by_agent["total"] == everything.as_dict()
+    assert usage("--by", "user")["groups"] == [{"key": "ada", **everything.as_dict()}]
+    assert usage("--by", "model")["groups"] == [{"key": "scripted", **everything.as_dict()}]
+    later = usage("--since", "2999-01-01T00:00:00+00:00")
+    assert later["groups"] == [] and later["total"] == UsageTotals().as_dict()
+    assert usage("--since", "2000-01-01")["total"] == everything.as_dict()  # a naive time is UTC
+
+    assert main(["usage", "--by", "model"]) == 0
+    out = capsys.readouterr().out
+    assert "scripted" in out and f"prompt={everything.prompt_tokens} " in out
+    with pytest.raises(SystemExit) as bad:  # not an ISO time: a usage error, as argparse reports one
+        main(["usage", "--since", "yesterday"])
+    assert bad.value.code == 2 and "--since" in capsys.readouterr().err
