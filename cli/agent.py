@@ -27,6 +27,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("submit", help="start a session: new session, USER message, enqueue agent.run")
     p.add_argument("--agent", default="main", help="agent name (AGENTS_FILE or the built-in default)")
     p.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait for the turn to end")
+    p.add_argument(
+        "--budget-tokens", type=_positive_int, metavar="N", help="the token budget of the session's whole agent tree"
+    )
     p.add_argument("text")
     p.set_defaults(handler=_submit)
 
@@ -73,7 +76,7 @@ def _submit(args: argparse.Namespace) -> int:
     if not args.text.strip():
         return fail("submit: the text is empty")
     try:
-        sid = create_session(args.agent, args.text)
+        sid = create_session(args.agent, args.text, budget_tokens=args.budget_tokens)
     except UnknownAgent as exc:
         return fail(f"submit: {exc}")
     try:

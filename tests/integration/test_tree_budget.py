@@ -1,0 +1,124 @@
+"""A token budget for an agent tree, enforced before each model call by a reservation (one
+conditional UPDATE) and settled to the provider's figures with the reply (docs/usage.md,
+"Budgets"). Real PostgreSQL, the scripted model over HTTP reporting known usage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from harness.parent import run_agent
+from harness.views import create_session
+from models import AgentSession, Message, Role, transaction
+from models.budget import DEFAULT_RESERVATION_TOKENS, TreeBudget
+from tests.helpers import drive, executions_of, loop_deps
+from tests.types import ModelFactory
+
+pytestmark = pytest.mark.usefixtures("db", "redis_url")
+
+MAIN = "main agent"
+PER_CALL = 1200  # prompt 1000 + completion 200, every call
+USAGE = {"prompt_tokens": 1000, "completion_tokens": 200}
+BUDGET = 30_000
+
+
+def _delegate(task: str) -> dict[str, Any]:
+    return {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": task}}
+
+
+#: A runaway tree: the parent delegates two children again after every round and never
+#: answers; each child calls a tool, then answers.
+RUNAWAY: list[dict[str, Any]] = [
+    {"when": {"system_contains": MAIN}, "reply": {"tool_calls": [_delegate("a"), _delegate("b")], "usage": USAGE}},
+    {
+        "when": {"system_contains": "reviewer subagent", "turn": 0},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "again"}}], "usage": USAGE},
+    },
+    {"when": {"system_contains": "reviewer subagent", "turn": 1}, "reply": {"content": "seen", "usage": USAGE}},
+]
+
+
+def _budget(root: int) -> TreeBudget:
+    with transaction() as s:
+        row = s.get(TreeBudget, root)
+        assert row is not None
+        s.expunge(row)
+        return row
+
+
+def test_a_runaway_tree_stops_at_its_budget_and_every_child_result_is_delivered_once(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(RUNAWAY)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    run_agent(sid, 0, deps)
+    drive(model.base_url, after_crash=False, deps=deps, max_steps=40)
+
+    served = len(model.journal()) * PER_CALL
+    # The model served at most the budget plus the reservations in flight (one at a time here).
+    assert 0 < served <= BUDGET + DEFAULT_RESERVATION_TOKENS
+    budget = _budget(sid)
+    assert (budget.spent_tokens, budget.reserved_tokens) == (served, 0)  # settled to what was served, exactly
+
+    executions = executions_of(sid)
+    assert len(executions) > 2  # the parent delegated again after its children's results
+    assert all(e.delivery_status == "DELIVERED" for e in executions)
+    assert {str(e.status) for e in executions} == {"COMPLETED", "FAILED"}
+    with transaction() as s:
+        parent = s.get(AgentSession, sid)
+        assert parent is not None
+        assert (str(parent.phase), parent.failure_code) == ("FAILED", "budget_exhausted")
+        children = [s.get(AgentSession, e.child_session_id) for e in executions]
+        assert all(c is not None and c.budget_root_id == sid for c in children)  # they drew on the root's budget
+        failed = [c for c, e in zip(children, executions, strict=True) if e.status == "FAILED"]
+        assert all(c is not None and c.failure_code == "budget_exhausted" for c in failed)
+        tool_results = list(
+            s.execute(
+                select(Message.tool_call_id).where(Message.session_id == sid, Message.role == Role.TOOL)
+            ).scalars()
+        )
+    # Each child's result reached the parent exactly once.
+    assert sorted(tool_results) == sorted(e.parent_tool_call_id for e in executions)
+
+
+def test_a_tree_without_a_budget_reserves_nothing(model_factory: ModelFactory) -> None:
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}}])
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "waiting_user"
+    with transaction() as s:
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and parent.budget_root_id is None
+        assert s.execute(select(TreeBudget)).first() is None
+
+
+def test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_still_ends(
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy import exc as sa_exc
+
+    import harness.loop
+
+    real = harness.loop.crash_point
+
+    def crash(name: str) -> None:
+        if name == "budget.after_reserve":
+            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reservation"))
+        real(name)
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}}])
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    monkeypatch.setattr(harness.loop, "crash_point", crash)
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    monkeypatch.setattr(harness.loop, "crash_point", real)
+    assert model.journal() == []
+    # The dead call's reservation stays charged: the books overcount, never under.
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (0, DEFAULT_RESERVATION_TOKENS)
+    drive(model.base_url)
+    assert len(model.journal()) == 1
+    with transaction() as s:
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and str(parent.phase) == "WAITING_USER"
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, DEFAULT_RESERVATION_TOKENS)
