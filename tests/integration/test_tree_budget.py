@@ -4,6 +4,7 @@ conditional UPDATE) and settled to the provider's figures with the reply (docs/u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -122,3 +123,62 @@ def test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_sti
         parent = s.get(AgentSession, sid)
         assert parent is not None and str(parent.phase) == "WAITING_USER"
     assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, DEFAULT_RESERVATION_TOKENS)
+
+
+@pytest.fixture
+def budgeted_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]:
+    """AGENTS_FILE: the built-in agents, ``main`` with ``budget = { tokens = 5000 }`` and
+    ``max_tokens = 1000`` (its calls reserve 1000 each)."""
+    from harness.agents import DEFAULT_AGENTS_TOML, _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        DEFAULT_AGENTS_TOML.replace(
+            "max_rounds = 20\n", "max_rounds = 20\nmax_tokens = 1000\nbudget = { tokens = 5000 }\n", 1
+        ),
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+@pytest.mark.usefixtures("budgeted_main")
+def test_an_agents_budget_applies_to_every_tree_rooted_at_it_unless_submit_names_one(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN},
+                "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
+            }
+        ]
+    )
+    sid = create_session("main", "go")
+    assert _budget(sid).budget_tokens == 5000
+    assert create_session("main", "go", budget_tokens=777) and _budget(sid + 1).budget_tokens == 777
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "failed"
+    # 1000 reserved per call: calls start at spent 0, 1200, 2400, 3600; at 4800 the next is refused.
+    assert len(model.journal()) == 4
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (4 * PER_CALL, 0)
+    with transaction() as s:
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and parent.failure_code == "budget_exhausted"
+
+
+def test_an_agents_budget_must_be_a_table_of_positive_tokens() -> None:
+    from harness.agents import parse_agents
+    from harness.errors import AgentConfigError
+
+    base = '[agents.a]\nsystem_prompt = "p"\n'
+    assert parse_agents(base + "budget = { tokens = 9 }\n")["a"].budget_tokens == 9
+    assert parse_agents(base)["a"].budget_tokens is None
+    for bad in ("budget = 9", "budget = { tokens = 0 }", "budget = { usd = 2.0 }", 'budget = { tokens = "9" }'):
+        with pytest.raises(AgentConfigError, match="budget"):
+            parse_agents(base + bad + "\n")
