@@ -182,3 +182,49 @@ def test_an_agents_budget_must_be_a_table_of_positive_tokens() -> None:
     for bad in ("budget = 9", "budget = { tokens = 0 }", "budget = { usd = 2.0 }", 'budget = { tokens = "9" }'):
         with pytest.raises(AgentConfigError, match="budget"):
             parse_agents(base + bad + "\n")
+
+
+def _statements_of_this_thread(run: Any) -> list[str]:
+    """The SQL this thread sends while ``run()`` runs (a heartbeat's thread is left out)."""
+    import threading
+
+    from sqlalchemy import event
+
+    from models import get_engine
+
+    me, seen = threading.get_ident(), []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        # The installation's id is read once per process (by whichever run comes first).
+        if threading.get_ident() == me and "FROM installation" not in statement:
+            seen.append(" ".join(statement.split()))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        run()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_a_budgeted_model_call_costs_one_statement_more_and_an_unbudgeted_one_none(
+    model_factory: ModelFactory,
+) -> None:
+    script = [
+        {
+            "when": {"system_contains": MAIN, "turn": turn},
+            "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
+        }
+        for turn in (0, 1)
+    ] + [{"when": {"system_contains": MAIN, "turn": 2}, "reply": {"content": "done", "usage": USAGE}}]
+    plain_model, budgeted_model = model_factory(script), model_factory(script)
+    plain, budgeted = create_session("main", "go"), create_session("main", "go", budget_tokens=BUDGET)
+    without = _statements_of_this_thread(lambda: run_agent(plain, 0, loop_deps(plain_model.base_url)))
+    with_budget = _statements_of_this_thread(lambda: run_agent(budgeted, 0, loop_deps(budgeted_model.base_url)))
+    calls = len(budgeted_model.journal())
+    assert calls == len(plain_model.journal()) == 3
+    assert not [q for q in without if "tree_budget" in q]
+    assert len(with_budget) - len(without) == calls  # the reservation; the settlement rides in the usage INSERT
+    assert len([q for q in with_budget if q.startswith("UPDATE tree_budget")]) == calls
+    assert (_budget(budgeted).spent_tokens, _budget(budgeted).reserved_tokens) == (calls * PER_CALL, 0)
