@@ -152,6 +152,7 @@ def wait_for_turn(sid: int, timeout: float) -> str | None:
 def _show(args: argparse.Namespace) -> int:
     from harness.views import snapshot
     from models import transaction
+    from models.budget import budget_of
     from models.usage import session_usage, tree_usage
 
     with transaction() as s:
@@ -159,6 +160,7 @@ def _show(args: argparse.Namespace) -> int:
         if snap is not None:
             own, tree = session_usage(s, args.id), tree_usage(s, args.id)
             snap["usage"] = {"session": own.as_dict(), "tree": tree.as_dict()}
+            snap["budget"] = budget_of(s, args.id)
     if snap is None:
         return fail(f"session show: no session {args.id}")
     if args.json:
@@ -168,6 +170,11 @@ def _show(args: argparse.Namespace) -> int:
     if snap.get("failure_code"):
         print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
     print(f"  usage: session {_totals(snap['usage']['session'])}; tree {_totals(snap['usage']['tree'])}")
+    if (b := snap["budget"]) is not None:
+        print(
+            f"  budget: tree of session {b['root_session_id']}: {b['spent']} of {b['tokens']} tokens spent, "
+            f"{b['reserved']} reserved"
+        )
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:

@@ -61,6 +61,21 @@ def open_budget(s: Session, root_session_id: int, tokens: int) -> None:
     )
 
 
+def budget_of(s: Session, session_id: int) -> dict[str, int] | None:
+    """The budget of the tree ``session_id`` belongs to (``root_session_id``, ``tokens``,
+    ``spent``, ``reserved``), one query; None when its tree has no budget."""
+    row = s.execute(
+        text(
+            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens, b.reserved_tokens"
+            " FROM agent_session a JOIN tree_budget b ON b.root_session_id = a.budget_root_id WHERE a.id = :sid"
+        ),
+        {"sid": session_id},
+    ).one_or_none()
+    if row is None:
+        return None
+    return {"root_session_id": int(row[0]), "tokens": int(row[1]), "spent": int(row[2]), "reserved": int(row[3])}
+
+
 def reserve(s: Session, root_session_id: int, tokens: int) -> bool:
     """Reserve ``tokens`` of the tree's budget for one model call. False, and nothing written,
     when the reservation would take the tree past its budget (or the tree has no budget row)."""

@@ -4,12 +4,14 @@ conditional UPDATE) and settled to the provider's figures with the reply (docs/u
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
+from cli.main import main
 from harness.parent import run_agent
 from harness.views import create_session
 from models import AgentSession, Message, Role, transaction
@@ -150,7 +152,7 @@ def budgeted_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[No
 
 @pytest.mark.usefixtures("budgeted_main")
 def test_an_agents_budget_applies_to_every_tree_rooted_at_it_unless_submit_names_one(
-    model_factory: ModelFactory,
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = model_factory(
         [
@@ -170,6 +172,13 @@ def test_an_agents_budget_applies_to_every_tree_rooted_at_it_unless_submit_names
     with transaction() as s:
         parent = s.get(AgentSession, sid)
         assert parent is not None and parent.failure_code == "budget_exhausted"
+    capsys.readouterr()
+    assert main(["session", "show", str(sid), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["budget"] == {"root_session_id": sid, "tokens": 5000, "spent": 4 * PER_CALL, "reserved": 0}
+    assert shown["usage"]["tree"]["prompt_tokens"] + shown["usage"]["tree"]["completion_tokens"] == 4 * PER_CALL
+    assert main(["session", "show", str(sid)]) == 0
+    assert f"budget: tree of session {sid}: 4800 of 5000 tokens spent, 0 reserved" in capsys.readouterr().out
 
 
 def test_an_agents_budget_must_be_a_table_of_positive_tokens() -> None:

@@ -83,6 +83,7 @@ def test_the_tree_total_is_what_the_model_served_and_the_session_total_the_paren
     shown = json.loads(capsys.readouterr().out)
     assert shown["usage"] == {"session": own.as_dict(), "tree": tree.as_dict()}
     assert shown["id"] == sid and len(shown["executions"]) == 2  # the existing keys stay
+    assert shown["budget"] is None  # no budget for this tree
     assert main(["session", "show", str(sid)]) == 0
     out = capsys.readouterr().out
     assert "usage: session prompt=304 completion=24 cached=47 reasoning=5 calls=2; tree prompt=418 " in out
