@@ -237,3 +237,37 @@ def test_a_budgeted_model_call_costs_one_statement_more_and_an_unbudgeted_one_no
     assert len(with_budget) - len(without) == calls  # the reservation; the settlement rides in the usage INSERT
     assert len([q for q in with_budget if q.startswith("UPDATE tree_budget")]) == calls
     assert (_budget(budgeted).spent_tokens, _budget(budgeted).reserved_tokens) == (calls * PER_CALL, 0)
+
+
+def test_a_round_continued_from_the_journal_after_a_crash_reserves_and_spends_nothing_more(
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy import exc as sa_exc
+
+    import harness.journal
+
+    real = harness.journal.crash_point
+
+    def crash(name: str) -> None:
+        if name == "journal.after_reply":
+            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reply"))
+        real(name)
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "a"}}], "usage": USAGE},
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "done", "usage": USAGE}},
+        ]
+    )
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    monkeypatch.setattr(harness.journal, "crash_point", crash)
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    monkeypatch.setattr(harness.journal, "crash_point", real)
+    # The journaled reply settled its reservation in its own transaction.
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, 0)
+    drive(model.base_url)
+    assert len(model.journal()) == 2
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (2 * PER_CALL, 0)  # the replay added 0
