@@ -271,3 +271,25 @@ def test_a_round_continued_from_the_journal_after_a_crash_reserves_and_spends_no
     drive(model.base_url)
     assert len(model.journal()) == 2
     assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (2 * PER_CALL, 0)  # the replay added 0
+
+
+def test_parallel_reservations_never_take_a_tree_past_its_budget() -> None:
+    """Eight threads reserve at once against one tree: the conditional UPDATE grants exactly
+    what fits, whatever the interleaving (PostgreSQL re-checks the WHERE on the locked row)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from models.budget import reserve
+
+    sid = create_session("main", "go", budget_tokens=1000)
+
+    def attempts(_: int) -> int:
+        granted = 0
+        for _ in range(20):
+            with transaction() as s:
+                granted += reserve(s, sid, 100)
+        return granted
+
+    with ThreadPoolExecutor(8) as pool:
+        granted = sum(pool.map(attempts, range(8)))
+    assert granted == 10
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (0, 1000)
