@@ -37,7 +37,7 @@ from harness.tools import lookup
 from logfmt import log_event
 from models import lease, transaction
 from models.base import utcnow
-from models.budget import DEFAULT_RESERVATION_TOKENS, Reservation, release, reserve
+from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, release, reserve
 from models.worker import identity
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def ask(
         if timeout <= 0:
             raise DeadlineExceeded()
     assert deps.model is not None
-    held = None if budget_root_id is None else _reserve(budget_root_id, options)
+    held = None if budget_root_id is None else _reserve(budget_root_id, reservation_tokens(options, messages))
     try:
         reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
@@ -122,18 +122,18 @@ def ask(
     return reply if held is None else replace(reply, reservation=held)
 
 
-def reservation_tokens(options: ModelOptions | None) -> int:
-    """What one model call reserves of its tree's budget: the agent's completion limit
+def reservation_tokens(options: ModelOptions | None, messages: Sequence[dict[str, Any]] = ()) -> int:
+    """What one model call reserves of its tree's budget: an estimate of the prompt (its
+    messages' text at ``CHARS_PER_TOKEN``) plus the agent's completion limit
     (``max_completion_tokens``, else ``max_tokens``), else ``DEFAULT_RESERVATION_TOKENS``."""
-    if options is not None:
-        limit = options.max_completion_tokens or options.max_tokens
-        if limit:
-            return int(limit)
-    return DEFAULT_RESERVATION_TOKENS
+    completion = DEFAULT_RESERVATION_TOKENS
+    if options is not None and (options.max_completion_tokens or options.max_tokens):
+        completion = int(options.max_completion_tokens or options.max_tokens or 0)
+    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    return chars // CHARS_PER_TOKEN + completion
 
 
-def _reserve(root_session_id: int, options: ModelOptions | None) -> Reservation:
-    tokens = reservation_tokens(options)
+def _reserve(root_session_id: int, tokens: int) -> Reservation:
     with transaction() as s:
         if not reserve(s, root_session_id, tokens):
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)

@@ -20,9 +20,12 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 from models.base import Base, UTCDateTime, utcnow
 from models.session import AgentSession
 
-#: The reservation of a model call whose agent sets no ``max_tokens`` / ``max_completion_tokens``:
-#: the completion a call may be expected to reach (the prompt is charged when the reply settles).
+#: The completion a model call reserves when its agent sets no ``max_tokens`` /
+#: ``max_completion_tokens`` (its prompt's estimate is added: harness.loop.reservation_tokens).
 DEFAULT_RESERVATION_TOKENS = 4096
+#: The prompt's estimate: characters of its messages' text per token (a rough English average;
+#: the reply settles to the provider's own count).
+CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
