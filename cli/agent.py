@@ -27,6 +27,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("submit", help="start a session: new session, USER message, enqueue agent.run")
     p.add_argument("--agent", default="main", help="agent name (AGENTS_FILE or the built-in default)")
     p.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait for the turn to end")
+    p.add_argument(
+        "--budget-tokens", type=_positive_int, metavar="N", help="the token budget of the session's whole agent tree"
+    )
     p.add_argument("text")
     p.set_defaults(handler=_submit)
 
@@ -73,7 +76,7 @@ def _submit(args: argparse.Namespace) -> int:
     if not args.text.strip():
         return fail("submit: the text is empty")
     try:
-        sid = create_session(args.agent, args.text)
+        sid = create_session(args.agent, args.text, budget_tokens=args.budget_tokens)
     except UnknownAgent as exc:
         return fail(f"submit: {exc}")
     try:
@@ -149,9 +152,15 @@ def wait_for_turn(sid: int, timeout: float) -> str | None:
 def _show(args: argparse.Namespace) -> int:
     from harness.views import snapshot
     from models import transaction
+    from models.budget import budget_of
+    from models.usage import session_usage, tree_usage
 
     with transaction() as s:
         snap = snapshot(s, args.id)
+        if snap is not None:
+            own, tree = session_usage(s, args.id), tree_usage(s, args.id)
+            snap["usage"] = {"session": own.as_dict(), "tree": tree.as_dict()}
+            snap["budget"] = budget_of(s, args.id)
     if snap is None:
         return fail(f"session show: no session {args.id}")
     if args.json:
@@ -160,6 +169,12 @@ def _show(args: argparse.Namespace) -> int:
     print(f"session {snap['id']} {snap['session_type']} agent={snap['agent_type']} phase={snap['phase']}")
     if snap.get("failure_code"):
         print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
+    print(f"  usage: session {_totals(snap['usage']['session'])}; tree {_totals(snap['usage']['tree'])}")
+    if (b := snap["budget"]) is not None:
+        print(
+            f"  budget: tree of session {b['root_session_id']}: {b['spent']} of {b['tokens']} tokens spent, "
+            f"{b['reserved']} reserved"
+        )
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:
@@ -185,6 +200,13 @@ def _show(args: argparse.Namespace) -> int:
         if a["approved_arguments"] is not None:
             print(f"    edited to: {json.dumps(a['approved_arguments'], ensure_ascii=False)}")
     return 0
+
+
+def _totals(t: dict[str, int]) -> str:
+    return (
+        f"prompt={t['prompt_tokens']} completion={t['completion_tokens']} cached={t['cached_tokens']} "
+        f"reasoning={t['reasoning_tokens']} calls={t['model_calls']}"
+    )
 
 
 def _short(text: str | None, n: int = 160) -> str:

@@ -24,6 +24,7 @@ FAMILIES = (
     "cli.approval",
     "cli.console",
     "cli.audit",
+    "cli.usage",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'
@@ -45,6 +46,7 @@ WITHOUT_TOOLS = frozenset(
         "scripted-model",
         "superagent-stub",
         "local-client",
+        "usage",
     }
 )
 

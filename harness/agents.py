@@ -57,6 +57,7 @@ _KEYS = {
     "approve",
     "approve_destructive",
     "on_incomplete",
+    "budget",
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
@@ -112,6 +113,9 @@ class AgentDef:
     #: A parent's answer the model did not finish: "wait_for_user" (stored, marked, the user is
     #: next) or "fail" (stored, marked, the session FAILED with the reason). A child always fails.
     on_incomplete: str = "wait_for_user"
+    #: The token budget of every tree rooted at this agent (``budget = { tokens = N }``; None:
+    #: none); ``submit --budget-tokens`` names another for one tree (models.budget).
+    budget_tokens: int | None = None
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers
@@ -198,9 +202,22 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             approve=tuple(approve),
             approve_destructive=approve_destructive,
             on_incomplete=on_incomplete,
+            budget_tokens=_budget_tokens(f"{source}: agents.{name}", table.get("budget")),
         )
     _check_mcp_names(source, out)
     return out
+
+
+def _budget_tokens(at: str, budget: Any) -> int | None:
+    """``budget = { tokens = N }``: the token budget of a tree rooted at the agent."""
+    if budget is None:
+        return None
+    tokens = budget.get("tokens") if isinstance(budget, dict) else None
+    if not isinstance(budget, dict) or set(budget) != {"tokens"}:
+        raise AgentConfigError(f"{at}.budget must be a table {{ tokens = N }}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise AgentConfigError(f"{at}.budget.tokens must be a positive integer")
+    return tokens
 
 
 def _model_options(at: str, table: dict[str, Any]) -> ModelOptions:

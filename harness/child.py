@@ -117,6 +117,7 @@ def _child_info(row: Any) -> ChildInfo:
         child_phase=row.phase,
         model_outage_since=row.model_outage_since,
         journal_open=row.journal_open,
+        budget_root_id=row.budget_root_id,
     )
 
 
@@ -324,7 +325,14 @@ def _child_rounds(
             rnd, in_flight = in_flight, None
         else:
             view, first_view = first_view or model_messages(info.child_session_id, agent), None
-            reply = ask(deps, view, tools=allowed, deadline=deadline, options=agent.model_options)
+            reply = ask(
+                deps,
+                view,
+                tools=allowed,
+                deadline=deadline,
+                options=agent.model_options,
+                budget_root_id=info.budget_root_id,
+            )
             if model_waiting:
                 model_answered(info.child_session_id)
                 model_waiting = False

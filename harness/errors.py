@@ -71,6 +71,10 @@ class DeadlineExceeded(HarnessError):
     """The absolute deadline of this execution has passed."""
 
 
+class BudgetExhausted(HarnessError):
+    """Raised when the tree's token budget refused a model call's reservation (docs/usage.md)."""
+
+
 class MaxRoundsReached(HarnessError):
     """The agent's max_rounds passed without a final answer."""
 

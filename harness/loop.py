@@ -18,23 +18,26 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from crashpoints import crash_point
 from harness.agents import AgentDef
 from harness.approval import Gate
-from harness.errors import DeadlineExceeded, ModelUnavailable, is_infrastructure_error
+from harness.errors import BudgetExhausted, DeadlineExceeded, ModelUnavailable, is_infrastructure_error
 from harness.fence import Fence
 from harness.history import Compaction, model_view
 from harness.journal import RoundInFlight, commit_round, run_tools
 from harness.model import ModelClient, ModelOptions, ModelReply
 from harness.scheduler import Scheduler
 from harness.tools import lookup
+from logfmt import log_event
 from models import lease, transaction
 from models.base import utcnow
+from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, release, reserve
 from models.worker import identity
 
 log = logging.getLogger(__name__)
@@ -93,19 +96,64 @@ def ask(
     tools: tuple[str, ...],
     deadline: datetime | None,
     options: ModelOptions | None = None,
+    budget_root_id: int | None = None,
 ) -> ModelReply:
+    """One model call. In a budgeted tree (``budget_root_id``: the session's
+    ``agent_session.budget_root_id``) it first reserves its estimate of the tree's budget, one
+    statement (models.budget.reserve); a refused reservation raises ``BudgetExhausted`` and
+    calls no model. The reply carries its reservation, settled where the reply is stored."""
     timeout = None
     if deadline is not None:
         timeout = (deadline - utcnow()).total_seconds()
         if timeout <= 0:
             raise DeadlineExceeded()
     assert deps.model is not None
+    held = None if budget_root_id is None else _reserve(budget_root_id, reservation_tokens(options, messages))
     try:
-        return deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
+        reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
+        _give_back(held)
         if deadline is not None and utcnow() >= deadline:
             raise DeadlineExceeded() from None
         raise
+    except BaseException:
+        _give_back(held)
+        raise
+    return reply if held is None else replace(reply, reservation=held)
+
+
+def reservation_tokens(options: ModelOptions | None, messages: Sequence[dict[str, Any]] = ()) -> int:
+    """What one model call reserves of its tree's budget: an estimate of the prompt (its
+    messages' text at ``CHARS_PER_TOKEN``) plus the agent's completion limit
+    (``max_completion_tokens``, else ``max_tokens``), else ``DEFAULT_RESERVATION_TOKENS``."""
+    completion = DEFAULT_RESERVATION_TOKENS
+    if options is not None and (options.max_completion_tokens or options.max_tokens):
+        completion = int(options.max_completion_tokens or options.max_tokens or 0)
+    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    return chars // CHARS_PER_TOKEN + completion
+
+
+def _reserve(root_session_id: int, tokens: int) -> Reservation:
+    with transaction() as s:
+        if not reserve(s, root_session_id, tokens):
+            log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
+            raise BudgetExhausted(f"the tree's token budget is exhausted (a call reserves {tokens} tokens)")
+    crash_point("budget.after_reserve")
+    return Reservation(root_session_id, tokens)
+
+
+def _give_back(held: Reservation | None) -> None:
+    """Return the reservation of a call that stored no reply. Best effort: when the database
+    fails here the reservation stays charged (the books overcount, never under)."""
+    if held is None:
+        return
+    try:
+        with transaction() as s:
+            release(s, held.root_session_id, held.tokens)
+    except Exception as exc:
+        if not is_infrastructure_error(exc):
+            raise
+        log_event(log, "budget_release_failed", logging.WARNING, root_session_id=held.root_session_id)
 
 
 def inline_round(

@@ -51,6 +51,7 @@ import requests.adapters
 
 from harness.errors import ModelUnavailable
 from logfmt import log_event
+from models.budget import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,9 @@ class ModelReply:
     reasoning_tokens: int = 0
     #: The model that answered, as the provider named it (None: not said, or a journaled reply).
     model: str | None = None
+    #: The tree budget's reservation this call holds, settled with the reply's usage (None: the
+    #: tree has no budget, or a journaled reply: models.budget).
+    reservation: Reservation | None = field(default=None, compare=False)
 
     @property
     def incomplete(self) -> str | None:

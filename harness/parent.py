@@ -87,10 +87,12 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         )
         new_epoch = None if row is None else int(row.epoch)
         agent_type: str | None = None
+        budget_root_id: int | None = None
         in_flight = first_view = None
         model_waiting = False
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
+            budget_root_id = row.budget_root_id
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there. The
@@ -122,6 +124,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
                 view=first_view,
                 in_flight=in_flight,
                 model_waiting=model_waiting,
+                budget_root_id=budget_root_id,
             )
         return RunOutcome.INFRA_ERROR
     except LeaseLost:
@@ -146,7 +149,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 
 
 #: What a run reads of its session, returned by its take.
-RUN_FACTS = ("agent_type", "compaction_boundary_message_id", "compaction_summary", "model_outage_since", JOURNAL_OPEN)
+RUN_FACTS = (
+    "agent_type",
+    "compaction_boundary_message_id",
+    "compaction_summary",
+    "model_outage_since",
+    "budget_root_id",
+    JOURNAL_OPEN,
+)
 
 
 def _release(fence: Fence, phase: Phase | None, reason: FailureReason | None = None) -> None:
@@ -166,6 +176,7 @@ def _parent_rounds(
     view: list[dict[str, Any]] | None = None,
     in_flight: RoundInFlight | None = None,
     model_waiting: bool = False,
+    budget_root_id: int | None = None,
 ) -> RunOutcome:
     gate = Gate(agent)
     for _ in range(agent.max_rounds):
@@ -179,6 +190,7 @@ def _parent_rounds(
                 tools=allowed,
                 deadline=None,
                 options=agent.model_options,
+                budget_root_id=budget_root_id,
             )
             view = None
             if model_waiting:

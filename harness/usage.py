@@ -5,21 +5,29 @@ already, made no call and records nothing."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.orm import Session
 
 from harness.model import ModelReply
+from models.budget import settle_and_record
 from models.usage import record_usage
 
 
 def record_call(s: Session, session_id: int, reply: ModelReply, *, execution_id: int | None = None) -> None:
-    """Insert ``reply``'s usage in the caller's transaction."""
-    record_usage(
-        s,
-        session_id=session_id,
-        execution_id=execution_id,
-        model=reply.model,
-        prompt_tokens=reply.prompt_tokens,
-        completion_tokens=reply.completion_tokens,
-        cached_tokens=reply.cached_tokens,
-        reasoning_tokens=reply.reasoning_tokens,
-    )
+    """Insert ``reply``'s usage in the caller's transaction; a call of a budgeted tree also
+    settles its reservation there, in the same statement (models.budget)."""
+    usage: dict[str, Any] = {
+        "session_id": session_id,
+        "execution_id": execution_id,
+        "model": reply.model[:128] if reply.model else None,
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "cached_tokens": reply.cached_tokens,
+        "reasoning_tokens": reply.reasoning_tokens,
+    }
+    held = reply.reservation
+    if held is None:
+        record_usage(s, **usage)
+    else:
+        settle_and_record(s, root_session_id=held.root_session_id, reserved=held.tokens, usage=usage)

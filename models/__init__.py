@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from models.approval import ApprovalRequest, ApprovalStatus
 from models.base import Base, utcnow
+from models.budget import TreeBudget
 from models.db import dialect_name, dispose_engines, get_engine, transaction
 from models.enums import (
     ACTIVE_EXECUTION,
@@ -61,6 +62,7 @@ __all__ = [
     "RoundJournalCall",
     "SessionType",
     "SubagentExecution",
+    "TreeBudget",
     "WorkerBoot",
     "dialect_name",
     "dispose_engines",

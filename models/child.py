@@ -40,6 +40,7 @@ def child_facts_stmt() -> Any:
             E.final_message_id,
             S.phase,
             S.model_outage_since,
+            S.budget_root_id,
             # Whether the child session has an open round journal entry (ChildInfo.journal_open).
             has_open_entry(E.child_session_id),
         )

@@ -88,4 +88,5 @@ class FailureCode(StrEnum):
     INVALID_HISTORY = "invalid_history"  #: the history can never be shown to a model (a bad compaction boundary)
     CANCELLED_BY = "cancelled_by"  #: an operator or a user cancelled it (the message names who)
     PARENT_STOPPED = "parent_stopped"  #: a child whose parent was stopped: its result is suppressed
+    BUDGET_EXHAUSTED = "budget_exhausted"  #: its tree's token budget refused a model call's reservation
     INTERNAL_ERROR = "internal_error"  #: anything else: the message names the exception's type

@@ -67,6 +67,9 @@ class AgentSession(Base):
     #: Messages with id <= boundary are summarized by compaction_summary.
     compaction_boundary_message_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     compaction_summary: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The root of the budgeted tree this session belongs to (its own id for a root; a child
+    #: copies its parent's at creation); NULL when its tree has no budget (models.budget).
+    budget_root_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: Fencing token: bumped by every owner change; every write carries the epoch it was handed.
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
@@ -207,6 +210,7 @@ def create_child_session(
         values["b_parent"] = parent_id
     else:
         values["user_id"] = user_id
+    values["b_budget_parent"] = parent_id
     return int(s.execute(_insert_child_stmt(user_id is None), values).scalar_one())
 
 
@@ -216,7 +220,9 @@ def _insert_child_stmt(user_from_parent: bool) -> Any:
     stmt = insert(sessions)
     if user_from_parent:
         stmt = stmt.values(user_id=select(S.user_id).where(S.id == bindparam("b_parent")).scalar_subquery())
-    return stmt.returning(sessions.c.id)
+    # A child draws from its parent's tree budget, if any: read by the INSERT itself (no trip).
+    parent = select(S.budget_root_id).where(S.id == bindparam("b_budget_parent")).scalar_subquery()
+    return stmt.values(budget_root_id=parent).returning(sessions.c.id)
 
 
 def cancel_child(s: Session, child_id: int, *, reason: FailureReason | None = None) -> None:

@@ -5,14 +5,17 @@ and adds none."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, insert, text
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, func, insert, select, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
 from models.db import built_once
+from models.session import AgentSession
 
 
 class ModelCallUsage(Base):
@@ -63,3 +66,85 @@ def record_usage(
 @built_once
 def _insert_stmt() -> Any:
     return insert(cast(Table, ModelCallUsage.__table__))
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """Sums of the usage rows of a session or a tree, and how many model calls they count."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    model_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_SUMS = (
+    "COALESCE(SUM(u.prompt_tokens), 0), COALESCE(SUM(u.completion_tokens), 0), "
+    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0), COUNT(u.id)"
+)
+
+
+def session_usage(s: Session, session_id: int) -> UsageTotals:
+    """The session's own model calls (not its children's): one query on the session index."""
+    row = s.execute(
+        text(f"SELECT {_SUMS} FROM model_call_usage u WHERE u.session_id = :sid"), {"sid": session_id}
+    ).one()
+    return UsageTotals(*(int(v) for v in row))
+
+
+def tree_usage(s: Session, root_id: int) -> UsageTotals:
+    """The model calls of ``root_id`` and of every descendant (children, their children, ...):
+    one recursive query down ``agent_session.parent_session_id``. For a root session this is
+    the whole tree; for a child, its own subtree."""
+    row = s.execute(
+        text(
+            "WITH RECURSIVE tree(id) AS ("
+            " SELECT CAST(:root AS BIGINT)"
+            " UNION ALL"
+            " SELECT c.id FROM agent_session c JOIN tree t ON c.parent_session_id = t.id)"
+            f" SELECT {_SUMS} FROM model_call_usage u JOIN tree t ON u.session_id = t.id"
+        ),
+        {"root": root_id},
+    ).one()
+    return UsageTotals(*(int(v) for v in row))
+
+
+class UsageGroup(StrEnum):
+    """What `usage_by` groups the model calls by."""
+
+    AGENT = "agent"  #: the agent type of the session that called the model
+    USER = "user"  #: the session's user (a child's is its root's)
+    MODEL = "model"  #: the model that answered, as the provider named it
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    """One group's totals: ``key`` is the agent type, user or model (None: a model not named)."""
+
+    key: str | None
+    totals: UsageTotals
+
+
+def usage_by(s: Session, *, by: UsageGroup, since: datetime | None = None) -> list[GroupUsage]:
+    """Totals of every model call recorded at or after ``since`` (all of them when None), one
+    per group, ordered by key; one query."""
+    u, sess = ModelCallUsage, AgentSession
+    key: Any = {UsageGroup.AGENT: sess.agent_type, UsageGroup.USER: sess.user_id, UsageGroup.MODEL: u.model}[by]
+    stmt = select(
+        key,
+        func.coalesce(func.sum(u.prompt_tokens), 0),
+        func.coalesce(func.sum(u.completion_tokens), 0),
+        func.coalesce(func.sum(u.cached_tokens), 0),
+        func.coalesce(func.sum(u.reasoning_tokens), 0),
+        func.count(u.id),
+    ).select_from(u)
+    if by is not UsageGroup.MODEL:
+        stmt = stmt.join(sess, sess.id == u.session_id)
+    if since is not None:
+        stmt = stmt.where(u.created_at >= since)
+    rows = s.execute(stmt.group_by(key).order_by(key)).all()
+    return [GroupUsage(row[0], UsageTotals(*(int(v) for v in row[1:]))) for row in rows]
