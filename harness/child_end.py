@@ -64,6 +64,8 @@ class ChildInfo:
     #: Whether the child session had an open round journal entry as the loading transaction
     #: read it (None: not read); ``harness.child.first_round`` reads no entry when False.
     journal_open: bool | None = None
+    #: The child session's release (docs/releases.md; None: the worker's configuration).
+    release_id: int | None = None
 
 
 def _live_after_start(role: Role) -> Any:
