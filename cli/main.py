@@ -23,6 +23,7 @@ FAMILIES = (
     "cli.metrics",
     "cli.approval",
     "cli.console",
+    "cli.release",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'
@@ -44,6 +45,7 @@ WITHOUT_TOOLS = frozenset(
         "scripted-model",
         "superagent-stub",
         "local-client",
+        "releases",
     }
 )
 

@@ -112,6 +112,10 @@ class AgentDef:
     #: A parent's answer the model did not finish: "wait_for_user" (stored, marked, the user is
     #: next) or "fail" (stored, marked, the session FAILED with the reason). A child always fails.
     on_incomplete: str = "wait_for_user"
+    #: The release this definition was read from (harness.release; None: the worker's file),
+    #: and the Python tools that release had (the names a call may still use after a deploy).
+    release_id: int | None = None
+    release_tools: tuple[str, ...] = ()
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers

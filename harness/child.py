@@ -41,10 +41,9 @@ from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.outage import model_answered, wait_for_model
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
-from harness.release import session_agent
+from harness.release import offered_tools, session_agent
 from harness.results import describe_exception
 from harness.scheduler import Scheduler
-from harness.tools import tool_names
 from logfmt import log_event
 from models import (
     AgentSession,
@@ -278,7 +277,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id):
             publish_status(info.child_session_id, Phase.RUNNING)
             agent = child_agent(info)
-            allowed = agent.tool_names(tool_names(), subagent=True)
+            allowed = offered_tools(agent, subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
                 final = _child_rounds(

@@ -44,9 +44,9 @@ from harness.journal import RoundInFlight, close_in, journal_reply, resume, resu
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.outage import model_answered, wait_for_model
-from harness.release import session_agent
+from harness.release import offered_tools, session_agent, session_release
 from harness.scheduler import Handed
-from harness.tools import run_inline, tool_names
+from harness.tools import run_inline
 from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
@@ -94,7 +94,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
             # The session's release's definition (docs/releases.md), read in the take's transaction.
-            agent = session_agent(s, agent_type, row.release_id)
+            agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there. The
@@ -111,7 +111,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     crash_point("parent.after_resume")
     publish_status(session_id, Phase.RUNNING)
     fence = SessionFence(session_id, new_epoch, deps.lease_seconds)
-    allowed = agent.tool_names(tool_names(), subagent=False)
+    allowed = offered_tools(agent, subagent=False)
     try:
         # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
         # resumes the session (R18). The boundary stops it before the handlers below.

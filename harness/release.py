@@ -1,10 +1,12 @@
 """Releases: the agent configuration in force as data (models.release, docs/releases.md).
 
-``current_release_id`` stores the configuration this process runs (every agent of AGENTS_FILE,
+``current_release_id`` stores the configuration this worker runs (every agent of AGENTS_FILE,
 every registered tool's schema and flags, MCP server entries without their header and env
 values) once under the sha256 of its canonical JSON, and caches the id per database.
 ``session_agent`` is how a loop gets the definition of a session's agent: from the session's
-release when it has one (pinned), from the worker's configuration otherwise.
+release when it has one (pinned), from the worker's configuration otherwise;
+``session_release`` gives a session without one the release of the worker running its first
+round.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from harness.agents import AgentDef, get_agent, load_agents
 from harness.errors import UnknownAgent
 from harness.model import ModelOptions
 from models import ExecutionMode, get_engine, transaction
-from models.release import release_definition, store_release
+from models.release import pin_session_release, release_definition, release_of, store_release
 
 #: Bumped when the shape of a definition changes (a new key): the hash then changes with it.
 DEFINITION_VERSION = 1
@@ -124,6 +126,17 @@ def current_release_id(s: Session) -> int:
     return release_id
 
 
+def session_release(s: Session, session_id: int, epoch: int) -> int | None:
+    """The release of a session that has none yet, decided by its first run (the holder of
+    ``epoch``, in its take's transaction): this worker's. A session records the release of the
+    worker that runs it first, not of the process that created it, which may have no tool
+    module loaded (an API process). None when the epoch moved on (the run stops anyway)."""
+    release_id = current_release_id(s)
+    if pin_session_release(s, session_id, epoch=epoch, release_id=release_id):
+        return release_id
+    return release_of(s, session_id)
+
+
 def _remember(key: tuple[str, str], release_id: int) -> Any:
     def remember(_session: Session) -> None:
         with _lock:
@@ -165,10 +178,10 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
     entry = definition.get("agents", {}).get(agent_type)
     if entry is None:
         raise UnknownAgent(f"unknown agent {agent_type!r} in release {release_id} ({content_hash[:12]})")
-    return _agent_from(agent_type, entry, sorted(definition.get("tools", {})))
+    return _agent_from(agent_type, entry, sorted(definition.get("tools", {})), release_id)
 
 
-def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str]) -> AgentDef:
+def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int) -> AgentDef:
     servers = {m["name"] for m in entry.get("mcp_servers", [])}
     try:
         current = get_agent(name)
@@ -195,5 +208,24 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str]) -
         approve=tuple(entry.get("approve", ())),
         approve_destructive=bool(entry.get("approve_destructive", False)),
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
+        release_id=release_id,
+        release_tools=tuple(definition_tools),
     )
     return replace(agent, mcp_servers=mcp)
+
+
+def offered_tools(agent: AgentDef, *, subagent: bool) -> tuple[str, ...]:
+    """The tools ``agent``'s round offers on this worker; an ``Offered`` naming the release's
+    tools this worker lacks when there are any (docs/releases.md)."""
+    from harness.tools.registry import REGISTRY, Offered
+
+    names = agent.tool_names(tuple(REGISTRY), subagent=subagent)
+    if agent.release_id is None:
+        return names
+    had = agent.registered_tool_names(agent.release_tools, subagent=subagent)
+    missing = frozenset(n for n in had if n not in REGISTRY)
+    if not missing:
+        return names
+    offered = Offered(names)
+    offered.release_id, offered.missing = agent.release_id, missing
+    return offered

@@ -18,14 +18,11 @@ from models.base import utcnow
 def create_session(agent_type: str, text: str, *, user_id: str = "cli") -> int:
     """A NORMAL session with its first USER message, reserved for `agent.run(id, 0)`."""
     from harness.agents import get_agent
-    from harness.release import current_release_id
 
     agent = get_agent(agent_type)
     now = utcnow()
     with transaction() as s:
         row = AgentSession(
-            # The release it started in: its rounds keep it (docs/releases.md).
-            release_id=current_release_id(s),
             user_id=user_id,
             session_type=SessionType.NORMAL,
             agent_type=agent.name,

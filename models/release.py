@@ -48,7 +48,8 @@ def release_definition(s: Session, release_id: int) -> tuple[str, dict[str, Any]
 
 
 def release_rows(s: Session) -> list[Any]:
-    """Every release (id, content_hash, created_at, live: its sessions not yet stopped), oldest first."""
+    """Every release (id, content_hash, definition, created_at, live: its sessions not yet
+    stopped, children included), oldest first."""
     from models.session import AgentSession, not_stopped
 
     live = (
@@ -59,9 +60,13 @@ def release_rows(s: Session) -> list[Any]:
     )
     return list(
         s.execute(
-            select(AgentRelease.id, AgentRelease.content_hash, AgentRelease.created_at, live.label("live")).order_by(
-                AgentRelease.id
-            )
+            select(
+                AgentRelease.id,
+                AgentRelease.content_hash,
+                AgentRelease.definition,
+                AgentRelease.created_at,
+                live.label("live"),
+            ).order_by(AgentRelease.id)
         )
     )
 
@@ -71,3 +76,20 @@ def release_of(s: Session, session_id: int) -> int | None:
     from models.session import AgentSession
 
     return s.execute(select(AgentSession.release_id).where(AgentSession.id == session_id)).scalar_one_or_none()
+
+
+def pin_session_release(s: Session, session_id: int, *, epoch: int, release_id: int) -> bool:
+    """A session without a release takes ``release_id`` (its first run's, as the holder of
+    ``epoch``). False, and nothing written, when it already has one or the epoch moved on."""
+    from sqlalchemy import update
+
+    from models.db import cas
+    from models.session import AgentSession
+
+    stmt = (
+        update(AgentSession)
+        .where(AgentSession.id == session_id, AgentSession.epoch == epoch, AgentSession.release_id.is_(None))
+        .values(release_id=release_id)
+        .execution_options(synchronize_session=False)
+    )
+    return cas(s, stmt) == 1

@@ -82,8 +82,8 @@ class AgentSession(Base):
     #: content or secrets; written by the compare-and-set that stops it (docs/providers.md).
     failure_code: Mapped[str | None] = mapped_column(String(32), nullable=True)
     failure_message: Mapped[str | None] = mapped_column(String(300), nullable=True)
-    #: The agent release the session started in (models.release; a child takes its parent's);
-    #: NULL for a session that started before releases were recorded: it uses the current one.
+    #: The agent release the session runs on (models.release): set by its first run's take to
+    #: that worker's release; a child takes its parent's. NULL until then (docs/releases.md).
     release_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

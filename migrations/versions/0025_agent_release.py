@@ -3,8 +3,9 @@
 - ``agent_release``: the whole agent configuration in force (every agent's definition, every
   tool's schema and flags, MCP server entries without secrets), stored once under the sha256 of
   its canonical JSON.
-- ``agent_session.release_id``: the release a session started in (a child takes its parent's);
-  NULL for the sessions that started before this migration: they use the current release.
+- ``agent_session.release_id``: the release a session runs on, set by its first run (a child
+  takes its parent's); NULL until then, so a session older than this migration takes the
+  release of the worker that runs it next.
 
 A new table and a new nullable column: no rewrite, no backfill.
 

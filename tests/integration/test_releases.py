@@ -102,9 +102,23 @@ def answers(sid: int) -> list[str]:
     return [m.content for m in messages_of(sid) if m.role == "ASSISTANT" and m.content]
 
 
-def test_the_configuration_in_force_is_stored_once_under_its_hash_without_secrets(db: str, deploy: Deploy) -> None:
-    first = create_session("main", "a")
-    second = create_session("main", "b")
+ANSWER = [{"when": {"system_contains": "main agent"}, "reply": {"content": "ok"}}]
+
+
+def started(model_url: str, text: str) -> int:
+    """A session created and run once: its first run records the worker's release."""
+    sid = create_session("main", text)
+    assert release_of(sid) is None  # the creating process (an API, a CLI) decides nothing
+    assert run_agent(sid, 0, loop_deps(model_url)) == "waiting_user"
+    return sid
+
+
+def test_the_configuration_in_force_is_stored_once_under_its_hash_without_secrets(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    url = model_factory(ANSWER).base_url
+    first = started(url, "a")
+    second = started(url, "b")
     assert release_of(first) == release_of(second) is not None
     with transaction() as s:
         row = s.execute(select(AgentRelease).where(AgentRelease.id == release_of(first))).scalar_one()
@@ -118,10 +132,10 @@ def test_the_configuration_in_force_is_stored_once_under_its_hash_without_secret
     assert wire["spec"]["function"]["name"] == "wire_money"
     assert (wire["read_only"], wire["idempotent"], wire["requires_approval"]) == (False, False, False)
     deploy.to(V2)
-    third = create_session("main", "c")
+    third = started(url, "c")
     assert release_of(third) not in (None, release_of(first))
     deploy.to(V1)  # back to v1: the same content, the same row
-    assert release_of(create_session("main", "d")) == release_of(first)
+    assert release_of(started(url, "d")) == release_of(first)
     with transaction() as s:
         hashes = [h for (h,) in s.execute(select(AgentRelease.content_hash))]
     assert len(hashes) == len(set(hashes))
@@ -162,8 +176,9 @@ def test_a_child_takes_its_parents_release_and_runs_on_it_after_a_deploy(
     )
     deps = loop_deps(model.base_url, RecordingScheduler())
     parent = create_session("main", "go")
-    parent_release = release_of(parent)
     assert run_agent(parent, 0, deps) == "yielded"  # the child exists, not yet run
+    parent_release = release_of(parent)
+    assert parent_release is not None
     with transaction() as s:
         child = s.execute(select(AgentSession).where(AgentSession.session_type == SessionType.SUBAGENT)).scalar_one()
     assert child.release_id == parent_release
@@ -175,3 +190,56 @@ def test_a_child_takes_its_parents_release_and_runs_on_it_after_a_deploy(
     with transaction() as s:
         unpinned = select(func.count()).select_from(AgentSession).where(AgentSession.release_id.is_(None))
         assert s.execute(unpinned).scalar() == 0
+
+
+def test_a_tool_of_the_release_that_the_deploy_removed_gets_tool_unavailable_never_a_crash(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    @tool
+    def old_lookup(ctx: ToolContext, order: str) -> str:
+        """Look an order up (removed by the next deploy)."""
+        return f"found {order}"
+
+    deploy.to(V1.replace('approve = ["wire_*"]', 'approve = ["wire_*", "old_*"]'))
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "old_lookup", "arguments": {"order": "A-1"}}]},
+            },
+            {"when": {"system_contains": "main agent, version one", "turn": 1}, "reply": {"content": "{tool_results}"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_approval"
+    unregister("old_lookup")  # the new deploy's code has no such tool
+    deploy.to(V2)
+    (req,) = requests()
+    assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+    settle(deps)
+    tools = [m.content for m in messages_of(sid) if m.role == "TOOL"]
+    assert tools == [f"tool_unavailable: not in this deployment (release {release_of(sid)})"]
+    assert phase_of(sid) == Phase.WAITING_USER
+
+
+def test_the_releases_command_lists_each_release_with_its_live_sessions(
+    model_factory: ModelFactory, deploy: Deploy, db: str
+) -> None:
+    from harness.cancel import cancel_session
+    from tests.integration.test_approvals import cli
+
+    url = model_factory(ANSWER).base_url
+    v1 = [started(url, "a"), started(url, "b")]
+    deploy.to(V2)
+    v2 = started(url, "c")
+    cancel_session(v1[1])
+    listed = cli("releases", "--json", env={"DATABASE_URL": db})
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["id"]: r for r in json.loads(listed.stdout)}
+    assert rows[release_of(v1[0])]["live_sessions"] == 1  # the cancelled one is not live
+    assert rows[release_of(v2)]["live_sessions"] == 1
+    assert rows[release_of(v2)]["agents"] == ["main", "reviewer"]
+    assert len(rows[release_of(v2)]["content_hash"]) == 64
+    text = cli("releases", env={"DATABASE_URL": db})
+    assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
