@@ -164,7 +164,8 @@ def _definition(s: Session | None, release_id: int) -> tuple[str, dict[str, Any]
 
 def session_agent(s: Session | None, agent_type: str, release_id: int | None) -> AgentDef:
     """The definition of a session's agent: its release's (system prompt, model options, limits,
-    tool allow list, approval rules) when the session has one, else the worker's. The MCP
+    tool allow list) when the session has one, else the worker's; its approval rules are the
+    release's and the worker's together (the stricter wins). The MCP
     servers (their secrets live in the worker's environment) are the worker's of the same
     name. ``s``: the caller's transaction, or None (a release not yet read by this process is
     read in a transaction of its own). Raises UnknownAgent when the release (or, without one,
@@ -183,9 +184,15 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
 
 def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int) -> AgentDef:
     servers = {m["name"] for m in entry.get("mcp_servers", [])}
+    approve = tuple(entry.get("approve", ()))
+    approve_destructive = bool(entry.get("approve_destructive", False))
     try:
         current = get_agent(name)
         mcp = tuple(m for m in current.mcp_servers if m.name in servers)
+        # NOTE: approvals fail closed: a rule the worker's configuration adds gates the calls of
+        # an older release's sessions too, and one it removes still gates them (docs/approvals.md).
+        approve += tuple(p for p in current.approve if p not in approve)
+        approve_destructive = approve_destructive or current.approve_destructive
     except UnknownAgent:
         mcp = ()
     options = entry["model_options"]
@@ -205,8 +212,8 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
             max_tokens=options.get("max_tokens"),
             max_completion_tokens=options.get("max_completion_tokens"),
         ),
-        approve=tuple(entry.get("approve", ())),
-        approve_destructive=bool(entry.get("approve_destructive", False)),
+        approve=approve,
+        approve_destructive=approve_destructive,
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
         release_id=release_id,
         release_tools=tuple(definition_tools),
