@@ -25,6 +25,7 @@ FAMILIES = (
     "cli.console",
     "cli.audit",
     "cli.usage",
+    "cli.release",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'
@@ -47,6 +48,7 @@ WITHOUT_TOOLS = frozenset(
         "superagent-stub",
         "local-client",
         "usage",
+        "releases",
     }
 )
 

@@ -116,6 +116,10 @@ class AgentDef:
     #: The token budget of every tree rooted at this agent (``budget = { tokens = N }``; None:
     #: none); ``submit --budget-tokens`` names another for one tree (models.budget).
     budget_tokens: int | None = None
+    #: The release this definition was read from (harness.release; None: the worker's file),
+    #: and the Python tools that release had (the names a call may still use after a deploy).
+    release_id: int | None = None
+    release_tools: tuple[str, ...] = ()
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
-from harness.agents import AgentDef, get_agent
+from harness.agents import AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.delivery import deliver_and_resume
@@ -26,6 +26,7 @@ from harness.errors import (
     BoundaryInvalid,
     Cancelled,
     DeadlineExceeded,
+    HarnessError,
     MaxRoundsReached,
     ModelUnavailable,
     infrastructure_boundary,
@@ -39,9 +40,9 @@ from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.outage import model_answered, wait_for_model
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
+from harness.release import offered_tools, session_agent
 from harness.results import describe_exception
 from harness.scheduler import Scheduler
-from harness.tools import tool_names
 from logfmt import log_event
 from models import (
     ExecutionMode,
@@ -118,6 +119,7 @@ def _child_info(row: Any) -> ChildInfo:
         model_outage_since=row.model_outage_since,
         journal_open=row.journal_open,
         budget_root_id=row.budget_root_id,
+        release_id=row.release_id,
     )
 
 
@@ -186,8 +188,8 @@ def first_round(s: Session, info: ChildInfo, epoch: int, rows: Sequence[Any] | N
     if info.execution_mode == ExecutionMode.LOCAL:
         return None
     try:
-        agent = get_agent(info.agent_type)
-    except Exception:
+        agent = session_agent(s, info.agent_type, info.release_id)
+    except HarnessError:
         return None
     if agent.execution_mode == ExecutionMode.LOCAL:
         return None
@@ -204,6 +206,12 @@ def first_round(s: Session, info: ChildInfo, epoch: int, rows: Sequence[Any] | N
         return None  # the run reads it again and ends FAILED with the reason
 
 
+def child_agent(info: ChildInfo) -> AgentDef:
+    """The child's agent as its release defines it (docs/releases.md); a release already read by
+    this process (the taker's ``first_round`` read it) is not read again."""
+    return session_agent(None, info.agent_type, info.release_id)
+
+
 def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound | None = None) -> ChildEnd:
     """Run a taken execution's rounds to its end (the taker set the child's phase). Ends
     COMPLETED, FAILED, CANCELLED, LOST (a newer owner: nothing written) or INFRA_ERROR (a
@@ -218,8 +226,8 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
     try:
         with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id):
             publish_status(info.child_session_id, Phase.RUNNING)
-            agent = get_agent(info.agent_type)
-            allowed = agent.tool_names(tool_names(), subagent=True)
+            agent = child_agent(info)
+            allowed = offered_tools(agent, subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
                 final = _child_rounds(

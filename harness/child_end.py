@@ -66,6 +66,8 @@ class ChildInfo:
     journal_open: bool | None = None
     #: The root of the child's budgeted tree (``agent_session.budget_root_id``; None: no budget).
     budget_root_id: int | None = None
+    #: The child session's release (docs/releases.md; None: the worker's configuration).
+    release_id: int | None = None
 
 
 def _live_after_start(role: Role) -> Any:

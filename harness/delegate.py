@@ -19,9 +19,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
-from harness.agents import get_agent
 from harness.errors import HarnessError, ToolError, UnknownAgent
 from harness.history import append_message, cleanup_incomplete_tail, validated_boundary
+from harness.release import session_agent
 from harness.tools import parse_arguments
 from models import (
     AgentSession,
@@ -30,6 +30,7 @@ from models import (
     SessionType,
 )
 from models.execution import create_execution_row
+from models.release import release_of
 from models.session import create_child_session, reopen_child_for_followup
 
 
@@ -107,7 +108,8 @@ def _delegate(s: Session, parent: Parent, args: dict[str, Any], call: _Call) -> 
     if not isinstance(agent_type, str) or not isinstance(task, str) or not task.strip():
         raise DelegationRefused("delegate needs string arguments 'agent_type' and a non-empty 'task'")
     try:
-        agent = get_agent(agent_type)
+        # The parent's release defines the child's agent; the child takes that release.
+        agent = session_agent(s, agent_type, release_of(s, parent.id))
     except UnknownAgent as exc:
         raise DelegationRefused(str(exc)) from None
     # NOTE: nothing below refuses: from here on only the database can fail, and that fails

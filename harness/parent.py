@@ -31,7 +31,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
-from harness.agents import DELEGATION_TOOLS, AgentDef, get_agent
+from harness.agents import DELEGATION_TOOLS, AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
@@ -44,8 +44,9 @@ from harness.journal import RoundInFlight, close_in, journal_reply, resume, resu
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.outage import model_answered, wait_for_model
+from harness.release import offered_tools, session_agent, session_release
 from harness.scheduler import Handed
-from harness.tools import run_inline, tool_names
+from harness.tools import run_inline
 from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
@@ -88,11 +89,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         new_epoch = None if row is None else int(row.epoch)
         agent_type: str | None = None
         budget_root_id: int | None = None
+        agent: AgentDef | None = None
         in_flight = first_view = None
         model_waiting = False
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
             budget_root_id = row.budget_root_id
+            # The session's release's definition (docs/releases.md), read in the take's transaction.
+            agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there. The
@@ -100,17 +104,16 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             in_flight = resume_in(s, session_id, new_epoch) if row.journal_open else None
             if in_flight is None:
                 compaction = Compaction(row.compaction_boundary_message_id, row.compaction_summary)
-                first_view = model_messages(session_id, get_agent(agent_type), s=s, compaction=compaction)
+                first_view = model_messages(session_id, agent, s=s, compaction=compaction)
     if fault:
         return RunOutcome.INFRA_ERROR
-    if new_epoch is None or agent_type is None:
+    if new_epoch is None or agent_type is None or agent is None:
         log_event(log, "agent_run_skipped", session_id=session_id, epoch=epoch, reason="stale")
         return RunOutcome.STALE
     crash_point("parent.after_resume")
     publish_status(session_id, Phase.RUNNING)
     fence = SessionFence(session_id, new_epoch, deps.lease_seconds)
-    agent = get_agent(agent_type)
-    allowed = agent.tool_names(tool_names(), subagent=False)
+    allowed = offered_tools(agent, subagent=False)
     try:
         # NOTE: an infrastructure fault is never a result: the lease lapses and the scan
         # resumes the session (R18). The boundary stops it before the handlers below.
@@ -151,6 +154,7 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
 #: What a run reads of its session, returned by its take.
 RUN_FACTS = (
     "agent_type",
+    "release_id",
     "compaction_boundary_message_id",
     "compaction_summary",
     "model_outage_since",

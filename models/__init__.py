@@ -26,6 +26,7 @@ from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
 from models.operator_action import OperatorAction
+from models.release import AgentRelease
 from models.round import PendingRound
 from models.session import AgentSession
 from models.usage import ModelCallUsage
@@ -36,6 +37,7 @@ __all__ = [
     "ACTIVE_PHASES",
     "STOPPED_PHASES",
     "TERMINAL_EXECUTION",
+    "AgentRelease",
     "AgentSession",
     "ApprovalRequest",
     "ApprovalStatus",

@@ -85,6 +85,9 @@ class AgentSession(Base):
     #: content or secrets; written by the compare-and-set that stops it (docs/providers.md).
     failure_code: Mapped[str | None] = mapped_column(String(32), nullable=True)
     failure_message: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    #: The agent release the session runs on (models.release): set by its first run's take to
+    #: that worker's release; a child takes its parent's. NULL until then (docs/releases.md).
+    release_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -195,9 +198,11 @@ def create_child_session(
     s: Session, *, parent_id: int, agent_type: str, execution_mode: ExecutionMode, user_id: str | None = None
 ) -> int:
     """Insert a child (SUBAGENT) session of ``parent_id`` in the caller's transaction; its id.
-    Without ``user_id`` the child takes its parent's, read by the INSERT itself (no trip)."""
+    Without ``user_id`` the child takes its parent's, read by the INSERT itself (no trip); the
+    child always takes its parent's release that way (docs/releases.md)."""
     now = utcnow()
     values: dict[str, Any] = dict(
+        b_release_parent=parent_id,
         session_type=SessionType.SUBAGENT,
         parent_session_id=parent_id,
         agent_type=agent_type,
@@ -217,7 +222,9 @@ def create_child_session(
 @built_once
 def _insert_child_stmt(user_from_parent: bool) -> Any:
     sessions = cast(Table, AgentSession.__table__)
-    stmt = insert(sessions)
+    stmt = insert(sessions).values(
+        release_id=select(S.release_id).where(S.id == bindparam("b_release_parent")).scalar_subquery()
+    )
     if user_from_parent:
         stmt = stmt.values(user_id=select(S.user_id).where(S.id == bindparam("b_parent")).scalar_subquery())
     # A child draws from its parent's tree budget, if any: read by the INSERT itself (no trip).

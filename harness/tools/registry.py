@@ -423,6 +423,10 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
     the journal's open entry tells recovery so."""
     found = lookup(name) if name in allowed else None
     if found is None or found.run is None:
+        gone = unavailable_result(name, allowed)
+        if gone is not None:
+            log_event(log, "tool_unavailable", logging.WARNING, session_id=ctx.session_id, tool=name[:100])
+            return gone
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
         ended = _bounded(found, ctx, _arguments_of(found, raw_arguments))
@@ -431,6 +435,22 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
     if ended.ok:
         return capped(str(ended.value))
     return _raised_by_tool(name, ctx, ended.value)
+
+
+class Offered(tuple[str, ...]):
+    """The tool names a round offers (a tuple, as everywhere), with the tools of the session's
+    release that this worker does not have: a call of one of them gets ``unavailable_result``."""
+
+    release_id: int | None = None
+    missing: frozenset[str] = frozenset()
+
+
+def unavailable_result(name: str, allowed: tuple[str, ...]) -> str | None:
+    """The TOOL result of a call of a tool the session's release has and this worker does not
+    (``tool_unavailable: not in this deployment (release R)``); None for any other name."""
+    if isinstance(allowed, Offered) and name in allowed.missing:
+        return f"tool_unavailable: not in this deployment (release {allowed.release_id})"
+    return None
 
 
 def tool_error_result(exc: ToolError) -> str:

@@ -1,0 +1,245 @@
+"""Releases (docs/releases.md): the configuration in force stored once under its hash, each
+session recording the release it started in (a child its parent's), and its rounds using that
+release's prompt, model options and limits after a deploy changed AGENTS_FILE (real
+PostgreSQL, scripted model over loopback HTTP, the loops run in-process step by step)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from harness.approval import decide
+from harness.parent import run_agent
+from harness.release import canonical_hash, current_definition
+from harness.tools import ToolContext, tool, unregister
+from harness.views import create_session
+from models import AgentRelease, AgentSession, Phase, SessionType, transaction
+from models.approval import Decision
+from tests.helpers import RecordingScheduler, loop_deps, messages_of, phase_of
+from tests.integration.test_approvals import requests, settle
+from tests.types import ModelFactory
+
+V1 = """
+[agents.main]
+system_prompt = "You are the main agent, version one."
+temperature = 0.1
+max_rounds = 5
+approve = ["wire_*"]
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent, version one."
+temperature = 0.2
+[[agents.main.mcp_servers]]
+name = "files"
+url = "http://127.0.0.1:9/mcp"
+headers = { Authorization = "Bearer sk-not-stored-1234" }
+"""
+
+V2 = """
+[agents.main]
+system_prompt = "You are the main agent, version two."
+temperature = 0.9
+max_rounds = 1
+approve = ["wire_*"]
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent, version two."
+temperature = 0.8
+"""
+
+
+class Deploy:
+    """Writes AGENTS_FILE as a deploy would, and makes this process read it again."""
+
+    def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.path = path
+        monkeypatch.setenv("AGENTS_FILE", str(path))
+
+    def to(self, text: str) -> None:
+        from harness.agents import _load
+        from settings import get_settings
+
+        self.path.write_text(text, encoding="utf-8")
+        get_settings.cache_clear()
+        _load.cache_clear()
+
+
+@pytest.fixture
+def deploy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Deploy]:
+    unregister("wire_money")
+
+    @tool
+    def wire_money(ctx: ToolContext, amount: int) -> str:
+        """Wire money."""
+        return f"wired {amount}"
+
+    d = Deploy(tmp_path / "agents.toml", monkeypatch)
+    d.to(V1)
+    yield d
+    unregister("wire_money")
+    monkeypatch.undo()
+    d.to("")
+
+
+SCRIPT = [
+    {
+        "when": {"system_contains": "main agent, version one", "turn": 0},
+        "reply": {"tool_calls": [{"name": "wire_money", "arguments": {"amount": 5}}]},
+    },
+    {"when": {"system_contains": "main agent, version one", "turn": 1}, "reply": {"content": "answered under v1"}},
+    {"when": {"system_contains": "main agent, version two"}, "reply": {"content": "answered under v2"}},
+]
+
+
+def release_of(sid: int) -> int | None:
+    with transaction() as s:
+        return s.execute(select(AgentSession.release_id).where(AgentSession.id == sid)).scalar_one()
+
+
+def answers(sid: int) -> list[str]:
+    return [m.content for m in messages_of(sid) if m.role == "ASSISTANT" and m.content]
+
+
+ANSWER = [{"when": {"system_contains": "main agent"}, "reply": {"content": "ok"}}]
+
+
+def started(model_url: str, text: str) -> int:
+    """A session created and run once: its first run records the worker's release."""
+    sid = create_session("main", text)
+    assert release_of(sid) is None  # the creating process (an API, a CLI) decides nothing
+    assert run_agent(sid, 0, loop_deps(model_url)) == "waiting_user"
+    return sid
+
+
+def test_the_configuration_in_force_is_stored_once_under_its_hash_without_secrets(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    url = model_factory(ANSWER).base_url
+    first = started(url, "a")
+    second = started(url, "b")
+    assert release_of(first) == release_of(second) is not None
+    with transaction() as s:
+        row = s.execute(select(AgentRelease).where(AgentRelease.id == release_of(first))).scalar_one()
+    assert row.content_hash == canonical_hash(row.definition) == canonical_hash(current_definition())
+    main = row.definition["agents"]["main"]
+    assert main["system_prompt"] == "You are the main agent, version one."
+    assert (main["max_rounds"], main["model_options"]["temperature"], main["approve"]) == (5, 0.1, ["wire_*"])
+    assert main["mcp_servers"][0]["header_names"] == ["Authorization"]
+    assert "sk-not-stored" not in json.dumps(row.definition)
+    wire = row.definition["tools"]["wire_money"]
+    assert wire["spec"]["function"]["name"] == "wire_money"
+    assert (wire["read_only"], wire["idempotent"], wire["requires_approval"]) == (False, False, False)
+    deploy.to(V2)
+    third = started(url, "c")
+    assert release_of(third) not in (None, release_of(first))
+    deploy.to(V1)  # back to v1: the same content, the same row
+    assert release_of(started(url, "d")) == release_of(first)
+    with transaction() as s:
+        hashes = [h for (h,) in s.execute(select(AgentRelease.content_hash))]
+    assert len(hashes) == len(set(hashes))
+
+
+def test_a_session_resumed_after_a_deploy_keeps_its_releases_prompt_and_options_and_a_new_one_takes_the_new(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    model = model_factory(SCRIPT)
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    old = create_session("main", "go")
+    assert run_agent(old, 0, deps) == "waiting_approval"  # the worker stops mid-session
+    deploy.to(V2)  # new prompt, new temperature, max_rounds 1
+    (req,) = requests()
+    assert decide(old, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+    settle(deps)
+    # Round 2 ran although v2 allows one round: v1's max_rounds (5) is the session's.
+    assert answers(old) == ["answered under v1"] and phase_of(old) == Phase.WAITING_USER
+    new = create_session("main", "go")
+    assert run_agent(new, 0, deps) == "waiting_user"
+    assert answers(new) == ["answered under v2"]
+    assert [r["temperature"] for r in model.received()] == [0.1, 0.1, 0.9]
+
+
+def test_a_child_takes_its_parents_release_and_runs_on_it_after_a_deploy(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
+            },
+            {"when": {"system_contains": "main agent, version one", "turn": 1}, "reply": {"content": "{tool_results}"}},
+            {"when": {"system_contains": "reviewer subagent, version one"}, "reply": {"content": "child on v1"}},
+            {"when": {"system_contains": "reviewer subagent, version two"}, "reply": {"content": "child on v2"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    parent = create_session("main", "go")
+    assert run_agent(parent, 0, deps) == "yielded"  # the child exists, not yet run
+    parent_release = release_of(parent)
+    assert parent_release is not None
+    with transaction() as s:
+        child = s.execute(select(AgentSession).where(AgentSession.session_type == SessionType.SUBAGENT)).scalar_one()
+    assert child.release_id == parent_release
+    deploy.to(V2)
+    settle(deps)
+    assert answers(child.id) == ["child on v1"]
+    assert "child on v1" in answers(parent)[-1]
+    assert [r["temperature"] for r in model.received()] == [0.1, 0.2, 0.1]
+    with transaction() as s:
+        unpinned = select(func.count()).select_from(AgentSession).where(AgentSession.release_id.is_(None))
+        assert s.execute(unpinned).scalar() == 0
+
+
+def test_a_tool_of_the_release_that_the_deploy_removed_gets_tool_unavailable_never_a_crash(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    @tool
+    def old_lookup(ctx: ToolContext, order: str) -> str:
+        """Look an order up (removed by the next deploy)."""
+        return f"found {order}"
+
+    deploy.to(V1.replace('approve = ["wire_*"]', 'approve = ["wire_*", "old_*"]'))
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "old_lookup", "arguments": {"order": "A-1"}}]},
+            },
+            {"when": {"system_contains": "main agent, version one", "turn": 1}, "reply": {"content": "{tool_results}"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_approval"
+    unregister("old_lookup")  # the new deploy's code has no such tool
+    deploy.to(V2)
+    (req,) = requests()
+    assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+    settle(deps)
+    tools = [m.content for m in messages_of(sid) if m.role == "TOOL"]
+    assert tools == [f"tool_unavailable: not in this deployment (release {release_of(sid)})"]
+    assert phase_of(sid) == Phase.WAITING_USER
+
+
+def test_the_releases_command_lists_each_release_with_its_live_sessions(
+    model_factory: ModelFactory, deploy: Deploy, db: str
+) -> None:
+    from harness.cancel import cancel_session
+    from tests.integration.test_approvals import cli
+
+    url = model_factory(ANSWER).base_url
+    v1 = [started(url, "a"), started(url, "b")]
+    deploy.to(V2)
+    v2 = started(url, "c")
+    cancel_session(v1[1])
+    listed = cli("releases", "--json", env={"DATABASE_URL": db})
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["id"]: r for r in json.loads(listed.stdout)}
+    assert rows[release_of(v1[0])]["live_sessions"] == 1  # the cancelled one is not live
+    assert rows[release_of(v2)]["live_sessions"] == 1
+    assert rows[release_of(v2)]["agents"] == ["main", "reviewer"]
+    assert len(rows[release_of(v2)]["content_hash"]) == 64
+    text = cli("releases", env={"DATABASE_URL": db})
+    assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
