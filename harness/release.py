@@ -24,6 +24,7 @@ from harness.agents import AgentDef, get_agent, load_agents
 from harness.errors import UnknownAgent
 from harness.model import ModelOptions
 from models import ExecutionMode, get_engine, transaction
+from models.db import on_dispose
 from models.release import pin_session_release, release_definition, release_of, store_release
 
 #: Bumped when the shape of a definition changes (a new key): the hash then changes with it.
@@ -37,10 +38,14 @@ _definitions: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
 
 
 def forget_releases() -> None:
-    """Drop this process's caches (a database emptied under it: the tests' fixtures)."""
+    """Drop this process's caches (a database emptied under it: the tests' fixtures; or dropped
+    and made again under the same URL once its engines were disposed)."""
     with _lock:
         _ids.clear()
         _definitions.clear()
+
+
+on_dispose(forget_releases)  # engines disposed: the next use may meet a new database under the URL
 
 
 def _agent_entry(agent: AgentDef) -> dict[str, Any]:

@@ -18,15 +18,11 @@ from sqlalchemy import text
 
 from cli.approval import EXIT_BAD_ARGUMENTS, EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNREACHABLE
 from models import transaction, utcnow
+from tests.integration.test_approval_display import env as env  # the fixture
 from tests.integration.test_approval_display import parked as parked  # the fixture
-from tests.integration.test_approvals import Runs, cli
+from tests.integration.test_approvals import cli
 from tests.integration.test_approvals import runs as runs  # the fixture
 from tests.integration.test_console_bounds import _pending_requests
-
-
-@pytest.fixture
-def env(db: str, runs: Runs) -> dict[str, str]:
-    return {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": os.environ["AGENTS_FILE"]}
 
 
 def one_line(done: subprocess.CompletedProcess[str]) -> str:

@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from models import transaction
 from tests.helpers import make_execution, make_session
+from tests.integration.test_approval_display import env as env  # the fixture
 from tests.integration.test_approval_display import parked as parked  # the fixture
 from tests.integration.test_approvals import Runs, cli
 from tests.integration.test_approvals import runs as runs  # the fixture
@@ -66,12 +67,9 @@ def test_console_actions_sign_ins_and_decisions_are_recorded_once_each(
 
 
 def test_the_audit_command_lists_every_action_newest_first(
-    db: str, console: Serve, parked: tuple[int, str, Any], runs: Runs
+    console: Serve, parked: tuple[int, str, Any], env: dict[str, str]
 ) -> None:
-    import os
-
     sid_waiting, call_id, _ = parked
-    env = {"DATABASE_URL": db, "TOOL_MODULES": "tests.approval_tools", "AGENTS_FILE": os.environ["AGENTS_FILE"]}
     assert cli("approve", str(sid_waiting), call_id, "--by", "carol", env=env).returncode == 0
     base = console()
     sid = make_session()
