@@ -471,3 +471,24 @@ def recorded_statements() -> Iterator[list[str]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
+
+
+@contextmanager
+def infra_fault_at(module: Any, point: str) -> Iterator[None]:
+    """Inside the block, ``module``'s crash point ``point`` raises an infrastructure error (an
+    OperationalError): the run stops there as a killed worker's would, writing nothing after the
+    point's commit, and the test process lives on to take the work back."""
+    from sqlalchemy import exc as sa_exc
+
+    real = module.crash_point
+
+    def crash(name: str) -> None:
+        if name == point:
+            raise sa_exc.OperationalError("crash", None, Exception(f"simulated crash at {point}"))
+        real(name)
+
+    module.crash_point = crash
+    try:
+        yield
+    finally:
+        module.crash_point = real

@@ -13,7 +13,7 @@ from harness.parent import run_agent
 from harness.views import create_session
 from models import transaction
 from models.usage import ModelCallUsage
-from tests.helpers import RecordingScheduler, drive, executions_of, loop_deps
+from tests.helpers import RecordingScheduler, drive, executions_of, infra_fault_at, loop_deps
 from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
@@ -66,16 +66,7 @@ def test_every_model_call_of_a_parent_and_its_child_is_recorded_once_with_its_de
 def test_a_round_continued_from_the_journal_adds_no_usage(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sqlalchemy import exc as sa_exc
-
     import harness.journal
-
-    real = harness.journal.crash_point
-
-    def crash(name: str) -> None:
-        if name == "journal.after_reply":
-            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reply"))
-        real(name)
 
     model = model_factory(
         [
@@ -87,9 +78,8 @@ def test_a_round_continued_from_the_journal_adds_no_usage(
         ]
     )
     sid = create_session("main", "go")
-    monkeypatch.setattr(harness.journal, "crash_point", crash)
-    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "infra_error"
-    monkeypatch.setattr(harness.journal, "crash_point", real)
+    with infra_fault_at(harness.journal, "journal.after_reply"):
+        assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "infra_error"
     assert len(usage_rows()) == 1  # committed with the journaled reply
     drive(model.base_url)
     assert len(model.journal()) == 2 and len(usage_rows()) == 2  # the replay added nothing

@@ -9,7 +9,7 @@ import pytest
 
 from harness.parent import run_agent
 from harness.views import create_session
-from tests.helpers import RecordingScheduler, drive, invariants, loop_deps, messages_of
+from tests.helpers import RecordingScheduler, drive, infra_fault_at, invariants, loop_deps, messages_of
 from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
@@ -60,22 +60,12 @@ def test_reasoning_fields_of_a_tool_calling_reply_are_stored_and_sent_back_as_th
 def test_reasoning_fields_survive_a_crash_after_the_reply_was_journaled(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sqlalchemy import exc as sa_exc
-
     import harness.journal
-
-    real = harness.journal.crash_point
-
-    def crash(name: str) -> None:
-        if name == "journal.after_reply":
-            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reply"))
-        real(name)
 
     model = model_factory(_tool_round_then_answer(REASONING))
     sid = create_session("main", "go")
-    monkeypatch.setattr(harness.journal, "crash_point", crash)
-    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "infra_error"
-    monkeypatch.setattr(harness.journal, "crash_point", real)
+    with infra_fault_at(harness.journal, "journal.after_reply"):
+        assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "infra_error"
     drive(model.base_url)
     assert [j["rule"] for j in model.journal()] == [0, 1]  # continued from the journal
     assert _sent_back(model) == {"content": "", **REASONING}

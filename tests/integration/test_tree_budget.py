@@ -16,7 +16,7 @@ from harness.parent import run_agent
 from harness.views import create_session
 from models import AgentSession, Message, Role, transaction
 from models.budget import DEFAULT_RESERVATION_TOKENS, TreeBudget
-from tests.helpers import drive, executions_of, loop_deps
+from tests.helpers import drive, executions_of, infra_fault_at, loop_deps
 from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
@@ -101,22 +101,12 @@ def test_a_tree_without_a_budget_reserves_nothing(model_factory: ModelFactory) -
 def test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_still_ends(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sqlalchemy import exc as sa_exc
-
     import harness.loop
-
-    real = harness.loop.crash_point
-
-    def crash(name: str) -> None:
-        if name == "budget.after_reserve":
-            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reservation"))
-        real(name)
 
     model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}}])
     sid = create_session("main", "go", budget_tokens=BUDGET)
-    monkeypatch.setattr(harness.loop, "crash_point", crash)
-    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
-    monkeypatch.setattr(harness.loop, "crash_point", real)
+    with infra_fault_at(harness.loop, "budget.after_reserve"):
+        assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
     assert model.journal() == []
     # The dead call's reservation stays charged: the books overcount, never under.
     held = _budget(sid).reserved_tokens
@@ -244,16 +234,7 @@ def test_a_budgeted_model_call_costs_one_statement_more_and_an_unbudgeted_one_no
 def test_a_round_continued_from_the_journal_after_a_crash_reserves_and_spends_nothing_more(
     model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sqlalchemy import exc as sa_exc
-
     import harness.journal
-
-    real = harness.journal.crash_point
-
-    def crash(name: str) -> None:
-        if name == "journal.after_reply":
-            raise sa_exc.OperationalError("crash", None, Exception("simulated crash after the reply"))
-        real(name)
 
     model = model_factory(
         [
@@ -265,9 +246,8 @@ def test_a_round_continued_from_the_journal_after_a_crash_reserves_and_spends_no
         ]
     )
     sid = create_session("main", "go", budget_tokens=BUDGET)
-    monkeypatch.setattr(harness.journal, "crash_point", crash)
-    assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
-    monkeypatch.setattr(harness.journal, "crash_point", real)
+    with infra_fault_at(harness.journal, "journal.after_reply"):
+        assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
     # The journaled reply settled its reservation in its own transaction.
     assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, 0)
     drive(model.base_url)
