@@ -17,6 +17,9 @@ follows the work in flight, not the history:
 4. The last scan: the single ``recovery_scan`` row.
 5. Worker names two live processes share: ``worker_boot`` (one row per name).
 6. Sessions stopped with a reason, by ``failure_code``: a settled count (below).
+7. Stuck tool threads: not a table but Redis (REDIS_URL), where each process with threads it
+   cannot get back keeps its count alive (harness.tools.stuck). A Redis that does not answer
+   leaves these out of the scrape (logged); the database's metrics are still served.
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
@@ -191,6 +194,7 @@ class RecoveryCollector(Collector):
             return
         yield GaugeMetricFamily(_name("database_up"), "1 when the last scrape read the database", value=1)
         yield from metrics
+        yield from self._tool_threads()
         yield GaugeMetricFamily(
             _name("scrape_duration_seconds"),
             "Time this scrape spent reading the database",
@@ -355,6 +359,31 @@ class RecoveryCollector(Collector):
                 "saw the newer boot within the last lease and stopped consuming",
                 value=float(count),
             )
+        ]
+
+    def _tool_threads(self) -> list[Metric]:
+        from redis import RedisError
+
+        from harness.events import _client
+        from harness.tools.stuck import read_all
+
+        try:
+            stuck = read_all(_client(get_settings().REDIS_URL))
+        except RedisError:
+            log_event(log, "metrics_tool_threads_not_read", logging.WARNING, exc_info=True)
+            return []
+        return [
+            GaugeMetricFamily(
+                _name("tool_threads_stuck"),
+                "Tool threads still running a call nobody waits for (timed out, past the deadline or "
+                "cancelled), summed over the live processes",
+                value=float(stuck.total),
+            ),
+            GaugeMetricFamily(
+                _name("tool_threads_stuck_max_per_process"),
+                "The most stuck tool threads of one live process (past TOOL_MAX_STUCK_THREADS it stops after its task)",
+                value=float(stuck.max_per_process),
+            ),
         ]
 
     def _settled_counters(self, conn: Connection) -> list[Metric]:

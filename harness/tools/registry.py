@@ -45,6 +45,7 @@ from pydantic_core import PydanticSerializationError, to_json
 from crashpoints import InjectedKill
 from harness.errors import AgentConfigError, Cancelled, DeadlineExceeded, ToolError
 from harness.tools.context import ToolContext
+from harness.tools.stuck import Reporter
 from logfmt import log_event
 from models.errors import LeaseLost
 
@@ -541,6 +542,7 @@ def _abandon(call: _Call, found: Tool, ctx: ToolContext) -> bool:
         call.stuck = True
         _stuck += 1
         stuck = _stuck
+    _reporter.changed()
     log_event(log, "tool_threads_stuck", logging.WARNING, stuck=stuck, tool=found.name, session_id=ctx.session_id)
     from settings import get_settings
 
@@ -585,6 +587,8 @@ _idle: list[queue.SimpleQueue[_Call]] = []
 _idle_lock = threading.Lock()
 #: Calls abandoned while still running (see ``stuck_threads``); guarded by ``_idle_lock``.
 _stuck = 0
+#: Publishes the count for the metrics exporter (harness.tools.stuck).
+_reporter = Reporter(stuck_threads)
 
 
 def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
@@ -603,6 +607,8 @@ def _serve(inbox: queue.SimpleQueue[_Call]) -> None:
             if call.stuck:
                 _stuck -= 1
             _idle.append(inbox)
+        if call.stuck:
+            _reporter.changed()
 
 
 def _submit(fn: Callable[[], Any]) -> _Call:
@@ -621,6 +627,7 @@ def _forget_threads_after_fork() -> None:
     global _stuck
     _idle.clear()
     _stuck = 0
+    _reporter.forget()
 
 
 os.register_at_fork(after_in_child=_forget_threads_after_fork)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import select, text
@@ -228,3 +229,53 @@ def test_a_session_lease_lapses_while_a_cancel_poll_of_its_fence_on_a_tools_thre
             get_settings.cache_clear()
     holder.join(10)
     polling.join(10)
+
+
+def test_a_cancel_stops_a_parents_wait_for_a_deaf_tool_at_once_not_at_its_timeout(
+    model_factory: ModelFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The tool never looks at ``ctx.cancelled()`` and its timeout is 30 s: the cancel of the
+    session (another process's compare-and-set) ends the run within a few cancel polls."""
+    from harness.agents import _load
+    from harness.cancel import cancel_session
+    from harness.tools import registry, tool, unregister
+    from settings import get_settings
+
+    started, release = threading.Event(), threading.Event()
+
+    @tool(timeout_seconds=30)
+    def deaf_to_cancel() -> str:
+        started.set()
+        release.wait(30)
+        return "done"
+
+    model = model_factory(
+        [{"when": {"system_contains": MAIN}, "reply": {"tool_calls": [{"name": "deaf_to_cancel", "arguments": {}}]}}]
+    )
+    agents = tmp_path / "agents.toml"
+    agents.write_text('[agents.main]\nsystem_prompt = "You are the main agent."\ntools = ["deaf_to_cancel"]\n')
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    before = registry.stuck_threads()
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(run_agent(sid, 0, deps)), daemon=True)
+    try:
+        runner.start()
+        assert started.wait(10)
+        cancelled_at = time.monotonic()
+        cancel_session(sid)
+        runner.join(10)
+        waited = time.monotonic() - cancelled_at
+        assert outcome == ["cancelled"]
+        assert waited < 3.0, waited
+        assert registry.stuck_threads() == before + 1  # the abandoned call, until it ends
+        assert [m.role for m in messages_of(sid)] == ["USER"]  # nothing of the round was written
+    finally:
+        release.set()
+        unregister("deaf_to_cancel")
+        monkeypatch.undo()
+        get_settings.cache_clear()
+        _load.cache_clear()

@@ -394,3 +394,56 @@ def test_pending_approvals_and_the_oldest_ones_age_are_scraped_from_the_requests
     samples = parse(generate_latest(build_registry(RecoveryCollector())).decode())
     assert value(samples, "agent_recovery_approvals_pending") == 2
     assert 600 <= value(samples, "agent_recovery_oldest_pending_approval_age_seconds") < 700
+
+
+def test_stuck_tool_threads_are_a_gauge_summed_over_the_processes_until_their_calls_end(
+    field_table: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import redis
+
+    from harness import events
+    from harness.tools import ToolContext, registry, run_inline, tool, unregister
+    from harness.tools.stuck import INDEX_KEY, process_key
+    from recovery.metrics import RecoveryCollector, build_registry
+    from tests.helpers import wait_until
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    get_settings.cache_clear()
+    events._redis.cache_clear()
+    client = redis.Redis.from_url(redis_url)
+    # Another live process with 3 stuck threads, and one that died (its key expired).
+    client.set(process_key("other-host", 41), 3, ex=60)
+    client.sadd(INDEX_KEY, process_key("other-host", 41), process_key("dead-host", 9))
+    release = threading.Event()
+
+    @tool(timeout_seconds=0.2)
+    def hangs_for_metrics() -> str:
+        release.wait(30)
+        return "done"
+
+    metrics = build_registry(RecoveryCollector())
+
+    def stuck() -> tuple[float, float]:
+        samples = parse(generate_latest(metrics).decode())
+        return (
+            value(samples, "agent_recovery_tool_threads_stuck"),
+            value(samples, "agent_recovery_tool_threads_stuck_max_per_process"),
+        )
+
+    before = registry.stuck_threads()
+    try:
+        for n in range(2):
+            ctx = ToolContext(7, f"call_{n}", None)
+            assert "timed out" in run_inline("hangs_for_metrics", "{}", ctx, ("hangs_for_metrics",))
+        assert registry.stuck_threads() == before + 2
+        wait_until(lambda: stuck() == (5.0 + before, 3.0), timeout=5, what="this process's 2 stuck threads published")
+        assert not client.sismember(INDEX_KEY, process_key("dead-host", 9))  # forgotten by the scrape
+    finally:
+        release.set()
+        unregister("hangs_for_metrics")
+    wait_until(lambda: stuck() == (3.0, 3.0), timeout=5, what="the ended calls no longer counted")
+    client.close()
+    events._redis.cache_clear()
+    get_settings.cache_clear()
