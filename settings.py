@@ -278,6 +278,15 @@ class Settings(BaseSettings):
             "crash interrupted it; past that the call is reported interrupted and the model decides."
         ),
     )
+    TOOL_MAX_RETRIES: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "Rounds in a row a tool's arguments may be answered 'fix them' (not JSON, or not what the tool "
+            "takes) when its @tool(max_retries=...) says nothing (MCP tools too); one more and the session fails "
+            "with the reason tool_arguments."
+        ),
+    )
     TOOL_TIMEOUT_SECONDS: float = Field(
         default=300.0,
         gt=0,

@@ -6,7 +6,9 @@ The script is JSON, an ordered list of rules (or ``{"rules": [...]}``)::
      "reply": {"content": "done: {tool_results}"} | {"tool_calls": [{"name": "echo", "arguments": {...}}]}
               | {"content": "half an answ", "finish_reason": "length"}
               | {"error": {"status": 500, "message": "..."}},
-     (a content or tool_calls reply may add "message_fields": {"reasoning_content": "...", ...}:
+     (a call's "arguments" given as a text is sent as is, e.g. "" or '{"text": "hel': arguments
+      that are not JSON, as a model sometimes sends them;
+      a content or tool_calls reply may add "message_fields": {"reasoning_content": "...", ...}:
       more fields of the assistant message, sent as given; a "content" among them replaces the
       text, e.g. with a list of typed parts; and "usage": {...}: more fields of the answer's usage
       object, e.g. {"prompt_tokens_details": {"cached_tokens": 8}})
@@ -395,8 +397,8 @@ def _reply(at: str, raw: Any) -> Reply:
         arguments = call.get("arguments", {})
         if not isinstance(name, str) or not name:
             raise ScriptError(f"{at} tool_calls[{position}]: name must be a non-empty string")
-        if not isinstance(arguments, dict):
-            raise ScriptError(f"{at} tool_calls[{position}]: arguments must be an object")
+        if not isinstance(arguments, dict | str):
+            raise ScriptError(f"{at} tool_calls[{position}]: arguments must be an object, or a text sent as is")
         call_id = call.get("id")
         if call_id is not None and (not isinstance(call_id, str) or not call_id):
             raise ScriptError(f"{at} tool_calls[{position}]: id must be a non-empty string")
@@ -404,7 +406,7 @@ def _reply(at: str, raw: Any) -> Reply:
         out.append(
             ScriptedCall(
                 name=name,
-                arguments=json.dumps(arguments, ensure_ascii=False),
+                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
                 id=call_id,
                 extra_content=None if extra is None else json.dumps(extra),
             )

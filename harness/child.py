@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
+from harness import arguments
 from harness.agents import AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
@@ -333,6 +334,7 @@ def _child_rounds(
             rnd, in_flight = in_flight, None
         else:
             view, first_view = first_view or model_messages(info.child_session_id, agent), None
+            arguments.check(view)  # the model is not asked again past a tool's max_retries
             reply = ask(
                 deps,
                 view,

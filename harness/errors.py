@@ -79,6 +79,11 @@ class MaxRoundsReached(HarnessError):
     """The agent's max_rounds passed without a final answer."""
 
 
+class ToolArgumentsRejected(HarnessError):
+    """Raised when the model sent arguments a tool could not take in more rounds in a row than
+    the tool's ``max_retries`` (docs/tools.md, "Arguments the model got wrong")."""
+
+
 class RowBusy(HarnessError):
     """The row is busy: another operation held it through every attempt; try again shortly."""
 

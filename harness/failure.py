@@ -3,7 +3,14 @@ session stores (docs/providers.md, "Failure reasons")."""
 
 from __future__ import annotations
 
-from harness.errors import BudgetExhausted, DeadlineExceeded, MaxRoundsReached, ModelUnavailable, ToolError
+from harness.errors import (
+    BudgetExhausted,
+    DeadlineExceeded,
+    MaxRoundsReached,
+    ModelUnavailable,
+    ToolArgumentsRejected,
+    ToolError,
+)
 from harness.results import safe_reason
 from models.enums import FailureCode
 from models.session import FailureReason
@@ -45,6 +52,8 @@ def reason_for(exc: BaseException) -> FailureReason:
         return FailureReason(FailureCode.DEADLINE, str(exc))
     if isinstance(exc, BudgetExhausted):
         return FailureReason(FailureCode.BUDGET_EXHAUSTED, str(exc))
+    if isinstance(exc, ToolArgumentsRejected):
+        return FailureReason(FailureCode.TOOL_ARGUMENTS, str(exc))
     if isinstance(exc, ToolError):
         return FailureReason(FailureCode.TOOL_CRASH, f"a tool failed outside its call: {type(exc).__name__}")
     return FailureReason(FailureCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")

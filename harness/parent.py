@@ -31,6 +31,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
+from harness import arguments
 from harness.agents import DELEGATION_TOOLS, AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
 from harness.callids import context_for, localize
@@ -188,9 +189,11 @@ def _parent_rounds(
         if in_flight is not None:
             rnd, in_flight = in_flight, None  # continued from the journal: no model call
         else:
+            messages = view or model_messages(session_id, agent)
+            arguments.check(messages)  # the model is not asked again past a tool's max_retries
             reply = ask(
                 deps,
-                view or model_messages(session_id, agent),
+                messages,
                 tools=allowed,
                 deadline=None,
                 options=agent.model_options,

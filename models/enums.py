@@ -85,6 +85,7 @@ class FailureCode(StrEnum):
     MAX_ROUNDS = "max_rounds"  #: the agent's max_rounds passed without a final answer
     DEADLINE = "deadline"  #: a child's absolute deadline passed
     TOOL_CRASH = "tool_crash"  #: running a tool failed outside the tool (its own errors are TOOL results)
+    TOOL_ARGUMENTS = "tool_arguments"  #: the model sent arguments a tool could not take, past its max_retries
     INVALID_HISTORY = "invalid_history"  #: the history can never be shown to a model (a bad compaction boundary)
     CANCELLED_BY = "cancelled_by"  #: an operator or a user cancelled it (the message names who)
     PARENT_STOPPED = "parent_stopped"  #: a child whose parent was stopped: its result is suppressed

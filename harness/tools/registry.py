@@ -98,6 +98,9 @@ class Tool:
     #: Longest a call may run (None: TOOL_TIMEOUT_SECONDS); a call still running then is
     #: reported timed out (it may or may not have taken effect) and the loop goes on.
     timeout_seconds: float | None = None
+    #: Rounds in a row the model may be told to fix this tool's arguments (None:
+    #: TOOL_MAX_RETRIES); one more and the session fails (harness.arguments).
+    max_retries: int | None = None
 
     def spec(self) -> dict[str, Any]:
         """The tool as a chat-completions request offers it."""
@@ -181,6 +184,7 @@ def tool(
     idempotent: bool = False,
     timeout_seconds: float | None = None,
     requires_approval: bool = False,
+    max_retries: int | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -194,6 +198,7 @@ def tool(
     idempotent: bool = False,
     timeout_seconds: float | None = None,
     requires_approval: bool = False,
+    max_retries: int | None = None,
 ) -> F | Callable[[F], F]:
     """Register a function as a tool; the function itself is returned unchanged (still callable).
 
@@ -202,9 +207,12 @@ def tool(
     such a tool is never run twice for one call. ``timeout_seconds`` bounds a call (default
     TOOL_TIMEOUT_SECONDS): a call still running then is reported "timed out, may or may not have
     taken effect" and the loop goes on. ``requires_approval=True``: every call waits for a human
-    decision before it runs (harness.approval). Raises ToolDefinitionError (naming the tool and
-    the module) when its name is not ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built or its
-    name is taken.
+    decision before it runs (harness.approval). ``max_retries``: rounds in a row the model may be
+    told to fix this tool's arguments (not JSON, empty, or not what the tool takes; default
+    TOOL_MAX_RETRIES); one more and the session fails with the reason ``tool_arguments``.
+    Raises ToolDefinitionError (naming the tool and the module) when its name is not
+    ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built, its name is taken, or ``timeout_seconds``
+    or ``max_retries`` is out of range.
     """
 
     def wrap(func: F) -> F:
@@ -215,6 +223,7 @@ def tool(
             read_only=read_only,
             idempotent=idempotent,
             timeout_seconds=timeout_seconds,
+            max_retries=max_retries,
         )
         register(replace(built, requires_approval=requires_approval))
         return func
@@ -230,6 +239,7 @@ def build_tool(
     read_only: bool = False,
     idempotent: bool = False,
     timeout_seconds: float | None = None,
+    max_retries: int | None = None,
 ) -> Tool:
     """A Tool for ``func`` without registering it. The docstring's parameter sections (Google
     ``Args:``, reST ``:param x:``, Numpydoc) become the parameters' descriptions, and the rest
@@ -245,6 +255,12 @@ def build_tool(
     if timeout_seconds is not None and not timeout_seconds > 0:
         raise ToolDefinitionError(
             f"tool {tool_name!r} in module {module}: timeout_seconds must be > 0", tool=tool_name, module=module
+        )
+    if max_retries is not None and (
+        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
+    ):
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} in module {module}: max_retries must be an integer >= 0", tool=tool_name, module=module
         )
     summary, described = _docstring(func)
     try:
@@ -269,7 +285,7 @@ def build_tool(
         try:
             validated = arguments.model_validate(args)
         except ValidationError as exc:
-            raise ToolError(f"invalid arguments for tool {tool_name!r}: {describe_validation(exc)}") from None
+            raise ToolError(f"{INVALID_ARGUMENTS} {tool_name!r}: {describe_validation(exc)}") from None
         kwargs = {n: getattr(validated, n) for n in names}
         result = func(ctx, **kwargs) if wants_context else func(**kwargs)
         if inspect.isawaitable(result):
@@ -287,6 +303,7 @@ def build_tool(
         module=module,
         qualname=getattr(func, "__qualname__", tool_name),
         timeout_seconds=timeout_seconds,
+        max_retries=max_retries,
     )
 
 
@@ -384,11 +401,30 @@ def parse_arguments(raw: str) -> dict[str, Any]:
 
 #: Longest description of a tool's parameters in the answer to arguments that are not JSON.
 PARAMETERS_HINT_CHARS = 500
+#: How the TOOL errors of arguments the model got wrong begin, after ``error: `` and before the
+#: tool's quoted name (harness.arguments counts them, per tool, from the history).
+ARGUMENTS_NOT_JSON = "the arguments of tool"
+INVALID_ARGUMENTS = "invalid arguments for tool"
+
+
+def is_argument_error(result: str) -> bool:
+    """True for the TOOL result of a call whose arguments the model got wrong: not a JSON
+    object, empty, or not what the tool takes."""
+    return result.startswith((f"error: {ARGUMENTS_NOT_JSON} ", f"error: {INVALID_ARGUMENTS} "))
 
 
 def _arguments_of(found: Tool, raw: str) -> dict[str, Any]:
     """The call's arguments; a ToolError that tells the model what to fix when they are not a
-    JSON object (truncated JSON, text, a list): what was wrong, and the parameters it takes."""
+    JSON object (truncated JSON, text, a list) or empty while the tool has required parameters:
+    what was wrong, and the parameters it takes. Empty arguments of a tool that requires none
+    are ``{}`` (what several servers send for a call without arguments)."""
+    if not raw.strip():
+        if not found.parameters.get("required"):
+            return {}
+        raise ToolError(
+            f"{ARGUMENTS_NOT_JSON} {found.name!r} are empty: send the call again with the arguments as one "
+            f"JSON object; its parameters: {_parameters_hint(found)}"
+        )
     try:
         return parse_arguments(raw)
     except ToolError as exc:
@@ -398,7 +434,7 @@ def _arguments_of(found: Tool, raw: str) -> dict[str, Any]:
         except json.JSONDecodeError as bad:
             where = f" ({bad.msg} at character {bad.pos})"
         raise ToolError(
-            f"the arguments of tool {found.name!r} {'are not valid JSON' if where else 'are not a JSON object'}"
+            f"{ARGUMENTS_NOT_JSON} {found.name!r} {'are not valid JSON' if where else 'are not a JSON object'}"
             f"{where}: send the call again with the arguments as one JSON object; its parameters: "
             f"{_parameters_hint(found)}"
         ) from exc

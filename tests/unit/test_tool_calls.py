@@ -122,3 +122,46 @@ def test_arguments_that_are_not_a_json_object_are_answered_with_what_to_fix(raw:
     assert result.startswith("error: the arguments of tool 'echo' ")
     assert "send the call again with the arguments as one JSON object" in result
     assert '"text"' in result  # the parameters it takes
+
+
+def test_empty_arguments_of_a_tool_without_required_parameters_are_no_arguments(scratch: list[str]) -> None:
+    @tool
+    def now_please() -> str:
+        return "12:00"
+
+    scratch.append("now_please")
+    assert run_inline("now_please", "", ctx(), ("now_please",)) == "12:00"
+    assert run_inline("echo", " ", ctx(), ("echo",)).startswith("error: the arguments of tool 'echo' are empty: ")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_max_retries_must_be_an_integer_of_0_or_more(bad: Any) -> None:
+    from harness.tools.registry import ToolDefinitionError
+
+    def fussy() -> str:
+        return ""
+
+    with pytest.raises(ToolDefinitionError, match="max_retries must be an integer >= 0"):
+        tool(max_retries=bad)(fussy)
+
+
+def _round(name: str, result: str, call_id: str = "c1") -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{"}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
+def test_a_tools_count_skips_rounds_that_do_not_call_it_and_starts_again_at_a_user_message() -> None:
+    from harness.arguments import rejected_rounds
+
+    bad = "error: the arguments of tool 'echo' are not valid JSON (x at character 3): send it again"
+    invalid = "error: invalid arguments for tool 'echo': text: Field required"
+    other = _round("wait", "waited")
+    messages = [*_round("echo", bad), *other, *_round("echo", invalid)]
+    assert rejected_rounds(messages) == {"echo": (2, "invalid arguments for tool 'echo'")}
+    assert rejected_rounds([*messages, *_round("echo", "hello")]) == {}
+    assert rejected_rounds([*messages, {"role": "user", "content": "again"}, *_round("echo", bad)]) == {
+        "echo": (1, "the arguments of tool 'echo' are not valid JSON")
+    }
