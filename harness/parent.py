@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -52,7 +51,7 @@ from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
-from models.round import start_inline
+from models.round import record_inline, start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
 
 log = logging.getLogger(__name__)
@@ -299,6 +298,8 @@ class _Created:
     round_id: int
     executions: tuple[CreatedExecution, ...]
     inline: tuple[ToolCall, ...]
+    #: tool_call_id -> TOOL error of each refused call, written with the round.
+    refused: dict[str, str]
 
 
 #: tool_call_id -> the arguments an approved call runs (or creates its child) with.
@@ -398,7 +399,7 @@ def _create_round(
     if not inline:
         # Nothing runs between the round and the yield: release in the same transaction.
         release_session(s, session_id, epoch=fence.epoch)
-    return _Created(round_row.id, tuple(created), inline)
+    return _Created(round_row.id, tuple(created), inline, errors)
 
 
 def _delegating_round(
@@ -441,13 +442,14 @@ def _delegating_round(
         execution_ids=[c.execution_id for c in made.executions],
     )
     started: list[str] = []
+    results = dict(made.refused)
     for call in made.inline:
         started.append(call.id)
         _start_inline(fence, made.round_id, started)
         crash_point("parent.after_inline_start")
         ctx = context_for(session_id, call, None, fence.should_stop, "parent")
-        result = run_inline(call.name, approved.get(call.id, call.arguments), ctx, allowed)
-        _record_inline(fence, made.round_id, call.id, result)
+        results[call.id] = run_inline(call.name, approved.get(call.id, call.arguments), ctx, allowed)
+        _record_inline(fence, made.round_id, results)
         crash_point("parent.mid_inline")
     crash_point("parent.before_yield")
     if made.inline:
@@ -478,8 +480,11 @@ def _start_inline(fence: SessionFence, round_id: int, started: list[str]) -> Non
             raise LeaseLost(f"pending round {round_id} is closed")
 
 
-def _record_inline(fence: SessionFence, round_id: int, call_id: str, result: str) -> None:
+def _record_inline(fence: SessionFence, round_id: int, results: dict[str, str]) -> None:
+    """Commit the round's inline results so far (the latest call's last) under the parent's
+    fence. A round closed meanwhile is no longer this run's (as in ``_start_inline``): LeaseLost,
+    nothing written."""
     with transaction() as s:
         fence.check(s)
-        row = s.execute(select(PendingRound).where(PendingRound.id == round_id).with_for_update()).scalar_one()
-        row.inline_results = {**row.inline_results, call_id: result}
+        if not record_inline(s, round_id, results):
+            raise LeaseLost(f"pending round {round_id} is closed")

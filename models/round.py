@@ -70,6 +70,25 @@ def _start_inline_stmt() -> Any:
     )
 
 
+def record_inline(s: Session, round_id: int, results: dict[str, str]) -> bool:
+    """Record the round's inline results (``results``: every one so far: the refusals written
+    with the round, then each call's result as it ends), in the caller's fenced transaction:
+    the parent's fence is the only writer of an open round's inline results, so the map it
+    passes is the whole truth (ONE conditional UPDATE, no read). False, nothing done: the round
+    is closed (delivered, or its parent stopped)."""
+    return cas(s, _record_inline_stmt(), {"b_round": round_id, "b_results": results}) == 1
+
+
+@built_once
+def _record_inline_stmt() -> Any:
+    return (
+        update(PendingRound)
+        .where(PendingRound.id == bindparam("b_round"), PendingRound.closed_at.is_(None))
+        .values(inline_results=bindparam("b_results", type_=JSON()))
+        .execution_options(synchronize_session=False)
+    )
+
+
 def was_started(rnd: PendingRound, call_id: str) -> bool:
     """True when the inline call may have run: its start was committed, or the round was written
     before starts were recorded (``inline_started`` NULL)."""

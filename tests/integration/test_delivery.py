@@ -422,3 +422,50 @@ def test_a_delivery_to_a_parent_whose_loop_holds_its_lease_is_parent_busy_and_wr
     assert landed.kind == DeliveryKind.RESUME and landed.new_epoch == epoch + 1
     assert {e.delivery_status for e in executions_of(sid)} == {"DELIVERED"}
     assert invariants(settled=False) == []
+
+
+def test_a_parents_inline_results_are_one_conditional_update_each_and_a_closed_round_takes_none(
+    model_factory: ModelFactory,
+) -> None:
+    from harness.views import create_session
+    from models.base import utcnow
+    from models.round import record_inline
+    from tests.helpers import recorded_statements
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {
+                    "tool_calls": [
+                        {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}},
+                        {"name": "echo", "arguments": {"text": "one"}},
+                        {"name": "echo", "arguments": {"text": "two"}},
+                        {"name": "delegate", "arguments": {"agent_type": "nobody", "task": "t"}},
+                    ]
+                },
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "done"}},
+            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "reviewed"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    with recorded_statements() as seen:
+        assert run_agent(sid, 0, deps) == "yielded"
+    assert not [q for q in seen if "FROM pending_round" in q and "FOR UPDATE" in q]
+    recorded = [q for q in seen if q.startswith("UPDATE pending_round SET inline_results") and "closed_at IS NULL" in q]
+    assert len(recorded) == 2  # one per inline call, each conditional on the round being open
+    with transaction() as s:
+        rnd = s.execute(select(PendingRound).where(PendingRound.session_id == sid)).scalar_one()
+        results = dict(rnd.inline_results)
+    # The refused delegation's error (written with the round) and both inline results are kept.
+    assert sorted(results.values())[-2:] == ["one", "two"]
+    assert len(results) == 3 and any("nobody" in v for v in results.values())
+    with transaction() as s:
+        s.execute(update(PendingRound).where(PendingRound.id == rnd.id).values(closed_at=utcnow()))
+    with transaction() as s:
+        assert record_inline(s, rnd.id, {**results, "late": "x"}) is False
+    with transaction() as s:
+        kept = s.execute(select(PendingRound.inline_results).where(PendingRound.id == rnd.id)).scalar_one()
+    assert "late" not in kept
