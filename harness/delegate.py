@@ -22,7 +22,7 @@ from crashpoints import crash_point
 from harness.errors import HarnessError, ToolError, UnknownAgent
 from harness.history import append_message, cleanup_incomplete_tail, validated_boundary
 from harness.release import session_agent
-from harness.tools import parse_arguments
+from harness.tools import arguments_of, lookup, parse_arguments
 from models import (
     AgentSession,
     InvocationType,
@@ -160,8 +160,10 @@ def create_execution(
 ) -> CreatedExecution | str:
     """Create one delegation (a follow-up in a savepoint: see the module docstring). Returns
     the execution, or the TOOL error text."""
+    spec = lookup(name)
     try:
-        args = parse_arguments(raw_arguments)
+        # What to fix, as for any tool (and counted against max_retries: harness.arguments).
+        args = parse_arguments(raw_arguments) if spec is None else arguments_of(spec, raw_arguments)
     except ToolError as exc:
         return f"error: {exc}"
     call = _Call(tool_call_id, pending_round_id, lease_seconds)

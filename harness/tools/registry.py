@@ -413,7 +413,7 @@ def is_argument_error(result: str) -> bool:
     return result.startswith((f"error: {ARGUMENTS_NOT_JSON} ", f"error: {INVALID_ARGUMENTS} "))
 
 
-def _arguments_of(found: Tool, raw: str) -> dict[str, Any]:
+def arguments_of(found: Tool, raw: str) -> dict[str, Any]:
     """The call's arguments; a ToolError that tells the model what to fix when they are not a
     JSON object (truncated JSON, text, a list) or empty while the tool has required parameters:
     what was wrong, and the parameters it takes. Empty arguments of a tool that requires none
@@ -466,7 +466,7 @@ def run_inline(name: str, raw_arguments: str, ctx: ToolContext, allowed: tuple[s
             return gone
         return f"error: tool {name!r} is not available{_unavailable_reason(name)}"
     try:
-        ended = _bounded(found, ctx, _arguments_of(found, raw_arguments))
+        ended = _bounded(found, ctx, arguments_of(found, raw_arguments))
     except ToolError as exc:
         return tool_error_result(exc)
     if ended.ok:

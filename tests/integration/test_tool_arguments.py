@@ -180,3 +180,24 @@ def test_a_child_counts_across_a_crash_from_its_history_and_fails_with_the_reaso
     assert reason_of(e.child_session_id)[1] == "tool_arguments"
     assert "could not take in 3 rounds in a row" in (tool_rows(sid)[0])
     assert invariants() == []
+
+
+def test_a_delegation_whose_arguments_are_not_json_is_told_what_to_fix_and_counted_like_a_tool(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN},
+                "reply": {"tool_calls": [{"name": "delegate", "arguments": '{"agent_type": "reviewer", "ta'}]},
+            }
+        ]
+    )
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "failed"
+    assert reason_of(sid)[1] == "tool_arguments"
+    assert len(model.journal()) == 3
+    rows = tool_rows(sid)
+    assert all(r.startswith("error: the arguments of tool 'delegate' are not valid JSON") for r in rows), rows
+    assert all('"agent_type": "string"' in r for r in rows)
+    assert executions_of(sid) == []
