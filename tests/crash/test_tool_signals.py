@@ -112,3 +112,13 @@ def test_a_worker_past_its_stuck_tool_threads_finishes_its_task_and_stops(
     log = w1.log()
     assert "event=tool_threads_over_limit stuck=2 limit=1" in log
     assert "event=worker_stopping_for_stuck_tool_threads" in log
+    # The pool process published its count for the metrics (kept until its key's time to live).
+    import redis
+
+    from harness.tools.stuck import read_all
+
+    client = redis.Redis.from_url(os.environ["REDIS_URL"])
+    try:
+        assert read_all(client).total == 2
+    finally:
+        client.close()
