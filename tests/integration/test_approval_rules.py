@@ -35,6 +35,7 @@ from tests.integration.test_approvals import (
     requests,
     settle,
 )
+from tests.integration.test_console_api import console as console  # the fixture
 from tests.types import ModelFactory
 
 AGENTS = """
@@ -410,3 +411,67 @@ def test_the_approvers_name_reaches_the_model_only_with_approval_name_to_model(
     assert invariants() == []
     os.environ.pop("APPROVAL_NAME_TO_MODEL", None)
     get_settings.cache_clear()
+
+
+# --- 2 and 3 in the console ---------------------------------------------------------------------
+
+
+def test_the_console_decides_the_selected_requests_each_on_its_own_and_approves_for_a_session(
+    model_factory: ModelFactory, tools: Tools, console: Any
+) -> None:
+    from tests.integration.test_console_api import client
+
+    model = model_factory(parent_script(call("refund", order="A-1", amount=300), call("wire_money", amount=5)))
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_approval"
+    refund, wire = requests()
+    base = console()
+    http = client(base, operator="erin")
+    page = http.get(f"{base}/approvals", timeout=10).text
+    assert f'name="ids" value="{refund.id}" form="batch-decision"' in page and "Approve for this session" in page
+    assert http.post(f"{base}/api/approvals/decide", json={"ids": [refund.id], "decision": "deny"}).status_code == 400
+    assert http.post(f"{base}/api/approvals/decide", json={"ids": ["one"], "decision": "approve"}).status_code == 400
+    done = http.post(
+        f"{base}/api/approvals/decide",
+        json={"ids": [refund.id, wire.id, 99999], "decision": "approve", "for_session": True},
+        timeout=10,
+    )
+    assert done.status_code == 200
+    assert done.json() == {
+        "outcome": "partly_decided",
+        "results": [
+            {"id": refund.id, "outcome": "approved", "status": 200},
+            {"id": wire.id, "outcome": "approved", "status": 200},
+            {"id": 99999, "outcome": "not_found", "status": 404},
+        ],
+    }
+    again = http.post(
+        f"{base}/api/approvals/decide", json={"ids": [refund.id], "decision": "deny", "reason": "no"}, timeout=10
+    )
+    assert again.status_code == 409 and again.json()["results"][0]["outcome"] == "conflict"
+    assert [(r.status, r.decided_by) for r in requests()] == [(ApprovalStatus.APPROVED, "console:erin")] * 2
+    with transaction() as s:
+        grants = sorted((g.tool, g.granted_by) for g in s.execute(select(ApprovalGrant)).scalars())
+    assert grants == [("refund", "console:erin"), ("wire_money", "console:erin")]
+
+
+def test_the_approvals_page_form_decides_the_checked_requests_and_shows_each_outcome(
+    model_factory: ModelFactory, tools: Tools, console: Any
+) -> None:
+    from tests.integration.test_console_api import client
+
+    model = model_factory(
+        parent_script(call("refund", order="A-1", amount=300), call("refund", order="A-2", amount=400))
+    )
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_approval"
+    first, second = requests()
+    base = console()
+    http = client(base, operator="erin")
+    form = {"csrf": http.headers["X-CSRF-Token"], "ids": [str(first.id), str(second.id)], "decision": "deny"}
+    back = http.post(f"{base}/approvals/decide", data={**form, "reason": "not today"}, timeout=10)
+    assert back.status_code == 200 and 'id="batch-results"' in back.text  # followed the redirect to the page
+    assert back.text.count("<code>denied</code>") == 2
+    assert [r.status for r in requests()] == [ApprovalStatus.DENIED] * 2
+    single = http.post(f"{base}/api/approvals/{first.id}/approve", json={"for_session": True}, timeout=10)
+    assert single.status_code == 409  # denied already: a grant needs an approval that stands
