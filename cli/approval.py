@@ -124,6 +124,10 @@ def _show(args: argparse.Namespace) -> int:
         print(f"  decided:   {shown['decided_at']} by {shown['decided_by']}")
     if shown["reason"]:
         print(f"  reason:    {shown['reason']}")
+    if shown["grant_id"] is not None:
+        print(f"  grant:     {shown['grant_id']} (its tool approved for the rest of the session)")
+    if shown["notified_at"]:
+        print(f"  notified:  {shown['notified_at']} (APPROVAL_WEBHOOK_URL)")
     print("  arguments:")
     print(_indented(shown["arguments"]))
     if shown["approved_arguments"] is not None:

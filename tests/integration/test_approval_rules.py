@@ -130,6 +130,11 @@ def rounds_script(*rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def two_refunds() -> list[dict[str, Any]]:
+    """The main agent asks for two refunds above 100 in one reply (both wait for a person)."""
+    return parent_script(call("refund", order="A-1", amount=300), call("refund", order="A-2", amount=400))
+
+
 def approve(
     sid: int, cid: str, deps: Any, *, by: str = "alice", arguments: Any = None, for_session: bool = False
 ) -> DecisionResult:
@@ -475,3 +480,20 @@ def test_the_approvals_page_form_decides_the_checked_requests_and_shows_each_out
     assert [r.status for r in requests()] == [ApprovalStatus.DENIED] * 2
     single = http.post(f"{base}/api/approvals/{first.id}/approve", json={"for_session": True}, timeout=10)
     assert single.status_code == 409  # denied already: a grant needs an approval that stands
+
+
+def test_agent_approve_takes_for_session_and_answers_which_calls_the_grant_approved(
+    model_factory: ModelFactory, tools: Tools
+) -> None:
+    from tasks.approval import approve_task
+
+    model = model_factory(
+        parent_script(call("refund", order="A-1", amount=300), call("refund", order="A-2", amount=400))
+    )
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "waiting_approval"
+    first, second = requests()
+    answer = approve_task.apply(args=[sid, first.call_id], kwargs={"by": "ops", "for_session": True}).get()
+    assert answer["outcome"] == "decided" and answer["granted"] == [first.call_id, second.call_id]
+    assert answer["resumed"] is True
+    assert [(r.status, r.decided_by) for r in requests()] == [(ApprovalStatus.APPROVED, "ops")] * 2
