@@ -200,10 +200,11 @@ class Gate:
         return needs_approval(self.agent, call.name) or rules.get(call_id_of(call), False)
 
     def calls(
-        self, reply: ModelReply, refused: dict[str, str], rules: dict[str, bool] | None = None
+        self, reply: ModelReply, refused: dict[str, str], rules: dict[str, bool] | None = None, *, session_id: int = 0
     ) -> list[NewRequest]:
+        """The reply's calls that need approval (``rules``: the callables' decisions, else asked now)."""
         if rules is None:
-            rules = self.rules(reply, refused)
+            rules = self.rules(reply, refused, session_id=session_id)
         return [self._request(c) for c in reply.tool_calls if c.id not in refused and self._needs(c, rules)]
 
     def timeout_seconds(self, tool: str) -> float:

@@ -497,3 +497,28 @@ def test_agent_approve_takes_for_session_and_answers_which_calls_the_grant_appro
     assert answer["outcome"] == "decided" and answer["granted"] == [first.call_id, second.call_id]
     assert answer["resumed"] is True
     assert [(r.status, r.decided_by) for r in requests()] == [(ApprovalStatus.APPROVED, "ops")] * 2
+
+
+def test_a_delegating_round_waits_only_when_the_callable_asks_for_a_person(
+    model_factory: ModelFactory, tools: Tools
+) -> None:
+    small = model_factory(
+        parent_script(call("delegate", agent_type="reviewer", task="t"), call("refund", order="A-1", amount=30))
+    )
+    deps = loop_deps(small.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) != "waiting_approval"  # the children run: nobody asked
+    settle(deps)
+    assert requests() == [] and tools.starts == [("refund", sid, {"order": "A-1", "amount": 30})]
+    large = model_factory(
+        parent_script(call("delegate", agent_type="reviewer", task="t"), call("refund", order="A-2", amount=300))
+    )
+    deps = loop_deps(large.base_url, RecordingScheduler())
+    other = create_session("main", "go")
+    assert run_agent(other, 0, deps) == "waiting_approval"  # before any child exists
+    (req,) = requests()
+    assert approve(other, req.call_id, deps).resumed
+    settle(deps)
+    assert [s[2]["amount"] for s in tools.starts] == [30, 300]
+    assert phase_of(other) == Phase.WAITING_USER
+    assert invariants() == []
