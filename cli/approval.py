@@ -154,9 +154,9 @@ def _decide(args: argparse.Namespace) -> int:
         return fail(f"{args.command}: --by is longer than {MAX_BY_CHARS} characters", EXIT_BAD_ARGUMENTS)
     if args.all == bool(args.call):
         return fail(f"{args.command}: name the calls, or --all (not both)", EXIT_BAD_ARGUMENTS)
-    calls = _pending_calls(args.session) if args.all else list(dict.fromkeys(args.call))
-    if args.arguments is not None and len(calls) != 1:
+    if args.arguments is not None and (args.all or len(args.call) != 1):
         return fail(f"{args.command}: --arguments goes with one call", EXIT_BAD_ARGUMENTS)
+    calls = _pending_calls(args.session) if args.all else list(dict.fromkeys(args.call))
     if not calls:
         print(f"no pending approvals in session {args.session}")
         return 0

@@ -334,6 +334,7 @@ def test_the_cli_decides_several_calls_or_all_of_a_session_each_its_own_compare_
     assert main(["approve", str(sid), "--all"]) == 0
     assert "no pending approvals" in capsys.readouterr().out
     assert main(["approve", str(sid), a.call_id, "--all"]) == 2  # names and --all: bad arguments
+    assert main(["approve", str(sid), "--all", "--arguments", "{}"]) == 2  # edited arguments: one call only
     assert main(["approve", str(sid), "nope"]) == EXIT_NOT_FOUND
     a_scan_after_every_lease_lapsed(deps)  # the CLI sent the loop to the broker; the scan takes it here
     settle(deps)
