@@ -58,6 +58,8 @@ POINTS = (
     "approval.after_edited_call",  # an approver's edited arguments journaled as the call, the tool not run yet
     "parent.after_inline_start",  # a delegating round's inline call: its start committed under the fence, not run yet
     "budget.after_reserve",  # a model call's budget reservation committed, the model not asked yet
+    "approval.after_rule",  # a continued round: tools' approval callables' decisions journaled, no tool run yet
+    "approval.after_notified",  # the approval webhook took a notification and it is recorded; the task not acked
 )
 
 EXIT_CODE = 137

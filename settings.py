@@ -333,6 +333,30 @@ class Settings(BaseSettings):
             "task approval.purge_decided, hourly)."
         ),
     )
+    APPROVAL_NAME_TO_MODEL: bool = Field(
+        default=False,
+        description=(
+            "Send the approver's name to the model in the TOOL result of a denial or an edited approval "
+            "(denied by NAME: REASON); off: 'denied by an approver: REASON'."
+        ),
+    )
+    APPROVAL_WEBHOOK_URL: str = Field(
+        default="",
+        description=(
+            "POSTed (JSON: the request's id, session, call, tool, agent and expiry; never its arguments) when an "
+            "approval request is created, signed with APPROVAL_WEBHOOK_SECRET, retried with back-off; empty: none."
+        ),
+    )
+    APPROVAL_WEBHOOK_SECRET: SecretStr = Field(
+        default=SecretStr(""),
+        description=(
+            "HMAC-SHA256 key of the approval webhook: the header X-Agent-Recovery-Signature is "
+            "sha256=HEX of the body under it."
+        ),
+    )
+    APPROVAL_WEBHOOK_TIMEOUT_SECONDS: float = Field(
+        default=10.0, gt=0, description="How long one POST of the approval webhook may take before it is retried."
+    )
     LEASE_SECONDS: float = Field(
         default=30.0,
         gt=0,

@@ -30,20 +30,27 @@ def register(sub: Any) -> None:
     show.add_argument("--json", action="store_true")
     show.set_defaults(handler=_reaching(_show))
 
-    ap = sub.add_parser("approve", help="approve a pending tool call (the first decision wins)")
+    ap = sub.add_parser("approve", help="approve pending tool calls (the first decision wins, per call)")
     ap.add_argument("session", type=int, help="session id (the list's session_id)")
-    ap.add_argument("call", help="call id (the list's call_id)")
+    ap.add_argument("call", nargs="*", help="call ids (the list's call_id); several: each decided on its own")
+    ap.add_argument("--all", action="store_true", help="every pending call of the session")
     ap.add_argument("--by", default=None, help="who decides (default: the OS user)")
     ap.add_argument("--note", default="", help="why, kept with the decision")
     ap.add_argument("--arguments", default=None, help="edited arguments (JSON object) the tool runs with instead")
+    ap.add_argument(
+        "--for-session",
+        action="store_true",
+        help="also approve every later call of the same tool in this session (and its other pending ones)",
+    )
     ap.set_defaults(handler=_reaching(_decide), approve=True)
 
-    dn = sub.add_parser("deny", help="deny a pending tool call: the model gets 'denied by NAME: REASON'")
+    dn = sub.add_parser("deny", help="deny pending tool calls: the model gets 'denied by ...: REASON'")
     dn.add_argument("session", type=int)
-    dn.add_argument("call")
+    dn.add_argument("call", nargs="*", help="call ids; several: each decided on its own")
+    dn.add_argument("--all", action="store_true", help="every pending call of the session")
     dn.add_argument("--reason", required=True)
     dn.add_argument("--by", default=None)
-    dn.set_defaults(handler=_reaching(_decide), approve=False)
+    dn.set_defaults(handler=_reaching(_decide), approve=False, for_session=False, arguments=None)
 
 
 #: Longest decider's name a request records (``approval_request.decided_by``).
@@ -117,6 +124,10 @@ def _show(args: argparse.Namespace) -> int:
         print(f"  decided:   {shown['decided_at']} by {shown['decided_by']}")
     if shown["reason"]:
         print(f"  reason:    {shown['reason']}")
+    if shown["grant_id"] is not None:
+        print(f"  grant:     {shown['grant_id']} (its tool approved for the rest of the session)")
+    if shown["notified_at"]:
+        print(f"  notified:  {shown['notified_at']} (APPROVAL_WEBHOOK_URL)")
     print("  arguments:")
     print(_indented(shown["arguments"]))
     if shown["approved_arguments"] is not None:
@@ -133,26 +144,55 @@ def _indented(value: Any) -> str:
 
 
 def _decide(args: argparse.Namespace) -> int:
+    """One call: its decision's line and exit code. Several (or ``--all``): a line per call, each
+    its own compare-and-set, and the exit code of the first call that did not land (0 when each
+    one landed or stood already)."""
+    from cli.agent import fail
+
+    by = args.by or getpass.getuser()
+    if len(by) > MAX_BY_CHARS:
+        return fail(f"{args.command}: --by is longer than {MAX_BY_CHARS} characters", EXIT_BAD_ARGUMENTS)
+    if args.all == bool(args.call):
+        return fail(f"{args.command}: name the calls, or --all (not both)", EXIT_BAD_ARGUMENTS)
+    if args.arguments is not None and (args.all or len(args.call) != 1):
+        return fail(f"{args.command}: --arguments goes with one call", EXIT_BAD_ARGUMENTS)
+    calls = _pending_calls(args.session) if args.all else list(dict.fromkeys(args.call))
+    if not calls:
+        print(f"no pending approvals in session {args.session}")
+        return 0
+    if len(calls) == 1 and not args.all:
+        return _decide_one(args, calls[0], by)
+    codes = [_decide_one(args, call, by, prefix=f"call {call}: ") for call in calls]
+    return next((c for c in codes if c != 0), 0)
+
+
+def _pending_calls(session_id: int) -> list[str]:
+    from models import transaction
+    from models.approval import PendingFilter, pending
+
+    with transaction() as s:
+        return [r.call_id for r in pending(s, PendingFilter(session_id=session_id))]
+
+
+def _decide_one(args: argparse.Namespace, call: str, by: str, *, prefix: str = "") -> int:
     from cli.agent import fail
     from harness.approval import DecisionRefused
     from harness.errors import retry_while_busy
     from models.approval import DecisionOutcome
     from tasks.approval import approve, deny
 
-    by = args.by or getpass.getuser()
-    if len(by) > MAX_BY_CHARS:
-        return fail(f"{args.command}: --by is longer than {MAX_BY_CHARS} characters", EXIT_BAD_ARGUMENTS)
-
     def decision() -> Any:
         if args.approve:
-            return approve(args.session, args.call, by=by, note=args.note, arguments=args.arguments)
-        return deny(args.session, args.call, reason=args.reason, by=by)
+            return approve(
+                args.session, call, by=by, note=args.note, arguments=args.arguments, for_session=args.for_session
+            )
+        return deny(args.session, call, reason=args.reason, by=by)
 
     try:
-        result = retry_while_busy(decision, what=f"the approval of call {args.call} (session {args.session})")
+        result = retry_while_busy(decision, what=f"the approval of call {call} (session {args.session})")
     except DecisionRefused as exc:
-        return fail(str(exc), EXIT_BAD_ARGUMENTS)
-    message = result.describe()
+        return fail(prefix + str(exc), EXIT_BAD_ARGUMENTS)
+    message = prefix + result.describe()
     if result.outcome in (DecisionOutcome.DECIDED, DecisionOutcome.REPEATED):
         print(message)
         return 0

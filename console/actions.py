@@ -78,15 +78,18 @@ def redeliver_parent(session_id: int, actor: str) -> ActionResult:
         return ActionResult(404, "not_found")
 
 
-def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> ActionResult:
-    """Approve or deny; a denial needs a reason (400 without one)."""
+def decide(request_id: int, *, approve: bool, reason: str, actor: str, for_session: bool = False) -> ActionResult:
+    """Approve or deny; a denial needs a reason (400 without one). ``for_session``: an approval
+    of the request's tool for the rest of its session."""
     from harness.errors import RowBusy, retry_while_busy
 
     if not approve and not reason.strip():
         return ActionResult(400, "reason_required")
     try:
         outcome = retry_while_busy(
-            lambda: approvals.decide(request_id, approve=approve, reason=reason.strip(), actor=actor),
+            lambda: approvals.decide(
+                request_id, approve=approve, reason=reason.strip(), actor=actor, for_session=for_session
+            ),
             what=f"approval request {request_id}",
         )
     except approvals.ApprovalsNotInstalled:
@@ -97,3 +100,26 @@ def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> Action
         return ActionResult(404, outcome)
     landed = outcome in (approvals.ConsoleDecision.APPROVED, approvals.ConsoleDecision.DENIED)
     return ActionResult(200 if landed else 409, outcome)
+
+
+#: Most requests one decision of the console's selection decides.
+MAX_SELECTED = 500
+
+
+def decide_selected(ids: list[int], *, approve: bool, reason: str, actor: str, for_session: bool) -> ActionResult:
+    """One decision for several requests, each its own compare-and-set (``decide``): the answer
+    lists each request's outcome. 200 when at least one landed, 409 when none did, 400 for no
+    selection, too many, or a denial without a reason."""
+    if not ids:
+        return ActionResult(400, "nothing_selected")
+    if len(ids) > MAX_SELECTED:
+        return ActionResult(400, "too_many_selected", {"max": MAX_SELECTED})
+    if not approve and not reason.strip():
+        return ActionResult(400, "reason_required")
+    results = []
+    for request_id in dict.fromkeys(ids):  # each once, in the order given
+        one = decide(request_id, approve=approve, reason=reason, actor=actor, for_session=for_session)
+        results.append({"id": request_id, "outcome": one.outcome, "status": one.status})
+    landed = sum(r["status"] == 200 for r in results)
+    outcome = "decided" if landed == len(results) else "partly_decided" if landed else "nothing_decided"
+    return ActionResult(200 if landed else 409, outcome, {"results": results})

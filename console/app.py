@@ -10,7 +10,10 @@ The API paths are a public interface:
 - ``GET /api/approvals``, ``GET /api/health``, ``GET /api/csrf``.
 - ``POST /api/sessions/{id}/cancel``, ``POST /api/sessions/{id}/redeliver`` (every pending
   result of a parent), ``POST /api/executions/{id}/redeliver``,
-  ``POST /api/approvals/{id}/approve``, ``POST /api/approvals/{id}/deny`` (``reason``).
+  ``POST /api/approvals/{id}/approve`` (``for_session``: true approves its tool for the rest of its
+  session), ``POST /api/approvals/{id}/deny`` (``reason``), ``POST /api/approvals/decide``
+  (``ids``, ``decision``, ``reason``, ``for_session``: one decision for several requests, each
+  its own compare-and-set; the answer lists each one's outcome).
 
 Every POST needs the CSRF token; CONSOLE_READ_ONLY refuses them all (403) and the pages show
 no action. The pages post the same actions as forms and are sent back to where they were.
@@ -188,7 +191,10 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
     is no reason)."""
     form: dict[str, str] = {}
     if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded", "multipart/")):
-        form = {k: str(v) for k, v in (await request.form()).items()}
+        got = await request.form()
+        form = {k: str(v) for k, v in got.items()}
+        if "ids" in got:  # the approvals page's selection: one field per checked request
+            form["ids"] = ",".join(str(v) for v in got.getlist("ids"))
     elif request.headers.get("content-type", "").startswith("application/json"):
         try:
             body = await request.json()
@@ -196,6 +202,11 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
             body = None
         if isinstance(body, dict):
             form = {k: v for k, v in body.items() if isinstance(v, str)}
+            ids = body.get("ids")
+            if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                form["ids"] = ",".join(str(i) for i in ids)
+            if body.get("for_session") is True:
+                form["for_session"] = "true"
     if config(request).read_only:
         return _action_error(request, "read_only"), form
     sent = request.headers.get(auth.CSRF_HEADER) or form.get(auth.CSRF_FIELD)
@@ -284,7 +295,9 @@ redeliver_execution = _action(
 approve = _action(
     "approve",
     "request_id",
-    lambda r, f: actions.decide(_id(r), approve=True, reason=f.get("reason", ""), actor=actor(r)),
+    lambda r, f: actions.decide(
+        _id(r), approve=True, reason=f.get("reason", ""), actor=actor(r), for_session=f.get("for_session") == "true"
+    ),
     lambda r: "/approvals",
     audited_here=False,
 )
@@ -295,6 +308,54 @@ deny = _action(
     lambda r: "/approvals",
     audited_here=False,
 )
+
+
+def _selected(form: dict[str, str]) -> list[int] | None:
+    """The ``ids`` of a selection (a form's checked boxes, a JSON list); None when one is not a number."""
+    try:
+        return [int(i) for i in form.get("ids", "").split(",") if i.strip()]
+    except ValueError:
+        return None
+
+
+async def decide_selected(request: Request) -> Response:
+    """One decision (``decision``: approve or deny; ``reason``; ``for_session``) for the selected
+    requests (``ids``), each its own compare-and-set: the answer lists each one's outcome; the
+    page shows them. Refused like every action (read-only, CSRF)."""
+    from starlette.concurrency import run_in_threadpool
+
+    refusal, form = await _refused(request)
+    api = request.url.path.startswith("/api/")
+    ids, decision = _selected(form), form.get("decision", "")
+    if refusal is None and (ids is None or decision not in ("approve", "deny")):
+        refusal = "bad_selection"
+    if refusal is not None or ids is None:
+        if api:
+            return JSONResponse({"error": refusal}, status_code=400 if refusal == "bad_selection" else 403)
+        return RedirectResponse(f"/approvals?{urlencode({'outcome': refusal})}", status_code=303)
+    result = await run_in_threadpool(
+        lambda: actions.decide_selected(
+            ids,
+            approve=decision == "approve",
+            reason=form.get("reason", ""),
+            actor=actor(request),
+            for_session=form.get("for_session") == "true",
+        )
+    )
+    for one in result.detail.get("results", []):
+        log_event(
+            log,
+            "console_action",
+            action=decision,
+            request_id=one["id"],
+            outcome=one["outcome"],
+            status=one["status"],
+            operator=request.state.operator,
+        )
+    if api:
+        return JSONResponse(result.body(), status_code=result.status)
+    shown = ",".join(f"{one['id']}:{one['outcome']}" for one in result.detail.get("results", []))
+    return RedirectResponse(f"/approvals?{urlencode({'outcome': result.outcome, 'results': shown})}", status_code=303)
 
 
 # --- pages ------------------------------------------------------------------------------------
@@ -343,8 +404,14 @@ def page_approvals(request: Request) -> Response:
     outcome = request.query_params.get("outcome")
     query = {k: v for k, v in request.query_params.items() if k in ("tool", "agent", "session", "limit")}
     kept = {"kept_for": _int(request, "request"), "kept_reason": request.query_params.get("reason", "")}
+    results = [
+        {"id": rid, "outcome": what}
+        for rid, _, what in (one.partition(":") for one in request.query_params.get("results", "").split(",") if one)
+    ]
     return templates.TemplateResponse(
-        request, "approvals.html", context(request, a=_approvals(request), outcome=outcome, query=query, **kept)
+        request,
+        "approvals.html",
+        context(request, a=_approvals(request), outcome=outcome, query=query, results=results, **kept),
     )
 
 
@@ -375,6 +442,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
         Route(f"/executions/{num}/redeliver", redeliver_execution, methods=["POST"]),
         Route(f"/approvals/{num}/approve", approve, methods=["POST"]),
         Route(f"/approvals/{num}/deny", deny, methods=["POST"]),
+        Route("/approvals/decide", decide_selected, methods=["POST"]),
         Route("/api/sessions", api_sessions),
         Route(f"/api/sessions/{num}", api_session),
         Route("/api/approvals", api_approvals),
@@ -385,6 +453,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
         Route(f"/api/executions/{num}/redeliver", redeliver_execution, methods=["POST"]),
         Route(f"/api/approvals/{num}/approve", approve, methods=["POST"]),
         Route(f"/api/approvals/{num}/deny", deny, methods=["POST"]),
+        Route("/api/approvals/decide", decide_selected, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app = Starlette(

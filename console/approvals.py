@@ -72,10 +72,11 @@ def waiting_clause() -> Any:
     return waiting_for_approval(AgentSession)
 
 
-def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> ConsoleDecision:
+def decide(request_id: int, *, approve: bool, reason: str, actor: str, for_session: bool = False) -> ConsoleDecision:
     """Approve or deny one request through the same function as the CLI and ``agent.approve`` /
-    ``agent.deny``; ``actor`` is recorded as who decided. A decision that lost its
-    compare-and-set is an outcome, not an error."""
+    ``agent.deny``; ``actor`` is recorded as who decided; ``for_session`` (an approval): its tool
+    is approved for the rest of its session. A decision that lost its compare-and-set is an
+    outcome, not an error."""
     from models import transaction
     from models.approval import ApprovalRequest, DecisionOutcome
     from tasks.approval import approve as approve_call
@@ -88,7 +89,7 @@ def decide(request_id: int, *, approve: bool, reason: str, actor: str) -> Consol
         return ConsoleDecision.NOT_FOUND
     session_id, call_id = where
     if approve:
-        result = approve_call(session_id, call_id, by=actor, note=reason)
+        result = approve_call(session_id, call_id, by=actor, note=reason, for_session=for_session)
     else:
         result = deny_call(session_id, call_id, reason=reason, by=actor)
     if result.outcome == DecisionOutcome.DECIDED:

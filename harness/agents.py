@@ -56,6 +56,7 @@ _KEYS = {
     "mcp_servers",
     "approve",
     "approve_destructive",
+    "approval_timeout_seconds",
     "on_incomplete",
     "budget",
 }
@@ -110,6 +111,9 @@ class AgentDef:
     approve: tuple[str, ...] = ()
     #: Every MCP tool whose ``destructiveHint`` is true or absent waits for a human decision.
     approve_destructive: bool = False
+    #: (tool name or glob, seconds): how long a matching call's approval request waits; the first
+    #: match wins over the tool's ``approval_timeout_seconds`` and APPROVAL_TIMEOUT_SECONDS.
+    approval_timeouts: tuple[tuple[str, float], ...] = ()
     #: A parent's answer the model did not finish: "wait_for_user" (stored, marked, the user is
     #: next) or "fail" (stored, marked, the session FAILED with the reason). A child always fails.
     on_incomplete: str = "wait_for_user"
@@ -183,6 +187,7 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
         approve_destructive = table.get("approve_destructive", False)
         if not isinstance(approve_destructive, bool):
             raise AgentConfigError(f"{source}: agents.{name}.approve_destructive must be true or false")
+        approval_timeouts = _approval_timeouts(f"{source}: agents.{name}", table.get("approval_timeout_seconds", {}))
         on_incomplete = table.get("on_incomplete", "wait_for_user")
         if on_incomplete not in ON_INCOMPLETE:
             raise AgentConfigError(f"{source}: agents.{name}.on_incomplete must be wait_for_user or fail")
@@ -205,11 +210,26 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             mcp_servers=_mcp_servers(f"{source}: agents.{name}", table.get("mcp_servers", [])),
             approve=tuple(approve),
             approve_destructive=approve_destructive,
+            approval_timeouts=approval_timeouts,
             on_incomplete=on_incomplete,
             budget_tokens=_budget_tokens(f"{source}: agents.{name}", table.get("budget")),
         )
     _check_mcp_names(source, out)
     return out
+
+
+def _approval_timeouts(at: str, table: Any) -> tuple[tuple[str, float], ...]:
+    """``approval_timeout_seconds = { refund_order = 3600, "travel__*" = 600 }``: per tool name
+    or glob, in the file's order."""
+    if not isinstance(table, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+        for k, v in table.items()
+    ):
+        raise AgentConfigError(
+            f"{at}.approval_timeout_seconds must be a table of tool names or globs to seconds > 0"
+            " (approval_timeout_seconds = { refund_order = 3600 })"
+        )
+    return tuple((k, float(v)) for k, v in table.items())
 
 
 def _budget_tokens(at: str, budget: Any) -> int | None:

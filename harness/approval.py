@@ -38,10 +38,10 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy.orm import Session
 
@@ -53,11 +53,12 @@ from harness.fence import Fence
 from harness.model import ModelReply, ToolCall
 from harness.scheduler import Handed, Scheduler
 from harness.tools import lookup
-from harness.tools.registry import MCP_SEPARATOR
+from harness.tools.registry import MCP_SEPARATOR, Tool
 from logfmt import log_event
 from models import Phase, SessionType, transaction
 from models import approval as store
-from models.approval import ApprovalRequest, ApprovalStatus, Decision, DecisionOutcome, NewRequest
+from models import journal as journal_store
+from models.approval import ApprovalRequest, ApprovalStatus, Decision, DecisionOutcome, NewRequest, Requested
 from models.session import reservation_seconds
 from settings import get_settings
 
@@ -85,15 +86,62 @@ def needs_approval(agent: AgentDef, name: str) -> bool:
     return agent.approve_destructive and MCP_SEPARATOR in name and found.destructive is not False
 
 
-def denied_result(by: str, reason: str) -> str:
+#: Who decided, as the model reads it when APPROVAL_NAME_TO_MODEL is false.
+UNNAMED = "an approver"
+
+
+def shown_to_model(by: str, *, named: bool | None = None) -> str:
+    """The decider's name as the model reads it: the name itself only with
+    APPROVAL_NAME_TO_MODEL (``named``), else ``an approver``; ``system`` (an expiry, a cancel)
+    names no person and is shown as it is."""
+    if named is None:
+        named = get_settings().APPROVAL_NAME_TO_MODEL
+    return by if named or by == store.SYSTEM else UNNAMED
+
+
+def denied_result(by: str, reason: str, *, named: bool | None = None) -> str:
     """The TOOL result the model sees for a denied, expired or cancelled request."""
-    return f"denied by {by}: {reason}"
+    return f"denied by {shown_to_model(by, named=named)}: {reason}"
 
 
-def edited_result(by: str, result: str) -> str:
+def edited_result(by: str, result: str, *, named: bool | None = None) -> str:
     """The TOOL result of a call an approver ran with edited arguments: the model's call in the
     history is the approved one, and this says it is not the one the model sent."""
-    return f"note: {by} edited the arguments of this call when approving it; it ran as shown.\n{result}"
+    who = shown_to_model(by, named=named)
+    return f"note: {who} edited the arguments of this call when approving it; it ran as shown.\n{result}"
+
+
+def rule_decision(found: Tool, arguments: str, *, session_id: int) -> bool:
+    """What ``found``'s ``requires_approval`` callable decides for a call with ``arguments`` (the
+    model's JSON text): True, a person approves it first. Fails closed: arguments that are not
+    a JSON object, a callable that raises, and one that returns something other than a bool
+    each mean True, logged with the tool and the error's type, never the arguments."""
+    rule = found.approval_rule
+    if rule is None:
+        return False
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    failed = "arguments" if not isinstance(value, dict) else None
+    decided: object = True
+    if failed is None:
+        try:
+            decided = rule(cast("dict[str, Any]", value))
+        except Exception as exc:
+            failed = type(exc).__name__
+        else:
+            failed = None if isinstance(decided, bool) else "not_bool"
+    if failed is not None:
+        log_event(log, "approval_rule_failed", logging.WARNING, session_id=session_id, tool=found.name, error=failed)
+        return True
+    return bool(decided)
+
+
+def _ruled(name: str) -> Tool | None:
+    """The tool of that name when it has a ``requires_approval`` callable."""
+    found = lookup(name)
+    return found if found is not None and found.approval_rule is not None else None
 
 
 class AwaitingApproval(Exception):
@@ -124,68 +172,142 @@ class Verdict:
 @dataclass(frozen=True)
 class Gate:
     """The approval rules of one loop: its agent, and for a child its execution and absolute
-    deadline (a child's request expires at its deadline at the latest)."""
+    deadline (a child's request expires at its deadline at the latest). A tool's
+    ``requires_approval`` callable is asked once per (tool, arguments) in this loop; what it
+    decided is journaled with the reply, and a continued round reads that, never asks again."""
 
     agent: AgentDef
     execution_id: int | None = None
     not_after: datetime | None = None
+    _asked: dict[tuple[str, str], bool] = field(default_factory=dict, compare=False, repr=False)
 
-    def calls(self, reply: ModelReply, refused: dict[str, str]) -> list[NewRequest]:
-        return [
-            NewRequest(call_id_of(c), c.name, c.arguments)
-            for c in reply.tool_calls
-            if c.id not in refused and needs_approval(self.agent, c.name)
-        ]
+    def rules(self, reply: ModelReply, refused: dict[str, str], *, session_id: int = 0) -> dict[str, bool]:
+        """call id -> what its tool's callable decides, for the reply's calls whose tool has one."""
+        out: dict[str, bool] = {}
+        for c in reply.tool_calls:
+            found = _ruled(c.name) if c.id not in refused else None
+            if found is not None:
+                out[call_id_of(c)] = self._rule(found, c, session_id)
+        return out
+
+    def _rule(self, found: Tool, call: ToolCall, session_id: int) -> bool:
+        key = (call.name, call.arguments)
+        if key not in self._asked:
+            self._asked[key] = rule_decision(found, call.arguments, session_id=session_id)
+        return self._asked[key]
+
+    def _needs(self, call: ToolCall, rules: dict[str, bool]) -> bool:
+        return needs_approval(self.agent, call.name) or rules.get(call_id_of(call), False)
+
+    def calls(
+        self, reply: ModelReply, refused: dict[str, str], rules: dict[str, bool] | None = None, *, session_id: int = 0
+    ) -> list[NewRequest]:
+        """The reply's calls that need approval (``rules``: the callables' decisions, else asked now)."""
+        if rules is None:
+            rules = self.rules(reply, refused, session_id=session_id)
+        return [self._request(c) for c in reply.tool_calls if c.id not in refused and self._needs(c, rules)]
+
+    def timeout_seconds(self, tool: str) -> float:
+        """How long a request for a call of ``tool`` waits: the agent's ``approval_timeout_seconds``
+        entry (AGENTS_FILE) that matches first, else the tool's ``@tool(approval_timeout_seconds=)``,
+        else APPROVAL_TIMEOUT_SECONDS."""
+        for pattern, seconds in self.agent.approval_timeouts:
+            if fnmatch.fnmatchcase(tool, pattern):
+                return seconds
+        found = lookup(tool)
+        if found is not None and found.approval_timeout_seconds is not None:
+            return found.approval_timeout_seconds
+        return get_settings().APPROVAL_TIMEOUT_SECONDS
+
+    def _request(self, c: ToolCall) -> NewRequest:
+        return NewRequest(call_id_of(c), c.name, c.arguments, self.timeout_seconds(c.name))
 
     def record(
-        self, s: Session, *, session_id: int, journal_id: int, reply: ModelReply, refused: dict[str, str]
-    ) -> int:
-        """In the reply's journal transaction: a PENDING request per call that needs approval.
-        Returns how many."""
-        calls = self.calls(reply, refused)
-        if calls:
-            self._write(s, session_id=session_id, journal_id=journal_id, calls=calls)
-        return len(calls)
+        self,
+        s: Session,
+        *,
+        session_id: int,
+        journal_id: int,
+        reply: ModelReply,
+        refused: dict[str, str],
+        rules: dict[str, bool] | None = None,
+    ) -> list[Requested]:
+        """In the reply's journal transaction: a request per call that needs approval (``rules``:
+        what the callables decided, journaled with the reply). Returns them as written."""
+        calls = self.calls(reply, refused, rules)
+        if not calls:
+            return []
+        return self._write(s, session_id=session_id, journal_id=journal_id, calls=calls)
 
-    def _write(self, s: Session, *, session_id: int, journal_id: int, calls: Sequence[NewRequest | ToolCall]) -> None:
-        requests = [c if isinstance(c, NewRequest) else NewRequest(call_id_of(c), c.name, c.arguments) for c in calls]
-        store.record_requests(
+    def _write(self, s: Session, *, session_id: int, journal_id: int, calls: Sequence[NewRequest]) -> list[Requested]:
+        written = store.record_requests(
             s,
             session_id=session_id,
             journal_id=journal_id,
             agent_type=self.agent.name,
             execution_id=self.execution_id,
-            calls=requests,
+            calls=list(calls),
             timeout_seconds=get_settings().APPROVAL_TIMEOUT_SECONDS,
             not_after=self.not_after,
         )
-        for r in requests:
-            log_event(log, "approval_requested", session_id=session_id, call_id=r.call_id, tool=r.tool)
+        for r in written:
+            log_event(
+                log,
+                "approval_requested" if r.grant_id is None else "approval_granted_for_session",
+                session_id=session_id,
+                call_id=r.call_id,
+                tool=r.tool,
+            )
+        return written
 
     def gated(
         self, fence: Fence, *, session_id: int, journal_id: int | None, runnable: Sequence[ToolCall], replayed: bool
     ) -> set[str]:
         """The call ids of the round that wait for a decision: a call needs one when its journaled
         round asked for one OR the configuration in force now says so (a round journaled before
-        a deploy that added the need is continued under the new rule). Of ``runnable`` (the
-        calls that may still run: no result, not refused, not reported interrupted), one that
-        the configuration needs now but that has no request gets it now, fenced, before any
-        call of the round runs. One read, only when a call may need one: a ``replayed`` round,
-        or a call that needs approval now."""
+        a deploy that added the need is continued under the new rule). A tool's callable is not
+        asked again: its journaled decision stands (a call journaled before the tool had one is
+        asked now, and that decision journaled). Of ``runnable`` (the calls that may still run:
+        no result, not refused, not reported interrupted), one that needs approval now but that
+        has no request gets it now, fenced, before any call of the round runs. One read, only
+        when a call may need one: a ``replayed`` round, a call that needs approval now, or a
+        call of a tool with a callable."""
         if journal_id is None:
             return set()
         needed = [c for c in runnable if needs_approval(self.agent, c.name)]
-        if not replayed and not needed:
+        ruled = [(c, found) for c in runnable if (found := _ruled(c.name)) is not None]
+        if not replayed and not needed and not ruled:
             return set()
         with transaction() as s:
             asked = set(store.requests_of(s, journal_id))
-            late = [c for c in needed if call_id_of(c) not in asked]
-            if late:
+            journaled = journal_store.approval_rules_of(s, journal_id) if ruled else {}
+            fresh = {call_id_of(c): self._rule(f, c, session_id) for c, f in ruled if call_id_of(c) not in journaled}
+            rules = {**journaled, **fresh}
+            late = [self._request(c) for c in runnable if self._needs(c, rules) and call_id_of(c) not in asked]
+            written: list[Requested] = []
+            if late or fresh:
                 fence.check(s)
-                self._write(s, session_id=session_id, journal_id=journal_id, calls=late)
+                if fresh:
+                    journal_store.add_approval_rules(s, journal_id, fresh)
+                if late:
+                    written = self._write(s, session_id=session_id, journal_id=journal_id, calls=late)
+        if fresh:
+            crash_point("approval.after_rule")
         if late:
             crash_point("approval.after_request")
-        return asked | {call_id_of(c) for c in late}
+            announce(written)
+        return asked | {r.call_id for r in late}
+
+
+def announce(written: Sequence[Requested]) -> None:
+    """After the requests' transaction committed: the ``approval_requested`` signal for each one
+    that waits for a person (tasks connects the webhook to it: harness.approval_notify). A
+    handler that fails is logged by the signal and never reaches the loop."""
+    from harness.approval_notify import approval_requested
+
+    for r in written:
+        if r.grant_id is None:
+            approval_requested.send(sender=None, request=r)
 
 
 def order(calls: tuple[ToolCall, ...], gated: set[str]) -> list[ToolCall]:
@@ -276,18 +398,26 @@ class DecisionResult:
     outcome: DecisionOutcome
     request: ApprovalRequest | None
     resumed: bool = False
+    #: With ``for_session``: the calls the session's grant approved (this one first).
+    granted: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         r = self.request
         if r is None:
             return "no such approval request"
         stands = f"{r.status.lower()} by {r.decided_by or '-'}" + (f": {r.reason}" if r.reason else "")
-        return {
+        said = {
             DecisionOutcome.DECIDED: f"{stands} (session {r.session_id}, call {r.call_id}, tool {r.tool})",
             DecisionOutcome.REPEATED: f"already {stands}: nothing done",
             DecisionOutcome.CONFLICT: f"refused: the decision that stands is {stands}",
             DecisionOutcome.NOT_FOUND: "no such approval request",
         }[self.outcome]
+        if self.granted:
+            others = len(self.granted) - 1
+            said += f"; {r.tool} approved for the rest of session {r.session_id}" + (
+                f" ({others} other pending call(s) with it)" if others else ""
+            )
+        return said
 
 
 def validated_arguments(tool: str, arguments: str | dict[str, Any]) -> str:
@@ -323,6 +453,8 @@ def decide(session_id: int, call_id: str, decision: Decision, scheduler: Schedul
     resumes the session. Raises DecisionRefused for invalid edited arguments."""
     if decision.arguments is not None and not decision.approve:
         raise DecisionRefused("edited arguments go with an approval only")
+    if decision.for_session and not decision.approve:
+        raise DecisionRefused("for the rest of the session goes with an approval only")
     with transaction() as s:
         row = store.request_of(s, session_id, call_id)
         if row is None:
@@ -331,9 +463,12 @@ def decide(session_id: int, call_id: str, decision: Decision, scheduler: Schedul
             edited: str | None = validated_arguments(row.tool, decision.arguments)
             if edited == store.canonical(row.arguments):
                 edited = None  # the model's own arguments, in another key order: not an edit
-            decision = Decision(True, decision.by, decision.reason, edited)
+            decision = Decision(True, decision.by, decision.reason, edited, decision.for_session)
         outcome, row = store.decide(s, session_id, call_id, decision)
-        handed = _hand_back(s, session_id) if outcome == DecisionOutcome.DECIDED else None
+        granted = _granted(s, decision, outcome, row)
+        handed = _hand_back(s, session_id) if outcome == DecisionOutcome.DECIDED or granted else None
+    if granted:
+        log_event(log, "approval_granted_for_session", session_id=session_id, call_id=call_id, by=decision.by)
     if outcome == DecisionOutcome.DECIDED:
         log_event(
             log,
@@ -347,7 +482,20 @@ def decide(session_id: int, call_id: str, decision: Decision, scheduler: Schedul
     crash_point("approval.after_decision")
     if handed is not None:
         _enqueue(scheduler, handed)
-    return DecisionResult(outcome, row, resumed=handed is not None)
+    return DecisionResult(outcome, row, resumed=handed is not None, granted=granted)
+
+
+def _granted(s: Session, decision: Decision, outcome: DecisionOutcome, row: ApprovalRequest | None) -> list[str]:
+    """With ``for_session``, an approval that stands (this one, or the same one again) grants its
+    tool for the rest of the session, in the decision's transaction, and approves the tool's
+    other pending requests of the session with it. Returns the call ids so approved (the
+    request's own included, a repeat of the grant too: the grant is what the caller asked)."""
+    if not decision.for_session or row is None or row.status != ApprovalStatus.APPROVED:
+        return []
+    if outcome not in (DecisionOutcome.DECIDED, DecisionOutcome.REPEATED):
+        return []
+    g = store.grant(s, row, by=decision.by)
+    return [row.call_id, *store.approve_by_grant(s, g)]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from settings import get_settings
 
 if TYPE_CHECKING:
     from harness.approval import Gate
+    from models.approval import Requested
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +182,15 @@ def journal_reply(
     human decision get their requests in the same transaction (harness.approval), keyed by
     their local ids."""
     reply, refused = localize(reply, session_id=session_id)
-    requested = 0
+    requested: list[Requested] = []
     with transaction() as s:
         store.relaxed_commit(s)
         fence.check(s)
         if prepare is not None:
             reply, more = prepare(s, reply)
             refused = {**refused, **more}
+        # The tools' approval callables decide here, and their decisions commit with the reply.
+        rules = approval.rules(reply, refused, session_id=session_id) if approval is not None else {}
         journal_id = store.write_reply(
             s,
             session_id=session_id,
@@ -198,13 +201,19 @@ def journal_reply(
             prompt_tokens=reply.prompt_tokens,
             completion_tokens=reply.completion_tokens,
             provider_fields=reply.provider_fields,
+            approval_rules=rules,
         )
         record_call(s, session_id, reply, execution_id=getattr(fence, "execution_id", None))
         if approval is not None:
-            requested = approval.record(s, session_id=session_id, journal_id=journal_id, reply=reply, refused=refused)
+            requested = approval.record(
+                s, session_id=session_id, journal_id=journal_id, reply=reply, refused=refused, rules=rules
+            )
     crash_point("journal.after_reply")
     if requested:
         crash_point("approval.after_request")
+        from harness.approval import announce
+
+        announce(requested)
     return RoundInFlight(journal_id, reply, refused)
 
 

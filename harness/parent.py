@@ -204,7 +204,7 @@ def _parent_rounds(
                 model_waiting = False
             if not reply.tool_calls:
                 return _final_answer(session_id, fence, agent, reply)
-            if _delegates(reply, allowed, {}) and not gate.calls(reply, {}):
+            if _delegates(reply, allowed, {}) and not gate.calls(reply, {}, session_id=session_id):
                 # NOTE: a delegating reply's journal entry is its pending round, committed with
                 # its children before any of its tools (children or inline ones) runs: no
                 # journal transaction of its own (one commit fewer). It is journaled only when a

@@ -65,6 +65,8 @@ def _agent_entry(agent: AgentDef) -> dict[str, Any]:
         "approve": list(agent.approve),
         "approve_destructive": agent.approve_destructive,
         "on_incomplete": agent.on_incomplete,
+        # Only when set: a definition without per-tool approval timeouts keeps its hash.
+        **({"approval_timeout_seconds": dict(agent.approval_timeouts)} if agent.approval_timeouts else {}),
         # NOTE: no header or env value: they may be (or name) secrets; their names only.
         "mcp_servers": [
             {
@@ -97,10 +99,22 @@ def current_definition() -> dict[str, Any]:
                 "read_only": tool.read_only,
                 "idempotent": tool.idempotent,
                 "requires_approval": tool.requires_approval,
+                # Only when set: a definition without them keeps its hash.
+                **({"approval_rule": _qualname(tool.approval_rule)} if tool.approval_rule is not None else {}),
+                **(
+                    {"approval_timeout_seconds": tool.approval_timeout_seconds}
+                    if tool.approval_timeout_seconds is not None
+                    else {}
+                ),
             }
             for name, tool in sorted(REGISTRY.items())
         },
     }
+
+
+def _qualname(fn: Any) -> str:
+    """A callable by name (a release stores which rule a tool had, not the code)."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def canonical_hash(definition: dict[str, Any]) -> str:
@@ -219,6 +233,7 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
         ),
         approve=approve,
         approve_destructive=approve_destructive,
+        approval_timeouts=tuple((k, float(v)) for k, v in (entry.get("approval_timeout_seconds") or {}).items()),
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
         release_id=release_id,
         release_tools=tuple(definition_tools),

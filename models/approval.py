@@ -110,9 +110,32 @@ class ApprovalRequest(Base):
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Edited arguments an approval ran the tool with (validated against the tool's schema).
     approved_arguments: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The session's grant that approved this request when it was written (``approval_grant``).
+    grant_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("approval_grant.id"), nullable=True)
+    #: When the webhook (APPROVAL_WEBHOOK_URL) took this request's notification (None: not yet,
+    #: or no webhook).
+    notified_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class ApprovalGrant(Base):
+    """ "This tool for the rest of this session": an approver's yes for every later call of one
+    tool in one session. Written in the transaction of the approval that grants it; a request
+    written while it exists is written APPROVED, naming it."""
+
+    __tablename__ = "approval_grant"
+    __table_args__ = (UniqueConstraint("session_id", "tool", name="uq_approval_grant_session_tool"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
+    tool: Mapped[str] = mapped_column(String(128))
+    granted_by: Mapped[str] = mapped_column(String(128))
+    granted_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: The request whose approval granted it (no foreign key: a purge may delete that request).
+    request_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 A = ApprovalRequest
+G = ApprovalGrant
 
 
 def fingerprint(arguments: str) -> str:
@@ -145,11 +168,28 @@ def same_arguments(row: ApprovalRequest, arguments: str) -> bool:
 
 @dataclass(frozen=True)
 class NewRequest:
-    """One call of a journaled reply that needs approval."""
+    """One call of a journaled reply that needs approval; ``timeout_seconds`` (None: the
+    caller's default) is how long its request waits."""
 
     call_id: str
     tool: str
     arguments: str
+    timeout_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Requested:
+    """A request as written, in plain values (what the webhook and the ``approval_requested``
+    signal carry: never its arguments). ``grant_id`` set: written APPROVED by that grant."""
+
+    id: int
+    session_id: int
+    call_id: str
+    tool: str
+    agent_type: str
+    requested_at: datetime
+    expires_at: datetime
+    grant_id: int | None = None
 
 
 def record_requests(
@@ -162,31 +202,101 @@ def record_requests(
     calls: list[NewRequest],
     timeout_seconds: float,
     not_after: datetime | None = None,
-) -> None:
-    """Insert a PENDING request per call, in the caller's transaction (the one that journals
-    the reply). A request expires ``timeout_seconds`` after it was asked, or at ``not_after``
-    (a child's absolute deadline) when that comes first."""
+) -> list[Requested]:
+    """Insert a request per call, in the caller's transaction (the one that journals the reply):
+    PENDING, or APPROVED by the session's grant for its tool when there is one ("this tool for
+    the rest of this session": decided by the grant's approver, naming it). A request expires
+    its call's ``timeout_seconds`` (else ``timeout_seconds``) after it was asked, or at
+    ``not_after`` (a child's absolute deadline) when that comes first."""
     now = utcnow()
-    expires = now + timedelta(seconds=timeout_seconds)
-    if not_after is not None:
-        expires = min(expires, not_after)
+    grants = grants_of(s, session_id, {c.tool for c in calls})
+    rows = []
     for call in calls:
-        s.add(
-            ApprovalRequest(
-                session_id=session_id,
-                execution_id=execution_id,
-                journal_id=journal_id,
-                call_id=call.call_id,
-                tool=call.tool,
-                agent_type=agent_type,
-                arguments=call.arguments,
-                arguments_sha256=fingerprint(call.arguments),
-                status=ApprovalStatus.PENDING,
-                requested_at=now,
-                expires_at=expires,
-            )
+        expires = now + timedelta(seconds=call.timeout_seconds or timeout_seconds)
+        if not_after is not None:
+            expires = min(expires, not_after)
+        grant = grants.get(call.tool)
+        row = ApprovalRequest(
+            session_id=session_id,
+            execution_id=execution_id,
+            journal_id=journal_id,
+            call_id=call.call_id,
+            tool=call.tool,
+            agent_type=agent_type,
+            arguments=call.arguments,
+            arguments_sha256=fingerprint(call.arguments),
+            status=ApprovalStatus.PENDING if grant is None else ApprovalStatus.APPROVED,
+            requested_at=now,
+            expires_at=expires,
         )
+        if grant is not None:
+            row.decided_at, row.decided_by, row.grant_id = now, grant.granted_by, grant.id
+            row.reason = GRANTED
+        s.add(row)
+        rows.append(row)
     s.flush()
+    return [
+        Requested(r.id, session_id, r.call_id, r.tool, agent_type, r.requested_at, r.expires_at, r.grant_id)
+        for r in rows
+    ]
+
+
+#: The reason of a request approved by its session's grant when it was written.
+GRANTED = "approved for this session"
+
+
+def grants_of(s: Session, session_id: int, tools: set[str]) -> dict[str, ApprovalGrant]:
+    """The session's grants for ``tools``, by tool (no read when ``tools`` is empty)."""
+    if not tools:
+        return {}
+    return {g.tool: g for g in s.execute(select(G).where(G.session_id == session_id, G.tool.in_(tools))).scalars()}
+
+
+def grant(s: Session, request: ApprovalRequest, *, by: str) -> ApprovalGrant:
+    """ "This tool for the rest of this session", granted by the approval of ``request``: one row
+    per session and tool (a second grant for the same pair keeps the first: INSERT ... ON
+    CONFLICT DO NOTHING). Returns the grant that stands."""
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    dialect = s.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    s.execute(
+        insert(G)
+        .values(
+            session_id=request.session_id,
+            tool=request.tool,
+            granted_by=by,
+            granted_at=utcnow(),
+            request_id=request.id,
+        )
+        .on_conflict_do_nothing(index_elements=["session_id", "tool"])
+    )
+    return s.execute(select(G).where(G.session_id == request.session_id, G.tool == request.tool)).scalar_one()
+
+
+def approve_by_grant(s: Session, g: ApprovalGrant) -> list[str]:
+    """PENDING -> APPROVED for the other requests of the grant's session and tool (calls of the
+    same reply that wait beside the one that granted it), each decided by the grant. Returns
+    their call ids; empty, nothing done: none was pending."""
+    now = utcnow()
+    return list(
+        s.execute(
+            update(A)
+            .where(A.session_id == g.session_id, A.tool == g.tool, A.status == ApprovalStatus.PENDING)
+            .values(
+                status=ApprovalStatus.APPROVED, decided_at=now, decided_by=g.granted_by, reason=GRANTED, grant_id=g.id
+            )
+            .returning(A.call_id)
+            .execution_options(synchronize_session=False)
+        ).scalars()
+    )
+
+
+def mark_notified(s: Session, request_id: int) -> bool:
+    """Record that the webhook took the request's notification. False, nothing done: no such
+    request (purged), or it was recorded already (a retry that raced the first)."""
+    return cas(s, update(A).where(A.id == request_id, A.notified_at.is_(None)).values(notified_at=utcnow())) == 1
 
 
 def requests_of(s: Session, journal_id: int, *, lock: bool = False) -> dict[str, ApprovalRequest]:
@@ -221,6 +331,9 @@ class Decision:
     by: str
     reason: str = ""
     arguments: str | dict[str, Any] | None = None
+    #: An approval only: every later call of the request's tool in its session is approved too
+    #: (``grant``), and the other pending requests of that tool in the session with it.
+    for_session: bool = False
 
     @property
     def status(self) -> ApprovalStatus:
@@ -503,6 +616,8 @@ def described(r: ApprovalRequest) -> dict[str, Any]:
         "reason": r.reason,
         "arguments": parsed(r.arguments),
         "approved_arguments": parsed(r.approved_arguments),
+        "grant_id": r.grant_id,
+        "notified_at": r.notified_at.isoformat() if r.notified_at else None,
     }
 
 

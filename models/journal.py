@@ -84,6 +84,9 @@ class RoundJournal(Base):
     tool_calls: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     #: tool_call_id -> TOOL error written instead of running the call (e.g. a repeated id).
     refused: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    #: tool_call_id -> what the tool's ``requires_approval`` callable decided for that call,
+    #: written with the reply (a continued round reads it, never asks the callable again).
+    approval_rules: Mapped[dict[str, bool] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     #: The reply's own fields besides content and tool calls (docs/providers.md), as sent.
     provider_fields: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
@@ -171,10 +174,12 @@ def write_reply(
     prompt_tokens: int,
     completion_tokens: int,
     provider_fields: dict[str, Any] | None = None,
+    approval_rules: dict[str, bool] | None = None,
 ) -> int:
     """Insert the session's open entry; returns its id. An entry still open for the session
     (a run that ended without landing its round and was not continued: a failed execution
-    before a followup) is abandoned first, in the same transaction."""
+    before a followup) is abandoned first, in the same transaction. ``approval_rules``: what
+    the tools' ``requires_approval`` callables decided for its calls."""
     J = RoundJournal
     cas(
         s,
@@ -193,11 +198,40 @@ def write_reply(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         provider_fields=provider_fields or None,
+        approval_rules=approval_rules or None,
         replays=0,
     )
     s.add(row)
     s.flush()
     return row.id
+
+
+def approval_rules_of(s: Session, journal_id: int, *, lock: bool = False) -> dict[str, bool]:
+    """What the tools' ``requires_approval`` callables decided for the entry's calls (call id ->
+    needs approval), as journaled; ``lock`` holds the entry's row (``add_approval_rules``)."""
+    stmt = select(RoundJournal.approval_rules).where(RoundJournal.id == journal_id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return dict(s.execute(stmt).scalar_one_or_none() or {})
+
+
+def add_approval_rules(s: Session, journal_id: int, decided: dict[str, bool]) -> bool:
+    """Add callables' decisions for calls of an OPEN entry that has none for them yet (a round
+    journaled before the tool had its callable, continued now). A decision already journaled
+    for a call is never replaced. The caller holds the fence. False, nothing done: the entry is
+    not open, or every call had its decision."""
+    had = approval_rules_of(s, journal_id, lock=True)
+    fresh = {k: v for k, v in decided.items() if k not in had}
+    if not fresh:
+        return False
+    J = RoundJournal
+    return (
+        cas(
+            s,
+            update(J).where(J.id == journal_id, J.status == JournalStatus.OPEN).values(approval_rules={**had, **fresh}),
+        )
+        == 1
+    )
 
 
 def adopt(s: Session, journal_id: int, *, epoch: int) -> bool:

@@ -355,8 +355,9 @@ def _edited_call_problems(s: Session, r: ApprovalRequest, where: str, tool_rows:
     from models.approval import SYSTEM, canonical
 
     problems = []
-    note = edited_result(r.decided_by or SYSTEM, "")
-    if any(not (m.content or "").startswith(note) for m in tool_rows):
+    # Named or not (APPROVAL_NAME_TO_MODEL when the result was written).
+    notes = tuple(edited_result(r.decided_by or SYSTEM, "", named=named) for named in (True, False))
+    if any(not (m.content or "").startswith(notes) for m in tool_rows):
         problems.append(f"A2 {where}: ran with edited arguments but its TOOL result does not say so")
     approved = canonical(r.approved_arguments or "")
     for m in s.execute(

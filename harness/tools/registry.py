@@ -89,6 +89,12 @@ class Tool:
     idempotent: bool = False
     #: A human approves every call before it runs (``@tool(requires_approval=True)``).
     requires_approval: bool = False
+    #: ``@tool(requires_approval=callable)``: decides per call from its arguments (a dict) whether
+    #: a human approves it (harness.approval.rule_decision; a callable that raises: approval).
+    approval_rule: Callable[[dict[str, Any]], object] | None = None
+    #: How long a call's approval request waits (None: APPROVAL_TIMEOUT_SECONDS; an agent's
+    #: ``approval_timeout_seconds`` in AGENTS_FILE overrides both).
+    approval_timeout_seconds: float | None = None
     #: MCP's ``destructiveHint`` (None: absent, which the MCP spec reads as destructive; a
     #: read-only tool is never destructive). Python tools: None.
     destructive: bool | None = None
@@ -183,8 +189,9 @@ def tool(
     read_only: bool = False,
     idempotent: bool = False,
     timeout_seconds: float | None = None,
-    requires_approval: bool = False,
+    requires_approval: bool | Callable[[dict[str, Any]], object] = False,
     max_retries: int | None = None,
+    approval_timeout_seconds: float | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -197,8 +204,9 @@ def tool(
     read_only: bool = False,
     idempotent: bool = False,
     timeout_seconds: float | None = None,
-    requires_approval: bool = False,
+    requires_approval: bool | Callable[[dict[str, Any]], object] = False,
     max_retries: int | None = None,
+    approval_timeout_seconds: float | None = None,
 ) -> F | Callable[[F], F]:
     """Register a function as a tool; the function itself is returned unchanged (still callable).
 
@@ -207,12 +215,15 @@ def tool(
     such a tool is never run twice for one call. ``timeout_seconds`` bounds a call (default
     TOOL_TIMEOUT_SECONDS): a call still running then is reported "timed out, may or may not have
     taken effect" and the loop goes on. ``requires_approval=True``: every call waits for a human
-    decision before it runs (harness.approval). ``max_retries``: rounds in a row the model may be
+    decision before it runs (harness.approval); ``requires_approval=callable``: the callable gets
+    the call's arguments (a dict) and says whether this call waits (true) or not (false); one that
+    raises means it waits. ``approval_timeout_seconds``: how long such a call's request waits
+    (default APPROVAL_TIMEOUT_SECONDS). ``max_retries``: rounds in a row the model may be
     told to fix this tool's arguments (not JSON, empty, or not what the tool takes; default
     TOOL_MAX_RETRIES); one more and the session fails with the reason ``tool_arguments``.
     Raises ToolDefinitionError (naming the tool and the module) when its name is not
-    ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built, its name is taken, or ``timeout_seconds``
-    or ``max_retries`` is out of range.
+    ^[a-zA-Z0-9_-]{1,64}$, its schema cannot be built, its name is taken, ``timeout_seconds``
+    or ``max_retries`` is out of range, or ``approval_timeout_seconds`` is not > 0.
     """
 
     def wrap(func: F) -> F:
@@ -225,7 +236,27 @@ def tool(
             timeout_seconds=timeout_seconds,
             max_retries=max_retries,
         )
-        register(replace(built, requires_approval=requires_approval))
+        if approval_timeout_seconds is not None and not approval_timeout_seconds > 0:
+            raise ToolDefinitionError(
+                f"tool {built.name!r} in module {built.module}: approval_timeout_seconds must be > 0",
+                tool=built.name,
+                module=built.module,
+            )
+        rule = None if isinstance(requires_approval, bool) else requires_approval
+        if rule is not None and not callable(rule):
+            raise ToolDefinitionError(
+                f"tool {built.name!r} in module {built.module}: requires_approval must be true, false or a callable",
+                tool=built.name,
+                module=built.module,
+            )
+        register(
+            replace(
+                built,
+                requires_approval=requires_approval is True,
+                approval_rule=rule,
+                approval_timeout_seconds=approval_timeout_seconds,
+            )
+        )
         return func
 
     return wrap(fn) if fn is not None else wrap

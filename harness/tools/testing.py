@@ -75,8 +75,18 @@ class ToolTester:
 
     @property
     def needs_approval(self) -> bool:
-        """True when every call waits for a person's decision before it runs."""
-        return self.tool.requires_approval
+        """True when calls wait for a person's decision before they run: every call
+        (``requires_approval=True``), or those its callable picks (``needs_approval_for``)."""
+        return self.tool.requires_approval or self.tool.approval_rule is not None
+
+    def needs_approval_for(self, **arguments: Any) -> bool:
+        """True when a call with these arguments waits for a person: the tool's callable decides
+        as a worker asks it (a callable that raises: True)."""
+        from harness.approval import rule_decision
+
+        return self.tool.requires_approval or rule_decision(
+            self.tool, json.dumps(arguments), session_id=self.session_id
+        )
 
     def call(self, **arguments: Any) -> Run:
         """One call with these arguments, as a new call of the model (a new key)."""

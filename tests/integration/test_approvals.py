@@ -248,8 +248,8 @@ def test_a_denial_is_the_tool_result_denied_by_name_reason_and_the_tool_never_ru
     assert deny(sid, req.call_id, deps, "too much").outcome == DecisionOutcome.DECIDED
     settle(deps)
     assert runs.starts == []
-    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["denied by bob: too much"]
-    assert messages_of(sid)[-1].content == "parent saw: denied by bob: too much"
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["denied by an approver: too much"]
+    assert messages_of(sid)[-1].content == "parent saw: denied by an approver: too much"
     assert invariants() == []
 
 
@@ -492,7 +492,7 @@ def test_a_reply_with_two_requests_resumes_only_once_both_are_decided(model_fact
     assert [r[0] for r in runs.starts] == ["refund"]
     assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == [
         "refunded 30 on A-1",
-        "denied by bob: not today",
+        "denied by an approver: not today",
     ]
     assert invariants() == []
 
@@ -595,7 +595,7 @@ def test_a_denied_delegation_creates_no_child_and_the_model_sees_the_denial_as_i
     assert deny(sid, req.call_id, deps, "not this one").resumed
     settle(deps)
     assert executions_of(sid) == [] and subagent_sessions() == []
-    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["denied by bob: not this one", "hi"]
-    assert messages_of(sid)[-1].content == "parent saw: denied by bob: not this one\nhi"
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["denied by an approver: not this one", "hi"]
+    assert messages_of(sid)[-1].content == "parent saw: denied by an approver: not this one\nhi"
     assert phase_of(sid) == Phase.WAITING_USER
     assert invariants() == []

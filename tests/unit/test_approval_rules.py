@@ -137,3 +137,54 @@ def test_approve_rules_over_the_built_in_tools_and_the_agents_mcp_servers_start(
     agents = start_with(tmp_path, monkeypatch, table)
     assert agents["a"].approve
     assert needs_approval(agents["a"], "delegate") is ("delegate" in table or '"*"' in table)
+
+
+def test_a_tools_approval_callable_is_asked_with_the_arguments_and_fails_closed_when_it_raises() -> None:
+    from harness.tools.testing import ToolTester
+
+    def above_100(arguments: dict[str, object]) -> bool:
+        return int(str(arguments["amount"])) > 100
+
+    @tool(requires_approval=above_100)
+    def refund_part(order: str, amount: int) -> str:
+        """Refund part."""
+        return order
+
+    try:
+        tester = ToolTester(refund_part)
+        assert tester.needs_approval
+        assert not tester.needs_approval_for(order="A", amount=100)
+        assert tester.needs_approval_for(order="A", amount=101)
+        assert tester.needs_approval_for(order="A")  # the callable raises KeyError: a person decides
+    finally:
+        unregister("refund_part")
+
+
+def test_requires_approval_and_approval_timeout_seconds_are_checked_at_the_decorator() -> None:
+    from harness.tools.registry import ToolDefinitionError
+
+    with pytest.raises(ToolDefinitionError, match="approval_timeout_seconds must be > 0"):
+
+        @tool(requires_approval=True, approval_timeout_seconds=0)
+        def never(order: str) -> str:
+            """Never."""
+            return order
+
+    with pytest.raises(ToolDefinitionError, match="requires_approval must be true, false or a callable"):
+
+        @tool(requires_approval="yes")  # type: ignore[arg-type]
+        def never_either(order: str) -> str:
+            """Never."""
+            return order
+
+
+@pytest.mark.parametrize(
+    "value", ["600", "{ refund_order = 0 }", '{ refund_order = "1h" }', "{ refund_order = true }", '{ "" = 5 }']
+)
+def test_an_agents_approval_timeout_seconds_must_be_tool_names_to_positive_seconds(value: str) -> None:
+    with pytest.raises(AgentConfigError, match="approval_timeout_seconds must be a table of tool names or globs"):
+        agent(approval_timeout_seconds=value)
+    assert agent(approval_timeout_seconds='{ refund_order = 60, "travel__*" = 1.5 }').approval_timeouts == (
+        ("refund_order", 60.0),
+        ("travel__*", 1.5),
+    )
