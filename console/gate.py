@@ -51,6 +51,7 @@ class Gate(BaseHTTPMiddleware):
         config = _config(request)
         path = request.url.path
         request.state.operator = None
+        request.state.role = None
         response = _refusal(request, config)
         if response is None:
             csrf = request.cookies.get(auth.CSRF_COOKIE)
@@ -62,6 +63,7 @@ class Gate(BaseHTTPMiddleware):
                 response = _unauthorized(request)
             else:
                 request.state.operator = operator or "anonymous"
+                request.state.role = config.role_of(operator) if operator else None
                 response = await call_next(request)
             if csrf is None:
                 response.set_cookie(
@@ -111,13 +113,15 @@ def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
         throttled = _throttled(request, auth.clean_operator(named or "api"), via="bearer")
         if throttled is not None:
             return throttled
-        if auth.bearer_ok(config.token, header):
+        name = auth.clean_operator(named or "api")
+        shown = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if shown is not None and config.token_ok(name, shown):
             _throttle(request).succeeded(_address(request))
-            return auth.clean_operator(named or "api")
-        _sign_in_refused(request, auth.clean_operator(named or "api"), via="bearer")
+            return name
+        _sign_in_refused(request, name, via="bearer")
         return None
     cookie = request.cookies.get(auth.SESSION_COOKIE)
-    return auth.operator_of_session(config.token, cookie, max_age_seconds=config.session_seconds)
+    return auth.operator_of_session(config.session_key, cookie, max_age_seconds=config.session_seconds)
 
 
 def _throttle(request: Request) -> auth.SignInThrottle:
@@ -216,13 +220,14 @@ def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]
         throttled = _throttled(request, operator, via="login")
         if throttled is not None:
             return "throttled", throttled
-        if not auth.bearer_ok(config.token, f"Bearer {token}"):
+        if not config.token_ok(operator, token):
             _sign_in_refused(request, operator, via="login")
             context = _context(request, next_path=nxt, failed=True)
             return "wrong_token", templates.TemplateResponse(request, "login.html", context, status_code=401)
         _throttle(request).succeeded(_address(request))
     response = RedirectResponse(nxt, status_code=303)
-    value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
+    key = config.session_key(operator)
+    value = auth.session_value(key, operator) if config.needs_token and key else f"{operator}.local"
     response.set_cookie(
         auth.SESSION_COOKIE,
         value,
