@@ -87,20 +87,20 @@ def test_each_role_acts_within_itself_and_a_refused_action_is_recorded(
     ]
 
 
-def test_an_operator_signs_in_with_their_own_token_and_sees_only_their_buttons(
-    db: str, operators_file: Path
-) -> None:
+def test_an_operator_signs_in_with_their_own_token_and_sees_only_their_buttons(db: str, operators_file: Path) -> None:
     sid = make_session()
     config = ConsoleConfig(token="", read_only=False, show_content=False, operators=Operators(str(operators_file)))
     with serve(config) as base:
         viewer = requests.Session()
         csrf = login_csrf(viewer, base)
         assert "Your token" in viewer.get(f"{base}/login", timeout=10).text
-        wrong = viewer.post(f"{base}/login", data={"operator": "vera", "token": TOKENS["ada"], "csrf": csrf}, timeout=10)
-        assert wrong.status_code == 401
-        unknown = viewer.post(f"{base}/login", data={"operator": "eve", "token": "x", "csrf": csrf}, timeout=10)
-        assert unknown.status_code == 401
-        done = viewer.post(f"{base}/login", data={"operator": "vera", "token": TOKENS["vera"], "csrf": csrf}, timeout=10)
+
+        def sign_in(name: str, token: str) -> requests.Response:
+            return viewer.post(f"{base}/login", data={"operator": name, "token": token, "csrf": csrf}, timeout=10)
+
+        assert sign_in("vera", TOKENS["ada"]).status_code == 401
+        assert sign_in("eve", "x").status_code == 401
+        done = sign_in("vera", TOKENS["vera"])
         assert done.status_code == 200 and done.url.endswith("/")
         page = viewer.get(f"{base}/sessions/{sid}", timeout=10).text
         assert 'id="role">viewer<' in page and 'id="cancel"' not in page
