@@ -441,7 +441,7 @@ def children_counts(s: Session, session_ids: list[int]) -> dict[int, int]:
         .where(S.parent_session_id.in_(session_ids))
         .group_by(S.parent_session_id)
     )
-    return {int(p): int(n) for p, n in s.execute(stmt).all()}
+    return {int(p): int(n) for p, n in s.execute(stmt).all() if p is not None}
 
 
 #: A session's page lists its latest this many operator actions.

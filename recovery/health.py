@@ -56,10 +56,10 @@ def approvals_waiting(s: Session, now: datetime) -> dict[str, Any]:
     from models.approval import ApprovalStatus
     from settings import get_settings
 
-    count, oldest = s.execute(
+    count, first = s.execute(
         select(func.count(), func.min(A.requested_at)).where(A.status == ApprovalStatus.PENDING)
     ).one()
-    oldest = _aware(oldest)
+    oldest = _aware(first)
     return {
         "pending": int(count),
         "oldest_age_seconds": None if oldest is None else round((now - oldest).total_seconds(), 1),

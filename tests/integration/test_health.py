@@ -166,3 +166,21 @@ def test_queue_depths_are_unknown_when_the_broker_cannot_be_reached() -> None:
         ("celery", None),
         ("recovery", None),
     ]
+
+
+def test_the_metrics_count_the_workers_alive(worker_name: str) -> None:
+    from prometheus_client import generate_latest
+
+    from recovery.metrics import RecoveryCollector, build_registry
+    from tests.integration.test_metrics import parse, value
+
+    def alive() -> float:
+        scraped = generate_latest(build_registry(RecoveryCollector())).decode()
+        return value(parse(scraped), "agent_recovery_workers_alive")
+
+    assert alive() == 0
+    watcher_of(worker_name).tick()
+    assert alive() == 1
+    with transaction() as s:
+        s.execute(text("UPDATE worker_presence SET last_seen_at = now() - interval '1 hour'"))
+    assert alive() == 0
