@@ -148,11 +148,16 @@ def _approvals(request: Request) -> dict[str, Any]:
         after=_int(request, "after"),
         limit=_int(request, "limit"),
     )
+    show_content = config(request).show_content
     with queries.read_only() as s:
-        page = approvals.pending(s, f, show_content=config(request).show_content)
-        children = queries.children_counts(s, sorted({r["session_id"] for r in page["approvals"]}))
+        page = approvals.pending(s, f, show_content=show_content)
+        ids = sorted({r["session_id"] for r in page["approvals"]})
+        children = queries.children_counts(s, ids)
+        tasks = queries.child_tasks(s, ids) if show_content else {}
     for row in page["approvals"]:
         row["children"] = children.get(row["session_id"], 0)
+        if row["session_id"] in tasks:
+            row["task"] = tasks[row["session_id"]]  # a child's task: users' data, as the arguments
     return {"installed": approvals.installed(), **page}
 
 

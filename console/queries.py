@@ -432,6 +432,19 @@ def pending_approvals(s: Session, session_id: int) -> list[dict[str, Any]]:
     return [{"id": r.id, "call_id": r.call_id, "tool": r.tool, "requested_at": _iso(r.requested_at)} for r in rows]
 
 
+def child_tasks(s: Session, session_ids: list[int]) -> dict[int, str]:
+    """The task each child session of ``session_ids`` was given (its execution's description;
+    ix_sae_child_session). Users' data: read only when the console shows content."""
+    if not session_ids:
+        return {}
+    stmt = select(E.child_session_id, E.task_description).where(E.child_session_id.in_(session_ids)).order_by(E.id)
+    found: dict[int, str] = {}
+    for child, task in s.execute(stmt).all():
+        if child is not None and task is not None:
+            found.setdefault(int(child), str(task))
+    return found
+
+
 def children_counts(s: Session, session_ids: list[int]) -> dict[int, int]:
     """How many child sessions each of ``session_ids`` has (one grouped read of the parent index)."""
     if not session_ids:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from models import SessionType
-from tests.helpers import make_session
+from tests.helpers import make_execution, make_session
 from tests.integration.test_approval_display import parked as parked  # the fixture
 from tests.integration.test_approvals import Runs
 from tests.integration.test_approvals import runs as runs  # the fixture
@@ -46,3 +46,19 @@ def test_every_page_opens_a_session_by_its_id(console: Serve) -> None:
         assert 'id="find-session"' in http.get(f"{base}{path}", timeout=10).text, path
     found = http.get(f"{base}/?id={sid}", allow_redirects=False, timeout=10)
     assert (found.status_code, found.headers["location"]) == (303, f"/sessions/{sid}")
+
+
+def test_a_childs_approval_shows_the_task_it_was_given_only_with_content_shown(
+    console: Serve, parked: tuple[int, str, Any], runs: Runs
+) -> None:
+    sid, _, _ = parked
+    make_execution(make_session(), sid, task="refund order A-1 <to the card>")  # the parked one as a child
+    shown = console(show_content=True)
+    (row,) = client(shown).get(f"{shown}/api/approvals", timeout=10).json()["approvals"]
+    assert row["task"] == "refund order A-1 <to the card>"
+    page = client(shown).get(f"{shown}/approvals", timeout=10).text
+    assert f'id="task-{row["id"]}"' in page and "refund order A-1 &lt;to the card&gt;" in page
+    hidden = console(show_content=False)
+    (bare,) = client(hidden).get(f"{hidden}/api/approvals", timeout=10).json()["approvals"]
+    assert "task" not in bare
+    assert "refund order A-1" not in client(hidden).get(f"{hidden}/approvals", timeout=10).text
