@@ -182,3 +182,31 @@ def test_cancels_and_redeliveries_from_the_cli_are_recorded_with_who_asked(db: s
         ("cli:dave", "redeliver", parent, eid, None, "still_running"),
         (me, "redeliver", parent, None, None, "waiting"),
     ]
+
+
+def test_a_changed_operators_file_is_read_again_and_a_broken_one_keeps_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import console.operators as operators_module
+
+    monkeypatch.setattr(operators_module, "RELOAD_CHECK_SECONDS", 0.0)
+    path = tmp_path / "operators.toml"
+
+    def write(body: str, mtime: int) -> None:
+        path.write_text(body)
+        os.utime(path, (mtime, mtime))
+
+    entry = '[[operators]]\nname = "{}"\nrole = "{}"\ntoken_hash = "{}"\n'
+    write(entry.format("kim", "admin", hash_token("old")), 1_000)
+    found = Operators(str(path))
+    assert found.authenticate("kim", "old") is not None
+    assert found.authenticate("kim", "old") is not None  # the second time from memory
+    write(entry.format("kim", "viewer", hash_token("new")), 2_000)  # a new token and role
+    assert found.authenticate("kim", "old") is None  # the remembered check is gone with the hash
+    kim = found.authenticate("kim", "new")
+    assert kim is not None and kim.role == "viewer"
+    write("not toml [", 3_000)
+    assert found.get("kim") is not None  # the operators read last stay
+
