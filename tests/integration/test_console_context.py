@@ -33,6 +33,8 @@ def test_an_approval_and_its_session_link_to_each_other_to_the_call_and_to_the_f
     assert f'id="call-{call_id}"' in session_page  # where the approval's link lands
     assert f'id="approval-{row["id"]}"' in session_page  # the call says it waits, and links back
     assert f'href="/approvals?session={sid}"' in session_page  # and back to the approval
+    listed = http.get(f"{base}/?phase=WAITING_APPROVAL", timeout=10).text
+    assert f'href="/approvals?session={sid}" class="decide"' in listed  # the list links to the decision
     child_page = http.get(f"{base}/sessions/{child}", timeout=10).text
     assert f'id="parent-link">Child of <a href="/sessions/{sid}">' in child_page
     assert http.get(f"{base}/api/sessions/{child}", timeout=10).json()["session"]["parent_session_id"] == sid
