@@ -56,7 +56,7 @@ class Gate(BaseHTTPMiddleware):
         if response is None:
             csrf = request.cookies.get(auth.CSRF_COOKIE)
             request.state.csrf = csrf or auth.new_csrf()
-            operator = _operator(request, config)
+            operator = await _operator(request, config)
             if isinstance(operator, Response):
                 response = operator
             elif operator is None and not path.startswith(OPEN_PATHS):
@@ -101,7 +101,7 @@ def _address(request: Request) -> str:
     return request.client.host if request.client else "-"
 
 
-def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
+async def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
     """The operator's name; None when a token is required and not shown; a 429 answer when a
     token is shown by an address that must still wait after refused sign-ins."""
     named = request.headers.get(auth.OPERATOR_HEADER)
@@ -115,13 +115,23 @@ def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
             return throttled
         name = auth.clean_operator(named or "api")
         shown = header[7:].strip() if header.lower().startswith("bearer ") else None
-        if shown is not None and config.token_ok(name, shown):
+        if shown is not None and await _token_ok(config, name, shown):
             _throttle(request).succeeded(_address(request))
             return name
         _sign_in_refused(request, name, via="bearer")
         return None
     cookie = request.cookies.get(auth.SESSION_COOKIE)
     return auth.operator_of_session(config.session_key, cookie, max_age_seconds=config.session_seconds)
+
+
+async def _token_ok(config: ConsoleConfig, operator: str, token: str) -> bool:
+    """``config.token_ok`` off the event loop when it derives a key (an operators file's hash
+    costs tens of milliseconds on purpose): other requests are served meanwhile."""
+    if config.operators is None:
+        return config.token_ok(operator, token)
+    from starlette.concurrency import run_in_threadpool
+
+    return bool(await run_in_threadpool(config.token_ok, operator, token))
 
 
 def _throttle(request: Request) -> auth.SignInThrottle:
@@ -199,12 +209,12 @@ async def login(request: Request) -> Response:
         return templates.TemplateResponse(request, "login.html", _context(request, next_path="/", failed=False))
     form = await request.form()
     operator = auth.clean_operator(str(form.get("operator", "")))
-    outcome, response = _sign_in(request, form, operator)
+    outcome, response = await _sign_in(request, form, operator)
     await run_in_threadpool(audit, f"console:{operator}", action="sign_in", outcome=outcome)
     return response
 
 
-def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
+async def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
     """The outcome of one sign-in (``signed_in``, ``csrf``, ``throttled``, ``wrong_token``) and
     its answer."""
     config = _config(request)
@@ -220,7 +230,7 @@ def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]
         throttled = _throttled(request, operator, via="login")
         if throttled is not None:
             return "throttled", throttled
-        if not config.token_ok(operator, token):
+        if not await _token_ok(config, operator, token):
             _sign_in_refused(request, operator, via="login")
             context = _context(request, next_path=nxt, failed=True)
             return "wrong_token", templates.TemplateResponse(request, "login.html", context, status_code=401)
