@@ -209,4 +209,3 @@ def test_a_changed_operators_file_is_read_again_and_a_broken_one_keeps_the_last(
     assert kim is not None and kim.role == "viewer"
     write("not toml [", 3_000)
     assert found.get("kim") is not None  # the operators read last stay
-
