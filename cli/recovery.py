@@ -74,9 +74,10 @@ def _health(args: argparse.Namespace) -> int:
     """Exit 0 when health is green, 1 when red (recovery.health names each reason)."""
     from models import transaction
     from recovery.health import verdict
+    from tasks.queues import queue_waits
 
     with transaction() as s:
-        report = verdict(s)
+        report = verdict(s, queues=queue_waits())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if report["ok"] else 1

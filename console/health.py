@@ -90,9 +90,10 @@ def health(s: Session) -> dict[str, Any]:
     from its presence whether it is alive), and the verdict (recovery.health: ``ok``,
     ``problems``, ``presence``, ``approvals``, ``queues``)."""
     from recovery.health import verdict
+    from tasks.queues import queue_waits
 
     figures = metrics()
-    found = verdict(s)
+    found = verdict(s, queues=queue_waits())
     seen = {w["name"]: w for w in found["presence"]["workers"]}
     workers = _workers(s)
     for w in workers:

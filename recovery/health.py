@@ -7,9 +7,10 @@ Health is red when any of these holds, each a :class:`Problem`:
 3. an approval request has waited longer than HEALTH_APPROVAL_MAX_AGE_SECONDS;
 4. the database cannot be read (the console and ``agent-recovery health`` say so themselves).
 
-Beside the verdict: workers alive and silent, the queues' depths (Redis list lengths; RabbitMQ
-through a passive ``queue_declare``, tasks.queues) and the pending approvals. Every figure is a
-read of a one-row or small table, or of an index: nothing here grows with the sessions.
+Beside the verdict: workers alive and silent, the pending approvals, and the queues' depths as
+the caller read them (tasks.queues: Redis list lengths; RabbitMQ by a passive ``queue_declare``).
+Every figure is a read of a one-row or small table, or of an index: nothing here grows with the
+sessions.
 """
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ def findings(*, workers_alive: int, scan_age: float | None, approvals: dict[str,
     return found
 
 
-def verdict(s: Session, *, queues: bool = True) -> dict[str, Any]:
+def verdict(s: Session, *, queues: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``ok`` (no finding), ``problems``, ``presence`` (workers alive and silent), ``scan_age_seconds``,
-    ``approvals`` and ``queues`` (each queue's depth; None where the broker could not say)."""
+    ``approvals``, and ``queues`` as the caller read them from the broker (tasks.queues.queue_waits:
+    each queue's depth, None where the broker could not say)."""
     from models.presence import presence
 
     now = utcnow()
@@ -115,15 +117,8 @@ def verdict(s: Session, *, queues: bool = True) -> dict[str, Any]:
         "presence": seen,
         "scan_age_seconds": scan_age,
         "approvals": approvals,
-        "queues": queue_depths() if queues else [],
+        "queues": queues or [],
     }
-
-
-def queue_depths() -> list[dict[str, Any]]:
-    """Each queue's depth (``celery`` and the recovery queue), as ``agent-recovery status``."""
-    from tasks.queues import queue_waits
-
-    return queue_waits()
 
 
 def database_down() -> dict[str, Any]:

@@ -50,7 +50,7 @@ def codes(report: dict[str, Any]) -> list[str]:
 
 def health() -> dict[str, Any]:
     with transaction() as s:
-        return verdict(s, queues=False)
+        return verdict(s)
 
 
 def scanned(seconds_ago: float = 0.0) -> None:
