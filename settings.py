@@ -429,6 +429,19 @@ class Settings(BaseSettings):
     CONSOLE_SESSION_HOURS: float = Field(
         default=12.0, gt=0, description="Hours a console sign-in lasts; then the operator signs in again."
     )
+    CONSOLE_OPERATORS_FILE: str = Field(
+        default="",
+        description=(
+            "A TOML or JSON file of the console's operators (name, role viewer/approver/admin, token_hash from "
+            "agent-recovery console hash-token): each signs in as themselves and acts within their role; "
+            "CONSOLE_TOKEN is then not accepted."
+        ),
+    )
+    HEALTH_APPROVAL_MAX_AGE_SECONDS: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Health turns red when an approval request has waited longer than this for a decision.",
+    )
     CONSOLE_ALLOWED_HOSTS: str = Field(
         default="",
         description=(

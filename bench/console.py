@@ -5,8 +5,9 @@ top-level sessions of mixed phases, agents and users, and one parent with ``--ch
 (each a child session, its execution, a delegating round in the parent's history and its
 delivered TOOL result), serves the console on loopback (uvicorn, as ``agent-recovery console``
 does) and times, over real HTTP, ``--repeat`` requests of each page and API view a person opens:
-the session with its children (page, live part, JSON), the list's first page, a filtered list
-and a page deep in the list. Prints the median and the slowest of each, in milliseconds.
+the session with its children (page, live part, JSON), the list's first page, a filtered list,
+a page deep in the list, health (page and JSON) and the approvals page. Prints the median and
+the slowest of each, in milliseconds.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def main() -> int:
                 ),
                 (f"list of {args.sessions} sessions: recovered=true (JSON)", "/api/sessions?recovered=true"),
                 (f"list of {args.sessions} sessions: a page in the middle (JSON)", f"/api/sessions?before={deep}"),
+                ("health: verdict, workers, queues (page)", "/health"),
+                ("health: verdict, workers, queues (JSON)", "/api/health"),
+                ("approvals (page)", "/approvals"),
             ]
             load = os.getloadavg()[0]
             print(f"console answer times over loopback HTTP, {args.repeat} requests each (load average {load:.2f})")

@@ -54,6 +54,7 @@ def register(sub: Any) -> None:
 
     c = sub.add_parser("cancel", help="cancel a session (its pending child results are suppressed)")
     c.add_argument("id", type=int)
+    c.add_argument("--by", default=None, help="who cancels, recorded in the audit (default: the OS user)")
     c.set_defaults(handler=_cancel)
 
 
@@ -232,7 +233,11 @@ def _cancel(args: argparse.Namespace) -> int:
     from harness.cancel import CancelOutcome, cancel
     from harness.errors import retry_while_busy
 
-    result = retry_while_busy(lambda: cancel(args.id, actor=cli_actor()), what=f"session {args.id}")
+    actor = cli_actor(args.by)
+    if actor is None:
+        return fail(f"cancel: --by is longer than {MAX_BY_CHARS} characters", 2)
+    result = retry_while_busy(lambda: cancel(args.id, actor=actor), what=f"session {args.id}")
+    cli_audit(actor, action="cancel", session_id=args.id, outcome=str(result.outcome))
     if result.outcome == CancelOutcome.NOT_FOUND:
         return fail(f"cancel: no session {args.id}")
     done = "cancelled" if result.outcome == CancelOutcome.CANCELLED else "already stopped"
@@ -240,11 +245,31 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def cli_actor() -> str:
-    """Who runs an operator command from the CLI, for the action's log line: ``cli:<login>``."""
+#: The longest name ``--by`` may give (the audit's ``actor`` column, with its ``cli:``).
+MAX_BY_CHARS = 124
+
+
+def cli_actor(by: str | None = None) -> str | None:
+    """Who runs an operator command from the CLI, for the action's log line and its audit row:
+    ``cli:<by>``, else ``cli:<login>``; None when ``by`` is too long to record whole."""
     import getpass
 
+    if by:
+        return f"cli:{by}" if len(by) <= MAX_BY_CHARS else None
     try:
         return f"cli:{getpass.getuser()}"
     except (KeyError, OSError):  # no login name (a container without a passwd entry)
         return "cli"
+
+
+def cli_audit(actor: str, **fields: Any) -> None:
+    """The ``operator_action`` row of a cancel or a redelivery from the CLI, after it ran. One
+    that cannot be written is said on stderr; the action landed or not already."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from models.operator_action import record_now
+
+    try:
+        record_now(actor=actor, **fields)
+    except SQLAlchemyError as exc:
+        print(f"agent-recovery: the audit row was not written ({type(exc).__name__})", file=sys.stderr)

@@ -48,6 +48,7 @@ WITHOUT_TOOLS = frozenset(
         "superagent-stub",
         "local-client",
         "usage",
+        "health",
         "releases",
     }
 )
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        if args.command not in WITHOUT_TOOLS:
+        if args.command not in WITHOUT_TOOLS and not getattr(args, "without_tools", False):
             load_at_start()  # TOOL_MODULES and entry points; every agent's tools checked
         return int(handler(args) or 0)
     except AgentConfigError as exc:

@@ -1,4 +1,4 @@
-"""`agent-recovery status | redeliver | scan | local-client`."""
+"""`agent-recovery status | health | redeliver | scan | local-client`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ def register(sub: Any) -> None:
     st.add_argument("--json", action="store_true")
     st.set_defaults(handler=_status)
 
+    hl = sub.add_parser(
+        "health", help="is anything alive: workers, the last scan, approvals waiting, queues (exit 1 when red)"
+    )
+    hl.add_argument("--json", action="store_true")
+    hl.set_defaults(handler=_health)
+
     rd = sub.add_parser("redeliver", help="re-run delivery for one execution (idempotent)")
     rd.add_argument("id", type=int, help="execution id (or a parent session id with --parent)")
     rd.add_argument("--parent", action="store_true", help="ID is a parent session: deliver all its results")
+    rd.add_argument("--by", default=None, help="who redelivers, recorded in the audit (default: the OS user)")
     rd.set_defaults(handler=_redeliver)
 
     sc = sub.add_parser("scan", help="run one recovery scan now (sends the recoveries, deliveries, resumes it finds)")
@@ -63,19 +70,57 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 when health is green, 1 when red (recovery.health names each reason)."""
+    from models import transaction
+    from recovery.health import verdict
+    from tasks.queues import queue_waits
+
+    with transaction() as s:
+        report = verdict(s, queues=queue_waits())
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report["ok"] else 1
+    print("health: " + ("ok" if report["ok"] else "RED"))
+    for p in report["problems"]:
+        print(f"  {p['code']}: {p['message']}")
+    seen = report["presence"]
+    after = seen["silent_after_seconds"]
+    print(f"workers: {seen['alive']} alive, {seen['silent']} silent (silent after {after:.0f} s)")
+    for w in seen["workers"]:
+        state = "alive" if w["alive"] else "silent"
+        release = f", release {w['release_id']}" if w["release_id"] is not None else ""
+        print(f"  {w['name']}: {state}, seen {w['seen_seconds_ago']} s ago ({w['hostname']} pid {w['pid']}{release})")
+    age = report["scan_age_seconds"]
+    print("last scan: " + ("never" if age is None else f"{age} s ago"))
+    a = report["approvals"]
+    oldest = "" if a["oldest_age_seconds"] is None else f" (oldest waiting {a['oldest_age_seconds']} s)"
+    print(f"approvals pending: {a['pending']}{oldest}")
+    for q in report["queues"]:
+        depth = "unknown" if q["messages"] is None else q["messages"]
+        print(f"queue {q['queue']}: {depth} waiting")
+    return 0 if report["ok"] else 1
+
+
 def _redeliver(args: argparse.Namespace) -> int:
-    from cli.agent import cli_actor
+    from cli.agent import MAX_BY_CHARS, cli_actor, cli_audit, fail
     from recovery.errors import ExecutionNotFound
     from recovery.ops import redeliver, redeliver_parent
     from tasks import app
     from tasks.scheduler import CeleryScheduler
 
+    actor = cli_actor(args.by)
+    if actor is None:
+        return fail(f"redeliver: --by is longer than {MAX_BY_CHARS} characters", 2)
+    target = {"session_id": args.id} if args.parent else {"execution_id": args.id}
     try:
         fn = redeliver_parent if args.parent else redeliver
-        outcome = fn(args.id, CeleryScheduler(app), actor=cli_actor())
+        outcome = str(fn(args.id, CeleryScheduler(app), actor=actor))
     except ExecutionNotFound as exc:
+        cli_audit(actor, action="redeliver", outcome="not_found", **target)
         print(f"agent-recovery: {exc}", file=sys.stderr)
         return 1
+    cli_audit(actor, action="redeliver", outcome=outcome, **target)
     print(outcome)
     return 0
 

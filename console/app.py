@@ -151,11 +151,17 @@ def _approvals(request: Request) -> dict[str, Any]:
         after=_int(request, "after"),
         limit=_int(request, "limit"),
     )
+    show_content = config(request).show_content
     with queries.read_only() as s:
-        return {
-            "installed": approvals.installed(),
-            **approvals.pending(s, f, show_content=config(request).show_content),
-        }
+        page = approvals.pending(s, f, show_content=show_content)
+        ids = sorted({r["session_id"] for r in page["approvals"]})
+        children = queries.children_counts(s, ids)
+        tasks = queries.child_tasks(s, ids) if show_content else {}
+    for row in page["approvals"]:
+        row["children"] = children.get(row["session_id"], 0)
+        if row["session_id"] in tasks:
+            row["task"] = tasks[row["session_id"]]  # a child's task: users' data, as the arguments
+    return {"installed": approvals.installed(), **page}
 
 
 # --- the JSON API -----------------------------------------------------------------------------
@@ -215,6 +221,14 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
     return None, form
 
 
+def _may(request: Request, action: str) -> bool:
+    """The signed-in operator's role allows ``action`` (console.operators.ALLOWED)."""
+    from console.operators import allows
+
+    role = getattr(request.state, "role", None)
+    return role is not None and allows(role, action)
+
+
 def _action_error(request: Request, error: str) -> str:
     log_event(log, "console_action_refused", path=request.url.path, reason=error, actor=actor(request))
     return error
@@ -258,6 +272,10 @@ def _action(
         from starlette.concurrency import run_in_threadpool
 
         refusal, form = await _refused(request)
+        if refusal is None and not _may(request, name):
+            # The operators file's role does not reach this action: the attempt is recorded.
+            refusal = _action_error(request, "forbidden")
+            await run_in_threadpool(audit, actor(request), action=name, **{target: _id(request)}, outcome=refusal)
         if refusal is not None:
             if request.url.path.startswith("/api/"):
                 return JSONResponse({"error": refusal}, status_code=403)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from console.operators import Operators, OperatorsFileError, Role
 from settings import Settings
 
 SESSION_COOKIE = "console_session"
@@ -48,7 +49,8 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class ConsoleConfigError(RuntimeError):
-    """Raised when the console is asked to listen beyond loopback without a token."""
+    """Raised when the console is asked to listen beyond loopback without a token, or its token
+    file or operators file cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,35 @@ class ConsoleConfig:
     allowed_hosts: frozenset[str] = field(default=LOOPBACK_NAMES)
     #: A sign-in (the session cookie) lasts this long; then the operator signs in again.
     session_seconds: float = 12 * 3600.0
+    #: CONSOLE_OPERATORS_FILE read: each operator signs in as themselves, within their role
+    #: (the shared token is then not accepted). None: the shared token, every operator an admin.
+    operators: Operators | None = None
 
     @property
     def needs_token(self) -> bool:
-        return bool(self.token)
+        return bool(self.token) or self.operators is not None
+
+    def role_of(self, operator: str) -> Role | None:
+        """What ``operator`` may do: their role in the operators file (None: not listed there
+        any more), else admin (the shared token, or a console on loopback without one)."""
+        if self.operators is None:
+            return Role.ADMIN
+        found = self.operators.get(operator)
+        return None if found is None else found.role
+
+    def session_key(self, operator: str) -> str | None:
+        """The key ``operator``'s sign-in cookie is signed with (None: no such operator)."""
+        if self.operators is None:
+            return self.token
+        found = self.operators.get(operator)
+        return None if found is None else self.operators.cookie_key(found)
+
+    def token_ok(self, operator: str, token: str) -> bool:
+        """``token`` signs ``operator`` in: theirs in the operators file, else the shared token
+        (compared in constant time either way)."""
+        if self.operators is None:
+            return bearer_ok(self.token, f"Bearer {token}")
+        return self.operators.authenticate(operator, token) is not None
 
 
 def is_loopback(host: str) -> bool:
@@ -89,9 +116,16 @@ def load_config(settings: Settings, host: str, *, secure_cookies: bool = False) 
         except OSError as exc:
             raise ConsoleConfigError(f"CONSOLE_TOKEN_FILE cannot be read ({type(exc).__name__})") from None
         token = lines[0].strip() if lines else ""
-    if not token and not is_loopback(host):
+    operators = None
+    if settings.CONSOLE_OPERATORS_FILE:
+        try:
+            operators = Operators(settings.CONSOLE_OPERATORS_FILE)
+        except OperatorsFileError as exc:
+            raise ConsoleConfigError(str(exc)) from None
+    if not token and operators is None and not is_loopback(host):
         raise ConsoleConfigError(
-            f"the console listens on {host}, beyond loopback: set CONSOLE_TOKEN or CONSOLE_TOKEN_FILE"
+            f"the console listens on {host}, beyond loopback: set CONSOLE_OPERATORS_FILE, CONSOLE_TOKEN or "
+            "CONSOLE_TOKEN_FILE"
         )
     return ConsoleConfig(
         token=token,
@@ -100,6 +134,7 @@ def load_config(settings: Settings, host: str, *, secure_cookies: bool = False) 
         secure_cookies=secure_cookies,
         allowed_hosts=allowed_hosts(settings.CONSOLE_ALLOWED_HOSTS, host),
         session_seconds=settings.CONSOLE_SESSION_HOURS * 3600.0,
+        operators=operators,
     )
 
 
@@ -151,16 +186,23 @@ def session_value(token: str, operator: str, issued: int | None = None) -> str:
     return f"{operator}.{issued}.{mac}"
 
 
-def operator_of_session(token: str, cookie: str | None, *, max_age_seconds: float = 12 * 3600.0) -> str | None:
-    """The operator a session cookie names, or None when it was not made with this token or
-    was made more than ``max_age_seconds`` ago (or in the future: a clock's mistake)."""
+def operator_of_session(
+    token: str | Callable[[str], str | None], cookie: str | None, *, max_age_seconds: float = 12 * 3600.0
+) -> str | None:
+    """The operator a session cookie names, or None when it was not made with this token (or
+    with the key ``token(operator)`` gives: ``ConsoleConfig.session_key``, None for an operator
+    not in the operators file) or was made more than ``max_age_seconds`` ago (or in the future:
+    a clock's mistake)."""
     parts = (cookie or "").rsplit(".", 2)
     if len(parts) != 3 or not parts[1].isdigit():
         return None
     operator, issued = parts[0], int(parts[1])
     if operator != clean_operator(operator) or not 0 <= time.time() - issued <= max_age_seconds:
         return None
-    return operator if hmac.compare_digest(session_value(token, operator, issued), str(cookie)) else None
+    key = token(operator) if callable(token) else token
+    if key is None:
+        return None
+    return operator if hmac.compare_digest(session_value(key, operator, issued), str(cookie)) else None
 
 
 def bearer_ok(token: str, header: str | None) -> bool:

@@ -51,17 +51,19 @@ class Gate(BaseHTTPMiddleware):
         config = _config(request)
         path = request.url.path
         request.state.operator = None
+        request.state.role = None
         response = _refusal(request, config)
         if response is None:
             csrf = request.cookies.get(auth.CSRF_COOKIE)
             request.state.csrf = csrf or auth.new_csrf()
-            operator = _operator(request, config)
+            operator = await _operator(request, config)
             if isinstance(operator, Response):
                 response = operator
             elif operator is None and not path.startswith(OPEN_PATHS):
                 response = _unauthorized(request)
             else:
                 request.state.operator = operator or "anonymous"
+                request.state.role = config.role_of(operator) if operator else None
                 response = await call_next(request)
             if csrf is None:
                 response.set_cookie(
@@ -99,7 +101,7 @@ def _address(request: Request) -> str:
     return request.client.host if request.client else "-"
 
 
-def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
+async def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
     """The operator's name; None when a token is required and not shown; a 429 answer when a
     token is shown by an address that must still wait after refused sign-ins."""
     named = request.headers.get(auth.OPERATOR_HEADER)
@@ -111,13 +113,25 @@ def _operator(request: Request, config: ConsoleConfig) -> str | Response | None:
         throttled = _throttled(request, auth.clean_operator(named or "api"), via="bearer")
         if throttled is not None:
             return throttled
-        if auth.bearer_ok(config.token, header):
+        name = auth.clean_operator(named or "api")
+        shown = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if shown is not None and await _token_ok(config, name, shown):
             _throttle(request).succeeded(_address(request))
-            return auth.clean_operator(named or "api")
-        _sign_in_refused(request, auth.clean_operator(named or "api"), via="bearer")
+            return name
+        _sign_in_refused(request, name, via="bearer")
         return None
     cookie = request.cookies.get(auth.SESSION_COOKIE)
-    return auth.operator_of_session(config.token, cookie, max_age_seconds=config.session_seconds)
+    return auth.operator_of_session(config.session_key, cookie, max_age_seconds=config.session_seconds)
+
+
+async def _token_ok(config: ConsoleConfig, operator: str, token: str) -> bool:
+    """``config.token_ok`` off the event loop when it derives a key (an operators file's hash
+    costs tens of milliseconds on purpose): other requests are served meanwhile."""
+    if config.operators is None:
+        return config.token_ok(operator, token)
+    from starlette.concurrency import run_in_threadpool
+
+    return bool(await run_in_threadpool(config.token_ok, operator, token))
 
 
 def _throttle(request: Request) -> auth.SignInThrottle:
@@ -195,12 +209,12 @@ async def login(request: Request) -> Response:
         return templates.TemplateResponse(request, "login.html", _context(request, next_path="/", failed=False))
     form = await request.form()
     operator = auth.clean_operator(str(form.get("operator", "")))
-    outcome, response = _sign_in(request, form, operator)
+    outcome, response = await _sign_in(request, form, operator)
     await run_in_threadpool(audit, f"console:{operator}", action="sign_in", outcome=outcome)
     return response
 
 
-def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
+async def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]:
     """The outcome of one sign-in (``signed_in``, ``csrf``, ``throttled``, ``wrong_token``) and
     its answer."""
     config = _config(request)
@@ -216,13 +230,14 @@ def _sign_in(request: Request, form: Any, operator: str) -> tuple[str, Response]
         throttled = _throttled(request, operator, via="login")
         if throttled is not None:
             return "throttled", throttled
-        if not auth.bearer_ok(config.token, f"Bearer {token}"):
+        if not await _token_ok(config, operator, token):
             _sign_in_refused(request, operator, via="login")
             context = _context(request, next_path=nxt, failed=True)
             return "wrong_token", templates.TemplateResponse(request, "login.html", context, status_code=401)
         _throttle(request).succeeded(_address(request))
     response = RedirectResponse(nxt, status_code=303)
-    value = auth.session_value(config.token, operator) if config.needs_token else f"{operator}.local"
+    key = config.session_key(operator)
+    value = auth.session_value(key, operator) if config.needs_token and key else f"{operator}.local"
     response.set_cookie(
         auth.SESSION_COOKIE,
         value,

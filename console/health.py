@@ -1,7 +1,9 @@
-"""Recovery health as the console shows it: the figures of the Prometheus metrics (the same
-collector, :class:`recovery.metrics.RecoveryCollector`, so a page and a scrape never disagree),
-plus what a person needs beside them: who holds the right to scan and until when, and each
-worker name with its boot generation and any conflict."""
+"""Recovery health as the console shows it: the verdict (recovery.health: red when no worker
+is alive, the scan is overdue or an approval waits too long), the figures of the Prometheus
+metrics (the same collector, :class:`recovery.metrics.RecoveryCollector`, so a page and a
+scrape never disagree), plus what a person needs beside them: who holds the right to scan and
+until when, and each worker name (the latest booted, at most models.presence.LISTED) with its
+boot generation, any conflict, and whether it is alive."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from models.base import utcnow
+from models.presence import LISTED
 from models.worker import RecoveryScan, WorkerBoot
 from recovery.metrics import PREFIX, RecoveryCollector
 from settings import get_settings
@@ -74,16 +77,34 @@ def _workers(s: Session) -> list[dict[str, Any]]:
             "conflict_seen_at": None if w.conflict_seen_at is None else w.conflict_seen_at.isoformat(),
             "conflict_live": w.conflict_seen_at is not None and now - w.conflict_seen_at <= lease,
         }
-        for w in s.execute(select(WorkerBoot).order_by(WorkerBoot.name)).scalars()
+        for w in s.execute(select(WorkerBoot).order_by(WorkerBoot.booted_at.desc()).limit(LISTED)).scalars()
     ]
 
 
+#: What a worker's row of health takes from its presence (models.presence).
+_PRESENCE_FIELDS = ("alive", "last_seen_at", "seen_seconds_ago", "hostname", "pid", "release_id")
+
+
 def health(s: Session) -> dict[str, Any]:
-    """``GET /api/health``."""
+    """``GET /api/health``: the metrics, the scan, each worker name (its boot generation, and
+    from its presence whether it is alive), and the verdict (recovery.health: ``ok``,
+    ``problems``, ``presence``, ``approvals``, ``queues``)."""
+    from recovery.health import verdict
+    from tasks.queues import queue_waits
+
     figures = metrics()
+    found = verdict(s, queues=queue_waits())
+    seen = {w["name"]: w for w in found["presence"]["workers"]}
+    workers = _workers(s)
+    for w in workers:
+        here = seen.get(w["name"], {})
+        w.update({k: here.get(k) for k in _PRESENCE_FIELDS})
+        w["alive"] = bool(w["alive"])
+    workers.sort(key=lambda w: (not w["alive"], w["seen_seconds_ago"] is None, w["seen_seconds_ago"] or 0, w["name"]))
     return {
         "database_up": bool(figures.get("database_up")),
         "metrics": figures,
         "scan": _scan(s),
-        "workers": _workers(s),
+        "workers": workers,
+        **found,
     }

@@ -223,6 +223,7 @@ def _node(row: Any, executions: list[dict[str, Any]], rounds: int, now: datetime
         tokens = sum(e["tokens"]["total"] for e in executions)
     return {
         "session_id": row.id,
+        "parent_session_id": row.parent_session_id,
         "session_type": str(row.session_type),
         "agent_type": row.agent_type,
         "user_id": row.user_id,
@@ -408,7 +409,52 @@ def session_detail(
         "timeline": timeline(s, session_id, show_content=show_content),
         "content_shown": show_content,
         "actions": operator_actions(s, session_id),
+        "approvals": pending_approvals(s, session_id),
     }
+
+
+#: A session's page names at most this many of its pending approval requests.
+APPROVALS_SHOWN = 20
+
+
+def pending_approvals(s: Session, session_id: int) -> list[dict[str, Any]]:
+    """The session's approval requests still waiting for a decision, oldest first (by the
+    unique (session_id, call_id) index): each one's id, call and tool, for links both ways."""
+    from models.approval import ApprovalRequest as A
+    from models.approval import ApprovalStatus
+
+    rows = s.execute(
+        select(A.id, A.call_id, A.tool, A.requested_at)
+        .where(A.session_id == session_id, A.status == ApprovalStatus.PENDING)
+        .order_by(A.id)
+        .limit(APPROVALS_SHOWN)
+    ).all()
+    return [{"id": r.id, "call_id": r.call_id, "tool": r.tool, "requested_at": _iso(r.requested_at)} for r in rows]
+
+
+def child_tasks(s: Session, session_ids: list[int]) -> dict[int, str]:
+    """The task each child session of ``session_ids`` was given (its execution's description;
+    ix_sae_child_session). Users' data: read only when the console shows content."""
+    if not session_ids:
+        return {}
+    stmt = select(E.child_session_id, E.task_description).where(E.child_session_id.in_(session_ids)).order_by(E.id)
+    found: dict[int, str] = {}
+    for child, task in s.execute(stmt).all():
+        if child is not None and task is not None:
+            found.setdefault(int(child), str(task))
+    return found
+
+
+def children_counts(s: Session, session_ids: list[int]) -> dict[int, int]:
+    """How many child sessions each of ``session_ids`` has (one grouped read of the parent index)."""
+    if not session_ids:
+        return {}
+    stmt = (
+        select(S.parent_session_id, func.count())
+        .where(S.parent_session_id.in_(session_ids))
+        .group_by(S.parent_session_id)
+    )
+    return {int(p): int(n) for p, n in s.execute(stmt).all() if p is not None}
 
 
 #: A session's page lists its latest this many operator actions.

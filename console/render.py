@@ -1,5 +1,5 @@
 """How the console renders a page: the templates (with the ``pretty`` filter) and the context
-every page gets (the CSRF token, the operator, the console's modes)."""
+every page gets (the CSRF token, the operator and their role, the console's modes)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,18 @@ def config(request: Request) -> ConsoleConfig:
 
 def context(request: Request, **extra: Any) -> dict[str, Any]:
     """What every page's template gets, and ``extra``."""
+    from console.operators import allows
+
     settings = config(request)
+    role = getattr(request.state, "role", None)
     return {
         "csrf": request.state.csrf,
         "operator": getattr(request.state, "operator", None),
+        "role": role,
+        #: Buttons shown: the console is not read-only and the operator's role allows them.
+        "can_decide": not settings.read_only and role is not None and allows(role, "approve"),
+        "can_act": not settings.read_only and role is not None and allows(role, "cancel"),
+        "operators_file": settings.operators is not None,
         "read_only": settings.read_only,
         "show_content": settings.show_content,
         "needs_token": settings.needs_token,

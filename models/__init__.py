@@ -26,6 +26,7 @@ from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
 from models.operator_action import OperatorAction
+from models.presence import WorkerPresence
 from models.release import AgentRelease
 from models.round import PendingRound
 from models.session import AgentSession
@@ -66,6 +67,7 @@ __all__ = [
     "SubagentExecution",
     "TreeBudget",
     "WorkerBoot",
+    "WorkerPresence",
     "dialect_name",
     "dispose_engines",
     "get_engine",

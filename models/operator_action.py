@@ -30,7 +30,7 @@ class OperatorAction(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
     #: Who asked: the decider's name as given (``--by``, ``console:<operator>``).
     actor: Mapped[str] = mapped_column(String(128))
-    #: ``approve``, ``deny``, ``cancel``, ``redeliver``, ``sign_in``.
+    #: ``approve``, ``deny``, ``cancel``, ``redeliver``, ``sign_in``, ``sign_out``.
     action: Mapped[str] = mapped_column(String(32))
     session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     execution_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -38,8 +38,9 @@ class OperatorAction(Base):
     #: The approval request's id, when there is one.
     request_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: The outcome's value (a decision's ``decided``, ``repeated``, ``conflict``, ``not_found``,
-    #: ``refused``; an action's outcome as the console answers it; a sign-in's ``signed_in``,
-    #: ``wrong_token``, ``throttled``, ``csrf``).
+    #: ``refused``; an action's outcome as the console answers it, ``forbidden`` when the
+    #: operator's role does not allow it; a sign-in's ``signed_in``, ``wrong_token``,
+    #: ``throttled``, ``csrf``).
     outcome: Mapped[str] = mapped_column(String(32))
 
 
@@ -55,12 +56,18 @@ def record(
     request_id: int | None = None,
 ) -> None:
     """One attempt, as one INSERT in the caller's transaction (the actor cut to the column). An
-    execution's action is on its parent session too (``session_id`` read in the INSERT)."""
+    execution's action is on its parent session too (``session_id`` read in the INSERT); an
+    approval request's, on its session and call."""
+    from models.approval import ApprovalRequest as R
     from models.execution import SubagentExecution as E
 
     on_session: Any = session_id
+    on_call: Any = call_id
     if session_id is None and execution_id is not None:
         on_session = select(E.parent_session_id).where(E.id == execution_id).scalar_subquery()
+    if session_id is None and call_id is None and request_id is not None:
+        on_session = select(R.session_id).where(R.id == request_id).scalar_subquery()
+        on_call = select(R.call_id).where(R.id == request_id).scalar_subquery()
     s.execute(
         insert(OperatorAction).values(
             actor=actor[:128],
@@ -68,7 +75,7 @@ def record(
             outcome=outcome[:32],
             session_id=on_session,
             execution_id=execution_id,
-            call_id=call_id,
+            call_id=on_call,
             request_id=request_id,
         )
     )

@@ -110,6 +110,10 @@ NAME_CONFLICTS_SQL = """
 SELECT count(*) FROM worker_boot
 WHERE conflict_seen_at IS NOT NULL AND conflict_seen_at > now() - make_interval(secs => :lease)
 """
+#: Workers whose name watcher wrote their presence within the last lease (models.presence).
+WORKERS_ALIVE_SQL = """
+SELECT count(*) FROM worker_presence WHERE last_seen_at >= now() - make_interval(secs => :lease)
+"""
 #: Executions the scan quarantined (a status the code does not know) still PENDING
 #: (idx_sae_pending).
 QUARANTINED_SQL = """
@@ -352,13 +356,19 @@ class RecoveryCollector(Collector):
 
     def _name_conflicts(self, conn: Connection) -> list[Metric]:
         count = conn.execute(text(NAME_CONFLICTS_SQL), {"lease": lease.lease_seconds()}).scalar_one()
+        alive = conn.execute(text(WORKERS_ALIVE_SQL), {"lease": lease.lease_seconds()}).scalar_one()
         return [
+            GaugeMetricFamily(
+                _name("workers_alive"),
+                "Workers whose name watcher wrote their presence within the last lease (worker_presence)",
+                value=float(alive),
+            ),
             GaugeMetricFamily(
                 _name("worker_name_conflicts"),
                 "Worker names (WORKER_ID or -n) under which two live processes run: the older one "
                 "saw the newer boot within the last lease and stopped consuming",
                 value=float(count),
-            )
+            ),
         ]
 
     def _tool_threads(self) -> list[Metric]:

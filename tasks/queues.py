@@ -1,8 +1,10 @@
-"""How long the oldest message of each queue has waited (`agent-recovery status`).
+"""How many messages each queue holds and how long the oldest has waited (`agent-recovery
+status`, health).
 
 Every message carries a ``sent_at`` header (set at publish below). On the Redis transport a
 queue is a list whose oldest message is its tail, so the wait is read without consuming;
-RabbitMQ cannot be peeked without consuming: there only the depth is reported.
+RabbitMQ cannot be peeked without consuming: there only the depth is reported, read by a
+passive ``queue_declare``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def queue_waits(queues: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     queues = queues or ("celery", settings.RECOVERY_QUEUE)
     url = settings.CELERY_BROKER_URL
     out: list[dict[str, Any]] = []
+    if url.startswith(("amqp", "pyamqp")):
+        return [{"queue": q, "messages": depth, "oldest_wait_seconds": None} for q, depth in amqp_depths(url, queues)]
     if not url.startswith("redis"):
         return [{"queue": q, "messages": None, "oldest_wait_seconds": None} for q in queues]
     import redis
@@ -49,3 +53,36 @@ def queue_waits(queues: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     finally:
         client.close()
     return out
+
+
+def amqp_depths(url: str, queues: tuple[str, ...]) -> list[tuple[str, int | None]]:
+    """Each queue's ready messages on RabbitMQ, by a passive ``queue_declare`` (it creates
+    nothing and consumes nothing); None for a queue that does not exist, or for all when the
+    broker cannot be reached within a couple of seconds."""
+    from kombu import Connection
+    from kombu.exceptions import OperationalError
+
+    out: list[tuple[str, int | None]] = []
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            channel = conn.channel()
+            for q in queues:
+                try:
+                    out.append((q, int(channel.queue_declare(queue=q, passive=True).message_count)))
+                except conn.channel_errors:  # no such queue: the broker closed the channel
+                    out.append((q, None))
+                    channel = conn.channel()
+    except (OperationalError, *_connection_errors()):
+        return [(q, None) for q in queues]
+    return out
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    import socket
+
+    try:
+        import amqp.exceptions
+
+        return (OSError, socket.timeout, amqp.exceptions.AMQPError)
+    except ImportError:
+        return (OSError, socket.timeout)

@@ -174,9 +174,14 @@ class NameWatcher:
     their work once the reservation lapses)."""
 
     def __init__(self, consumer: Any, name: str, generation: int, period_seconds: float) -> None:
+        from models.base import utcnow
+
         self.consumer, self.name, self.generation = consumer, name, generation
         self.period_seconds = period_seconds
         self.superseded_by: int | None = None
+        self.started_at = utcnow()
+        #: The release of this worker's configuration, stored at the first tick that could.
+        self.release_id: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-name-watcher", daemon=True)
 
@@ -188,11 +193,14 @@ class NameWatcher:
         self._stop.set()
 
     def _run(self) -> None:
+        _forget_old_presence()
+        self.seen()  # alive from the start, not from the first tick
         while not self._stop.wait(self.period_seconds):
             self.tick()
 
     def tick(self) -> int | None:
-        """One check; returns the newer generation when this process is superseded."""
+        """One check; returns the newer generation when this process is superseded. While it
+        is not, the check is also this worker's sign of life (``seen``)."""
         from models.worker import check_name
 
         try:
@@ -200,6 +208,8 @@ class NameWatcher:
         except Exception:  # a DB blip: check again next tick
             log_event(log, "worker_name_check_failed", logging.WARNING, exc_info=True, worker=self.name)
             return None
+        if newer is None:
+            self.seen()
         if newer is not None and self.superseded_by is None:
             self.superseded_by = newer
             log_event(
@@ -216,12 +226,61 @@ class NameWatcher:
             self._stop_consuming()
         return newer
 
+    def seen(self) -> None:
+        """Record that this worker is alive (``worker_presence``), with the release of its
+        configuration; a failure is logged and the next tick tries again."""
+        import socket
+
+        from models.db import transaction
+        from models.presence import record_seen
+
+        try:
+            with transaction() as s:
+                if self.release_id is None:
+                    self.release_id = _release_id(s)
+                record_seen(
+                    s,
+                    name=self.name,
+                    hostname=socket.gethostname(),
+                    pid=os.getpid(),
+                    started_at=self.started_at,
+                    release_id=self.release_id,
+                )
+        except Exception:
+            self.release_id = None  # it may have been stored in the transaction rolled back
+            log_event(log, "worker_presence_not_recorded", logging.WARNING, exc_info=True, worker=self.name)
+
     def _stop_consuming(self) -> None:
         consumer = self.consumer
         if consumer is None or not hasattr(consumer, "call_soon"):
             return
         # The consumer's event loop owns its channels: cancel from there, not from this thread.
         consumer.call_soon(_cancel_all_queues, consumer)
+
+
+def _forget_old_presence() -> None:
+    """Names not seen for days leave ``worker_presence`` (models.presence), once per start."""
+    from models.db import transaction
+    from models.presence import forget_old
+
+    try:
+        with transaction() as s:
+            forget_old(s)
+    except Exception:
+        log_event(log, "worker_presence_not_pruned", logging.WARNING, exc_info=True)
+
+
+def _release_id(s: Any) -> int | None:
+    """The release of this worker's configuration (harness.release), None when it cannot be
+    made (no agents file read: a worker of field recovery only)."""
+    from harness.release import current_release_id
+
+    try:
+        with s.begin_nested():
+            return current_release_id(s)
+    except Exception:
+        log_event(log, "worker_release_unknown", logging.INFO, exc_info=True)
+        return None
 
 
 def _cancel_all_queues(consumer: Any) -> None:

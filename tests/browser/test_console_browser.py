@@ -121,6 +121,8 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
         approvals = page.context.new_page()  # a second tab: the session's page stays as it is
         approvals.goto(f"{base}/approvals")
         assert approvals.locator("#approvals tbody tr[data-request-id]").count() == 2
+        # Each child's request names its parent session, with a link to it.
+        assert approvals.locator(f'#approvals a[href="/sessions/{sid}"]').count() == 2
         approvals.screenshot(path=str(IMG / "console-approvals.png"), full_page=True)
         for n in (2, 1):
             approvals.locator("#approvals button.approve").first.click()
@@ -137,6 +139,9 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
 
         page.goto(f"{base}/health")
         assert "w2" in page.locator("#workers").inner_text()
+        # The live worker says so (its watcher wrote its presence); the verdict comes first.
+        assert page.locator("#workers tr[data-worker^='w2'] .badge.alive").count() == 1
+        assert page.locator("#verdict").is_visible()
         page.screenshot(path=str(IMG / "console-health.png"), full_page=True)
         page.goto(f"{base}/")
         assert page.locator(f'a[href="/sessions/{sid}"]').count() >= 1

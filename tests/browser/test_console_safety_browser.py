@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,20 +88,28 @@ def test_the_cancel_button_asks_first_under_the_content_security_policy(
 
 
 def test_a_signed_in_approver_sees_every_argument_and_approves(
-    model_factory: ModelFactory, runs: Runs, browser_page: Any
+    model_factory: ModelFactory, runs: Runs, browser_page: Any, tmp_path: Path
 ) -> None:
+    from console.operators import Operators, hash_token
     from tests.integration.test_approvals import call, parent_script, parked_parent, requests
 
     page = browser_page
     order = "A-" + "9" * 300 + "-LAST"
     model = model_factory(parent_script(call("refund", order=order, amount=4321)))
     sid, _ = parked_parent(model.base_url)
-    with serve(ConsoleConfig(token=TOKEN, read_only=False, show_content=True)) as base:
+    operators = tmp_path / "operators.toml"
+    operators.write_text(f'[[operators]]\nname = "erin"\nrole = "approver"\ntoken_hash = "{hash_token(TOKEN)}"\n')
+    config = ConsoleConfig(token="", read_only=False, show_content=True, operators=Operators(str(operators)))
+    with serve(config) as base:
         page.goto(f"{base}/login")
         page.fill("input[name=operator]", "erin")
         page.fill("input[name=token]", TOKEN)
         page.click("form.login button[type=submit]")
         page.wait_for_url(f"{base}/")
+        assert page.locator("#role").inner_text() == "approver"
+        page.goto(f"{base}/sessions/{sid}")
+        assert page.locator("#cancel").count() == 0  # an approver cancels nothing
+        assert page.locator("#session-approvals").is_visible()
         page.goto(f"{base}/approvals")
         (req,) = requests()
         shown = page.locator(f"#arguments-{req.id}")
