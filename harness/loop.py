@@ -37,7 +37,7 @@ from harness.tools import lookup
 from logfmt import log_event
 from models import lease, transaction
 from models.base import utcnow
-from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, release, reserve
+from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, budget_of, release, reserve
 from models.worker import identity
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,13 @@ def _reserve(root_session_id: int, tokens: int) -> Reservation:
     with transaction() as s:
         if not reserve(s, root_session_id, tokens):
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
-            raise BudgetExhausted(f"the tree's token budget is exhausted (a call reserves {tokens} tokens)")
+            books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
+            held = ""
+            if books is not None:
+                held = f": {books['spent']} of {books['tokens']} tokens spent, {books['reserved']} reserved"
+            raise BudgetExhausted(
+                f"the token budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
+            )
     crash_point("budget.after_reserve")
     return Reservation(root_session_id, tokens)
 

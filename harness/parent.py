@@ -35,7 +35,7 @@ from harness.agents import DELEGATION_TOOLS, AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
-from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
+from harness.errors import BudgetExhausted, Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.failure import incomplete_reason, reason_for
 from harness.fence import Fence, Heartbeat, SessionFence
@@ -136,6 +136,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     except Cancelled:
         _release(fence, None)
         return RunOutcome.CANCELLED
+    except BudgetExhausted as exc:
+        # Refused before the model was asked: no round is open, the answer says why it stopped.
+        try:
+            with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
+                return _stop(fence, f"stopped: {exc}", reason_for(exc))
+            return RunOutcome.INFRA_ERROR
+        except (LeaseLost, Cancelled):
+            return RunOutcome.LOST  # a newer owner or a cancel: nothing written
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault:
@@ -228,11 +236,17 @@ def _parent_rounds(
                 return RunOutcome.WAITING_APPROVAL
             in_flight = resume(fence, session_id)  # answered meanwhile: the round goes on
     reason = reason_for(MaxRoundsReached(f"reached max_rounds={agent.max_rounds} without a final answer"))
+    return _stop(fence, f"stopped: reached max_rounds={agent.max_rounds}", reason)
+
+
+def _stop(fence: SessionFence, answer: str, reason: FailureReason) -> RunOutcome:
+    """End the run FAILED with ``answer`` as the parent's last ASSISTANT message (the user reads
+    why it stopped), in one transaction under the fence."""
     with transaction() as s:
         fence.check(s)
-        append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
-        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
-    publish_status(session_id, Phase.FAILED)
+        append_message(s, fence.session_id, Role.ASSISTANT, answer)
+        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
+    publish_status(fence.session_id, Phase.FAILED)
     return RunOutcome.FAILED
 
 

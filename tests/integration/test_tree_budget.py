@@ -285,3 +285,46 @@ def test_a_reservation_is_the_prompts_estimate_plus_the_completion_limit() -> No
     assert reservation_tokens(ModelOptions(max_tokens=1000), prompt) == 100 + 1000
     assert reservation_tokens(ModelOptions(max_tokens=1000, max_completion_tokens=300), prompt) == 100 + 300
     assert reservation_tokens(None, prompt) == 100 + DEFAULT_RESERVATION_TOKENS
+
+
+#: The parent delegates two children and never answers; each child calls a tool after every
+#: round and never answers either.
+NEVER_STOP: list[dict[str, Any]] = [
+    {"when": {"system_contains": MAIN}, "reply": {"tool_calls": [_delegate("a"), _delegate("b")], "usage": USAGE}},
+    {
+        "when": {"system_contains": "reviewer subagent"},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "again"}}], "usage": USAGE},
+    },
+]
+
+
+def test_children_that_never_stop_end_budget_exhausted_once_each_and_the_parents_answer_says_so(
+    model_factory: ModelFactory,
+) -> None:
+    budget = 12_000
+    model = model_factory(NEVER_STOP)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=budget)
+    run_agent(sid, 0, deps)
+    drive(model.base_url, after_crash=False, deps=deps, max_steps=40)
+
+    served = len(model.journal()) * PER_CALL
+    assert 0 < served <= budget
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (served, 0)
+    executions = executions_of(sid)
+    assert len(executions) == 2 and {str(e.status) for e in executions} == {"FAILED"}
+    assert all(e.delivery_status == "DELIVERED" for e in executions)
+    with transaction() as s:
+        for e in executions:
+            child = s.get(AgentSession, e.child_session_id)
+            assert child is not None and child.failure_code == "budget_exhausted"
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and (str(parent.phase), parent.failure_code) == ("FAILED", "budget_exhausted")
+        rows = list(s.execute(select(Message).where(Message.session_id == sid).order_by(Message.id)).scalars())
+    tool_results = [m for m in rows if m.role == Role.TOOL]
+    # Each child's failed result reached the parent once, and says why.
+    assert sorted(m.tool_call_id for m in tool_results) == sorted(e.parent_tool_call_id for e in executions)
+    assert all("budget" in (m.content or "") for m in tool_results)
+    # The parent's answer says the budget ran out.
+    assert rows[-1].role == Role.ASSISTANT and "budget" in (rows[-1].content or "")
+    assert f"{budget}" in (rows[-1].content or "")
