@@ -173,7 +173,7 @@ def _show(args: argparse.Namespace) -> int:
     if (b := snap["budget"]) is not None:
         print(
             f"  budget: tree of session {b['root_session_id']}: {b['spent']} of {b['tokens']} tokens spent, "
-            f"{b['reserved']} reserved"
+            f"{b['reserved']} reserved" + (f", {b['estimated']} estimated" if b["estimated"] else "")
         )
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
@@ -206,6 +206,7 @@ def _totals(t: dict[str, int]) -> str:
     return (
         f"prompt={t['prompt_tokens']} completion={t['completion_tokens']} cached={t['cached_tokens']} "
         f"reasoning={t['reasoning_tokens']} calls={t['model_calls']}"
+        + (f" estimated={t['estimated_tokens']}" if t["estimated_tokens"] else "")
     )
 
 

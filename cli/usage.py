@@ -48,5 +48,6 @@ def _usage(args: argparse.Namespace) -> int:
         print(
             f"{key:<24} prompt={t.prompt_tokens} completion={t.completion_tokens} cached={t.cached_tokens} "
             f"reasoning={t.reasoning_tokens} calls={t.model_calls}"
+            + (f" estimated={t.estimated_tokens}" if t.estimated_tokens else "")
         )
     return 0

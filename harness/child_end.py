@@ -66,6 +66,9 @@ class ChildInfo:
     journal_open: bool | None = None
     #: The root of the child's budgeted tree (``agent_session.budget_root_id``; None: no budget).
     budget_root_id: int | None = None
+    #: The child session's ``held_tokens`` as the loading transaction read it (> 0 at a take: its
+    #: previous run died with a model call in flight; harness.child.charge_dead_call).
+    held_tokens: int = 0
     #: The child session's release (docs/releases.md; None: the worker's configuration).
     release_id: int | None = None
 

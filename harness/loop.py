@@ -97,6 +97,7 @@ def ask(
     deadline: datetime | None,
     options: ModelOptions | None = None,
     budget_root_id: int | None = None,
+    session_id: int | None = None,
 ) -> ModelReply:
     """One model call. In a budgeted tree (``budget_root_id``: the session's
     ``agent_session.budget_root_id``) it first reserves its estimate of the tree's budget, one
@@ -108,7 +109,9 @@ def ask(
         if timeout <= 0:
             raise DeadlineExceeded()
     assert deps.model is not None
-    held = None if budget_root_id is None else _reserve(budget_root_id, reservation_tokens(options, messages))
+    held = None
+    if budget_root_id is not None:
+        held = _reserve(budget_root_id, reservation_tokens(options, messages), session_id)
     try:
         reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
@@ -119,6 +122,9 @@ def ask(
     except BaseException:
         _give_back(held)
         raise
+    # The provider answered; its reply is not stored yet. A worker that dies here leaves the
+    # reservation held: the next take charges it as estimated (models.budget.charge_estimated).
+    crash_point("model.after_reply")
     return reply if held is None else replace(reply, reservation=held)
 
 
@@ -133,9 +139,9 @@ def reservation_tokens(options: ModelOptions | None, messages: Sequence[dict[str
     return chars // CHARS_PER_TOKEN + completion
 
 
-def _reserve(root_session_id: int, tokens: int) -> Reservation:
+def _reserve(root_session_id: int, tokens: int, session_id: int | None) -> Reservation:
     with transaction() as s:
-        if not reserve(s, root_session_id, tokens):
+        if not reserve(s, root_session_id, tokens, session_id=session_id):
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
             books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
             held = ""
@@ -145,7 +151,7 @@ def _reserve(root_session_id: int, tokens: int) -> Reservation:
                 f"the token budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
             )
     crash_point("budget.after_reserve")
-    return Reservation(root_session_id, tokens)
+    return Reservation(root_session_id, tokens, session_id)
 
 
 def _give_back(held: Reservation | None) -> None:
@@ -155,7 +161,7 @@ def _give_back(held: Reservation | None) -> None:
         return
     try:
         with transaction() as s:
-            release(s, held.root_session_id, held.tokens)
+            release(s, held.root_session_id, held.tokens, session_id=held.session_id)
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise

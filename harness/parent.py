@@ -50,6 +50,7 @@ from harness.tools import run_inline
 from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
+from models.budget import charge_estimated
 from models.journal import JOURNAL_OPEN
 from models.round import start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
@@ -95,6 +96,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
             budget_root_id = row.budget_root_id
+            if budget_root_id is not None and row.held_tokens:
+                # The previous run died with a model call in flight: charged as estimated.
+                charge_estimated(
+                    s, session_id=session_id, execution_id=None, root_session_id=budget_root_id, held=row.held_tokens
+                )
             # The session's release's definition (docs/releases.md), read in the take's transaction.
             agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
             model_waiting = row.model_outage_since is not None
@@ -167,6 +173,7 @@ RUN_FACTS = (
     "compaction_summary",
     "model_outage_since",
     "budget_root_id",
+    "held_tokens",
     JOURNAL_OPEN,
 )
 
@@ -203,6 +210,7 @@ def _parent_rounds(
                 deadline=None,
                 options=agent.model_options,
                 budget_root_id=budget_root_id,
+                session_id=session_id,
             )
             view = None
             if model_waiting:

@@ -34,6 +34,8 @@ class Reservation:
 
     root_session_id: int
     tokens: int
+    #: The session whose call holds it (its ``held_tokens``); None: held by the tree alone.
+    session_id: int | None = None
 
 
 class TreeBudget(Base):
@@ -48,6 +50,9 @@ class TreeBudget(Base):
     #: Estimates of the model calls in flight (taken, not yet settled; a call whose reply was
     #: never stored stays here).
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
+    #: Reservations of calls whose reply was never stored (the worker died after reserving),
+    #: moved here from ``reserved_tokens`` by the take that found them: charged, never returned.
+    estimated_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -69,38 +74,103 @@ def budget_of(s: Session, session_id: int) -> dict[str, int] | None:
     ``spent``, ``reserved``), one query; None when its tree has no budget."""
     row = s.execute(
         text(
-            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens, b.reserved_tokens"
+            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens, b.reserved_tokens, b.estimated_tokens"
             " FROM agent_session a JOIN tree_budget b ON b.root_session_id = a.budget_root_id WHERE a.id = :sid"
         ),
         {"sid": session_id},
     ).one_or_none()
     if row is None:
         return None
-    return {"root_session_id": int(row[0]), "tokens": int(row[1]), "spent": int(row[2]), "reserved": int(row[3])}
+    keys = ("root_session_id", "tokens", "spent", "reserved", "estimated")
+    return {k: int(v) for k, v in zip(keys, row, strict=True)}
 
 
-def reserve(s: Session, root_session_id: int, tokens: int) -> bool:
-    """Reserve ``tokens`` of the tree's budget for one model call. False, and nothing written,
-    when the reservation would take the tree past its budget (or the tree has no budget row)."""
+#: The tree's reservation and the calling session's ``held_tokens``, one statement: the session
+#: row moves only when the tree's conditional UPDATE landed (its rowcount is the answer).
+_RESERVE_HELD = text(
+    "WITH granted AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r"
+    " WHERE root_session_id = :root AND spent_tokens + reserved_tokens + estimated_tokens + :r <= budget_tokens"
+    " RETURNING 1)"
+    " UPDATE agent_session SET held_tokens = held_tokens + :r WHERE id = :sid AND EXISTS (SELECT 1 FROM granted)"
+)
+
+
+def reserve(s: Session, root_session_id: int, tokens: int, *, session_id: int | None = None) -> bool:
+    """Reserve ``tokens`` of the tree's budget for one model call of ``session_id`` (held on its
+    row until settled: ``held_tokens``), one statement. False, and nothing written, when the
+    reservation would take the tree past its budget (or the tree has no budget row)."""
+    params = {"r": tokens, "root": root_session_id, "sid": session_id}
+    if session_id is not None and s.get_bind().dialect.name == "postgresql":
+        return bool(cast(Any, s.execute(_RESERVE_HELD, params)).rowcount)
     rows = cast(
         Any,
         s.execute(
             text(
-                "UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r"
-                " WHERE root_session_id = :root AND spent_tokens + reserved_tokens + :r <= budget_tokens"
+                "UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r WHERE root_session_id = :root"
+                " AND spent_tokens + reserved_tokens + estimated_tokens + :r <= budget_tokens"
             ),
-            {"r": tokens, "root": root_session_id},
+            params,
         ),
     ).rowcount
+    if rows and session_id is not None:  # SQLite has no data-modifying WITH: two statements
+        s.execute(text("UPDATE agent_session SET held_tokens = held_tokens + :r WHERE id = :sid"), params)
     return bool(rows)
 
 
-def release(s: Session, root_session_id: int, tokens: int) -> None:
+def release(s: Session, root_session_id: int, tokens: int, *, session_id: int | None = None) -> None:
     """Return a reservation whose call stored no reply (the provider failed)."""
+    params = {"r": tokens, "root": root_session_id, "sid": session_id}
     s.execute(
-        text("UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r WHERE root_session_id = :root"),
-        {"r": tokens, "root": root_session_id},
+        text("UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r WHERE root_session_id = :root"), params
     )
+    if session_id is not None:
+        s.execute(_UNHOLD, params)
+
+
+_UNHOLD = text(
+    "UPDATE agent_session SET held_tokens = CASE WHEN held_tokens > :r THEN held_tokens - :r ELSE 0 END WHERE id = :sid"
+)
+
+
+def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, root_session_id: int, held: int) -> bool:
+    """In the transaction of a take that found ``held`` (> 0) on the session: the call that
+    reserved it died before its reply was stored. Its reservation stays charged, as
+    ``estimated`` (tree_budget), and one ``model_call_usage`` row says so. False, nothing
+    written, when the session no longer holds exactly ``held`` (another take charged it).
+
+    NOTE: a take is fenced (its epoch moved), so the dead call's own transaction cannot store its
+    reply after this: the reservation is charged once, as estimated or as spent, never both."""
+    rows = cast(
+        Any,
+        s.execute(
+            text("UPDATE agent_session SET held_tokens = 0 WHERE id = :sid AND held_tokens = :held"),
+            {"sid": session_id, "held": held},
+        ),
+    ).rowcount
+    if not rows:
+        return False
+    s.execute(
+        text(
+            "UPDATE tree_budget SET"
+            " reserved_tokens = CASE WHEN reserved_tokens > :held THEN reserved_tokens - :held ELSE 0 END,"
+            " estimated_tokens = estimated_tokens + :held WHERE root_session_id = :root"
+        ),
+        {"held": held, "root": root_session_id},
+    )
+    from models.usage import record_usage
+
+    record_usage(
+        s,
+        session_id=session_id,
+        execution_id=execution_id,
+        model=None,
+        prompt_tokens=0,
+        completion_tokens=0,
+        cached_tokens=0,
+        reasoning_tokens=0,
+        estimated_tokens=held,
+    )
+    return True
 
 
 #: The usage INSERT with the reservation's settlement, one statement (PostgreSQL's
@@ -108,7 +178,10 @@ def release(s: Session, root_session_id: int, tokens: int) -> None:
 _SETTLE_AND_RECORD = text(
     "WITH settled AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens - :reserved,"
     " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens"
-    " WHERE root_session_id = :root RETURNING 1)"
+    " WHERE root_session_id = :root RETURNING 1),"
+    " unheld AS (UPDATE agent_session"
+    " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END"
+    " WHERE id = :session_id RETURNING 1)"
     " INSERT INTO model_call_usage (session_id, execution_id, model, prompt_tokens, completion_tokens,"
     " cached_tokens, reasoning_tokens, created_at)"
     " VALUES (:session_id, :execution_id, :model, :prompt_tokens, :completion_tokens, :cached_tokens,"
@@ -130,6 +203,7 @@ def settle_and_record(s: Session, *, root_session_id: int, reserved: int, usage:
             ),
             {"r": reserved, "spent": usage["prompt_tokens"] + usage["completion_tokens"], "root": root_session_id},
         )
+        s.execute(_UNHOLD, {"r": reserved, "sid": usage["session_id"]})
         record_usage(s, **usage)
         return
     s.execute(_SETTLE_AND_RECORD, {**usage, "created_at": utcnow(), "root": root_session_id, "reserved": reserved})

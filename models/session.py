@@ -70,6 +70,9 @@ class AgentSession(Base):
     #: The root of the budgeted tree this session belongs to (its own id for a root; a child
     #: copies its parent's at creation); NULL when its tree has no budget (models.budget).
     budget_root_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: The budget reservation of this session's model call in flight (0: none); a take that
+    #: finds it above 0 charges it as estimated: that call's reply was never stored (models.budget).
+    held_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Fencing token: bumped by every owner change; every write carries the epoch it was handed.
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)

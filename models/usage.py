@@ -10,7 +10,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, func, insert, select, text
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, case, func, insert, select, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
@@ -35,6 +35,9 @@ class ModelCallUsage(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: Completion tokens spent on reasoning (part of ``completion_tokens``).
     reasoning_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: A call whose reply was never stored (its worker died after reserving): the reservation it
+    #: stays charged, its provider's figures unknown (0 above). 0 for a stored reply.
+    estimated_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -48,6 +51,7 @@ def record_usage(
     completion_tokens: int,
     cached_tokens: int,
     reasoning_tokens: int,
+    estimated_tokens: int = 0,
 ) -> None:
     """Insert one call's usage in the caller's transaction (the one that stores its reply)."""
     params: dict[str, Any] = {
@@ -58,6 +62,7 @@ def record_usage(
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
         "reasoning_tokens": reasoning_tokens,
+        "estimated_tokens": estimated_tokens,
         "created_at": utcnow(),
     }
     s.execute(_insert_stmt(), params)
@@ -76,7 +81,10 @@ class UsageTotals:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
-    model_calls: int = 0
+    model_calls: int = 0  #: calls whose reply was stored
+    #: Reservations of calls whose reply was never stored (the worker died), charged as they were.
+    estimated_tokens: int = 0
+    estimated_calls: int = 0  #: how many such calls
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -84,7 +92,9 @@ class UsageTotals:
 
 _SUMS = (
     "COALESCE(SUM(u.prompt_tokens), 0), COALESCE(SUM(u.completion_tokens), 0), "
-    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0), COUNT(u.id)"
+    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0),"
+    " COALESCE(SUM(CASE WHEN u.estimated_tokens = 0 THEN 1 ELSE 0 END), 0),"
+    " COALESCE(SUM(u.estimated_tokens), 0), COALESCE(SUM(CASE WHEN u.estimated_tokens > 0 THEN 1 ELSE 0 END), 0)"
 )
 
 
@@ -140,7 +150,9 @@ def usage_by(s: Session, *, by: UsageGroup, since: datetime | None = None) -> li
         func.coalesce(func.sum(u.completion_tokens), 0),
         func.coalesce(func.sum(u.cached_tokens), 0),
         func.coalesce(func.sum(u.reasoning_tokens), 0),
-        func.count(u.id),
+        func.coalesce(func.sum(case((u.estimated_tokens == 0, 1), else_=0)), 0),
+        func.coalesce(func.sum(u.estimated_tokens), 0),
+        func.coalesce(func.sum(case((u.estimated_tokens > 0, 1), else_=0)), 0),
     ).select_from(u)
     if by is not UsageGroup.MODEL:
         stmt = stmt.join(sess, sess.id == u.session_id)

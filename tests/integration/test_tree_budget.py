@@ -116,7 +116,9 @@ def test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_sti
     with transaction() as s:
         parent = s.get(AgentSession, sid)
         assert parent is not None and str(parent.phase) == "WAITING_USER"
-    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, held)
+    # The recovered run's take charged the dead call's reservation as estimated.
+    budget = _budget(sid)
+    assert (budget.spent_tokens, budget.reserved_tokens, budget.estimated_tokens) == (PER_CALL, 0, held)
 
 
 @pytest.fixture
@@ -167,7 +169,13 @@ def test_an_agents_budget_applies_to_every_tree_rooted_at_it_unless_submit_names
     capsys.readouterr()
     assert main(["session", "show", str(sid), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["budget"] == {"root_session_id": sid, "tokens": 5000, "spent": 4 * PER_CALL, "reserved": 0}
+    assert shown["budget"] == {
+        "root_session_id": sid,
+        "tokens": 5000,
+        "spent": 4 * PER_CALL,
+        "reserved": 0,
+        "estimated": 0,
+    }
     assert shown["usage"]["tree"]["prompt_tokens"] + shown["usage"]["tree"]["completion_tokens"] == 4 * PER_CALL
     assert main(["session", "show", str(sid)]) == 0
     assert f"budget: tree of session {sid}: 4800 of 5000 tokens spent, 0 reserved" in capsys.readouterr().out
@@ -227,7 +235,8 @@ def test_a_budgeted_model_call_costs_one_statement_more_and_an_unbudgeted_one_no
     assert calls == len(plain_model.journal()) == 3
     assert not [q for q in without if "tree_budget" in q]
     assert len(with_budget) - len(without) == calls  # the reservation; the settlement rides in the usage INSERT
-    assert len([q for q in with_budget if q.startswith("UPDATE tree_budget")]) == calls
+    # One reservation per call: the tree's conditional UPDATE and the session's held tokens, one statement.
+    assert len([q for q in with_budget if q.startswith("WITH granted AS (UPDATE tree_budget")]) == calls
     assert (_budget(budgeted).spent_tokens, _budget(budgeted).reserved_tokens) == (calls * PER_CALL, 0)
 
 
@@ -328,3 +337,38 @@ def test_children_that_never_stop_end_budget_exhausted_once_each_and_the_parents
     # The parent's answer says the budget ran out.
     assert rows[-1].role == Role.ASSISTANT and "budget" in (rows[-1].content or "")
     assert f"{budget}" in (rows[-1].content or "")
+
+
+def test_a_reply_the_worker_never_stored_stays_charged_as_estimated_and_the_totals_say_how_much(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.loop
+    from models.usage import session_usage, tree_usage
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}}])
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    # The provider answered; the worker died before the reply's transaction.
+    with infra_fault_at(harness.loop, "model.after_reply"):
+        assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    assert len(model.journal()) == 1
+    held = _budget(sid).reserved_tokens
+    assert held > 0 and _budget(sid).spent_tokens == 0
+    drive(model.base_url)  # the recovered run: its take finds the dead call's reservation
+    assert len(model.journal()) == 2
+    budget = _budget(sid)
+    assert (budget.spent_tokens, budget.reserved_tokens, budget.estimated_tokens) == (PER_CALL, 0, held)
+    with transaction() as s:
+        own, tree = session_usage(s, sid), tree_usage(s, sid)
+    assert own == tree
+    assert (tree.prompt_tokens + tree.completion_tokens, tree.model_calls) == (PER_CALL, 1)
+    assert (tree.estimated_tokens, tree.estimated_calls) == (held, 1)
+    capsys.readouterr()
+    assert main(["session", "show", str(sid), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["usage"]["tree"]["estimated_tokens"] == held
+    assert shown["budget"]["estimated"] == held
+    assert main(["session", "show", str(sid)]) == 0
+    out = capsys.readouterr().out
+    assert f"estimated={held}" in out and f"{held} estimated" in out
+    assert main(["usage", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["estimated_tokens"] == held

@@ -1,0 +1,42 @@
+"""Ours: usage and budgets down the agent tree, continued (docs/usage.md).
+
+- ``agent_session.held_tokens``: the reservation of the session's model call in flight (0: none).
+  A take of the session (or of its child execution) that finds it above 0 knows the call died
+  before its reply was stored, and charges it as ``estimated``.
+- ``tree_budget.estimated_tokens``: reservations of calls whose reply was never stored.
+- ``model_call_usage.estimated_tokens``: an estimated call's row (its provider's figures are
+  unknown: prompt and completion 0).
+
+New columns with constant defaults: no rewrite, no backfill.
+
+Revision ID: 0028
+Revises: 0025
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0028"
+down_revision = "0025"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column(
+        "agent_session", sa.Column("held_tokens", sa.BigInteger(), server_default=sa.text("0"), nullable=False)
+    )
+    op.add_column(
+        "tree_budget", sa.Column("estimated_tokens", sa.BigInteger(), server_default=sa.text("0"), nullable=False)
+    )
+    op.add_column(
+        "model_call_usage", sa.Column("estimated_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False)
+    )
+
+
+def downgrade() -> None:
+    op.drop_column("model_call_usage", "estimated_tokens")
+    op.drop_column("tree_budget", "estimated_tokens")
+    op.drop_column("agent_session", "held_tokens")
