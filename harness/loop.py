@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -37,7 +38,17 @@ from harness.tools import lookup
 from logfmt import log_event
 from models import lease, transaction
 from models.base import utcnow
-from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, budget_of, release, reserve
+from models.budget import (
+    CHARS_PER_TOKEN,
+    DEFAULT_RESERVATION_TOKENS,
+    Reservation,
+    budget_of,
+    release,
+    reserve,
+    spent_line,
+    usd,
+)
+from models.prices import price_of
 from models.worker import identity
 
 log = logging.getLogger(__name__)
@@ -111,7 +122,8 @@ def ask(
     assert deps.model is not None
     held = None
     if budget_root_id is not None:
-        held = _reserve(budget_root_id, reservation_tokens(options, messages), session_id)
+        model = (options.model if options else None) or deps.model.model
+        held = _reserve(budget_root_id, options, messages, session_id=session_id, model=model)
     try:
         reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
@@ -139,19 +151,39 @@ def reservation_tokens(options: ModelOptions | None, messages: Sequence[dict[str
     return chars // CHARS_PER_TOKEN + completion
 
 
-def _reserve(root_session_id: int, tokens: int, session_id: int | None) -> Reservation:
+def reservation_usd(options: ModelOptions | None, messages: Sequence[dict[str, Any]], model: str | None) -> Decimal:
+    """The USD one model call reserves: the prompt's estimate at the model's input price and
+    the completion limit at its output price (0 when the model has no price: models.prices)."""
+    price = price_of(model)
+    if price is None:
+        return Decimal(0)
+    total = reservation_tokens(options, messages)
+    completion = reservation_tokens(options)
+    return usd((total - completion) * price.input / 1e6 + completion * price.output / 1e6)
+
+
+def _reserve(
+    root_session_id: int,
+    options: ModelOptions | None,
+    messages: Sequence[dict[str, Any]],
+    *,
+    session_id: int | None,
+    model: str | None,
+) -> Reservation:
+    tokens = reservation_tokens(options, messages)
+    dollars = reservation_usd(options, messages, model)
     with transaction() as s:
-        if not reserve(s, root_session_id, tokens, session_id=session_id):
+        if not reserve(s, root_session_id, tokens, session_id=session_id, usd=dollars):
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
             books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
             held = ""
             if books is not None:
-                held = f": {books['spent']} of {books['tokens']} tokens spent, {books['reserved']} reserved"
+                held = ": " + spent_line(books)
             raise BudgetExhausted(
-                f"the token budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
+                f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
             )
     crash_point("budget.after_reserve")
-    return Reservation(root_session_id, tokens, session_id)
+    return Reservation(root_session_id, tokens, session_id, dollars, model)
 
 
 def _give_back(held: Reservation | None) -> None:
@@ -161,7 +193,7 @@ def _give_back(held: Reservation | None) -> None:
         return
     try:
         with transaction() as s:
-            release(s, held.root_session_id, held.tokens, session_id=held.session_id)
+            release(s, held)
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise

@@ -1,23 +1,27 @@
-"""tree_budget: a token budget per agent tree, drawn on by every model call of the tree
-(docs/usage.md, "Budgets").
+"""tree_budget: a budget per agent tree, in tokens, USD and model calls (any of the three),
+drawn on by every model call of the tree (docs/usage.md, "Budgets").
 
 Before each model call of a budgeted tree, ``reserve`` takes an estimate with ONE conditional
-UPDATE that lands only while ``spent + reserved + estimate <= budget``; the reply's transaction
-settles it (``settle_and_record``: the reservation returns, the provider's figure is spent) in
-the same statement that records the call's usage. A call whose reply is never stored (the worker
-died after the provider answered) keeps its reservation charged: the books never undercount.
-Parallel calls overshoot the budget by at most the reservations in flight."""
+UPDATE that lands only while, for each kind the tree limits, ``spent + reserved + estimated +
+estimate <= budget`` (a model call counts 1 of ``budget_model_calls``); the same statement
+holds the estimate on the calling session (``agent_session.held_tokens``/``held_usd``). The
+reply's transaction settles it (``settle_and_record``: the reservation returns, the provider's
+figure is spent) in the same statement that records the call's usage. A call whose reply is
+never stored (the worker died after the provider answered) stays held on its session: the next
+take charges it as estimated (``charge_estimated``); the books never undercount. Parallel calls
+overshoot the budget by at most the reservations in flight."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any, cast
 
 from sqlalchemy import BigInteger, ForeignKey, text, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from models.base import Base, UTCDateTime, utcnow
+from models.base import USD, Base, UTCDateTime, utcnow
 from models.session import AgentSession
 
 #: The completion a model call reserves when its agent sets no ``max_tokens`` /
@@ -28,14 +32,35 @@ DEFAULT_RESERVATION_TOKENS = 4096
 CHARS_PER_TOKEN = 4
 
 
+def usd(value: float) -> Decimal:
+    """A USD amount as the database keeps it (nine decimals)."""
+    return Decimal(f"{value:.9f}")
+
+
 @dataclass(frozen=True)
 class Reservation:
-    """Tokens one model call holds of its tree's budget until its reply settles them."""
+    """What one model call holds of its tree's budget until its reply settles it."""
 
     root_session_id: int
     tokens: int
     #: The session whose call holds it (its ``held_tokens``); None: held by the tree alone.
     session_id: int | None = None
+    #: Its USD estimate (0 without a price for the model: models.prices).
+    usd: Decimal = Decimal(0)
+    #: The model the call asked for (its price settles the reply when the provider names none).
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class BudgetLimits:
+    """What a tree may spend; None: that kind is not limited. At least one is set."""
+
+    tokens: int | None = None
+    usd: float | None = None
+    model_calls: int | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.tokens, self.usd, self.model_calls))
 
 
 class TreeBudget(Base):
@@ -43,23 +68,42 @@ class TreeBudget(Base):
 
     #: The tree's root session; every session of the tree names it in ``budget_root_id``.
     root_session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"), primary_key=True)
-    #: The tokens (prompt + completion) the tree may spend.
-    budget_tokens: Mapped[int] = mapped_column(BigInteger)
+    #: The tokens (prompt + completion) the tree may spend; NULL: not limited.
+    budget_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     #: Tokens the provider reported for the tree's stored replies (settled reservations).
     spent_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Estimates of the model calls in flight (taken, not yet settled; a call whose reply was
-    #: never stored stays here).
+    #: never stored stays here until a take of its session charges it as estimated).
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Reservations of calls whose reply was never stored (the worker died after reserving),
     #: moved here from ``reserved_tokens`` by the take that found them: charged, never returned.
     estimated_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
+    #: The USD the tree may spend (prices: MODEL_PRICES_FILE); NULL: not limited.
+    budget_usd: Mapped[Decimal | None] = mapped_column(USD, nullable=True)
+    spent_usd: Mapped[Decimal] = mapped_column(USD, server_default=text("0"), default=Decimal(0))
+    reserved_usd: Mapped[Decimal] = mapped_column(USD, server_default=text("0"), default=Decimal(0))
+    estimated_usd: Mapped[Decimal] = mapped_column(USD, server_default=text("0"), default=Decimal(0))
+    #: The model calls the tree may make; NULL: not limited.
+    budget_model_calls: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Model calls reserved (stored, in flight, or estimated); a call that failed returns its count.
+    model_calls: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-def open_budget(s: Session, root_session_id: int, tokens: int) -> None:
-    """Give the tree rooted at ``root_session_id`` (a session just created, with no child yet) a
-    budget of ``tokens``, in the caller's transaction (the one that creates the session)."""
-    s.add(TreeBudget(root_session_id=root_session_id, budget_tokens=tokens))
+def open_budget(s: Session, root_session_id: int, limits: BudgetLimits | int) -> None:
+    """Give the tree rooted at ``root_session_id`` (a session just created, with no child yet)
+    ``limits`` (an int: a token budget), in the caller's transaction (the one that creates the
+    session)."""
+    if isinstance(limits, int):
+        limits = BudgetLimits(tokens=limits)
+    s.add(
+        TreeBudget(
+            root_session_id=root_session_id,
+            budget_tokens=limits.tokens,
+            budget_usd=None if limits.usd is None else usd(limits.usd),
+            budget_model_calls=limits.model_calls,
+        )
+    )
     s.flush()
     s.execute(
         update(AgentSession)
@@ -69,82 +113,135 @@ def open_budget(s: Session, root_session_id: int, tokens: int) -> None:
     )
 
 
-def budget_of(s: Session, session_id: int) -> dict[str, int] | None:
-    """The budget of the tree ``session_id`` belongs to (``root_session_id``, ``tokens``,
-    ``spent``, ``reserved``), one query; None when its tree has no budget."""
+_BOOKS = (
+    "root_session_id",
+    "tokens",
+    "spent",
+    "reserved",
+    "estimated",
+    "usd",
+    "spent_usd",
+    "reserved_usd",
+    "estimated_usd",
+    "model_calls",
+    "calls",
+)
+
+
+def budget_of(s: Session, session_id: int) -> dict[str, Any] | None:
+    """The budget of the tree ``session_id`` belongs to, one query; None when its tree has no
+    budget. Keys: ``root_session_id``, ``tokens`` (the token budget, None: not limited),
+    ``spent``, ``reserved``, ``estimated`` (tokens); ``usd``, ``spent_usd``, ``reserved_usd``,
+    ``estimated_usd`` (floats); ``model_calls`` (the calls budget) and ``calls`` (reserved)."""
     row = s.execute(
         text(
-            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens, b.reserved_tokens, b.estimated_tokens"
+            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens, b.reserved_tokens, b.estimated_tokens,"
+            " b.budget_usd, b.spent_usd, b.reserved_usd, b.estimated_usd, b.budget_model_calls, b.model_calls"
             " FROM agent_session a JOIN tree_budget b ON b.root_session_id = a.budget_root_id WHERE a.id = :sid"
         ),
         {"sid": session_id},
     ).one_or_none()
     if row is None:
         return None
-    keys = ("root_session_id", "tokens", "spent", "reserved", "estimated")
-    return {k: int(v) for k, v in zip(keys, row, strict=True)}
+    out: dict[str, Any] = {}
+    for key, value in zip(_BOOKS, row, strict=True):
+        if value is None:
+            out[key] = None
+        else:
+            out[key] = float(value) if "usd" in key else int(value)
+    return out
 
 
-#: The tree's reservation and the calling session's ``held_tokens``, one statement: the session
+def spent_line(books: dict[str, Any]) -> str:
+    """``budget_of``'s figures in words, each limited kind: ``4800 of 5000 tokens spent, 0
+    reserved`` (``, N estimated`` when above 0), then ``$0.0140 of $0.0200 spent`` and ``3 of 3
+    model calls``."""
+    parts = []
+    if books["tokens"] is not None:
+        tokens = f"{books['spent']} of {books['tokens']} tokens spent, {books['reserved']} reserved"
+        parts.append(tokens + (f", {books['estimated']} estimated" if books["estimated"] else ""))
+    if books["usd"] is not None:
+        parts.append(f"${books['spent_usd']:.4f} of ${books['usd']:.4f} spent, ${books['reserved_usd']:.4f} reserved")
+    if books["model_calls"] is not None:
+        parts.append(f"{books['calls']} of {books['model_calls']} model calls")
+    return "; ".join(parts)
+
+
+#: What a reservation must fit in: every kind the tree limits.
+_FITS = (
+    "(budget_tokens IS NULL OR spent_tokens + reserved_tokens + estimated_tokens + :r <= budget_tokens)"
+    " AND (budget_usd IS NULL OR spent_usd + reserved_usd + estimated_usd + :usd <= budget_usd)"
+    " AND (budget_model_calls IS NULL OR model_calls + 1 <= budget_model_calls)"
+)
+_TAKE = (
+    "UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r, reserved_usd = reserved_usd + :usd,"
+    f" model_calls = model_calls + 1 WHERE root_session_id = :root AND {_FITS}"
+)
+#: The tree's reservation and the calling session's held estimate, one statement: the session
 #: row moves only when the tree's conditional UPDATE landed (its rowcount is the answer).
 _RESERVE_HELD = text(
-    "WITH granted AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r"
-    " WHERE root_session_id = :root AND spent_tokens + reserved_tokens + estimated_tokens + :r <= budget_tokens"
-    " RETURNING 1)"
-    " UPDATE agent_session SET held_tokens = held_tokens + :r WHERE id = :sid AND EXISTS (SELECT 1 FROM granted)"
+    f"WITH granted AS ({_TAKE} RETURNING 1)"
+    " UPDATE agent_session SET held_tokens = held_tokens + :r, held_usd = held_usd + :usd"
+    " WHERE id = :sid AND EXISTS (SELECT 1 FROM granted)"
+)
+_HOLD = text("UPDATE agent_session SET held_tokens = held_tokens + :r, held_usd = held_usd + :usd WHERE id = :sid")
+
+
+def reserve(
+    s: Session, root_session_id: int, tokens: int, *, session_id: int | None = None, usd: Decimal = Decimal(0)
+) -> bool:
+    """Reserve ``tokens`` (and ``usd``, and one model call) of the tree's budget for one model
+    call of ``session_id`` (held on its row until settled), one statement. False, and nothing
+    written, when the reservation would take the tree past any of its limits (or the tree has
+    no budget row)."""
+    params = {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id}
+    if session_id is not None and s.get_bind().dialect.name == "postgresql":
+        return bool(cast(Any, s.execute(_RESERVE_HELD, params)).rowcount)
+    rows = cast(Any, s.execute(text(_TAKE), params)).rowcount
+    if rows and session_id is not None:  # SQLite has no data-modifying WITH: two statements
+        s.execute(_HOLD, params)
+    return bool(rows)
+
+
+_UNHOLD = text(
+    "UPDATE agent_session SET held_tokens = CASE WHEN held_tokens > :r THEN held_tokens - :r ELSE 0 END,"
+    " held_usd = CASE WHEN held_usd > :usd THEN held_usd - :usd ELSE 0 END WHERE id = :sid"
 )
 
 
-def reserve(s: Session, root_session_id: int, tokens: int, *, session_id: int | None = None) -> bool:
-    """Reserve ``tokens`` of the tree's budget for one model call of ``session_id`` (held on its
-    row until settled: ``held_tokens``), one statement. False, and nothing written, when the
-    reservation would take the tree past its budget (or the tree has no budget row)."""
-    params = {"r": tokens, "root": root_session_id, "sid": session_id}
-    if session_id is not None and s.get_bind().dialect.name == "postgresql":
-        return bool(cast(Any, s.execute(_RESERVE_HELD, params)).rowcount)
+def release(s: Session, held: Reservation) -> None:
+    """Return a reservation whose call stored no reply (the provider failed), its model call
+    count too."""
+    params = {"r": held.tokens, "usd": held.usd, "root": held.root_session_id, "sid": held.session_id}
+    s.execute(
+        text(
+            "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r, reserved_usd = reserved_usd - :usd,"
+            " model_calls = model_calls - 1 WHERE root_session_id = :root"
+        ),
+        params,
+    )
+    if held.session_id is not None:
+        s.execute(_UNHOLD, params)
+
+
+def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, root_session_id: int, held: int) -> bool:
+    """In the transaction of a take that found ``held`` (> 0) tokens on the session: the call
+    that reserved them died before its reply was stored. Its reservation stays charged, as
+    ``estimated`` (tree_budget, tokens and USD), and one ``model_call_usage`` row says so.
+    False, nothing written, when the session no longer holds exactly ``held`` (another take
+    charged it).
+
+    NOTE: a take is fenced (its epoch moved), so the dead call's own transaction cannot store its
+    reply after this: the reservation is charged once, as estimated or as spent, never both."""
+    held_usd = s.execute(text("SELECT held_usd FROM agent_session WHERE id = :sid"), {"sid": session_id}).scalar()
     rows = cast(
         Any,
         s.execute(
             text(
-                "UPDATE tree_budget SET reserved_tokens = reserved_tokens + :r WHERE root_session_id = :root"
-                " AND spent_tokens + reserved_tokens + estimated_tokens + :r <= budget_tokens"
+                "UPDATE agent_session SET held_tokens = 0, held_usd = 0"
+                " WHERE id = :sid AND held_tokens = :held AND held_usd = :usd"
             ),
-            params,
-        ),
-    ).rowcount
-    if rows and session_id is not None:  # SQLite has no data-modifying WITH: two statements
-        s.execute(text("UPDATE agent_session SET held_tokens = held_tokens + :r WHERE id = :sid"), params)
-    return bool(rows)
-
-
-def release(s: Session, root_session_id: int, tokens: int, *, session_id: int | None = None) -> None:
-    """Return a reservation whose call stored no reply (the provider failed)."""
-    params = {"r": tokens, "root": root_session_id, "sid": session_id}
-    s.execute(
-        text("UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r WHERE root_session_id = :root"), params
-    )
-    if session_id is not None:
-        s.execute(_UNHOLD, params)
-
-
-_UNHOLD = text(
-    "UPDATE agent_session SET held_tokens = CASE WHEN held_tokens > :r THEN held_tokens - :r ELSE 0 END WHERE id = :sid"
-)
-
-
-def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, root_session_id: int, held: int) -> bool:
-    """In the transaction of a take that found ``held`` (> 0) on the session: the call that
-    reserved it died before its reply was stored. Its reservation stays charged, as
-    ``estimated`` (tree_budget), and one ``model_call_usage`` row says so. False, nothing
-    written, when the session no longer holds exactly ``held`` (another take charged it).
-
-    NOTE: a take is fenced (its epoch moved), so the dead call's own transaction cannot store its
-    reply after this: the reservation is charged once, as estimated or as spent, never both."""
-    rows = cast(
-        Any,
-        s.execute(
-            text("UPDATE agent_session SET held_tokens = 0 WHERE id = :sid AND held_tokens = :held"),
-            {"sid": session_id, "held": held},
+            {"sid": session_id, "held": held, "usd": held_usd},
         ),
     ).rowcount
     if not rows:
@@ -153,9 +250,11 @@ def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, r
         text(
             "UPDATE tree_budget SET"
             " reserved_tokens = CASE WHEN reserved_tokens > :held THEN reserved_tokens - :held ELSE 0 END,"
-            " estimated_tokens = estimated_tokens + :held WHERE root_session_id = :root"
+            " reserved_usd = CASE WHEN reserved_usd > :usd THEN reserved_usd - :usd ELSE 0 END,"
+            " estimated_tokens = estimated_tokens + :held, estimated_usd = estimated_usd + :usd"
+            " WHERE root_session_id = :root"
         ),
-        {"held": held, "root": root_session_id},
+        {"held": held, "usd": held_usd, "root": root_session_id},
     )
     from models.usage import record_usage
 
@@ -177,10 +276,12 @@ def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, r
 #: data-modifying WITH): the hot path pays no extra trip for the settlement.
 _SETTLE_AND_RECORD = text(
     "WITH settled AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens - :reserved,"
-    " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens"
+    " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens,"
+    " reserved_usd = reserved_usd - :reserved_usd, spent_usd = spent_usd + :spent_usd"
     " WHERE root_session_id = :root RETURNING 1),"
     " unheld AS (UPDATE agent_session"
-    " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END"
+    " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END,"
+    " held_usd = CASE WHEN held_usd > :reserved_usd THEN held_usd - :reserved_usd ELSE 0 END"
     " WHERE id = :session_id RETURNING 1)"
     " INSERT INTO model_call_usage (session_id, execution_id, model, prompt_tokens, completion_tokens,"
     " cached_tokens, reasoning_tokens, created_at)"
@@ -189,21 +290,23 @@ _SETTLE_AND_RECORD = text(
 )
 
 
-def settle_and_record(s: Session, *, root_session_id: int, reserved: int, usage: dict[str, Any]) -> None:
-    """Settle one call's reservation to the provider's figures and record its usage row, in the
-    caller's transaction (the one that stores the reply). SQLite has no data-modifying WITH:
-    there, two statements."""
+def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usage: dict[str, Any]) -> None:
+    """Settle one call's reservation to the provider's figures (``spent_usd``: the reply's
+    price) and record its usage row, in the caller's transaction (the one that stores the
+    reply). SQLite has no data-modifying WITH: there, three statements."""
+    params = {"root": held.root_session_id, "reserved": held.tokens, "reserved_usd": held.usd, "spent_usd": spent_usd}
     if s.get_bind().dialect.name != "postgresql":
         from models.usage import record_usage
 
         s.execute(
             text(
-                "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r,"
-                " spent_tokens = spent_tokens + :spent WHERE root_session_id = :root"
+                "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :reserved,"
+                " spent_tokens = spent_tokens + :spent, reserved_usd = reserved_usd - :reserved_usd,"
+                " spent_usd = spent_usd + :spent_usd WHERE root_session_id = :root"
             ),
-            {"r": reserved, "spent": usage["prompt_tokens"] + usage["completion_tokens"], "root": root_session_id},
+            {**params, "spent": usage["prompt_tokens"] + usage["completion_tokens"]},
         )
-        s.execute(_UNHOLD, {"r": reserved, "sid": usage["session_id"]})
+        s.execute(_UNHOLD, {"r": held.tokens, "usd": held.usd, "sid": usage["session_id"]})
         record_usage(s, **usage)
         return
-    s.execute(_SETTLE_AND_RECORD, {**usage, "created_at": utcnow(), "root": root_session_id, "reserved": reserved})
+    s.execute(_SETTLE_AND_RECORD, {**usage, **params, "created_at": utcnow()})
