@@ -59,6 +59,7 @@ _KEYS = {
     "approve_destructive",
     "on_incomplete",
     "budget",
+    "child_budget",
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
@@ -118,6 +119,9 @@ class AgentDef:
     #: model_calls = M }``, any of the three; empty: none); ``submit --budget-*`` names another
     #: for one tree (models.budget).
     budget: BudgetLimits = field(default_factory=BudgetLimits)
+    #: What one child of this agent may draw of its tree's token budget (``child_budget = {
+    #: tokens = N }``), set aside when the child is created; None: no cap (models.budget).
+    child_budget_tokens: int | None = None
     #: The release this definition was read from (harness.release; None: the worker's file),
     #: and the Python tools that release had (the names a call may still use after a deploy).
     release_id: int | None = None
@@ -221,6 +225,7 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             approve_destructive=approve_destructive,
             on_incomplete=on_incomplete,
             budget=_budget(f"{source}: agents.{name}", table.get("budget")),
+            child_budget_tokens=_child_budget(f"{source}: agents.{name}", table.get("child_budget")),
         )
     _check_mcp_names(source, out)
     return out
@@ -245,6 +250,18 @@ def _budget(at: str, budget: Any) -> BudgetLimits:
     if dollars is not None and (isinstance(dollars, bool) or not isinstance(dollars, int | float) or dollars <= 0):
         raise AgentConfigError(f"{at}.budget.usd must be a number above 0")
     return BudgetLimits(budget.get("tokens"), None if dollars is None else float(dollars), budget.get("model_calls"))
+
+
+def _child_budget(at: str, cap: Any) -> int | None:
+    """``child_budget = { tokens = N }``: what one child of the agent may draw."""
+    if cap is None:
+        return None
+    tokens = cap.get("tokens") if isinstance(cap, dict) else None
+    if not isinstance(cap, dict) or set(cap) != {"tokens"}:
+        raise AgentConfigError(f"{at}.child_budget must be a table {{ tokens = N }}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise AgentConfigError(f"{at}.child_budget.tokens must be a positive integer")
+    return tokens
 
 
 def _model_options(at: str, table: dict[str, Any]) -> ModelOptions:

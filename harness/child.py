@@ -121,6 +121,8 @@ def _child_info(row: Any) -> ChildInfo:
         journal_open=row.journal_open,
         budget_root_id=row.budget_root_id,
         held_tokens=int(row.held_tokens or 0),
+        cap_tokens=row.cap_tokens,
+        cap_used_tokens=int(row.cap_used_tokens or 0),
         release_id=row.release_id,
     )
 
@@ -136,6 +138,7 @@ def charge_dead_call(s: Session, info: ChildInfo) -> None:
             execution_id=info.execution_id,
             root_session_id=info.budget_root_id,
             held=info.held_tokens,
+            cap_left=None if info.cap_tokens is None else info.cap_tokens - info.cap_used_tokens,
         )
 
 
@@ -357,6 +360,7 @@ def _child_rounds(
                 options=agent.model_options,
                 budget_root_id=info.budget_root_id,
                 session_id=info.child_session_id,
+                capped=info.cap_tokens is not None,
             )
             if model_waiting:
                 model_answered(info.child_session_id)

@@ -45,6 +45,7 @@ from models.budget import (
     budget_of,
     release,
     reserve,
+    reserve_capped,
     spent_line,
     usd,
 )
@@ -109,6 +110,7 @@ def ask(
     options: ModelOptions | None = None,
     budget_root_id: int | None = None,
     session_id: int | None = None,
+    capped: bool = False,
 ) -> ModelReply:
     """One model call. In a budgeted tree (``budget_root_id``: the session's
     ``agent_session.budget_root_id``) it first reserves its estimate of the tree's budget, one
@@ -123,7 +125,7 @@ def ask(
     held = None
     if budget_root_id is not None:
         model = (options.model if options else None) or deps.model.model
-        held = _reserve(budget_root_id, options, messages, session_id=session_id, model=model)
+        held = _reserve(budget_root_id, options, messages, session_id=session_id, model=model, capped=capped)
     try:
         reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
@@ -169,11 +171,18 @@ def _reserve(
     *,
     session_id: int | None,
     model: str | None,
+    capped: bool = False,
 ) -> Reservation:
     tokens = reservation_tokens(options, messages)
     dollars = reservation_usd(options, messages, model)
+    cap_left = None
     with transaction() as s:
-        if not reserve(s, root_session_id, tokens, session_id=session_id, usd=dollars):
+        if capped and session_id is not None:
+            cap_left = reserve_capped(s, root_session_id, tokens, session_id=session_id, usd=dollars)
+            granted = cap_left is not None
+        else:
+            granted = reserve(s, root_session_id, tokens, session_id=session_id, usd=dollars)
+        if not granted:
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
             books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
             held = ""
@@ -183,7 +192,7 @@ def _reserve(
                 f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
             )
     crash_point("budget.after_reserve")
-    return Reservation(root_session_id, tokens, session_id, dollars, model)
+    return Reservation(root_session_id, tokens, session_id, dollars, model, cap_left)
 
 
 def _give_back(held: Reservation | None) -> None:

@@ -362,6 +362,7 @@ def _create_round(
     allowed: tuple[str, ...],
     deps: LoopDeps,
     approved: Approved,
+    child_cap: int | None = None,
 ) -> _Created:
     """ONE transaction: the pending round, a child session + execution + instruction per
     delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
@@ -375,7 +376,7 @@ def _create_round(
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
         record_call(s, session_id, rnd.reply)  # a fresh reply: this transaction stores it
     reply, refused = rnd.reply, rnd.refused
-    parent = parent_of(s, session_id)
+    parent = parent_of(s, session_id, child_cap=child_cap)
     round_row = PendingRound(
         session_id=session_id,
         assistant_content=reply.content,
@@ -437,7 +438,16 @@ def _delegating_round(
     rnd, approved = _answered(fence, session_id, rnd, gate)
     try:
         with transaction() as s:
-            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps, approved=approved)
+            made = _create_round(
+                s,
+                session_id,
+                fence,
+                rnd,
+                allowed=allowed,
+                deps=deps,
+                approved=approved,
+                child_cap=gate.agent.child_budget_tokens,
+            )
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
         refused = {**nothing.rnd.refused, **nothing.errors}

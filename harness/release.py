@@ -65,6 +65,7 @@ def _agent_entry(agent: AgentDef) -> dict[str, Any]:
         "approve": list(agent.approve),
         "approve_destructive": agent.approve_destructive,
         "on_incomplete": agent.on_incomplete,
+        "child_budget_tokens": agent.child_budget_tokens,
         # NOTE: no header or env value: they may be (or name) secrets; their names only.
         "mcp_servers": [
             {
@@ -220,6 +221,7 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
         approve=approve,
         approve_destructive=approve_destructive,
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
+        child_budget_tokens=entry.get("child_budget_tokens"),
         release_id=release_id,
         release_tools=tuple(definition_tools),
     )

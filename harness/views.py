@@ -54,7 +54,8 @@ def create_session(
         limits = budget or BudgetLimits(budget_tokens, budget_usd, budget_model_calls)
         if not limits:
             limits = agent.budget  # the agent's own, for every tree rooted at it
-        if limits:
+        if limits or agent.child_budget_tokens is not None:
+            # A cap per child needs the tree's books even when the tree itself is not limited.
             open_budget(s, row.id, limits)
         sid = row.id
     publish_status(sid, Phase.RUNNING)

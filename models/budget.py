@@ -49,6 +49,21 @@ class Reservation:
     usd: Decimal = Decimal(0)
     #: The model the call asked for (its price settles the reply when the provider names none).
     model: str | None = None
+    #: For a capped child (``child_budget``): what was left of its allocation when the call
+    #: reserved (the reservation itself is held on the session only: the allocation is already in
+    #: the tree's ``reserved_tokens``). None: not capped, the tokens were added to the tree's.
+    cap_left: int | None = None
+
+    @property
+    def tree_tokens(self) -> int:
+        """What this reservation added to the tree's ``reserved_tokens``."""
+        return self.tokens if self.cap_left is None else 0
+
+    def from_allocation(self, spent: int) -> int:
+        """What ``spent`` tokens of this call take out of the tree's ``reserved_tokens`` when they
+        are settled (or estimated): the reservation itself, or for a capped child the part of its
+        allocation they use (any excess is past the cap, counted in spent alone)."""
+        return self.tokens if self.cap_left is None else min(spent, max(self.cap_left, 0))
 
 
 @dataclass(frozen=True)
@@ -185,6 +200,21 @@ _RESERVE_HELD = text(
     " WHERE id = :sid AND EXISTS (SELECT 1 FROM granted)"
 )
 _HOLD = text("UPDATE agent_session SET held_tokens = held_tokens + :r, held_usd = held_usd + :usd WHERE id = :sid")
+#: A capped child's reservation: its tokens must fit what is left of its allocation (already in
+#: the tree's ``reserved_tokens``), its USD and model call the tree's limits. One statement; the
+#: session row returns what was left of the allocation before this call.
+_CAP_FITS = "EXISTS (SELECT 1 FROM agent_session WHERE id = :sid AND cap_used_tokens + held_tokens + :r <= cap_tokens)"
+_TAKE_CAPPED = (
+    "UPDATE tree_budget SET reserved_usd = reserved_usd + :usd, model_calls = model_calls + 1"
+    " WHERE root_session_id = :root"
+    " AND (budget_usd IS NULL OR spent_usd + reserved_usd + estimated_usd + :usd <= budget_usd)"
+    f" AND (budget_model_calls IS NULL OR model_calls + 1 <= budget_model_calls) AND {_CAP_FITS}"
+)
+_RESERVE_CAPPED = text(
+    f"WITH granted AS ({_TAKE_CAPPED} RETURNING 1)"
+    " UPDATE agent_session SET held_tokens = held_tokens + :r, held_usd = held_usd + :usd"
+    " WHERE id = :sid AND EXISTS (SELECT 1 FROM granted) RETURNING cap_tokens - cap_used_tokens"
+)
 
 
 def reserve(
@@ -209,22 +239,92 @@ _UNHOLD = text(
 )
 
 
+def reserve_capped(s: Session, root_session_id: int, tokens: int, *, session_id: int, usd: Decimal) -> int | None:
+    """``reserve`` for a capped child (``child_budget``): one statement. Returns what was left
+    of its allocation before this call, or None (nothing written) when the call does not fit its
+    allocation or the tree's USD or model-call limits."""
+    params = {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id}
+    if s.get_bind().dialect.name == "postgresql":
+        left = s.execute(_RESERVE_CAPPED, params).scalar()
+        return None if left is None else int(left)
+    if not cast(Any, s.execute(text(_TAKE_CAPPED), params)).rowcount:
+        return None
+    s.execute(_HOLD, params)
+    left = s.execute(text("SELECT cap_tokens - cap_used_tokens FROM agent_session WHERE id = :sid"), params).scalar()
+    return int(left or 0)
+
+
+def allocate_child(s: Session, *, child_session_id: int, cap: int) -> int | None:
+    """In the transaction that creates (or follows up) a child of a budgeted tree, whose parent's
+    agent sets ``child_budget = { tokens = cap }``: set aside ``cap`` tokens of the tree's budget
+    for it (fewer when less is left; all of ``cap`` when the tree limits no tokens), in the
+    tree's ``reserved_tokens``, and cap the child there. Returns the allocation; None when the
+    child's tree has no budget (nothing written). The tree row is locked for the read and the
+    write (the delegating round's transaction: parent row, child rows, then the tree row)."""
+    lock = " FOR UPDATE OF b" if s.get_bind().dialect.name == "postgresql" else ""
+    row = s.execute(
+        text(
+            "SELECT b.root_session_id, b.budget_tokens, b.spent_tokens + b.reserved_tokens + b.estimated_tokens"
+            " FROM tree_budget b JOIN agent_session a ON a.budget_root_id = b.root_session_id"
+            f" WHERE a.id = :sid{lock}"
+        ),
+        {"sid": child_session_id},
+    ).one_or_none()
+    if row is None:
+        return None
+    root, budget, charged = int(row[0]), row[1], int(row[2])
+    allocation = cap if budget is None else max(min(cap, int(budget) - charged), 0)
+    s.execute(
+        text("UPDATE tree_budget SET reserved_tokens = reserved_tokens + :a WHERE root_session_id = :root"),
+        {"a": allocation, "root": root},
+    )
+    s.execute(
+        text("UPDATE agent_session SET cap_tokens = :a, cap_used_tokens = 0 WHERE id = :sid"),
+        {"a": allocation, "sid": child_session_id},
+    )
+    return allocation
+
+
+def return_allocation(s: Session, *, child_session_id: int, root_session_id: int) -> None:
+    """In the child's ending transaction: the part of its allocation it did not use goes back to
+    the tree (``reserved_tokens``), and the child is capped no more. Nothing when it has no
+    allocation (already returned: a second end returns nothing)."""
+    s.execute(
+        text(
+            "UPDATE tree_budget SET reserved_tokens = reserved_tokens - (SELECT CASE WHEN cap_tokens > cap_used_tokens"
+            " THEN cap_tokens - cap_used_tokens ELSE 0 END FROM agent_session WHERE id = :sid)"
+            " WHERE root_session_id = :root"
+            " AND EXISTS (SELECT 1 FROM agent_session WHERE id = :sid AND cap_tokens IS NOT NULL)"
+        ),
+        {"sid": child_session_id, "root": root_session_id},
+    )
+    s.execute(text("UPDATE agent_session SET cap_tokens = NULL WHERE id = :sid"), {"sid": child_session_id})
+
+
 def release(s: Session, held: Reservation) -> None:
     """Return a reservation whose call stored no reply (the provider failed), its model call
     count too."""
     params = {"r": held.tokens, "usd": held.usd, "root": held.root_session_id, "sid": held.session_id}
     s.execute(
         text(
-            "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :r, reserved_usd = reserved_usd - :usd,"
+            "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :tree_r, reserved_usd = reserved_usd - :usd,"
             " model_calls = model_calls - 1 WHERE root_session_id = :root"
         ),
-        params,
+        {**params, "tree_r": held.tree_tokens},
     )
     if held.session_id is not None:
         s.execute(_UNHOLD, params)
 
 
-def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, root_session_id: int, held: int) -> bool:
+def charge_estimated(
+    s: Session,
+    *,
+    session_id: int,
+    execution_id: int | None,
+    root_session_id: int,
+    held: int,
+    cap_left: int | None = None,
+) -> bool:
     """In the transaction of a take that found ``held`` (> 0) tokens on the session: the call
     that reserved them died before its reply was stored. Its reservation stays charged, as
     ``estimated`` (tree_budget, tokens and USD), and one ``model_call_usage`` row says so.
@@ -246,16 +346,24 @@ def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, r
     ).rowcount
     if not rows:
         return False
+    # ``cap_left``: a capped child's allocation left (its take's facts); the estimate comes out
+    # of the allocation, and counts as used by the child.
+    dead = Reservation(root_session_id, held, session_id, held_usd, cap_left=cap_left)
     s.execute(
         text(
             "UPDATE tree_budget SET"
-            " reserved_tokens = CASE WHEN reserved_tokens > :held THEN reserved_tokens - :held ELSE 0 END,"
+            " reserved_tokens = CASE WHEN reserved_tokens > :out THEN reserved_tokens - :out ELSE 0 END,"
             " reserved_usd = CASE WHEN reserved_usd > :usd THEN reserved_usd - :usd ELSE 0 END,"
             " estimated_tokens = estimated_tokens + :held, estimated_usd = estimated_usd + :usd"
             " WHERE root_session_id = :root"
         ),
-        {"held": held, "usd": held_usd, "root": root_session_id},
+        {"held": held, "out": dead.from_allocation(held), "usd": held_usd, "root": root_session_id},
     )
+    if cap_left is not None:
+        s.execute(
+            text("UPDATE agent_session SET cap_used_tokens = cap_used_tokens + :held WHERE id = :sid"),
+            {"held": held, "sid": session_id},
+        )
     from models.usage import record_usage
 
     record_usage(
@@ -275,14 +383,14 @@ def charge_estimated(s: Session, *, session_id: int, execution_id: int | None, r
 #: The usage INSERT with the reservation's settlement, one statement (PostgreSQL's
 #: data-modifying WITH): the hot path pays no extra trip for the settlement.
 _SETTLE_AND_RECORD = text(
-    "WITH settled AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens - :reserved,"
+    "WITH settled AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens - :from_reserved,"
     " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens,"
     " reserved_usd = reserved_usd - :reserved_usd, spent_usd = spent_usd + :spent_usd"
     " WHERE root_session_id = :root RETURNING 1),"
     " unheld AS (UPDATE agent_session"
     " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END,"
-    " held_usd = CASE WHEN held_usd > :reserved_usd THEN held_usd - :reserved_usd ELSE 0 END"
-    " WHERE id = :session_id RETURNING 1)"
+    " held_usd = CASE WHEN held_usd > :reserved_usd THEN held_usd - :reserved_usd ELSE 0 END,"
+    " cap_used_tokens = cap_used_tokens + :cap_used WHERE id = :session_id RETURNING 1)"
     " INSERT INTO model_call_usage (session_id, execution_id, model, prompt_tokens, completion_tokens,"
     " cached_tokens, reasoning_tokens, created_at)"
     " VALUES (:session_id, :execution_id, :model, :prompt_tokens, :completion_tokens, :cached_tokens,"
@@ -294,19 +402,31 @@ def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usag
     """Settle one call's reservation to the provider's figures (``spent_usd``: the reply's
     price) and record its usage row, in the caller's transaction (the one that stores the
     reply). SQLite has no data-modifying WITH: there, three statements."""
-    params = {"root": held.root_session_id, "reserved": held.tokens, "reserved_usd": held.usd, "spent_usd": spent_usd}
+    spent = usage["prompt_tokens"] + usage["completion_tokens"]
+    params = {
+        "root": held.root_session_id,
+        "reserved": held.tokens,
+        "from_reserved": held.from_allocation(spent),
+        "reserved_usd": held.usd,
+        "spent_usd": spent_usd,
+        "cap_used": 0 if held.cap_left is None else spent,
+    }
     if s.get_bind().dialect.name != "postgresql":
         from models.usage import record_usage
 
         s.execute(
             text(
-                "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :reserved,"
+                "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :from_reserved,"
                 " spent_tokens = spent_tokens + :spent, reserved_usd = reserved_usd - :reserved_usd,"
                 " spent_usd = spent_usd + :spent_usd WHERE root_session_id = :root"
             ),
-            {**params, "spent": usage["prompt_tokens"] + usage["completion_tokens"]},
+            {**params, "spent": spent},
         )
         s.execute(_UNHOLD, {"r": held.tokens, "usd": held.usd, "sid": usage["session_id"]})
+        s.execute(
+            text("UPDATE agent_session SET cap_used_tokens = cap_used_tokens + :cap_used WHERE id = :sid"),
+            {**params, "sid": usage["session_id"]},
+        )
         record_usage(s, **usage)
         return
     s.execute(_SETTLE_AND_RECORD, {**usage, **params, "created_at": utcnow()})

@@ -76,6 +76,11 @@ class AgentSession(Base):
     held_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Its USD estimate (models.prices), held and charged with ``held_tokens``.
     held_usd: Mapped[Decimal] = mapped_column(USD, server_default=text("0"), default=Decimal(0))
+    #: A capped child's allocation (its parent agent's ``child_budget``), set aside in its tree's
+    #: reserved tokens for its run; NULL: not capped (models.budget.allocate_child).
+    cap_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Tokens of the allocation its calls used (settled and estimated).
+    cap_used_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Fencing token: bumped by every owner change; every write carries the epoch it was handed.
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)

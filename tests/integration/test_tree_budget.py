@@ -370,3 +370,73 @@ def test_a_reply_the_worker_never_stored_stays_charged_as_estimated_and_the_tota
     assert f"estimated={held}" in out and f"{held} estimated" in out
     assert main(["usage", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["total"]["estimated_tokens"] == held
+
+
+@pytest.fixture
+def capped_children(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]:
+    """AGENTS_FILE: the built-in agents, ``main`` with ``child_budget = { tokens = 6000 }``."""
+    from harness.agents import DEFAULT_AGENTS_TOML, _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        DEFAULT_AGENTS_TOML.replace("max_rounds = 20\n", "max_rounds = 20\nchild_budget = { tokens = 6000 }\n", 1),
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+@pytest.mark.usefixtures("capped_children")
+def test_a_capped_child_draws_at_most_its_cap_and_its_unused_part_returns_to_the_tree_when_it_ends(
+    model_factory: ModelFactory,
+) -> None:
+    from models.usage import tree_usage
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {"tool_calls": [_delegate("a"), _delegate("b")], "usage": USAGE},
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "done anyway", "usage": USAGE}},
+            NEVER_STOP[1],
+        ]
+    )
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    assert run_agent(sid, 0, deps) == "yielded"
+    executions = executions_of(sid)
+    # Both allocations are set aside with the delegating round.
+    assert _budget(sid).reserved_tokens == 2 * 6000
+    with transaction() as s:
+        assert [s.get(AgentSession, e.child_session_id).cap_tokens for e in executions] == [6000, 6000]  # type: ignore[union-attr]
+    drive(model.base_url, after_crash=False, deps=deps)
+
+    with transaction() as s:
+        children = [s.get(AgentSession, e.child_session_id) for e in executions]
+        drawn = [tree_usage(s, e.child_session_id) for e in executions]
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and str(parent.phase) == "WAITING_USER"  # the parent still answered
+    assert all(c is not None and c.failure_code == "budget_exhausted" and c.cap_tokens is None for c in children)
+    # Each child stopped at its cap (a call reserves ~4150 tokens, each spends 1200).
+    assert [d.prompt_tokens + d.completion_tokens for d in drawn] == [2 * PER_CALL, 2 * PER_CALL]
+    # The unused parts came back: nothing stays reserved, spent is what was served.
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (len(model.journal()) * PER_CALL, 0)
+    assert len(model.journal()) == 2 + 4
+
+
+def test_an_agents_child_budget_must_be_a_table_of_positive_tokens() -> None:
+    from harness.agents import parse_agents
+    from harness.errors import AgentConfigError
+
+    base = '[agents.a]\nsystem_prompt = "p"\n'
+    assert parse_agents(base + "child_budget = { tokens = 50 }\n")["a"].child_budget_tokens == 50
+    for bad in ("child_budget = 5", "child_budget = { tokens = 0 }", "child_budget = { usd = 1 }"):
+        with pytest.raises(AgentConfigError, match="child_budget"):
+            parse_agents(base + bad + "\n")
