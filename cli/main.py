@@ -26,6 +26,7 @@ FAMILIES = (
     "cli.audit",
     "cli.usage",
     "cli.release",
+    "cli.budget",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'
@@ -49,6 +50,7 @@ WITHOUT_TOOLS = frozenset(
         "local-client",
         "usage",
         "releases",
+        "budget",
     }
 )
 

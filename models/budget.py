@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from enum import StrEnum
 from typing import Any, cast
 
 from sqlalchemy import BigInteger, ForeignKey, text, update
@@ -141,6 +142,35 @@ _BOOKS = (
     "model_calls",
     "calls",
 )
+
+
+class RaiseOutcome(StrEnum):
+    """How ``raise_budget`` ended."""
+
+    RAISED = "raised"  #: the tree's token budget is higher by the amount asked for
+    NO_BUDGET = "no_budget"  #: the session's tree has no budget, or its budget limits no tokens: nothing done
+    NOT_FOUND = "not_found"  #: there is no such session: nothing done
+
+
+def raise_budget(s: Session, session_id: int, tokens: int) -> RaiseOutcome:
+    """Raise the token budget of the tree ``session_id`` belongs to by ``tokens``: ONE
+    conditional UPDATE (the tree named by the session's ``budget_root_id``, a token budget to
+    raise), whose rowcount says whether it landed. Calls refused before it stay refused: a
+    session that already ended ``budget_exhausted`` is not run again by this."""
+    rows = cast(
+        Any,
+        s.execute(
+            text(
+                "UPDATE tree_budget SET budget_tokens = budget_tokens + :n WHERE budget_tokens IS NOT NULL"
+                " AND root_session_id = (SELECT budget_root_id FROM agent_session WHERE id = :sid)"
+            ),
+            {"n": tokens, "sid": session_id},
+        ),
+    ).rowcount
+    if rows:
+        return RaiseOutcome.RAISED
+    found = s.execute(text("SELECT 1 FROM agent_session WHERE id = :sid"), {"sid": session_id}).first()
+    return RaiseOutcome.NO_BUDGET if found else RaiseOutcome.NOT_FOUND
 
 
 def budget_of(s: Session, session_id: int) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@
   ``reserved_usd``, ``estimated_usd``, ``budget_model_calls``, ``model_calls``;
   ``budget_tokens`` becomes nullable (a tree may have a USD or calls budget only);
   ``agent_session.held_usd`` beside ``held_tokens``.
+- ``operator_action.amount``: what an action asked for (``budget_raise``: the tokens).
 - A cap per child (``child_budget``): ``agent_session.cap_tokens`` (the allocation set aside for
   the child's run in the tree's reserved tokens; NULL: not capped) and ``cap_used_tokens``.
 
@@ -49,6 +50,7 @@ def upgrade() -> None:
     for name in ("spent_usd", "reserved_usd", "estimated_usd"):
         op.add_column("tree_budget", sa.Column(name, USD, server_default=sa.text("0"), nullable=False))
     op.add_column("tree_budget", sa.Column("budget_model_calls", sa.BigInteger(), nullable=True))
+    op.add_column("operator_action", sa.Column("amount", sa.BigInteger(), nullable=True))
     op.add_column("agent_session", sa.Column("cap_tokens", sa.BigInteger(), nullable=True))
     op.add_column(
         "agent_session", sa.Column("cap_used_tokens", sa.BigInteger(), server_default=sa.text("0"), nullable=False)
@@ -64,6 +66,7 @@ def downgrade() -> None:
     op.drop_column("agent_session", "held_usd")
     op.drop_column("agent_session", "cap_used_tokens")
     op.drop_column("agent_session", "cap_tokens")
+    op.drop_column("operator_action", "amount")
     op.drop_column("model_call_usage", "estimated_tokens")
     op.drop_column("tree_budget", "estimated_tokens")
     op.drop_column("agent_session", "held_tokens")

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from cli.main import main
 from harness.parent import run_agent
 from harness.views import create_session
-from models import AgentSession, Message, Role, transaction
+from models import AgentSession, Message, Role, SessionType, transaction
 from models.budget import DEFAULT_RESERVATION_TOKENS, TreeBudget
-from tests.helpers import drive, executions_of, infra_fault_at, loop_deps
+from tests.helpers import drive, executions_of, infra_fault_at, loop_deps, make_session
 from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
@@ -440,3 +440,40 @@ def test_an_agents_child_budget_must_be_a_table_of_positive_tokens() -> None:
     for bad in ("child_budget = 5", "child_budget = { tokens = 0 }", "child_budget = { usd = 1 }"):
         with pytest.raises(AgentConfigError, match="child_budget"):
             parse_agents(base + bad + "\n")
+
+
+def test_an_operator_raises_a_running_trees_budget_and_the_audit_says_who(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from models.operator_action import latest
+
+    model = model_factory(FOREVER_ECHO)
+    sid = create_session("main", "go", budget_tokens=5000)
+    child = make_session(session_type=SessionType.SUBAGENT, phase=None, parent_session_id=sid, budget_root_id=sid)
+    capsys.readouterr()
+    # A session of the tree (a child here) names its tree; the root's budget is raised.
+    assert main(["budget", "raise", str(child), "--tokens", "2500", "--by", "ada"]) == 0
+    assert "raised" in capsys.readouterr().out
+    assert _budget(sid).budget_tokens == 7500
+    unbudgeted = create_session("main", "go")
+    assert main(["budget", "raise", str(unbudgeted), "--tokens", "10", "--by", "ada"]) == 1
+    assert main(["budget", "raise", "999999", "--tokens", "10", "--by", "ada"]) == 1
+    with transaction() as s:
+        actions = latest(s, limit=3)
+    assert [(a["actor"], a["action"], a["outcome"], a["session_id"], a["amount"]) for a in actions] == [
+        ("ada", "budget_raise", "not_found", 999999, 10),
+        ("ada", "budget_raise", "no_budget", unbudgeted, 10),
+        ("ada", "budget_raise", "raised", child, 2500),
+    ]
+    # The raised budget is drawn on at once: a call reserves ~4150 tokens and spends 1200, so
+    # 5000 would let 1 call through, 7500 lets 3.
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "failed"
+    assert len(model.journal()) == 3
+
+
+FOREVER_ECHO: list[dict[str, Any]] = [
+    {
+        "when": {"system_contains": MAIN},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
+    }
+]
