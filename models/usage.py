@@ -64,9 +64,10 @@ def record_usage(
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
         "reasoning_tokens": reasoning_tokens,
-        "estimated_tokens": estimated_tokens,
         "created_at": utcnow(),
     }
+    if estimated_tokens:  # only an estimated call's row names it (the stored replies' shape stays)
+        params["estimated_tokens"] = estimated_tokens
     s.execute(_insert_stmt(), params)
 
 
