@@ -45,7 +45,8 @@ def upgrade() -> None:
         "model_call_usage", sa.Column("estimated_tokens", sa.Integer(), server_default=sa.text("0"), nullable=False)
     )
     op.add_column("agent_session", sa.Column("held_usd", USD, server_default=sa.text("0"), nullable=False))
-    op.alter_column("tree_budget", "budget_tokens", existing_type=sa.BigInteger(), nullable=True)
+    with op.batch_alter_table("tree_budget") as batch:  # SQLite (the embedded default) rebuilds the table
+        batch.alter_column("budget_tokens", existing_type=sa.BigInteger(), nullable=True)
     op.add_column("tree_budget", sa.Column("budget_usd", USD, nullable=True))
     for name in ("spent_usd", "reserved_usd", "estimated_usd"):
         op.add_column("tree_budget", sa.Column(name, USD, server_default=sa.text("0"), nullable=False))
@@ -62,7 +63,8 @@ def downgrade() -> None:
     for name in ("model_calls", "budget_model_calls", "estimated_usd", "reserved_usd", "spent_usd", "budget_usd"):
         op.drop_column("tree_budget", name)
     op.execute("UPDATE tree_budget SET budget_tokens = 0 WHERE budget_tokens IS NULL")
-    op.alter_column("tree_budget", "budget_tokens", existing_type=sa.BigInteger(), nullable=False)
+    with op.batch_alter_table("tree_budget") as batch:
+        batch.alter_column("budget_tokens", existing_type=sa.BigInteger(), nullable=False)
     op.drop_column("agent_session", "held_usd")
     op.drop_column("agent_session", "cap_used_tokens")
     op.drop_column("agent_session", "cap_tokens")
