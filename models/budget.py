@@ -33,6 +33,13 @@ DEFAULT_RESERVATION_TOKENS = 4096
 CHARS_PER_TOKEN = 4
 
 
+def _bound(s: Session, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` as the database's driver takes them: SQLite's has no Decimal (floats there)."""
+    if s.get_bind().dialect.name == "postgresql":
+        return params
+    return {k: float(v) if isinstance(v, Decimal) else v for k, v in params.items()}
+
+
 def usd(value: float) -> Decimal:
     """A USD amount as the database keeps it (nine decimals)."""
     return Decimal(f"{value:.9f}")
@@ -254,7 +261,7 @@ def reserve(
     call of ``session_id`` (held on its row until settled), one statement. False, and nothing
     written, when the reservation would take the tree past any of its limits (or the tree has
     no budget row)."""
-    params = {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id}
+    params = _bound(s, {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id})
     if session_id is not None and s.get_bind().dialect.name == "postgresql":
         return bool(cast(Any, s.execute(_RESERVE_HELD, params)).rowcount)
     rows = cast(Any, s.execute(text(_TAKE), params)).rowcount
@@ -273,7 +280,7 @@ def reserve_capped(s: Session, root_session_id: int, tokens: int, *, session_id:
     """``reserve`` for a capped child (``child_budget``): one statement. Returns what was left
     of its allocation before this call, or None (nothing written) when the call does not fit its
     allocation or the tree's USD or model-call limits."""
-    params = {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id}
+    params = _bound(s, {"r": tokens, "usd": usd, "root": root_session_id, "sid": session_id})
     if s.get_bind().dialect.name == "postgresql":
         left = s.execute(_RESERVE_CAPPED, params).scalar()
         return None if left is None else int(left)
@@ -334,7 +341,7 @@ def return_allocation(s: Session, *, child_session_id: int, root_session_id: int
 def release(s: Session, held: Reservation) -> None:
     """Return a reservation whose call stored no reply (the provider failed), its model call
     count too."""
-    params = {"r": held.tokens, "usd": held.usd, "root": held.root_session_id, "sid": held.session_id}
+    params = _bound(s, {"r": held.tokens, "usd": held.usd, "root": held.root_session_id, "sid": held.session_id})
     s.execute(
         text(
             "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :tree_r, reserved_usd = reserved_usd - :usd,"
@@ -371,7 +378,7 @@ def charge_estimated(
                 "UPDATE agent_session SET held_tokens = 0, held_usd = 0"
                 " WHERE id = :sid AND held_tokens = :held AND held_usd = :usd"
             ),
-            {"sid": session_id, "held": held, "usd": held_usd},
+            _bound(s, {"sid": session_id, "held": held, "usd": held_usd}),
         ),
     ).rowcount
     if not rows:
@@ -387,7 +394,7 @@ def charge_estimated(
             " estimated_tokens = estimated_tokens + :held, estimated_usd = estimated_usd + :usd"
             " WHERE root_session_id = :root"
         ),
-        {"held": held, "out": dead.from_allocation(held), "usd": held_usd, "root": root_session_id},
+        _bound(s, {"held": held, "out": dead.from_allocation(held), "usd": held_usd, "root": root_session_id}),
     )
     if cap_left is not None:
         s.execute(
@@ -450,9 +457,9 @@ def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usag
                 " spent_tokens = spent_tokens + :spent, reserved_usd = reserved_usd - :reserved_usd,"
                 " spent_usd = spent_usd + :spent_usd WHERE root_session_id = :root"
             ),
-            {**params, "spent": spent},
+            _bound(s, {**params, "spent": spent}),
         )
-        s.execute(_UNHOLD, {"r": held.tokens, "usd": held.usd, "sid": usage["session_id"]})
+        s.execute(_UNHOLD, _bound(s, {"r": held.tokens, "usd": held.usd, "sid": usage["session_id"]}))
         s.execute(
             text("UPDATE agent_session SET cap_used_tokens = cap_used_tokens + :cap_used WHERE id = :sid"),
             {**params, "sid": usage["session_id"]},
