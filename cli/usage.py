@@ -35,8 +35,8 @@ def _usage(args: argparse.Namespace) -> int:
     with transaction() as s:
         groups = usage_by(s, by=UsageGroup(args.by), since=args.since)
     total = UsageTotals(usd=None if load_prices() is None else 0.0)
-    for g in groups:
-        total = total + g.totals
+    for group in groups:
+        total = total + group.totals
     if args.json:
         shown = {
             "by": args.by,

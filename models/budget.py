@@ -385,7 +385,7 @@ def charge_estimated(
         return False
     # ``cap_left``: a capped child's allocation left (its take's facts); the estimate comes out
     # of the allocation, and counts as used by the child.
-    dead = Reservation(root_session_id, held, session_id, held_usd, cap_left=cap_left)
+    dead = Reservation(root_session_id, held, session_id, Decimal(str(held_usd or 0)), cap_left=cap_left)
     s.execute(
         text(
             "UPDATE tree_budget SET"

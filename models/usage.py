@@ -96,9 +96,9 @@ class UsageTotals:
         return asdict(self)
 
     def __add__(self, other: UsageTotals) -> UsageTotals:
-        counts = [getattr(self, f) + getattr(other, f) for f in _COUNTS]
+        counts = {f: getattr(self, f) + getattr(other, f) for f in _COUNTS}
         dollars = None if self.usd is None and other.usd is None else (self.usd or 0.0) + (other.usd or 0.0)
-        return UsageTotals(*counts, usd=dollars)
+        return UsageTotals(**counts, usd=dollars)
 
 
 #: The summed fields of UsageTotals, in the order the queries return them.
