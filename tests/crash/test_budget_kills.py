@@ -47,7 +47,8 @@ CALLS = 4  #: what the script serves a tree that nothing interrupts
 #: whether the killed call's reply was served and never stored; whether a call was charged as
 #: estimated at all).
 POINTS = [
-    ("budget.after_reserve", 1, False, True),  # the parent reserved, the model not asked
+    # budget.after_reserve (reserved, the model not asked) is the in-process
+    # test_tree_budget.py::test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_still_ends.
     ("model.after_reply", 1, True, True),  # the provider answered the parent, nothing stored
     ("model.after_reply", 2, True, True),  # ... the child (charged by its execution's recovery take)
     ("journal.after_reply", 1, False, False),  # the delegating reply stored with its child
