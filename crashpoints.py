@@ -60,6 +60,7 @@ POINTS = (
     "budget.after_reserve",  # a model call's budget reservation committed, the model not asked yet
     "approval.after_rule",  # a continued round: tools' approval callables' decisions journaled, no tool run yet
     "approval.after_notified",  # the approval webhook took a notification and it is recorded; the task not acked
+    "model.after_reply",  # the provider answered a model call; its reply not stored yet (nor journaled)
 )
 
 EXIT_CODE = 137

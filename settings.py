@@ -250,6 +250,13 @@ class Settings(BaseSettings):
             "billed by the provider); past them the run fails with the reason read_timeout."
         ),
     )
+    MODEL_PRICES_FILE: str = Field(
+        default="",
+        description=(
+            "TOML or JSON file of prices per model (input, cached_input, output: USD per million tokens); "
+            "gives usage in USD and makes usd budgets possible. Empty: no prices."
+        ),
+    )
     AGENTS_FILE: str = Field(
         default="",
         description="TOML file with [agents.NAME] tables; empty means the built-in main, reviewer and researcher.",

@@ -30,6 +30,12 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--budget-tokens", type=_positive_int, metavar="N", help="the token budget of the session's whole agent tree"
     )
+    p.add_argument(
+        "--budget-usd", type=_positive_float, metavar="X", help="the USD budget of the tree (MODEL_PRICES_FILE)"
+    )
+    p.add_argument(
+        "--budget-model-calls", type=_positive_int, metavar="M", help="the model calls the whole tree may make"
+    )
     p.add_argument("text")
     p.set_defaults(handler=_submit)
 
@@ -69,15 +75,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
 def _submit(args: argparse.Namespace) -> int:
     from harness.errors import UnknownAgent, is_infrastructure_error
     from harness.views import create_session
+    from models.budget import BudgetLimits
     from tasks import app
 
     if not args.text.strip():
         return fail("submit: the text is empty")
     try:
-        sid = create_session(args.agent, args.text, budget_tokens=args.budget_tokens)
+        limits = BudgetLimits(args.budget_tokens, args.budget_usd, args.budget_model_calls)
+        sid = create_session(args.agent, args.text, budget=limits or None)
     except UnknownAgent as exc:
         return fail(f"submit: {exc}")
     try:
@@ -153,7 +171,7 @@ def wait_for_turn(sid: int, timeout: float) -> str | None:
 def _show(args: argparse.Namespace) -> int:
     from harness.views import snapshot
     from models import transaction
-    from models.budget import budget_of
+    from models.budget import budget_of, spent_line
     from models.usage import session_usage, tree_usage
 
     with transaction() as s:
@@ -172,10 +190,7 @@ def _show(args: argparse.Namespace) -> int:
         print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
     print(f"  usage: session {_totals(snap['usage']['session'])}; tree {_totals(snap['usage']['tree'])}")
     if (b := snap["budget"]) is not None:
-        print(
-            f"  budget: tree of session {b['root_session_id']}: {b['spent']} of {b['tokens']} tokens spent, "
-            f"{b['reserved']} reserved"
-        )
+        print(f"  budget: tree of session {b['root_session_id']}: {spent_line(b)}")
     for m in snap["messages"]:
         head = f"  [{m['id']}] {m['role']:<9}"
         if m["tool_calls"]:
@@ -207,6 +222,8 @@ def _totals(t: dict[str, int]) -> str:
     return (
         f"prompt={t['prompt_tokens']} completion={t['completion_tokens']} cached={t['cached_tokens']} "
         f"reasoning={t['reasoning_tokens']} calls={t['model_calls']}"
+        + (f" estimated={t['estimated_tokens']}" if t["estimated_tokens"] else "")
+        + (f" usd={t['usd']:.6f}" if t.get("usd") is not None else "")
     )
 
 

@@ -26,6 +26,7 @@ FAMILIES = (
     "cli.audit",
     "cli.usage",
     "cli.release",
+    "cli.budget",
 )
 
 #: Commands that run no tool and read no agent definition: they work without the workers'
@@ -50,6 +51,7 @@ WITHOUT_TOOLS = frozenset(
         "usage",
         "health",
         "releases",
+        "budget",
     }
 )
 

@@ -29,11 +29,14 @@ def _iso_time(value: str) -> datetime:
 
 def _usage(args: argparse.Namespace) -> int:
     from models import transaction
+    from models.prices import load_prices
     from models.usage import UsageGroup, UsageTotals, usage_by
 
     with transaction() as s:
         groups = usage_by(s, by=UsageGroup(args.by), since=args.since)
-    total = UsageTotals(*(sum(getattr(g.totals, f) for g in groups) for f in UsageTotals.__dataclass_fields__))
+    total = UsageTotals(usd=None if load_prices() is None else 0.0)
+    for group in groups:
+        total = total + group.totals
     if args.json:
         shown = {
             "by": args.by,
@@ -48,5 +51,7 @@ def _usage(args: argparse.Namespace) -> int:
         print(
             f"{key:<24} prompt={t.prompt_tokens} completion={t.completion_tokens} cached={t.cached_tokens} "
             f"reasoning={t.reasoning_tokens} calls={t.model_calls}"
+            + (f" estimated={t.estimated_tokens}" if t.estimated_tokens else "")
+            + (f" usd={t.usd:.6f}" if t.usd is not None else "")
         )
     return 0

@@ -40,6 +40,7 @@ from harness.errors import AgentConfigError, UnknownAgent
 from harness.model import ModelOptions
 from harness.tools.mcp import McpServer
 from models import ExecutionMode
+from models.budget import BudgetLimits
 from settings import get_settings
 
 DELEGATION_TOOLS = ("delegate", "delegate_followup")
@@ -59,6 +60,7 @@ _KEYS = {
     "approval_timeout_seconds",
     "on_incomplete",
     "budget",
+    "child_budget",
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
@@ -117,13 +119,29 @@ class AgentDef:
     #: A parent's answer the model did not finish: "wait_for_user" (stored, marked, the user is
     #: next) or "fail" (stored, marked, the session FAILED with the reason). A child always fails.
     on_incomplete: str = "wait_for_user"
-    #: The token budget of every tree rooted at this agent (``budget = { tokens = N }``; None:
-    #: none); ``submit --budget-tokens`` names another for one tree (models.budget).
-    budget_tokens: int | None = None
+    #: The budget of every tree rooted at this agent (``budget = { tokens = N, usd = X,
+    #: model_calls = M }``, any of the three; empty: none); ``submit --budget-*`` names another
+    #: for one tree (models.budget).
+    budget: BudgetLimits = field(default_factory=BudgetLimits)
+    #: What one child of this agent may draw of its tree's token budget (``child_budget = {
+    #: tokens = N }``), set aside when the child is created; None: no cap (models.budget).
+    child_budget_tokens: int | None = None
     #: The release this definition was read from (harness.release; None: the worker's file),
     #: and the Python tools that release had (the names a call may still use after a deploy).
     release_id: int | None = None
     release_tools: tuple[str, ...] = ()
+
+    @property
+    def budget_tokens(self) -> int | None:
+        return self.budget.tokens
+
+    @property
+    def budget_usd(self) -> float | None:
+        return self.budget.usd
+
+    @property
+    def budget_model_calls(self) -> int | None:
+        return self.budget.model_calls
 
     def tool_names(self, available: tuple[str, ...], *, subagent: bool) -> tuple[str, ...]:
         """The tools this agent may call, in registry order, then the tools of its MCP servers
@@ -212,7 +230,8 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             approve_destructive=approve_destructive,
             approval_timeouts=approval_timeouts,
             on_incomplete=on_incomplete,
-            budget_tokens=_budget_tokens(f"{source}: agents.{name}", table.get("budget")),
+            budget=_budget(f"{source}: agents.{name}", table.get("budget")),
+            child_budget_tokens=_child_budget(f"{source}: agents.{name}", table.get("child_budget")),
         )
     _check_mcp_names(source, out)
     return out
@@ -232,15 +251,36 @@ def _approval_timeouts(at: str, table: Any) -> tuple[tuple[str, float], ...]:
     return tuple((k, float(v)) for k, v in table.items())
 
 
-def _budget_tokens(at: str, budget: Any) -> int | None:
-    """``budget = { tokens = N }``: the token budget of a tree rooted at the agent."""
+#: The kinds a ``budget`` table may name.
+BUDGET_KINDS = ("tokens", "usd", "model_calls")
+
+
+def _budget(at: str, budget: Any) -> BudgetLimits:
+    """``budget = { tokens = N, usd = X, model_calls = M }`` (at least one): the budget of a
+    tree rooted at the agent."""
     if budget is None:
+        return BudgetLimits()
+    if not isinstance(budget, dict) or not budget or not set(budget) <= set(BUDGET_KINDS):
+        raise AgentConfigError(f"{at}.budget must be a table {{ tokens = N, usd = X, model_calls = M }} (any of them)")
+    for kind in ("tokens", "model_calls"):
+        n = budget.get(kind)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise AgentConfigError(f"{at}.budget.{kind} must be a positive integer")
+    dollars = budget.get("usd")
+    if dollars is not None and (isinstance(dollars, bool) or not isinstance(dollars, int | float) or dollars <= 0):
+        raise AgentConfigError(f"{at}.budget.usd must be a number above 0")
+    return BudgetLimits(budget.get("tokens"), None if dollars is None else float(dollars), budget.get("model_calls"))
+
+
+def _child_budget(at: str, cap: Any) -> int | None:
+    """``child_budget = { tokens = N }``: what one child of the agent may draw."""
+    if cap is None:
         return None
-    tokens = budget.get("tokens") if isinstance(budget, dict) else None
-    if not isinstance(budget, dict) or set(budget) != {"tokens"}:
-        raise AgentConfigError(f"{at}.budget must be a table {{ tokens = N }}")
+    tokens = cap.get("tokens") if isinstance(cap, dict) else None
+    if not isinstance(cap, dict) or set(cap) != {"tokens"}:
+        raise AgentConfigError(f"{at}.child_budget must be a table {{ tokens = N }}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise AgentConfigError(f"{at}.budget.tokens must be a positive integer")
+        raise AgentConfigError(f"{at}.child_budget.tokens must be a positive integer")
     return tokens
 
 

@@ -54,6 +54,7 @@ from models import (
     transaction,
 )
 from models.base import utcnow
+from models.budget import charge_estimated
 from models.child import child_facts_setting_phase_stmt, child_facts_stmt
 from models.db import is_postgresql
 from models.enums import FailureCode
@@ -120,8 +121,26 @@ def _child_info(row: Any) -> ChildInfo:
         model_outage_since=row.model_outage_since,
         journal_open=row.journal_open,
         budget_root_id=row.budget_root_id,
+        held_tokens=int(row.held_tokens or 0),
+        cap_tokens=row.cap_tokens,
+        cap_used_tokens=int(row.cap_used_tokens or 0),
         release_id=row.release_id,
     )
+
+
+def charge_dead_call(s: Session, info: ChildInfo) -> None:
+    """In a taker's transaction: a reservation the child session still holds is a model call
+    its previous run made and never stored (the worker died): charged as estimated
+    (models.budget.charge_estimated). Nothing when it holds none, or its tree has no budget."""
+    if info.held_tokens and info.budget_root_id is not None:
+        charge_estimated(
+            s,
+            session_id=info.child_session_id,
+            execution_id=info.execution_id,
+            root_session_id=info.budget_root_id,
+            held=info.held_tokens,
+            cap_left=None if info.cap_tokens is None else info.cap_tokens - info.cap_used_tokens,
+        )
 
 
 #: Phases of a child session that a taken execution may (re)start from.
@@ -342,6 +361,8 @@ def _child_rounds(
                 deadline=deadline,
                 options=agent.model_options,
                 budget_root_id=info.budget_root_id,
+                session_id=info.child_session_id,
+                capped=info.cap_tokens is not None,
             )
             if model_waiting:
                 model_answered(info.child_session_id)
@@ -388,6 +409,7 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
             first: FirstRound | None = None
             if info is not None and new_epoch is not None:
                 set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+                charge_dead_call(s, info)
                 first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
     except IllegalTransition:
         log_event(log, "child_run_skipped", execution_id=execution_id, epoch=epoch, reason="not_pending")

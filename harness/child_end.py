@@ -33,6 +33,7 @@ from models import (
     SubagentExecution,
     transaction,
 )
+from models.budget import return_allocation
 from models.db import built_once
 from models.enums import FailureCode
 from models.execution import finish_execution
@@ -66,6 +67,13 @@ class ChildInfo:
     journal_open: bool | None = None
     #: The root of the child's budgeted tree (``agent_session.budget_root_id``; None: no budget).
     budget_root_id: int | None = None
+    #: The child session's ``held_tokens`` as the loading transaction read it (> 0 at a take: its
+    #: previous run died with a model call in flight; harness.child.charge_dead_call).
+    held_tokens: int = 0
+    #: The child's allocation (``child_budget``) and what its calls used, as read at the take;
+    #: None: not capped (models.budget.allocate_child).
+    cap_tokens: int | None = None
+    cap_used_tokens: int = 0
     #: The child session's release (docs/releases.md; None: the worker's configuration).
     release_id: int | None = None
 
@@ -209,6 +217,9 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
             _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
             if usage.reply is not None:
                 record_call(s, info.child_session_id, usage.reply, execution_id=info.execution_id)
+            if info.cap_tokens is not None and info.budget_root_id is not None:
+                # The unused part of the child's allocation returns to the tree, with its end.
+                return_allocation(s, child_session_id=info.child_session_id, root_session_id=info.budget_root_id)
             state = _round_state(s, parent)
     except _Lost:
         return None

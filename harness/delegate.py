@@ -29,6 +29,7 @@ from models import (
     Role,
     SessionType,
 )
+from models.budget import allocate_child
 from models.execution import create_execution_row
 from models.release import release_of
 from models.session import create_child_session, reopen_child_for_followup
@@ -66,11 +67,13 @@ class Parent:
 
     id: int
     user_id: str | None = None
+    #: What one child may draw of the tree's token budget (the parent agent's ``child_budget``).
+    child_cap: int | None = None
 
 
-def parent_of(s: Session, session_id: int) -> Parent:
+def parent_of(s: Session, session_id: int, *, child_cap: int | None = None) -> Parent:
     """The parent of the delegations of ``session_id``'s round (nothing read)."""
-    return Parent(session_id)
+    return Parent(session_id, child_cap=child_cap)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ def _start_execution(
 ) -> CreatedExecution:
     """The child's USER (the task) and the execution row: the last two writes of both kinds."""
     start = append_message(s, child_id, Role.USER, task)
+    if parent.child_cap is not None:
+        # Set aside in the delegating round's transaction; returned when this run ends.
+        allocate_child(s, child_session_id=child_id, cap=parent.child_cap)
     crash_point("delegate.after_user_message")
     execution_id = create_execution_row(
         s,

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -37,7 +38,18 @@ from harness.tools import lookup
 from logfmt import log_event
 from models import lease, transaction
 from models.base import utcnow
-from models.budget import CHARS_PER_TOKEN, DEFAULT_RESERVATION_TOKENS, Reservation, release, reserve
+from models.budget import (
+    CHARS_PER_TOKEN,
+    DEFAULT_RESERVATION_TOKENS,
+    Reservation,
+    budget_of,
+    release,
+    reserve,
+    reserve_capped,
+    spent_line,
+    usd,
+)
+from models.prices import price_of
 from models.worker import identity
 
 log = logging.getLogger(__name__)
@@ -97,6 +109,8 @@ def ask(
     deadline: datetime | None,
     options: ModelOptions | None = None,
     budget_root_id: int | None = None,
+    session_id: int | None = None,
+    capped: bool = False,
 ) -> ModelReply:
     """One model call. In a budgeted tree (``budget_root_id``: the session's
     ``agent_session.budget_root_id``) it first reserves its estimate of the tree's budget, one
@@ -108,7 +122,10 @@ def ask(
         if timeout <= 0:
             raise DeadlineExceeded()
     assert deps.model is not None
-    held = None if budget_root_id is None else _reserve(budget_root_id, reservation_tokens(options, messages))
+    held = None
+    if budget_root_id is not None:
+        model = (options.model if options else None) or deps.model.model
+        held = _reserve(budget_root_id, options, messages, session_id=session_id, model=model, capped=capped)
     try:
         reply = deps.model.complete(messages, tool_specs(tools) or None, timeout=timeout, options=options)
     except ModelUnavailable:
@@ -119,6 +136,9 @@ def ask(
     except BaseException:
         _give_back(held)
         raise
+    # The provider answered; its reply is not stored yet. A worker that dies here leaves the
+    # reservation held: the next take charges it as estimated (models.budget.charge_estimated).
+    crash_point("model.after_reply")
     return reply if held is None else replace(reply, reservation=held)
 
 
@@ -133,13 +153,46 @@ def reservation_tokens(options: ModelOptions | None, messages: Sequence[dict[str
     return chars // CHARS_PER_TOKEN + completion
 
 
-def _reserve(root_session_id: int, tokens: int) -> Reservation:
+def reservation_usd(options: ModelOptions | None, messages: Sequence[dict[str, Any]], model: str | None) -> Decimal:
+    """The USD one model call reserves: the prompt's estimate at the model's input price and
+    the completion limit at its output price (0 when the model has no price: models.prices)."""
+    price = price_of(model)
+    if price is None:
+        return Decimal(0)
+    total = reservation_tokens(options, messages)
+    completion = reservation_tokens(options)
+    return usd((total - completion) * price.input / 1e6 + completion * price.output / 1e6)
+
+
+def _reserve(
+    root_session_id: int,
+    options: ModelOptions | None,
+    messages: Sequence[dict[str, Any]],
+    *,
+    session_id: int | None,
+    model: str | None,
+    capped: bool = False,
+) -> Reservation:
+    tokens = reservation_tokens(options, messages)
+    dollars = reservation_usd(options, messages, model)
+    cap_left = None
     with transaction() as s:
-        if not reserve(s, root_session_id, tokens):
+        if capped and session_id is not None:
+            cap_left = reserve_capped(s, root_session_id, tokens, session_id=session_id, usd=dollars)
+            granted = cap_left is not None
+        else:
+            granted = reserve(s, root_session_id, tokens, session_id=session_id, usd=dollars)
+        if not granted:
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
-            raise BudgetExhausted(f"the tree's token budget is exhausted (a call reserves {tokens} tokens)")
+            books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
+            held = ""
+            if books is not None:
+                held = ": " + spent_line(books)
+            raise BudgetExhausted(
+                f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
+            )
     crash_point("budget.after_reserve")
-    return Reservation(root_session_id, tokens)
+    return Reservation(root_session_id, tokens, session_id, dollars, model, cap_left)
 
 
 def _give_back(held: Reservation | None) -> None:
@@ -149,7 +202,7 @@ def _give_back(held: Reservation | None) -> None:
         return
     try:
         with transaction() as s:
-            release(s, held.root_session_id, held.tokens)
+            release(s, held)
     except Exception as exc:
         if not is_infrastructure_error(exc):
             raise

@@ -35,7 +35,7 @@ from harness.agents import DELEGATION_TOOLS, AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
-from harness.errors import Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
+from harness.errors import BudgetExhausted, Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
 from harness.events import publish_status
 from harness.failure import incomplete_reason, reason_for
 from harness.fence import Fence, Heartbeat, SessionFence
@@ -50,6 +50,7 @@ from harness.tools import run_inline
 from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
+from models.budget import charge_estimated
 from models.journal import JOURNAL_OPEN
 from models.round import record_inline, start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
@@ -95,6 +96,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
             budget_root_id = row.budget_root_id
+            if budget_root_id is not None and row.held_tokens:
+                # The previous run died with a model call in flight: charged as estimated.
+                charge_estimated(
+                    s, session_id=session_id, execution_id=None, root_session_id=budget_root_id, held=row.held_tokens
+                )
             # The session's release's definition (docs/releases.md), read in the take's transaction.
             agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
             model_waiting = row.model_outage_since is not None
@@ -136,6 +142,14 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
     except Cancelled:
         _release(fence, None)
         return RunOutcome.CANCELLED
+    except BudgetExhausted as exc:
+        # Refused before the model was asked: no round is open, the answer says why it stopped.
+        try:
+            with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
+                return _stop(fence, f"stopped: {exc}", reason_for(exc))
+            return RunOutcome.INFRA_ERROR
+        except (LeaseLost, Cancelled):
+            return RunOutcome.LOST  # a newer owner or a cancel: nothing written
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id) as fault:
@@ -159,6 +173,7 @@ RUN_FACTS = (
     "compaction_summary",
     "model_outage_since",
     "budget_root_id",
+    "held_tokens",
     JOURNAL_OPEN,
 )
 
@@ -197,6 +212,7 @@ def _parent_rounds(
                 deadline=None,
                 options=agent.model_options,
                 budget_root_id=budget_root_id,
+                session_id=session_id,
             )
             view = None
             if model_waiting:
@@ -230,11 +246,17 @@ def _parent_rounds(
                 return RunOutcome.WAITING_APPROVAL
             in_flight = resume(fence, session_id)  # answered meanwhile: the round goes on
     reason = reason_for(MaxRoundsReached(f"reached max_rounds={agent.max_rounds} without a final answer"))
+    return _stop(fence, f"stopped: reached max_rounds={agent.max_rounds}", reason)
+
+
+def _stop(fence: SessionFence, answer: str, reason: FailureReason) -> RunOutcome:
+    """End the run FAILED with ``answer`` as the parent's last ASSISTANT message (the user reads
+    why it stopped), in one transaction under the fence."""
     with transaction() as s:
         fence.check(s)
-        append_message(s, session_id, Role.ASSISTANT, f"stopped: reached max_rounds={agent.max_rounds}")
-        release_session(s, session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
-    publish_status(session_id, Phase.FAILED)
+        append_message(s, fence.session_id, Role.ASSISTANT, answer)
+        release_session(s, fence.session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
+    publish_status(fence.session_id, Phase.FAILED)
     return RunOutcome.FAILED
 
 
@@ -344,6 +366,7 @@ def _create_round(
     allowed: tuple[str, ...],
     deps: LoopDeps,
     approved: Approved,
+    child_cap: int | None = None,
 ) -> _Created:
     """ONE transaction: the pending round, a child session + execution + instruction per
     delegation (each in its own savepoint: a refused one becomes its TOOL error), the journal
@@ -357,7 +380,7 @@ def _create_round(
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
         record_call(s, session_id, rnd.reply)  # a fresh reply: this transaction stores it
     reply, refused = rnd.reply, rnd.refused
-    parent = parent_of(s, session_id)
+    parent = parent_of(s, session_id, child_cap=child_cap)
     round_row = PendingRound(
         session_id=session_id,
         assistant_content=reply.content,
@@ -419,7 +442,16 @@ def _delegating_round(
     rnd, approved = _answered(fence, session_id, rnd, gate)
     try:
         with transaction() as s:
-            made = _create_round(s, session_id, fence, rnd, allowed=allowed, deps=deps, approved=approved)
+            made = _create_round(
+                s,
+                session_id,
+                fence,
+                rnd,
+                allowed=allowed,
+                deps=deps,
+                approved=approved,
+                child_cap=gate.agent.child_budget_tokens,
+            )
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.
         refused = {**nothing.rnd.refused, **nothing.errors}

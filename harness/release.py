@@ -67,6 +67,7 @@ def _agent_entry(agent: AgentDef) -> dict[str, Any]:
         "on_incomplete": agent.on_incomplete,
         # Only when set: a definition without per-tool approval timeouts keeps its hash.
         **({"approval_timeout_seconds": dict(agent.approval_timeouts)} if agent.approval_timeouts else {}),
+        **({"child_budget_tokens": agent.child_budget_tokens} if agent.child_budget_tokens else {}),
         # NOTE: no header or env value: they may be (or name) secrets; their names only.
         "mcp_servers": [
             {
@@ -235,6 +236,7 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
         approve_destructive=approve_destructive,
         approval_timeouts=tuple((k, float(v)) for k, v in (entry.get("approval_timeout_seconds") or {}).items()),
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
+        child_budget_tokens=entry.get("child_budget_tokens"),
         release_id=release_id,
         release_tools=tuple(definition_tools),
     )

@@ -5,12 +5,14 @@ already, made no call and records nothing."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from harness.model import ModelReply
-from models.budget import settle_and_record
+from models.budget import settle_and_record, usd
+from models.prices import price_of
 from models.usage import record_usage
 
 
@@ -29,5 +31,15 @@ def record_call(s: Session, session_id: int, reply: ModelReply, *, execution_id:
     held = reply.reservation
     if held is None:
         record_usage(s, **usage)
-    else:
-        settle_and_record(s, root_session_id=held.root_session_id, reserved=held.tokens, usage=usage)
+        return
+    price = price_of(reply.model) or price_of(held.model)
+    spent = Decimal(0)
+    if price is not None:
+        spent = usd(
+            price.usd(
+                prompt_tokens=reply.prompt_tokens,
+                cached_tokens=reply.cached_tokens,
+                completion_tokens=reply.completion_tokens,
+            )
+        )
+    settle_and_record(s, held=held, spent_usd=spent, usage=usage)

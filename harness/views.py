@@ -13,13 +13,23 @@ from harness.events import external_phase, publish_status
 from harness.history import append_message, parse_tool_calls
 from models import AgentSession, Message, Phase, Role, SessionType, SubagentExecution, lease, transaction
 from models.base import utcnow
-from models.budget import open_budget
+from models.budget import BudgetLimits, open_budget
 
 
-def create_session(agent_type: str, text: str, *, user_id: str = "cli", budget_tokens: int | None = None) -> int:
-    """A NORMAL session with its first USER message, reserved for `agent.run(id, 0)`; with
-    ``budget_tokens`` (else the agent's ``budget``, if any), the root of a tree with that token
-    budget (models.budget), in the same transaction."""
+def create_session(
+    agent_type: str,
+    text: str,
+    *,
+    user_id: str = "cli",
+    budget_tokens: int | None = None,
+    budget_usd: float | None = None,
+    budget_model_calls: int | None = None,
+    budget: BudgetLimits | None = None,
+) -> int:
+    """A NORMAL session with its first USER message, reserved for `agent.run(id, 0)`; with a
+    budget (``budget``, or ``budget_tokens``/``budget_usd``/``budget_model_calls``; else the
+    agent's ``budget``, if any), the root of a tree with those limits (models.budget), in the
+    same transaction. A budget named here replaces the agent's whole."""
     from harness.agents import get_agent
 
     agent = get_agent(agent_type)
@@ -41,10 +51,12 @@ def create_session(agent_type: str, text: str, *, user_id: str = "cli", budget_t
         s.add(row)
         s.flush()
         append_message(s, row.id, Role.USER, text)
-        if budget_tokens is None:
-            budget_tokens = agent.budget_tokens  # the agent's own, for every tree rooted at it
-        if budget_tokens is not None:
-            open_budget(s, row.id, budget_tokens)
+        limits = budget or BudgetLimits(budget_tokens, budget_usd, budget_model_calls)
+        if not limits:
+            limits = agent.budget  # the agent's own, for every tree rooted at it
+        if limits or agent.child_budget_tokens is not None:
+            # A cap per child needs the tree's books even when the tree itself is not limited.
+            open_budget(s, row.id, limits)
         sid = row.id
     publish_status(sid, Phase.RUNNING)
     return sid

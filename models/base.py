@@ -6,13 +6,15 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Integer, MetaData, String
+from sqlalchemy import BigInteger, DateTime, Integer, MetaData, Numeric, String
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 
 _ZERO = timedelta(0)
 #: BIGINT identity on PostgreSQL; INTEGER on SQLite so that it is the rowid alias (autoincrement).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+#: A USD amount: a model call costs fractions of a cent (models.prices).
+USD = Numeric(20, 9)
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",

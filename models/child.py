@@ -41,6 +41,9 @@ def child_facts_stmt() -> Any:
             S.phase,
             S.model_outage_since,
             S.budget_root_id,
+            S.held_tokens,
+            S.cap_tokens,
+            S.cap_used_tokens,
             S.release_id,
             # Whether the child session has an open round journal entry (ChildInfo.journal_open).
             has_open_entry(E.child_session_id),

@@ -30,7 +30,7 @@ class OperatorAction(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime, server_default=func.now())
     #: Who asked: the decider's name as given (``--by``, ``console:<operator>``).
     actor: Mapped[str] = mapped_column(String(128))
-    #: ``approve``, ``deny``, ``cancel``, ``redeliver``, ``sign_in``, ``sign_out``.
+    #: ``approve``, ``deny``, ``cancel``, ``redeliver``, ``sign_in``, ``sign_out``, ``budget_raise``.
     action: Mapped[str] = mapped_column(String(32))
     session_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     execution_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -42,6 +42,9 @@ class OperatorAction(Base):
     #: operator's role does not allow it; a sign-in's ``signed_in``, ``wrong_token``,
     #: ``throttled``, ``csrf``).
     outcome: Mapped[str] = mapped_column(String(32))
+    #: The amount an action asked for (``budget_raise``: the tokens the tree's budget was
+    #: raised by); NULL for the others.
+    amount: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 def record(
@@ -54,6 +57,7 @@ def record(
     execution_id: int | None = None,
     call_id: str | None = None,
     request_id: int | None = None,
+    amount: int | None = None,
 ) -> None:
     """One attempt, as one INSERT in the caller's transaction (the actor cut to the column). An
     execution's action is on its parent session too (``session_id`` read in the INSERT); an
@@ -77,6 +81,7 @@ def record(
             execution_id=execution_id,
             call_id=on_call,
             request_id=request_id,
+            amount=amount,
         )
     )
 
@@ -109,6 +114,7 @@ def _row(r: OperatorAction) -> dict[str, Any]:
         "call_id": r.call_id,
         "request_id": r.request_id,
         "outcome": r.outcome,
+        "amount": r.amount,
     }
 
 

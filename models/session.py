@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -29,7 +30,7 @@ from sqlalchemy.sql.dml import Update
 
 import models.clock as db_clock
 from models import lease
-from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
+from models.base import USD, Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
 from models.db import built_once, cas, ids_param
 from models.enums import STOPPED_PHASES as STOPPED_PHASES_
 from models.enums import ExecutionMode, FailureCode, Phase, SessionType
@@ -70,6 +71,16 @@ class AgentSession(Base):
     #: The root of the budgeted tree this session belongs to (its own id for a root; a child
     #: copies its parent's at creation); NULL when its tree has no budget (models.budget).
     budget_root_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: The budget reservation of this session's model call in flight (0: none); a take that
+    #: finds it above 0 charges it as estimated: that call's reply was never stored (models.budget).
+    held_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
+    #: Its USD estimate (models.prices), held and charged with ``held_tokens``.
+    held_usd: Mapped[Decimal] = mapped_column(USD, server_default=text("0"), default=Decimal(0))
+    #: A capped child's allocation (its parent agent's ``child_budget``), set aside in its tree's
+    #: reserved tokens for its run; NULL: not capped (models.budget.allocate_child).
+    cap_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Tokens of the allocation its calls used (settled and estimated).
+    cap_used_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"), default=0)
     #: Fencing token: bumped by every owner change; every write carries the epoch it was handed.
     epoch: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)

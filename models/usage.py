@@ -5,16 +5,18 @@ and adds none."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, func, insert, select, text
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Table, case, func, insert, select, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import Base, BigId, UTCDateTime, utcnow
 from models.db import built_once
+from models.prices import load_prices, price_of
 from models.session import AgentSession
 
 
@@ -35,6 +37,9 @@ class ModelCallUsage(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     #: Completion tokens spent on reasoning (part of ``completion_tokens``).
     reasoning_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
+    #: A call whose reply was never stored (its worker died after reserving): the reservation it
+    #: stays charged, its provider's figures unknown (0 above). 0 for a stored reply.
+    estimated_tokens: Mapped[int] = mapped_column(Integer, server_default=text("0"), default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -48,6 +53,7 @@ def record_usage(
     completion_tokens: int,
     cached_tokens: int,
     reasoning_tokens: int,
+    estimated_tokens: int = 0,
 ) -> None:
     """Insert one call's usage in the caller's transaction (the one that stores its reply)."""
     params: dict[str, Any] = {
@@ -60,6 +66,8 @@ def record_usage(
         "reasoning_tokens": reasoning_tokens,
         "created_at": utcnow(),
     }
+    if estimated_tokens:  # only an estimated call's row names it (the stored replies' shape stays)
+        params["estimated_tokens"] = estimated_tokens
     s.execute(_insert_stmt(), params)
 
 
@@ -76,41 +84,91 @@ class UsageTotals:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
-    model_calls: int = 0
+    model_calls: int = 0  #: calls whose reply was stored
+    #: Reservations of calls whose reply was never stored (the worker died), charged as they were.
+    estimated_tokens: int = 0
+    estimated_calls: int = 0  #: how many such calls
+    #: The stored replies' cost at MODEL_PRICES_FILE's prices (a model it does not name costs 0);
+    #: None without a prices file (models.prices).
+    usd: float | None = None
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def __add__(self, other: UsageTotals) -> UsageTotals:
+        counts = {f: getattr(self, f) + getattr(other, f) for f in _COUNTS}
+        dollars = None if self.usd is None and other.usd is None else (self.usd or 0.0) + (other.usd or 0.0)
+        return UsageTotals(**counts, usd=dollars)
+
+
+#: The summed fields of UsageTotals, in the order the queries return them.
+_COUNTS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "model_calls",
+    "estimated_tokens",
+    "estimated_calls",
+)
+
+
+def _priced(model: str | None, counts: Sequence[Any]) -> UsageTotals:
+    """One model's sums as totals, with their cost when a prices file is set."""
+    totals = UsageTotals(*(int(v) for v in counts))
+    if load_prices() is None:
+        return totals
+    price = price_of(model)
+    dollars = 0.0
+    if price is not None:
+        dollars = price.usd(
+            prompt_tokens=totals.prompt_tokens,
+            cached_tokens=totals.cached_tokens,
+            completion_tokens=totals.completion_tokens,
+        )
+    return replace(totals, usd=dollars)
+
+
+def _fold(rows: Sequence[Any]) -> UsageTotals:
+    """Rows of (model, sums...) folded into one total (zeros, and no USD, when there are none)."""
+    out = UsageTotals(usd=None if load_prices() is None else 0.0)
+    for row in rows:
+        out = out + _priced(row[0], row[1:])
+    return out
 
 
 _SUMS = (
     "COALESCE(SUM(u.prompt_tokens), 0), COALESCE(SUM(u.completion_tokens), 0), "
-    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0), COUNT(u.id)"
+    "COALESCE(SUM(u.cached_tokens), 0), COALESCE(SUM(u.reasoning_tokens), 0),"
+    " COALESCE(SUM(CASE WHEN u.estimated_tokens = 0 THEN 1 ELSE 0 END), 0),"
+    " COALESCE(SUM(u.estimated_tokens), 0), COALESCE(SUM(CASE WHEN u.estimated_tokens > 0 THEN 1 ELSE 0 END), 0)"
 )
 
 
 def session_usage(s: Session, session_id: int) -> UsageTotals:
     """The session's own model calls (not its children's): one query on the session index."""
-    row = s.execute(
-        text(f"SELECT {_SUMS} FROM model_call_usage u WHERE u.session_id = :sid"), {"sid": session_id}
-    ).one()
-    return UsageTotals(*(int(v) for v in row))
+    rows = s.execute(
+        text(f"SELECT u.model, {_SUMS} FROM model_call_usage u WHERE u.session_id = :sid GROUP BY u.model"),
+        {"sid": session_id},
+    ).all()
+    return _fold(rows)
 
 
 def tree_usage(s: Session, root_id: int) -> UsageTotals:
     """The model calls of ``root_id`` and of every descendant (children, their children, ...):
     one recursive query down ``agent_session.parent_session_id``. For a root session this is
     the whole tree; for a child, its own subtree."""
-    row = s.execute(
+    rows = s.execute(
         text(
             "WITH RECURSIVE tree(id) AS ("
             " SELECT CAST(:root AS BIGINT)"
             " UNION ALL"
             " SELECT c.id FROM agent_session c JOIN tree t ON c.parent_session_id = t.id)"
-            f" SELECT {_SUMS} FROM model_call_usage u JOIN tree t ON u.session_id = t.id"
+            f" SELECT u.model, {_SUMS} FROM model_call_usage u JOIN tree t ON u.session_id = t.id GROUP BY u.model"
         ),
         {"root": root_id},
-    ).one()
-    return UsageTotals(*(int(v) for v in row))
+    ).all()
+    return _fold(rows)
 
 
 class UsageGroup(StrEnum):
@@ -136,15 +194,21 @@ def usage_by(s: Session, *, by: UsageGroup, since: datetime | None = None) -> li
     key: Any = {UsageGroup.AGENT: sess.agent_type, UsageGroup.USER: sess.user_id, UsageGroup.MODEL: u.model}[by]
     stmt = select(
         key,
+        u.model,
         func.coalesce(func.sum(u.prompt_tokens), 0),
         func.coalesce(func.sum(u.completion_tokens), 0),
         func.coalesce(func.sum(u.cached_tokens), 0),
         func.coalesce(func.sum(u.reasoning_tokens), 0),
-        func.count(u.id),
+        func.coalesce(func.sum(case((u.estimated_tokens == 0, 1), else_=0)), 0),
+        func.coalesce(func.sum(u.estimated_tokens), 0),
+        func.coalesce(func.sum(case((u.estimated_tokens > 0, 1), else_=0)), 0),
     ).select_from(u)
     if by is not UsageGroup.MODEL:
         stmt = stmt.join(sess, sess.id == u.session_id)
     if since is not None:
         stmt = stmt.where(u.created_at >= since)
-    rows = s.execute(stmt.group_by(key).order_by(key)).all()
-    return [GroupUsage(row[0], UsageTotals(*(int(v) for v in row[1:]))) for row in rows]
+    rows = s.execute(stmt.group_by(key, u.model).order_by(key)).all()
+    groups: dict[str | None, list[Any]] = {}
+    for row in rows:  # one row per (key, model): each model's tokens at its own price
+        groups.setdefault(row[0], []).append(row[1:])
+    return [GroupUsage(k, _fold(v)) for k, v in groups.items()]

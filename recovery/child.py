@@ -31,6 +31,7 @@ from harness.child import (
     ChildOutcome,
     FirstRound,
     after_end,
+    charge_dead_call,
     child_deadline,
     end_with_failure,
     first_round,
@@ -188,6 +189,7 @@ def _take_for_recovery(execution_id: int, epoch: int, deps: LoopDeps) -> _Taken 
         # The facts, and the child's phase RESUMING: one statement, fenced by the take above
         # (same transaction): only the epoch's new owner moves the phase.
         info = load_child_setting_phase(s, execution_id, Phase.RESUMING)
+        charge_dead_call(s, info)  # a model call its dead run never stored: charged as estimated
         if info.invocation_type is None or info.parent_tool_call_id is None:
             # A pre-upgrade row: inferred and written back in the first recovery transaction,
             # before anything reads its invocation (its followup fields, R13).

@@ -20,6 +20,8 @@ follows the work in flight, not the history:
 7. Stuck tool threads: not a table but Redis (REDIS_URL), where each process with threads it
    cannot get back keeps its count alive (harness.tools.stuck). A Redis that does not answer
    leaves these out of the scrape (logged); the database's metrics are still served.
+8. Model tokens by agent, model and kind, and model calls: ``model_call_usage`` rows only ever
+   grow, so they are settled counts too (below).
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
@@ -136,6 +138,17 @@ GROUP BY status, delivery_status
 FAILURES_SQL = """
 SELECT failure_code, count(*) FROM agent_session WHERE failure_code IS NOT NULL GROUP BY failure_code
 """
+#: Tokens and calls of every recorded model call, per agent type and model (O(history), recounted
+#: with the settled rows).
+TOKENS_SQL = """
+SELECT a.agent_type, COALESCE(u.model, 'unknown'), sum(u.prompt_tokens), sum(u.completion_tokens),
+       sum(u.cached_tokens), sum(u.reasoning_tokens), sum(u.estimated_tokens),
+       count(*) FILTER (WHERE u.estimated_tokens = 0)
+FROM model_call_usage u JOIN agent_session a ON a.id = u.session_id
+GROUP BY a.agent_type, COALESCE(u.model, 'unknown')
+"""
+#: The ``kind`` label of the token counter, in TOKENS_SQL's order.
+TOKEN_KINDS = ("prompt", "completion", "cached", "reasoning", "estimated")
 FIELD_SETTLED_SQL = """
 SELECT status, count(*) FROM "{schema}".field_recovery_invocation
 WHERE status <> 'IN_PROGRESS' GROUP BY status
@@ -149,6 +162,8 @@ class _Settled:
     executions: dict[tuple[str, str], int] = field(default_factory=dict)
     field_invocations: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    #: (agent, model) -> the token sums in TOKEN_KINDS' order, then the stored calls.
+    tokens: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
     counted_at: float | None = None
 
 
@@ -403,7 +418,8 @@ class RecoveryCollector(Collector):
             executions = {(str(s), str(d)): int(n) for s, d, n in conn.execute(text(SETTLED_SQL))}
             fields = {str(s): int(n) for s, n in conn.execute(text(FIELD_SETTLED_SQL.format(schema=self.field_schema)))}
             failures = {str(c): int(n) for c, n in conn.execute(text(FAILURES_SQL))}
-            self._settled = _Settled(executions, fields, failures, now)
+            tokens = {(str(r[0]), str(r[1])): tuple(int(v or 0) for v in r[2:]) for r in conn.execute(text(TOKENS_SQL))}
+            self._settled = _Settled(executions, fields, failures, tokens, now)
         settled = CounterMetricFamily(
             _name("executions_settled"),
             "Terminal executions whose delivery ended (delivered, suppressed, legacy), by status and "
@@ -429,7 +445,27 @@ class RecoveryCollector(Collector):
         )
         for code in sorted({*(c.value for c in FailureCode), *self._settled.failures}):
             reasons.add_metric([code], float(self._settled.failures.get(code, 0)))
-        return [settled, finished, reasons]
+        return [settled, finished, reasons, *self._token_counters()]
+
+    def _token_counters(self) -> list[Metric]:
+        tokens = CounterMetricFamily(
+            _name("model_tokens"),
+            "Model tokens of the recorded calls by agent type, model (unknown: not named) and kind (prompt, "
+            "completion, cached and reasoning as the provider reported them; estimated: reservations of calls "
+            "whose reply was never stored, docs/usage.md); recounted at most every settled_refresh_seconds",
+            labels=["agent", "model", "kind"],
+        )
+        calls = CounterMetricFamily(
+            _name("model_calls"),
+            "Model calls whose reply was stored, by agent type and model; recounted at most every "
+            "settled_refresh_seconds",
+            labels=["agent", "model"],
+        )
+        for (agent, model), sums in sorted(self._settled.tokens.items()):
+            for kind, n in zip(TOKEN_KINDS, sums, strict=False):
+                tokens.add_metric([agent, model, kind], float(n))
+            calls.add_metric([agent, model], float(sums[-1]))
+        return [tokens, calls]
 
 
 def build_registry(collector: RecoveryCollector | None = None) -> CollectorRegistry:

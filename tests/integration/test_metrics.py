@@ -447,3 +447,38 @@ def test_stuck_tool_threads_are_a_gauge_summed_over_the_processes_until_their_ca
     client.close()
     events._redis.cache_clear()
     get_settings.cache_clear()
+
+
+def test_tokens_are_counted_by_agent_model_and_kind_from_the_usage_rows(field_table: Any) -> None:
+    from models.usage import record_usage
+    from recovery.metrics import RecoveryCollector, build_registry
+
+    main, reviewer = make_session(agent_type="main"), make_session(agent_type="reviewer")
+    calls = [
+        (main, "m1", 100, 20, 30, 5, 0),
+        (main, "m1", 50, 10, 0, 0, 0),
+        (reviewer, "m1", 7, 3, 0, 1, 0),
+        (main, None, 0, 0, 0, 0, 4200),  # an estimated call (its reply never stored)
+    ]
+    with transaction() as s:
+        for sid, model, prompt, completion, cached, reasoning, estimated in calls:
+            record_usage(
+                s,
+                session_id=sid,
+                execution_id=None,
+                model=model,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cached_tokens=cached,
+                reasoning_tokens=reasoning,
+                estimated_tokens=estimated,
+            )
+    samples = parse(generate_latest(build_registry(RecoveryCollector(settled_refresh_seconds=0))).decode())
+    name = "agent_recovery_model_tokens_total"
+    assert value(samples, name, agent="main", model="m1", kind="prompt") == 150
+    assert value(samples, name, agent="main", model="m1", kind="completion") == 30
+    assert value(samples, name, agent="main", model="m1", kind="cached") == 30
+    assert value(samples, name, agent="main", model="m1", kind="reasoning") == 5
+    assert value(samples, name, agent="reviewer", model="m1", kind="prompt") == 7
+    assert value(samples, name, agent="main", model="unknown", kind="estimated") == 4200
+    assert value(samples, "agent_recovery_model_calls_total", agent="main", model="m1") == 2

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from cli.main import main
 from harness.parent import run_agent
 from harness.views import create_session
-from models import AgentSession, Message, Role, transaction
+from models import AgentSession, Message, Role, SessionType, transaction
 from models.budget import DEFAULT_RESERVATION_TOKENS, TreeBudget
-from tests.helpers import drive, executions_of, infra_fault_at, loop_deps
+from tests.helpers import drive, executions_of, infra_fault_at, loop_deps, make_session
 from tests.types import ModelFactory
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
@@ -116,7 +116,9 @@ def test_a_crash_after_a_reservation_keeps_it_charged_and_the_recovered_tree_sti
     with transaction() as s:
         parent = s.get(AgentSession, sid)
         assert parent is not None and str(parent.phase) == "WAITING_USER"
-    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (PER_CALL, held)
+    # The recovered run's take charged the dead call's reservation as estimated.
+    budget = _budget(sid)
+    assert (budget.spent_tokens, budget.reserved_tokens, budget.estimated_tokens) == (PER_CALL, 0, held)
 
 
 @pytest.fixture
@@ -167,7 +169,11 @@ def test_an_agents_budget_applies_to_every_tree_rooted_at_it_unless_submit_names
     capsys.readouterr()
     assert main(["session", "show", str(sid), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["budget"] == {"root_session_id": sid, "tokens": 5000, "spent": 4 * PER_CALL, "reserved": 0}
+    assert shown["budget"] == {
+        **shown["budget"],
+        **{"root_session_id": sid, "tokens": 5000, "spent": 4 * PER_CALL, "reserved": 0, "estimated": 0},
+    }
+    assert (shown["budget"]["usd"], shown["budget"]["model_calls"], shown["budget"]["calls"]) == (None, None, 4)
     assert shown["usage"]["tree"]["prompt_tokens"] + shown["usage"]["tree"]["completion_tokens"] == 4 * PER_CALL
     assert main(["session", "show", str(sid)]) == 0
     assert f"budget: tree of session {sid}: 4800 of 5000 tokens spent, 0 reserved" in capsys.readouterr().out
@@ -180,7 +186,7 @@ def test_an_agents_budget_must_be_a_table_of_positive_tokens() -> None:
     base = '[agents.a]\nsystem_prompt = "p"\n'
     assert parse_agents(base + "budget = { tokens = 9 }\n")["a"].budget_tokens == 9
     assert parse_agents(base)["a"].budget_tokens is None
-    for bad in ("budget = 9", "budget = { tokens = 0 }", "budget = { usd = 2.0 }", 'budget = { tokens = "9" }'):
+    for bad in ("budget = 9", "budget = { tokens = 0 }", "budget = { dollars = 2.0 }", 'budget = { tokens = "9" }'):
         with pytest.raises(AgentConfigError, match="budget"):
             parse_agents(base + bad + "\n")
 
@@ -227,7 +233,8 @@ def test_a_budgeted_model_call_costs_one_statement_more_and_an_unbudgeted_one_no
     assert calls == len(plain_model.journal()) == 3
     assert not [q for q in without if "tree_budget" in q]
     assert len(with_budget) - len(without) == calls  # the reservation; the settlement rides in the usage INSERT
-    assert len([q for q in with_budget if q.startswith("UPDATE tree_budget")]) == calls
+    # One reservation per call: the tree's conditional UPDATE and the session's held tokens, one statement.
+    assert len([q for q in with_budget if q.startswith("WITH granted AS (UPDATE tree_budget")]) == calls
     assert (_budget(budgeted).spent_tokens, _budget(budgeted).reserved_tokens) == (calls * PER_CALL, 0)
 
 
@@ -285,3 +292,188 @@ def test_a_reservation_is_the_prompts_estimate_plus_the_completion_limit() -> No
     assert reservation_tokens(ModelOptions(max_tokens=1000), prompt) == 100 + 1000
     assert reservation_tokens(ModelOptions(max_tokens=1000, max_completion_tokens=300), prompt) == 100 + 300
     assert reservation_tokens(None, prompt) == 100 + DEFAULT_RESERVATION_TOKENS
+
+
+#: The parent delegates two children and never answers; each child calls a tool after every
+#: round and never answers either.
+NEVER_STOP: list[dict[str, Any]] = [
+    {"when": {"system_contains": MAIN}, "reply": {"tool_calls": [_delegate("a"), _delegate("b")], "usage": USAGE}},
+    {
+        "when": {"system_contains": "reviewer subagent"},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "again"}}], "usage": USAGE},
+    },
+]
+
+
+def test_children_that_never_stop_end_budget_exhausted_once_each_and_the_parents_answer_says_so(
+    model_factory: ModelFactory,
+) -> None:
+    budget = 12_000
+    model = model_factory(NEVER_STOP)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=budget)
+    run_agent(sid, 0, deps)
+    drive(model.base_url, after_crash=False, deps=deps, max_steps=40)
+
+    served = len(model.journal()) * PER_CALL
+    assert 0 < served <= budget
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (served, 0)
+    executions = executions_of(sid)
+    assert len(executions) == 2 and {str(e.status) for e in executions} == {"FAILED"}
+    assert all(e.delivery_status == "DELIVERED" for e in executions)
+    with transaction() as s:
+        for e in executions:
+            child = s.get(AgentSession, e.child_session_id)
+            assert child is not None and child.failure_code == "budget_exhausted"
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and (str(parent.phase), parent.failure_code) == ("FAILED", "budget_exhausted")
+        rows = list(s.execute(select(Message).where(Message.session_id == sid).order_by(Message.id)).scalars())
+    tool_results = [m for m in rows if m.role == Role.TOOL]
+    # Each child's failed result reached the parent once, and says why.
+    assert sorted(m.tool_call_id for m in tool_results) == sorted(e.parent_tool_call_id for e in executions)
+    assert all("budget" in (m.content or "") for m in tool_results)
+    # The parent's answer says the budget ran out.
+    assert rows[-1].role == Role.ASSISTANT and "budget" in (rows[-1].content or "")
+    assert f"{budget}" in (rows[-1].content or "")
+
+
+def test_a_reply_the_worker_never_stored_stays_charged_as_estimated_and_the_totals_say_how_much(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.loop
+    from models.usage import session_usage, tree_usage
+
+    model = model_factory([{"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}}])
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    # The provider answered; the worker died before the reply's transaction.
+    with infra_fault_at(harness.loop, "model.after_reply"):
+        assert run_agent(sid, 0, loop_deps(model.base_url)) == "infra_error"
+    assert len(model.journal()) == 1
+    held = _budget(sid).reserved_tokens
+    assert held > 0 and _budget(sid).spent_tokens == 0
+    drive(model.base_url)  # the recovered run: its take finds the dead call's reservation
+    assert len(model.journal()) == 2
+    budget = _budget(sid)
+    assert (budget.spent_tokens, budget.reserved_tokens, budget.estimated_tokens) == (PER_CALL, 0, held)
+    with transaction() as s:
+        own, tree = session_usage(s, sid), tree_usage(s, sid)
+    assert own == tree
+    assert (tree.prompt_tokens + tree.completion_tokens, tree.model_calls) == (PER_CALL, 1)
+    assert (tree.estimated_tokens, tree.estimated_calls) == (held, 1)
+    capsys.readouterr()
+    assert main(["session", "show", str(sid), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["usage"]["tree"]["estimated_tokens"] == held
+    assert shown["budget"]["estimated"] == held
+    assert main(["session", "show", str(sid)]) == 0
+    out = capsys.readouterr().out
+    assert f"estimated={held}" in out and f"{held} estimated" in out
+    assert main(["usage", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["estimated_tokens"] == held
+
+
+@pytest.fixture
+def capped_children(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]:
+    """AGENTS_FILE: the built-in agents, ``main`` with ``child_budget = { tokens = 6000 }``."""
+    from harness.agents import DEFAULT_AGENTS_TOML, _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        DEFAULT_AGENTS_TOML.replace("max_rounds = 20\n", "max_rounds = 20\nchild_budget = { tokens = 6000 }\n", 1),
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+@pytest.mark.usefixtures("capped_children")
+def test_a_capped_child_draws_at_most_its_cap_and_its_unused_part_returns_to_the_tree_when_it_ends(
+    model_factory: ModelFactory,
+) -> None:
+    from models.usage import tree_usage
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {"tool_calls": [_delegate("a"), _delegate("b")], "usage": USAGE},
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "done anyway", "usage": USAGE}},
+            NEVER_STOP[1],
+        ]
+    )
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    assert run_agent(sid, 0, deps) == "yielded"
+    executions = executions_of(sid)
+    # Both allocations are set aside with the delegating round.
+    assert _budget(sid).reserved_tokens == 2 * 6000
+    with transaction() as s:
+        assert [s.get(AgentSession, e.child_session_id).cap_tokens for e in executions] == [6000, 6000]  # type: ignore[union-attr]
+    drive(model.base_url, after_crash=False, deps=deps)
+
+    with transaction() as s:
+        children = [s.get(AgentSession, e.child_session_id) for e in executions]
+        drawn = [tree_usage(s, e.child_session_id) for e in executions]
+        parent = s.get(AgentSession, sid)
+        assert parent is not None and str(parent.phase) == "WAITING_USER"  # the parent still answered
+    assert all(c is not None and c.failure_code == "budget_exhausted" and c.cap_tokens is None for c in children)
+    # Each child stopped at its cap (a call reserves ~4150 tokens, each spends 1200).
+    assert [d.prompt_tokens + d.completion_tokens for d in drawn] == [2 * PER_CALL, 2 * PER_CALL]
+    # The unused parts came back: nothing stays reserved, spent is what was served.
+    assert (_budget(sid).spent_tokens, _budget(sid).reserved_tokens) == (len(model.journal()) * PER_CALL, 0)
+    assert len(model.journal()) == 2 + 4
+
+
+def test_an_agents_child_budget_must_be_a_table_of_positive_tokens() -> None:
+    from harness.agents import parse_agents
+    from harness.errors import AgentConfigError
+
+    base = '[agents.a]\nsystem_prompt = "p"\n'
+    assert parse_agents(base + "child_budget = { tokens = 50 }\n")["a"].child_budget_tokens == 50
+    for bad in ("child_budget = 5", "child_budget = { tokens = 0 }", "child_budget = { usd = 1 }"):
+        with pytest.raises(AgentConfigError, match="child_budget"):
+            parse_agents(base + bad + "\n")
+
+
+def test_an_operator_raises_a_running_trees_budget_and_the_audit_says_who(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from models.operator_action import latest
+
+    model = model_factory(FOREVER_ECHO)
+    sid = create_session("main", "go", budget_tokens=5000)
+    child = make_session(session_type=SessionType.SUBAGENT, phase=None, parent_session_id=sid, budget_root_id=sid)
+    capsys.readouterr()
+    # A session of the tree (a child here) names its tree; the root's budget is raised.
+    assert main(["budget", "raise", str(child), "--tokens", "2500", "--by", "ada"]) == 0
+    assert "raised" in capsys.readouterr().out
+    assert _budget(sid).budget_tokens == 7500
+    unbudgeted = create_session("main", "go")
+    assert main(["budget", "raise", str(unbudgeted), "--tokens", "10", "--by", "ada"]) == 1
+    assert main(["budget", "raise", "999999", "--tokens", "10", "--by", "ada"]) == 1
+    with transaction() as s:
+        actions = latest(s, limit=3)
+    assert [(a["actor"], a["action"], a["outcome"], a["session_id"], a["amount"]) for a in actions] == [
+        ("ada", "budget_raise", "not_found", 999999, 10),
+        ("ada", "budget_raise", "no_budget", unbudgeted, 10),
+        ("ada", "budget_raise", "raised", child, 2500),
+    ]
+    # The raised budget is drawn on at once: a call reserves ~4150 tokens and spends 1200, so
+    # 5000 would let 1 call through, 7500 lets 3.
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "failed"
+    assert len(model.journal()) == 3
+
+
+FOREVER_ECHO: list[dict[str, Any]] = [
+    {
+        "when": {"system_contains": MAIN},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
+    }
+]
