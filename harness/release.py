@@ -184,10 +184,28 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
     entry = definition.get("agents", {}).get(agent_type)
     if entry is None:
         raise UnknownAgent(f"unknown agent {agent_type!r} in release {release_id} ({content_hash[:12]})")
-    return _agent_from(agent_type, entry, sorted(definition.get("tools", {})), release_id)
+    tools = definition.get("tools", {})
+    return _agent_from(agent_type, entry, sorted(tools), release_id, missing_tools(tools))
 
 
-def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int) -> AgentDef:
+def missing_tools(release_tools: dict[str, Any]) -> frozenset[str]:
+    """The tools of a release (its definition's ``tools``) that this worker cannot run as the
+    release defined them: not registered, or registered with another JSON schema (the
+    ``parameters`` a request offers; a changed description or flag is the same tool). A call of
+    one is never run under a schema the model was not shown: it gets ``tool_unavailable``."""
+    from harness.tools.registry import REGISTRY
+
+    missing = set()
+    for name, entry in release_tools.items():
+        here = REGISTRY.get(name)
+        if here is None or here.parameters != entry.get("spec", {}).get("function", {}).get("parameters"):
+            missing.add(name)
+    return frozenset(missing)
+
+
+def _agent_from(
+    name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int, missing: frozenset[str]
+) -> AgentDef:
     servers = {m["name"] for m in entry.get("mcp_servers", [])}
     approve = tuple(entry.get("approve", ()))
     approve_destructive = bool(entry.get("approve_destructive", False))
@@ -222,22 +240,24 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
         release_id=release_id,
         release_tools=tuple(definition_tools),
+        release_missing=missing,
     )
     return replace(agent, mcp_servers=mcp)
 
 
 def offered_tools(agent: AgentDef, *, subagent: bool) -> tuple[str, ...]:
     """The tools ``agent``'s round offers on this worker; an ``Offered`` naming the release's
-    tools this worker lacks when there are any (docs/releases.md)."""
+    tools this worker lacks (or has under another schema: not offered) when there are any
+    (docs/releases.md)."""
     from harness.tools.registry import REGISTRY, Offered
 
     names = agent.tool_names(tuple(REGISTRY), subagent=subagent)
     if agent.release_id is None:
         return names
     had = agent.registered_tool_names(agent.release_tools, subagent=subagent)
-    missing = frozenset(n for n in had if n not in REGISTRY)
+    missing = frozenset(n for n in had if n in agent.release_missing)
     if not missing:
         return names
-    offered = Offered(names)
+    offered = Offered(n for n in names if n not in missing)
     offered.release_id, offered.missing = agent.release_id, missing
     return offered

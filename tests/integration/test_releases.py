@@ -214,7 +214,9 @@ def test_a_tool_of_the_release_that_the_deploy_removed_gets_tool_unavailable_nev
     sid = create_session("main", "go")
     assert run_agent(sid, 0, deps) == "waiting_approval"
     unregister("old_lookup")  # the new deploy's code has no such tool
-    deploy.to(V2)
+    # A configuration no test stored before: a newer release than the session's (one equal to
+    # an older release is a rollback, whose workers leave the newer releases' sessions waiting).
+    deploy.to(V2.replace("temperature = 0.9", "temperature = 0.7"))
     (req,) = requests()
     assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
     settle(deps)
@@ -243,3 +245,59 @@ def test_the_releases_command_lists_each_release_with_its_live_sessions(
     assert len(rows[release_of(v2)]["content_hash"]) == 64
     text = cli("releases", env={"DATABASE_URL": db})
     assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
+
+
+def test_a_tool_whose_schema_changed_in_the_deploy_gets_tool_unavailable_and_is_not_offered(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    ran: list[str] = []
+
+    @tool
+    def old_lookup(ctx: ToolContext, order: str) -> str:
+        """Look an order up."""
+        ran.append("v1")
+        return f"found {order}"
+
+    deploy.to(V1.replace('approve = ["wire_*"]', 'approve = ["wire_*", "old_*"]'))
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "old_lookup", "arguments": {"order": "A-1"}}]},
+            },
+            {"when": {"system_contains": "main agent, version one", "turn": 1}, "reply": {"content": "{tool_results}"}},
+            {"when": {"system_contains": "main agent, version two"}, "reply": {"content": "v2"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_approval"
+    unregister("old_lookup")
+
+    @tool
+    def old_lookup(ctx: ToolContext, order: int, region: str) -> str:  # type: ignore[no-redef]  # noqa: F811
+        """Look an order up (the deploy changed its arguments)."""
+        ran.append("v2")
+        return f"found {order} in {region}"
+
+    try:
+        deploy.to(V2)
+        (req,) = requests()
+        assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+        settle(deps)
+        tools = [m.content for m in messages_of(sid) if m.role == "TOOL"]
+        assert tools == [f"tool_unavailable: not in this deployment (release {release_of(sid)})"]
+        assert ran == [] and phase_of(sid) == Phase.WAITING_USER
+        offered = [r["tools"] for r in model.received()]
+        assert "old_lookup" in offered[0] and "old_lookup" not in offered[1]  # never under the new schema
+        new = create_session("main", "go")
+        assert run_agent(new, 0, deps) == "waiting_user"
+        assert "old_lookup" in model.received()[-1]["tools"]  # a new session has the new schema's tool
+        with transaction() as s:
+            definition = s.execute(select(AgentRelease.definition).where(AgentRelease.id == release_of(new))).scalar()
+        assert set(definition["tools"]["old_lookup"]["spec"]["function"]["parameters"]["properties"]) == {
+            "order",
+            "region",
+        }
+    finally:
+        unregister("old_lookup")
