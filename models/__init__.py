@@ -26,7 +26,7 @@ from models.installation import Installation, installation_id
 from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournalCall
 from models.message import Message
 from models.operator_action import OperatorAction
-from models.release import AgentRelease
+from models.release import AgentRelease, ReleaseMove
 from models.round import PendingRound
 from models.session import AgentSession
 from models.usage import ModelCallUsage
@@ -59,6 +59,7 @@ __all__ = [
     "PendingRound",
     "Phase",
     "RecoveryScan",
+    "ReleaseMove",
     "Role",
     "RoundJournal",
     "RoundJournalCall",

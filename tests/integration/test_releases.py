@@ -17,7 +17,7 @@ from harness.parent import run_agent
 from harness.release import canonical_hash, current_definition
 from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
-from models import AgentRelease, AgentSession, Phase, SessionType, transaction
+from models import AgentRelease, AgentSession, Phase, ReleaseMove, SessionType, transaction
 from models.approval import Decision
 from tests.helpers import RecordingScheduler, loop_deps, messages_of, phase_of
 from tests.integration.test_approvals import requests, settle
@@ -301,3 +301,40 @@ def test_a_tool_whose_schema_changed_in_the_deploy_gets_tool_unavailable_and_is_
         }
     finally:
         unregister("old_lookup")
+
+
+def moves() -> list[ReleaseMove]:
+    with transaction() as s:
+        return list(s.execute(select(ReleaseMove).order_by(ReleaseMove.id)).scalars())
+
+
+def test_policy_latest_moves_a_session_to_the_new_release_at_its_next_round_boundary_never_mid_round(
+    model_factory: ModelFactory, deploy: Deploy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "wire_money", "arguments": {"amount": 5}}]},
+            },
+            {"when": {"system_contains": "main agent, version one"}, "reply": {"content": "answered under v1"}},
+            {"when": {"system_contains": "main agent, version two"}, "reply": {"content": "answered under v2"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_approval"  # a round in flight on v1
+    v1 = release_of(sid)
+    monkeypatch.setenv("AGENT_RELEASE_POLICY", "latest")
+    deploy.to(V2.replace("temperature = 0.9", "temperature = 0.6"))  # a release no test stored before
+    (req,) = requests()
+    assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+    settle(deps)
+    # The round in flight ran whole on v1 (its tool ran); the next round asked the model on v2.
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["wired 5"]
+    assert answers(sid) == ["answered under v2"]
+    assert [r["temperature"] for r in model.received()] == [0.1, 0.6]
+    v2 = release_of(sid)
+    assert v2 not in (None, v1)
+    (move,) = moves()
+    assert (move.session_id, move.from_release_id, move.to_release_id, move.reason) == (sid, v1, v2, "latest")
