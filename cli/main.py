@@ -49,6 +49,7 @@ WITHOUT_TOOLS = frozenset(
         "local-client",
         "usage",
         "releases",
+        "sessions",  # `sessions upgrade --to current` loads them itself: it needs this configuration's release
     }
 )
 

@@ -338,3 +338,89 @@ def test_policy_latest_moves_a_session_to_the_new_release_at_its_next_round_boun
     assert v2 not in (None, v1)
     (move,) = moves()
     assert (move.session_id, move.from_release_id, move.to_release_id, move.reason) == (sid, v1, v2, "latest")
+
+
+def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_approvals_of_tools_the_target_lacks(
+    model_factory: ModelFactory, deploy: Deploy, db: str
+) -> None:
+    from models.operator_action import OperatorAction
+    from tests.integration.test_approvals import cli
+
+    @tool
+    def old_lookup(ctx: ToolContext, order: str) -> str:
+        """Look an order up (removed by the next deploy)."""
+        return f"found {order}"
+
+    deploy.to(V1.replace('approve = ["wire_*"]', 'approve = ["wire_*", "old_*"]'))
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "user_contains": "look", "turn": 0},
+                "reply": {"tool_calls": [{"name": "old_lookup", "arguments": {"order": "A-1"}}]},
+            },
+            {
+                "when": {"system_contains": "main agent, version one", "user_contains": "review", "turn": 0},
+                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
+            },
+            {"when": {"system_contains": "reviewer subagent, version one"}, "reply": {"content": "child on v1"}},
+            {"when": {"system_contains": "main agent, version one"}, "reply": {"content": "answered under v1"}},
+            {"when": {"system_contains": "main agent, version two"}, "reply": {"content": "answered under v2"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    looking, reviewing = create_session("main", "look"), create_session("main", "review")
+    assert run_agent(looking, 0, deps) == "waiting_approval"
+    assert run_agent(reviewing, 0, deps) == "yielded"  # its child exists, not yet run
+    v1 = release_of(looking)
+    unregister("old_lookup")
+    deploy.to(V2.replace("temperature = 0.9", "temperature = 0.5"))  # a release no test stored before
+    with transaction() as s:
+        from harness.release import current_release_id
+
+        v2 = current_release_id(s)
+    # The operator's shell: the built-in agents (this process's tools are the test's own).
+    env = {"DATABASE_URL": db, "AGENTS_FILE": ""}
+    upgrade = ("sessions", "upgrade", "--to", str(v2), "--from", str(v1), "--json")
+
+    dry = cli(*upgrade, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert [r["session_id"] for r in planned["sessions"]] == [looking, reviewing]
+    ((orphan),) = planned["orphaned_approvals"]
+    assert (orphan["session_id"], orphan["tool"], orphan["denied"]) == (looking, "old_lookup", False)
+    assert f"release {v2}" in orphan["reason"]
+
+    refused = cli(*upgrade, env=env)
+    assert refused.returncode == 1 and "--deny-missing" in refused.stderr
+    with transaction() as s:
+        marked = select(func.count()).select_from(AgentSession).where(AgentSession.release_target_id.is_not(None))
+        assert s.execute(marked).scalar() == 0  # nothing moved, nothing denied
+    assert [r.status for r in requests()] == ["PENDING"]
+
+    done = cli(*upgrade, "--deny-missing", "--by", "ops", env=env)
+    assert done.returncode == 0, done.stderr
+    assert [r["outcome"] for r in json.loads(done.stdout)["sessions"]] == ["scheduled", "scheduled"]
+    (req,) = requests()
+    assert (req.status, req.decided_by) == ("DENIED", "ops") and "not in release" in (req.reason or "")
+    with transaction() as s:
+        actions = s.execute(select(OperatorAction.actor, OperatorAction.action, OperatorAction.outcome)).all()
+    assert sorted(actions) == [("ops", "deny", "decided"), ("ops", "upgrade", "scheduled"), ("ops", "upgrade", "scheduled")]
+    assert release_of(looking) == v1  # marked, not moved: its round is still open
+
+    # The denied round ends on v1; the next round asks the model on v2.
+    with transaction() as s:
+        epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == looking)).scalar_one()
+    assert run_agent(looking, epoch, deps) == "waiting_user"
+    assert answers(looking) == ["answered under v2"]
+    assert [m.content for m in messages_of(looking) if m.role == "TOOL"][0].startswith("denied by ops")
+    # The delegating round ends on v1 (its child ran on v1); the tree moves together after it.
+    settle(deps)
+    with transaction() as s:
+        child = s.execute(select(AgentSession).where(AgentSession.parent_session_id == reviewing)).scalar_one()
+    assert answers(child.id) == ["child on v1"]
+    assert answers(reviewing)[-1] == "answered under v2"
+    assert release_of(looking) == release_of(reviewing) == release_of(child.id) == v2
+    assert sorted((m.session_id, m.sessions, m.reason) for m in moves()) == [
+        (looking, 1, "upgrade"),
+        (reviewing, 2, "upgrade"),
+    ]
