@@ -333,13 +333,21 @@ class ReleaseWait(StrEnum):
 
 
 def wait_for_worker(
-    s: Session, session_id: int, *, epoch: int, release_id: int, since: datetime | None
+    s: Session,
+    session_id: int,
+    *,
+    epoch: int,
+    release_id: int,
+    since: datetime | None,
+    execution_id: int | None = None,
 ) -> ReleaseWait:
-    """In the take's transaction (the holder of ``epoch``), leave a session of ``release_id`` for
-    a worker of that release: nothing of it runs here. Like a session waiting for the model
-    (harness.outage) its lease is set to lapse after a back-off (as long as it has waited so
-    far, within the outage's bounds) and the scan's ordinary step for dead work resumes it; past
-    RELEASE_WAIT_SECONDS since it began waiting it ends FAILED ``release_unavailable``."""
+    """In the take's transaction (the holder of ``epoch``; a child's: of its execution
+    ``execution_id``), leave a session of ``release_id`` for a worker of that release: nothing of
+    it runs here. Like a session waiting for the model (harness.outage) its lease is set to
+    lapse after a back-off (as long as it has waited so far, within the outage's bounds) and the
+    scan's ordinary step for dead work resumes it; past RELEASE_WAIT_SECONDS since it began
+    waiting a parent ends FAILED ``release_unavailable`` here (a child: GAVE_UP, nothing written,
+    its caller ends the execution with that reason)."""
     from harness.outage import backoff_seconds
     from models import FailureCode, Phase
     from models.base import utcnow
@@ -349,21 +357,24 @@ def wait_for_worker(
     now = utcnow()
     limit = get_settings().RELEASE_WAIT_SECONDS
     if since is not None and (now - since).total_seconds() >= limit:
+        log_event(log, "release_wait_gave_up", logging.WARNING, session_id=session_id, release=release_id)
+        if execution_id is not None:
+            return ReleaseWait.GAVE_UP
         reason = FailureReason(
             FailureCode.RELEASE_UNAVAILABLE, f"no worker of release {release_id} took it within {limit:g} s"
         )
         if not release_session(s, session_id, epoch=epoch, to_phase=Phase.FAILED, reason=reason):
             return ReleaseWait.LOST
-        log_event(log, "release_wait_gave_up", logging.WARNING, session_id=session_id, release=release_id)
         return ReleaseWait.GAVE_UP
     backoff = backoff_seconds(since, now)
-    if not wait_for_release(s, session_id, epoch=epoch, backoff_seconds=backoff):
+    if not wait_for_release(s, session_id, epoch=epoch, backoff_seconds=backoff, execution_id=execution_id):
         return ReleaseWait.LOST
     log_event(
         log,
         "release_wait",
         logging.WARNING,
         session_id=session_id,
+        execution_id=execution_id,
         release=release_id,
         backoff_ms=int(backoff * 1000),
     )

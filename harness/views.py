@@ -97,6 +97,21 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
         "messages": [_message(m) for m in messages],
         "executions": [_execution(e) for e in executions],
         "approvals": _approvals(s, session_id),
+        "release": _release(s, row),
+    }
+
+
+def _release(s: Session, row: AgentSession) -> dict[str, Any]:
+    """The session's release (docs/releases.md): its id, the target an operator moved its tree
+    to (taken at its next round boundary), since when it waits for a worker of its release, and
+    its tree's moves."""
+    from models.release import moves_of
+
+    return {
+        "id": row.release_id,
+        "target_id": row.release_target_id,
+        "waiting_for_worker_since": row.release_wait_since.isoformat() if row.release_wait_since else None,
+        "moves": moves_of(s, row.id),
     }
 
 

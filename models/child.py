@@ -42,6 +42,7 @@ def child_facts_stmt() -> Any:
             S.model_outage_since,
             S.budget_root_id,
             S.release_id,
+            S.release_wait_since,
             # Whether the child session has an open round journal entry (ChildInfo.journal_open).
             has_open_entry(E.child_session_id),
         )

@@ -222,31 +222,41 @@ def moves_of(s: Session, session_id: int) -> list[dict[str, Any]]:
     ]
 
 
-def wait_for_release(s: Session, session_id: int, *, epoch: int, backoff_seconds: float) -> bool:
+def wait_for_release(
+    s: Session, session_id: int, *, epoch: int, backoff_seconds: float, execution_id: int | None = None
+) -> bool:
     """Mark the session waiting for a worker of its release (since now, unless it already was)
-    and let its lease lapse ``backoff_seconds`` from now: the scan resumes it then, on whichever
-    worker takes the task. False, nothing done: another epoch holds it."""
+    and let its lease (a child's: its execution's, ``execution_id``) lapse ``backoff_seconds``
+    from now: the scan resumes it then, on whichever worker takes the task. False, nothing
+    done: another epoch holds it (or the execution is no longer active)."""
+    from models.enums import ACTIVE_EXECUTION
+    from models.execution import SubagentExecution as E
     from models.session import AgentSession as S
 
     now = utcnow()
-    rows = cas(
-        s,
-        update(S)
-        .where(S.id == session_id, S.epoch == epoch, S.lease_owner.is_not(None))
-        .values(
-            release_wait_since=func.coalesce(S.release_wait_since, now),
-            lease_expires_at=now + timedelta(seconds=backoff_seconds),
-        ),
+    until = now + timedelta(seconds=backoff_seconds)
+    since = func.coalesce(S.release_wait_since, now)
+    if execution_id is None:
+        stmt = update(S).where(S.id == session_id, S.epoch == epoch, S.lease_owner.is_not(None))
+        return cas(s, stmt.values(release_wait_since=since, lease_expires_at=until)) == 1
+    owned = update(E).where(
+        E.id == execution_id, E.epoch == epoch, E.status.in_(ACTIVE_EXECUTION), E.lease_owner.is_not(None)
     )
-    return rows == 1
+    if cas(s, owned.values(lease_expires_at=until)) != 1:
+        return False
+    cas(s, update(S).where(S.id == session_id).values(release_wait_since=since))
+    return True
 
 
-def release_found(s: Session, session_id: int, *, epoch: int) -> bool:
-    """A worker of the session's release runs it: it waits no more. False, nothing done: it was
-    not waiting, or another epoch holds it."""
+def release_found(s: Session, session_id: int, *, epoch: int | None) -> bool:
+    """A worker of the session's release runs it: it waits no more (``epoch``: the parent's,
+    None for a child session, whose execution's fence its caller holds). False, nothing done:
+    it was not waiting, or another epoch holds it."""
     from models.session import AgentSession as S
 
-    stmt = update(S).where(S.id == session_id, S.epoch == epoch, S.release_wait_since.is_not(None))
+    stmt = update(S).where(S.id == session_id, S.release_wait_since.is_not(None))
+    if epoch is not None:
+        stmt = stmt.where(S.epoch == epoch)
     return cas(s, stmt.values(release_wait_since=None)) == 1
 
 

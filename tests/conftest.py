@@ -159,8 +159,8 @@ def pg_url() -> Iterator[str]:
 
 
 #: Truncated before each test (with CASCADE: the tables that reference them); operator_action
-#: references nothing, so it is named.
-TABLES = ("message", "subagent_execution", "pending_round", "agent_session", "operator_action")
+#: and release_move reference nothing, so they are named.
+TABLES = ("message", "subagent_execution", "pending_round", "agent_session", "operator_action", "release_move")
 
 
 @pytest.fixture

@@ -6,11 +6,14 @@ PostgreSQL, scripted model over loopback HTTP, the loops run in-process step by 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from harness.approval import decide
 from harness.parent import run_agent
@@ -19,6 +22,7 @@ from harness.tools import ToolContext, tool, unregister
 from harness.views import create_session
 from models import AgentRelease, AgentSession, Phase, ReleaseMove, SessionType, transaction
 from models.approval import Decision
+from models.base import utcnow
 from tests.helpers import RecordingScheduler, loop_deps, messages_of, phase_of
 from tests.integration.test_approvals import requests, settle
 from tests.types import ModelFactory
@@ -424,3 +428,98 @@ def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_ap
         (looking, 1, "upgrade"),
         (reviewing, 2, "upgrade"),
     ]
+
+
+def run_resumed(deps: Any) -> list[str]:
+    """Run every parent the scheduler was asked to resume; their outcomes."""
+    sched = deps.scheduler
+    done = []
+    while sched.resumed:
+        sid, epoch = sched.resumed.pop(0)
+        done.append(str(run_agent(sid, epoch, deps)))
+    return done
+
+
+def waiting_metric() -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    from recovery.metrics import build_registry
+
+    text = generate_latest(build_registry()).decode()
+    found = re.findall(r'^agent_recovery_sessions_waiting_for_release\{release="(\d+)"\} (\S+)$', text, re.M)
+    return {r: float(v) for r, v in found}
+
+
+def test_a_session_of_a_newer_release_is_left_for_a_worker_of_it_and_fails_only_after_release_wait_seconds(
+    model_factory: ModelFactory, deploy: Deploy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two workers that differ in their tool modules (one has ``new_tool``): a rollback to the
+    older one leaves the newer release's sessions waiting, never failed, until a worker of that
+    release runs them; one left waiting RELEASE_WAIT_SECONDS ends FAILED release_unavailable."""
+    from harness.views import snapshot
+    from tests.integration.test_approvals import a_scan_after_every_lease_lapsed
+
+    model = model_factory(
+        [
+            {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
+            {"when": {"turn": 0}, "reply": {"tool_calls": [{"name": "wire_money", "arguments": {"amount": 5}}]}},
+            {"when": {"turn": 1}, "reply": {"content": "{tool_results}"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    deploy.to(V1.replace("temperature = 0.1", "temperature = 0.3"))  # a release no test stored before
+    old = release_of(started(model.base_url, "warm"))  # the older worker's release, stored first
+
+    @tool
+    def new_tool(ctx: ToolContext, text: str) -> str:
+        """A tool only the newer deploy's code has."""
+        return text
+
+    try:
+        waiting, expiring = create_session("main", "go"), create_session("main", "go")
+        assert run_agent(waiting, 0, deps) == run_agent(expiring, 0, deps) == "waiting_approval"
+        newer = release_of(waiting)
+        assert newer is not None and old is not None and newer > old
+        unregister("new_tool")  # rolled back: the workers that resume them lack new_tool
+        for sid in (waiting, expiring):
+            (req,) = [r for r in requests() if r.session_id == sid]
+            assert decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler).resumed
+        asked = len(model.received())
+        assert run_resumed(deps) == ["waiting_release", "waiting_release"]
+        assert len(model.received()) == asked  # nothing ran: no tool, no model request
+        assert [m for m in messages_of(waiting) if m.role == "TOOL"] == []
+        assert phase_of(waiting) == Phase.RUNNING
+        with transaction() as s:
+            shown = snapshot(s, waiting)
+        assert shown is not None and shown["release"]["id"] == newer
+        assert shown["release"]["waiting_for_worker_since"] is not None
+        assert waiting_metric() == {str(newer): 2.0}
+
+        # Another pass of an older worker: still waiting. One waited past RELEASE_WAIT_SECONDS: FAILED.
+        monkeypatch.setenv("RELEASE_WAIT_SECONDS", "60")
+        deploy.to(V1.replace("temperature = 0.1", "temperature = 0.3"))  # the settings read again
+        with transaction() as s:
+            since = utcnow() - timedelta(seconds=61)
+            s.execute(update(AgentSession).where(AgentSession.id == expiring).values(release_wait_since=since))
+        a_scan_after_every_lease_lapsed(deps)
+        assert sorted(run_resumed(deps)) == ["failed", "waiting_release"]
+        with transaction() as s:
+            row = s.execute(select(AgentSession).where(AgentSession.id == expiring)).scalar_one()
+        assert (row.phase, row.failure_code) == (Phase.FAILED, "release_unavailable")
+
+        # A worker of the newer release returns: the session runs, once.
+        @tool
+        def new_tool(ctx: ToolContext, text: str) -> str:  # type: ignore[no-redef]  # noqa: F811
+            """A tool only the newer deploy's code has."""
+            return text
+
+        a_scan_after_every_lease_lapsed(deps)
+        assert run_resumed(deps) == ["waiting_user"]
+        assert [m.content for m in messages_of(waiting) if m.role == "TOOL"] == ["wired 5"]
+        assert answers(waiting) == ["wired 5"]
+        with transaction() as s:
+            shown = snapshot(s, waiting)
+        assert shown is not None and shown["release"]["waiting_for_worker_since"] is None
+        assert waiting_metric() == {}
+    finally:
+        unregister("new_tool")
