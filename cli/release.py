@@ -37,23 +37,11 @@ def register(sub: Any) -> None:
 
 def release_report() -> list[dict[str, Any]]:
     """The ``releases --json`` shape: one object per release, oldest first."""
+    from harness.views import release_list
     from models import transaction
-    from models.release import release_rows, waiting_for_release
 
     with transaction() as s:
-        rows = release_rows(s)
-        waiting = dict(waiting_for_release(s))
-    return [
-        {
-            "id": int(r.id),
-            "content_hash": str(r.content_hash),
-            "created_at": r.created_at.isoformat(),
-            "agents": sorted((r.definition or {}).get("agents", {})),
-            "live_sessions": int(r.live),
-            "waiting_for_worker": waiting.get(int(r.id), 0),
-        }
-        for r in rows
-    ]
+        return release_list(s)
 
 
 def _releases(args: argparse.Namespace) -> int:

@@ -284,9 +284,7 @@ def latest_release(s: Session) -> int | None:
     return current_release_id(s) if get_settings().AGENT_RELEASE_POLICY == "latest" else None
 
 
-def at_boundary(
-    s: Session, session_id: int, *, epoch: int, agent: AgentDef, latest: int | None
-) -> AgentDef | None:
+def at_boundary(s: Session, session_id: int, *, epoch: int, agent: AgentDef, latest: int | None) -> AgentDef | None:
     """At a round boundary of the top-level session held at ``epoch`` (no round of it in flight):
     move its tree to the release an operator set, or to ``latest`` when newer
     (``models.release.move_at_boundary``), and return the session's agent as the new release

@@ -97,9 +97,7 @@ class AgentSession(Base):
     release_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
     #: The release an operator moved this top-level session (and its tree) to, taken at its next
     #: round boundary, then NULL again (``sessions upgrade``; docs/releases.md).
-    release_target_id: Mapped[int | None] = mapped_column(
-        BigInteger, ForeignKey("agent_release.id"), nullable=True
-    )
+    release_target_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
     #: Since when the session waits for a worker of its release (a newer release whose tools the
     #: workers that took it lacked); NULL once a worker of it runs it (docs/releases.md).
     release_wait_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -25,6 +25,8 @@ from models.approval import Decision
 from models.base import utcnow
 from tests.helpers import RecordingScheduler, loop_deps, messages_of, phase_of
 from tests.integration.test_approvals import requests, settle
+from tests.integration.test_console_api import Serve, client
+from tests.integration.test_console_api import console as console  # the fixture
 from tests.types import ModelFactory
 
 V1 = """
@@ -408,7 +410,11 @@ def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_ap
     assert (req.status, req.decided_by) == ("DENIED", "ops") and "not in release" in (req.reason or "")
     with transaction() as s:
         actions = s.execute(select(OperatorAction.actor, OperatorAction.action, OperatorAction.outcome)).all()
-    assert sorted(actions) == [("ops", "deny", "decided"), ("ops", "upgrade", "scheduled"), ("ops", "upgrade", "scheduled")]
+    assert sorted(actions) == [
+        ("ops", "deny", "decided"),
+        ("ops", "upgrade", "scheduled"),
+        ("ops", "upgrade", "scheduled"),
+    ]
     assert release_of(looking) == v1  # marked, not moved: its round is still open
 
     # The denied round ends on v1; the next round asks the model on v2.
@@ -416,7 +422,7 @@ def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_ap
         epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == looking)).scalar_one()
     assert run_agent(looking, epoch, deps) == "waiting_user"
     assert answers(looking) == ["answered under v2"]
-    assert [m.content for m in messages_of(looking) if m.role == "TOOL"][0].startswith("denied by ops")
+    assert next(m.content for m in messages_of(looking) if m.role == "TOOL").startswith("denied by ops")
     # The delegating round ends on v1 (its child ran on v1); the tree moves together after it.
     settle(deps)
     with transaction() as s:
@@ -509,7 +515,7 @@ def test_a_session_of_a_newer_release_is_left_for_a_worker_of_it_and_fails_only_
 
         # A worker of the newer release returns: the session runs, once.
         @tool
-        def new_tool(ctx: ToolContext, text: str) -> str:  # type: ignore[no-redef]  # noqa: F811
+        def new_tool(ctx: ToolContext, text: str) -> str:  # type: ignore[no-redef]
             """A tool only the newer deploy's code has."""
             return text
 
@@ -523,3 +529,24 @@ def test_a_session_of_a_newer_release_is_left_for_a_worker_of_it_and_fails_only_
         assert waiting_metric() == {}
     finally:
         unregister("new_tool")
+
+
+def test_the_console_shows_a_sessions_release_and_the_releases_still_in_use(
+    model_factory: ModelFactory, deploy: Deploy, console: Serve
+) -> None:
+    url = model_factory(ANSWER).base_url
+    old = started(url, "a")
+    deploy.to(V2.replace("temperature = 0.9", "temperature = 0.4"))  # a release no test stored before
+    new = started(url, "b")
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == new).values(release_wait_since=utcnow()))
+    base = console()
+    http = client(base)
+    shown = http.get(f"{base}/api/sessions/{new}", timeout=10).json()["release"]
+    assert shown["id"] == release_of(new) and shown["waiting_for_worker_since"] is not None
+    page = http.get(f"{base}/sessions/{new}", timeout=10).text
+    assert f'Runs on release <a href="/releases#release-{release_of(new)}">' in page
+    assert f"Waiting for a worker of release {release_of(new)}" in page
+    listed = http.get(f"{base}/api/releases", timeout=10).json()
+    assert listed["in_use"] == sorted({release_of(old), release_of(new)})
+    assert f'id="release-{release_of(old)}"' in http.get(f"{base}/releases", timeout=10).text
