@@ -58,6 +58,7 @@ POINTS = (
     "approval.after_edited_call",  # an approver's edited arguments journaled as the call, the tool not run yet
     "parent.after_inline_start",  # a delegating round's inline call: its start committed under the fence, not run yet
     "budget.after_reserve",  # a model call's budget reservation committed, the model not asked yet
+    "release.after_move",  # a session tree's move to another release committed at a round boundary, model not asked
 )
 
 EXIT_CODE = 137

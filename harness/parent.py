@@ -312,6 +312,8 @@ def _between_rounds(session_id: int, fence: SessionFence, agent: AgentDef, lates
             waited = wait_for_worker(s, session_id, epoch=fence.epoch, release_id=needed, since=None)
     if waited is not None:
         raise _LeftForRelease(waited)  # the move and the wait are committed
+    if moved is not None:
+        crash_point("release.after_move")
     return moved
 
 

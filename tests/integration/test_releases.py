@@ -550,3 +550,37 @@ def test_the_console_shows_a_sessions_release_and_the_releases_still_in_use(
     listed = http.get(f"{base}/api/releases", timeout=10).json()
     assert listed["in_use"] == sorted({release_of(old), release_of(new)})
     assert f'id="release-{release_of(old)}"' in http.get(f"{base}/releases", timeout=10).text
+
+
+def test_a_worker_killed_right_after_a_move_leaves_the_session_on_the_new_release_with_its_round_run_once(
+    model_factory: ModelFactory, deploy: Deploy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crashpoints import InjectedKill, armed_fault
+    from tests.integration.test_approvals import a_scan_after_every_lease_lapsed
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent, version one", "turn": 0},
+                "reply": {"tool_calls": [{"name": "wire_money", "arguments": {"amount": 5}}]},
+            },
+            {"when": {"system_contains": "main agent, version two"}, "reply": {"content": "answered under v2"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "waiting_approval"
+    v1 = release_of(sid)
+    monkeypatch.setenv("AGENT_RELEASE_POLICY", "latest")
+    deploy.to(V2.replace("temperature = 0.9", "temperature = 0.65"))  # a release no test stored before
+    (req,) = requests()
+    with armed_fault("release.after_move", kill=True), pytest.raises(InjectedKill):
+        decide(sid, req.call_id, Decision(True, "alice", ""), deps.scheduler)
+        settle(deps)
+    assert release_of(sid) not in (None, v1)  # the move is committed
+    assert len(model.received()) == 1  # the model was not asked on v2 yet
+    a_scan_after_every_lease_lapsed(deps)
+    assert run_resumed(deps) == ["waiting_user"]
+    assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["wired 5"]  # once
+    assert answers(sid) == ["answered under v2"]
+    assert len(moves()) == 1
