@@ -95,6 +95,7 @@ def _upgrade(args: argparse.Namespace) -> int:
             }
             for t in plan.trees
         ],
+        "agent_missing": list(plan.agent_missing),
         "orphaned_approvals": [
             {
                 "session_id": o.session_id,
@@ -128,5 +129,7 @@ def _print_upgrade(report: dict[str, Any]) -> None:
     for o in report["orphaned_approvals"]:
         done = "denied" if o["denied"] else "pending"
         print(f"approval session {o['session_id']} call {o['call_id']} {o['tool']}: {done}: {o['reason']}")
+    for sid in report["agent_missing"]:
+        print(f"session {sid}: not moved: release {to} has no such agent")
     if not report["sessions"]:
         print(f"no live session to move to release {to}")

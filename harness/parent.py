@@ -60,7 +60,7 @@ from harness.usage import record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.journal import JOURNAL_OPEN
-from models.release import release_found
+from models.release import release_found, target_of
 from models.round import start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
 
@@ -113,8 +113,10 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
             # The session's release's definition (docs/releases.md), read in the take's transaction.
             agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
             latest = latest_release(s)
-            if not row.journal_open and _move_due(row, agent, latest):  # a round boundary
-                agent = at_boundary(s, session_id, epoch=new_epoch, agent=agent, latest=latest) or agent
+            if not row.journal_open:  # a round boundary: no statement unless a move is due
+                target = row.release_target_id
+                moved = at_boundary(s, session_id, epoch=new_epoch, agent=agent, latest=latest, target=target)
+                agent = moved or agent
             needed = release_needed(s, agent)
             if needed is not None:
                 waited = wait_for_worker(
@@ -180,13 +182,6 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         )
         _release(fence, Phase.FAILED, reason_for(exc))
         return RunOutcome.FAILED
-
-
-def _move_due(row: Any, agent: AgentDef, latest: int | None) -> bool:
-    """Whether the take's facts ask for a move to another release (then one UPDATE makes it)."""
-    if agent.release_id is None:
-        return False
-    return row.release_target_id is not None or (latest is not None and latest > agent.release_id)
 
 
 class _LeftForRelease(Exception):
@@ -306,7 +301,8 @@ def _between_rounds(session_id: int, fence: SessionFence, agent: AgentDef, lates
         return None
     waited = None
     with transaction() as s:
-        moved = at_boundary(s, session_id, epoch=fence.epoch, agent=agent, latest=latest)
+        target = target_of(s, session_id)
+        moved = at_boundary(s, session_id, epoch=fence.epoch, agent=agent, latest=latest, target=target)
         needed = None if moved is None else release_needed(s, moved)
         if needed is not None:
             waited = wait_for_worker(s, session_id, epoch=fence.epoch, release_id=needed, since=None)

@@ -32,6 +32,7 @@ from logfmt import log_event
 from models import ExecutionMode, get_engine, transaction
 from models.db import on_dispose
 from models.release import (
+    MoveReason,
     move_at_boundary,
     pin_session_release,
     release_definition,
@@ -284,26 +285,44 @@ def latest_release(s: Session) -> int | None:
     return current_release_id(s) if get_settings().AGENT_RELEASE_POLICY == "latest" else None
 
 
-def at_boundary(s: Session, session_id: int, *, epoch: int, agent: AgentDef, latest: int | None) -> AgentDef | None:
+def at_boundary(
+    s: Session, session_id: int, *, epoch: int, agent: AgentDef, latest: int | None, target: int | None
+) -> AgentDef | None:
     """At a round boundary of the top-level session held at ``epoch`` (no round of it in flight):
-    move its tree to the release an operator set, or to ``latest`` when newer
-    (``models.release.move_at_boundary``), and return the session's agent as the new release
-    defines it; None when nothing moved (the caller goes on with ``agent``)."""
-    if agent.release_id is None:
+    move its tree to ``target`` (the release an operator set), or to ``latest`` (the policy
+    ``latest``: this worker's) when that is newer (``models.release.move_at_boundary``), and
+    return the session's agent as the new release defines it; None when nothing moved (the
+    caller goes on with ``agent``). A release without the session's agent is never moved to: the
+    session stays where it is (logged)."""
+    from_release = agent.release_id
+    if from_release is None:
         return None
-    moved = move_at_boundary(s, session_id, epoch=epoch, from_release=agent.release_id, latest=latest)
-    if moved is None:
+    if target is not None and target != from_release:
+        to_release, reason = target, MoveReason.UPGRADE
+    elif target is None and latest is not None and latest > from_release:
+        to_release, reason = latest, MoveReason.LATEST
+    else:
         return None
-    to_release, reason = moved
+    try:
+        moved = session_agent(s, agent.name, to_release)
+    except UnknownAgent:
+        log_event(
+            log, "release_move_refused", logging.WARNING, session_id=session_id, to_release=to_release, reason="agent"
+        )
+        return None
+    if not move_at_boundary(
+        s, session_id, epoch=epoch, from_release=from_release, to_release=to_release, reason=reason
+    ):
+        return None
     log_event(
         log,
         "session_release_moved",
         session_id=session_id,
-        from_release=agent.release_id,
+        from_release=from_release,
         to_release=to_release,
         reason=str(reason),
     )
-    return session_agent(s, agent.name, to_release)
+    return moved
 
 
 def release_needed(s: Session, agent: AgentDef) -> int | None:

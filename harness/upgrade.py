@@ -47,6 +47,8 @@ class Tree:
 class Plan:
     to_release: int
     trees: tuple[Tree, ...] = field(default_factory=tuple)
+    #: Live top-level sessions left where they are: the target release has no such agent.
+    agent_missing: tuple[int, ...] = ()
 
     @property
     def orphans(self) -> tuple[OrphanApproval, ...]:
@@ -83,7 +85,8 @@ def _has_tool(definition: dict[str, Any], agent_type: str, tool: str) -> bool:
 
 
 def plan(s: Session, *, to_release: int, agent: str | None = None, from_release: int | None = None) -> Plan:
-    """The trees ``apply`` would mark, oldest first, each with its orphaned approvals."""
+    """The trees ``apply`` would mark, oldest first, each with its orphaned approvals (a session
+    whose agent the target release does not have is left out, named in ``agent_missing``)."""
     from models.approval import ApprovalRequest, ApprovalStatus
     from models.enums import SessionType
     from models.release import tree_ids
@@ -102,8 +105,11 @@ def plan(s: Session, *, to_release: int, agent: str | None = None, from_release:
         query = query.where(S.agent_type == agent)
     if from_release is not None:
         query = query.where(S.release_id == from_release)
-    trees = []
+    trees, agent_missing = [], []
     for root in s.execute(query.order_by(S.id)).all():
+        if root.agent_type not in definition.get("agents", {}):
+            agent_missing.append(int(root.id))
+            continue
         pending = s.execute(
             select(ApprovalRequest.session_id, ApprovalRequest.call_id, ApprovalRequest.tool, S.agent_type)
             .join(S, S.id == ApprovalRequest.session_id)
@@ -116,7 +122,7 @@ def plan(s: Session, *, to_release: int, agent: str | None = None, from_release:
             if not _has_tool(definition, p.agent_type, p.tool)
         )
         trees.append(Tree(int(root.id), root.agent_type, int(root.release_id), orphans))
-    return Plan(to_release, tuple(trees))
+    return Plan(to_release, tuple(trees), tuple(agent_missing))
 
 
 def orphan_reason(o: OrphanApproval, to_release: int) -> str:

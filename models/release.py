@@ -140,35 +140,21 @@ def tree_ids(root_id: int) -> Any:
 
 
 def move_at_boundary(
-    s: Session, session_id: int, *, epoch: int, from_release: int, latest: int | None = None
-) -> tuple[int, MoveReason] | None:
+    s: Session, session_id: int, *, epoch: int, from_release: int, to_release: int, reason: MoveReason
+) -> bool:
     """At a round boundary of a top-level session held at ``epoch`` (no round of it in flight):
-    move its tree from ``from_release`` to the target an operator set, or else to ``latest`` (the
-    policy ``latest``: the worker's release) when that is newer, and record the move. One
-    conditional UPDATE of the root decides; the tree's other sessions follow in the same
-    transaction (none runs while its root is between rounds). Returns the release and reason of
-    the move; None, nothing written: no target and nothing newer, or the epoch or release moved."""
+    move its tree from ``from_release`` to ``to_release`` and record the move. One conditional
+    UPDATE of the root decides (an ``upgrade`` only while the operator's target is still
+    ``to_release``; a ``latest`` move only while no target is set); the tree's other sessions
+    follow in the same transaction (none runs while its root is between rounds). False, nothing
+    written: the epoch, the release or the target moved meanwhile."""
     from models.session import AgentSession as S
 
-    target = S.release_target_id
-    wanted = target.is_not(None) & (target != S.release_id)
-    to = target
-    if latest is not None:
-        wanted = wanted | (target.is_(None) & (S.release_id < latest))
-        to = func.coalesce(target, latest)
-    row = s.execute(
-        update(S)
-        .where(S.id == session_id, S.epoch == epoch, S.release_id == from_release, wanted)
-        .values(release_id=to, release_target_id=None)
-        .returning(S.release_id)
-        .execution_options(synchronize_session=False)
-    ).first()
-    if row is None:
-        return None
-    # NOTE: RETURNING shows the row as updated (its target NULL): a move to the policy's release
-    # is recorded as the policy's, even when an operator's target named the same release.
-    to_release = int(row.release_id)
-    reason = MoveReason.LATEST if latest is not None and to_release == latest else MoveReason.UPGRADE
+    upgrade = reason == MoveReason.UPGRADE
+    wanted = S.release_target_id == to_release if upgrade else S.release_target_id.is_(None)
+    root = update(S).where(S.id == session_id, S.epoch == epoch, S.release_id == from_release, wanted)
+    if cas(s, root.values(release_id=to_release, release_target_id=None)) != 1:
+        return False
     below = cas(
         s,
         update(S)
@@ -184,7 +170,14 @@ def move_at_boundary(
             reason=str(reason),
         )
     )
-    return to_release, reason
+    return True
+
+
+def target_of(s: Session, session_id: int) -> int | None:
+    """The release an operator moved the session's tree to, not taken yet (None: none)."""
+    from models.session import AgentSession as S
+
+    return s.execute(select(S.release_target_id).where(S.id == session_id)).scalar_one_or_none()
 
 
 def mark_upgrade(s: Session, root_id: int, *, to_release: int, from_release: int | None = None) -> bool:

@@ -347,10 +347,16 @@ def test_policy_latest_moves_a_session_to_the_new_release_at_its_next_round_boun
 
 
 def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_approvals_of_tools_the_target_lacks(
-    model_factory: ModelFactory, deploy: Deploy, db: str
+    model_factory: ModelFactory, deploy: Deploy, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from cli.main import main
     from models.operator_action import OperatorAction
-    from tests.integration.test_approvals import cli
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        """The command in this process (its configuration is the test's: the v2 deploy)."""
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
 
     @tool
     def old_lookup(ctx: ToolContext, order: str) -> str:
@@ -384,28 +390,26 @@ def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_ap
         from harness.release import current_release_id
 
         v2 = current_release_id(s)
-    # The operator's shell: the built-in agents (this process's tools are the test's own).
-    env = {"DATABASE_URL": db, "AGENTS_FILE": ""}
     upgrade = ("sessions", "upgrade", "--to", str(v2), "--from", str(v1), "--json")
 
-    dry = cli(*upgrade, "--dry-run", env=env)
-    assert dry.returncode == 0, dry.stderr
-    planned = json.loads(dry.stdout)
+    code, out, err = cli(*upgrade, "--dry-run")
+    assert code == 0, err
+    planned = json.loads(out)
     assert [r["session_id"] for r in planned["sessions"]] == [looking, reviewing]
     ((orphan),) = planned["orphaned_approvals"]
     assert (orphan["session_id"], orphan["tool"], orphan["denied"]) == (looking, "old_lookup", False)
     assert f"release {v2}" in orphan["reason"]
 
-    refused = cli(*upgrade, env=env)
-    assert refused.returncode == 1 and "--deny-missing" in refused.stderr
+    code, out, err = cli(*upgrade)
+    assert code == 1 and "--deny-missing" in err
     with transaction() as s:
         marked = select(func.count()).select_from(AgentSession).where(AgentSession.release_target_id.is_not(None))
         assert s.execute(marked).scalar() == 0  # nothing moved, nothing denied
     assert [r.status for r in requests()] == ["PENDING"]
 
-    done = cli(*upgrade, "--deny-missing", "--by", "ops", env=env)
-    assert done.returncode == 0, done.stderr
-    assert [r["outcome"] for r in json.loads(done.stdout)["sessions"]] == ["scheduled", "scheduled"]
+    code, out, err = cli(*upgrade, "--deny-missing", "--by", "ops")
+    assert code == 0, err
+    assert [r["outcome"] for r in json.loads(out)["sessions"]] == ["scheduled", "scheduled"]
     (req,) = requests()
     assert (req.status, req.decided_by) == ("DENIED", "ops") and "not in release" in (req.reason or "")
     with transaction() as s:
