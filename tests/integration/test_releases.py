@@ -588,3 +588,56 @@ def test_a_worker_killed_right_after_a_move_leaves_the_session_on_the_new_releas
     assert [m.content for m in messages_of(sid) if m.role == "TOOL"] == ["wired 5"]  # once
     assert answers(sid) == ["answered under v2"]
     assert len(moves()) == 1
+
+
+def test_a_child_of_a_newer_release_waits_for_a_worker_of_it_and_its_result_is_delivered_once(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    from tests.helpers import drive
+
+    model = model_factory(
+        [
+            {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
+            {
+                "when": {"system_contains": "main agent", "turn": 0},
+                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
+            },
+            {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "{tool_results}"}},
+            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "child done"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    deploy.to(V1.replace("temperature = 0.1", "temperature = 0.35"))  # a release no test stored before
+    started(model.base_url, "warm")  # the older worker's release, stored first
+
+    @tool
+    def new_tool(ctx: ToolContext, text: str) -> str:
+        """A tool only the newer deploy's code has."""
+        return text
+
+    try:
+        parent = create_session("main", "go")
+        assert run_agent(parent, 0, deps) == "yielded"  # the child exists on the newer release
+        unregister("new_tool")  # rolled back before the child ran
+        asked = len(model.received())
+        settle(deps)
+        with transaction() as s:
+            child = s.execute(select(AgentSession).where(AgentSession.parent_session_id == parent)).scalar_one()
+        assert child.release_wait_since is not None and answers(child.id) == []
+        assert len(model.received()) == asked  # the child asked nothing
+
+        @tool
+        def new_tool(ctx: ToolContext, text: str) -> str:  # type: ignore[no-redef]
+            """A tool only the newer deploy's code has."""
+            return text
+
+        drive(model.base_url, deps=deps)  # the scan recovers the execution; this worker has the tool
+        assert answers(child.id) == ["child done"]
+        (delivered,) = [m.content for m in messages_of(parent) if m.role == "TOOL"]  # once
+        assert json.loads(delivered)["result"] == "child done"
+        assert phase_of(parent) == Phase.WAITING_USER
+        with transaction() as s:
+            row = s.execute(select(AgentSession).where(AgentSession.id == child.id)).scalar_one()
+        assert row.release_wait_since is None
+    finally:
+        unregister("new_tool")
