@@ -260,7 +260,7 @@ def waiting_for_release(s: Session) -> list[tuple[int, int]]:
 
     rows = s.execute(
         select(S.release_id, func.count())
-        .where(S.release_wait_since.is_not(None), S.phase.in_(ACTIVE_PHASES))
+        .where(S.release_wait_since.is_not(None), S.phase.in_(ACTIVE_PHASES), S.release_id.is_not(None))
         .group_by(S.release_id)
     )
-    return [(int(r[0]), int(r[1])) for r in rows]
+    return [(int(r[0] or 0), int(r[1])) for r in rows]
