@@ -61,6 +61,7 @@ POINTS = (
     "approval.after_rule",  # a continued round: tools' approval callables' decisions journaled, no tool run yet
     "approval.after_notified",  # the approval webhook took a notification and it is recorded; the task not acked
     "model.after_reply",  # the provider answered a model call; its reply not stored yet (nor journaled)
+    "release.after_move",  # a session tree's move to another release committed at a round boundary, model not asked
 )
 
 EXIT_CODE = 137

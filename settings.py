@@ -277,6 +277,23 @@ class Settings(BaseSettings):
             "resumed with back-off until its deadline or this long after the outage began, then FAILED."
         ),
     )
+    AGENT_RELEASE_POLICY: Literal["pinned", "latest"] = Field(
+        default="pinned",
+        description=(
+            "pinned: a session keeps the agent release it started in until an operator moves it "
+            "(sessions upgrade); latest: a session moves to the worker's release, when newer, at its "
+            "next round boundary (docs/releases.md)."
+        ),
+    )
+    RELEASE_WAIT_SECONDS: float = Field(
+        default=3600.0,
+        gt=0,
+        description=(
+            "A session of a newer release than the worker's, whose tools the worker does not all have, "
+            "waits for a worker of its release (resumed with back-off) this long, then ends FAILED "
+            "release_unavailable."
+        ),
+    )
     TOOL_MAX_RERUNS: int = Field(
         default=3,
         ge=0,

@@ -189,6 +189,13 @@ def _show(args: argparse.Namespace) -> int:
     if snap.get("failure_code"):
         print(f"  {str(snap['phase']).lower()}: {snap['failure_code']} ({snap['failure_message'] or ''})")
     print(f"  usage: session {_totals(snap['usage']['session'])}; tree {_totals(snap['usage']['tree'])}")
+    if (r := snap["release"])["id"] is not None:
+        target = f", moving to release {r['target_id']} at its next round" if r["target_id"] else ""
+        print(f"  release: {r['id']}{target}")
+        if r["waiting_for_worker_since"]:
+            print(f"  waiting for a worker of release {r['id']} since {r['waiting_for_worker_since']}")
+        for m in r["moves"]:
+            print(f"  moved: release {m['from_release_id']} -> {m['to_release_id']} ({m['reason']}) at {m['at']}")
     if (b := snap["budget"]) is not None:
         print(f"  budget: tree of session {b['root_session_id']}: {spent_line(b)}")
     for m in snap["messages"]:

@@ -52,6 +52,7 @@ WITHOUT_TOOLS = frozenset(
         "health",
         "releases",
         "budget",
+        "sessions",  # `sessions upgrade --to current` loads them itself: it needs this configuration's release
     }
 )
 

@@ -182,6 +182,19 @@ def api_approvals(request: Request) -> Response:
     return JSONResponse(_approvals(request))
 
 
+def _releases() -> dict[str, Any]:
+    with queries.read_only() as s:
+        return queries.releases(s)
+
+
+def api_releases(request: Request) -> Response:
+    return JSONResponse(_releases())
+
+
+def page_releases(request: Request) -> Response:
+    return templates.TemplateResponse(request, "releases.html", context(request, r=_releases()))
+
+
 def api_health(request: Request) -> Response:
     return JSONResponse(_health())
 
@@ -455,6 +468,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
         Route(f"/sessions/{num}/live", page_session_live),
         Route("/health", page_health),
         Route("/approvals", page_approvals),
+        Route("/releases", page_releases),
         Route(f"/sessions/{num}/cancel", cancel, methods=["POST"]),
         Route(f"/sessions/{num}/redeliver", redeliver_parent, methods=["POST"]),
         Route(f"/executions/{num}/redeliver", redeliver_execution, methods=["POST"]),
@@ -464,6 +478,7 @@ def create_app(config: ConsoleConfig) -> Starlette:
         Route("/api/sessions", api_sessions),
         Route(f"/api/sessions/{num}", api_session),
         Route("/api/approvals", api_approvals),
+        Route("/api/releases", api_releases),
         Route("/api/health", api_health),
         Route("/api/csrf", api_csrf),
         Route(f"/api/sessions/{num}/cancel", cancel, methods=["POST"]),

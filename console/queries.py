@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from console.timeline import timeline
 from harness.events import external_phase
+from harness.views import session_release
 from models import AgentSession, DeliveryStatus, ExecutionStatus, Message, Phase, Role, SubagentExecution, transaction
 from models.base import utcnow
 
@@ -410,6 +411,7 @@ def session_detail(
         "content_shown": show_content,
         "actions": operator_actions(s, session_id),
         "approvals": pending_approvals(s, session_id),
+        "release": session_release(s, session_id),
     }
 
 
@@ -455,6 +457,16 @@ def children_counts(s: Session, session_ids: list[int]) -> dict[int, int]:
         .group_by(S.parent_session_id)
     )
     return {int(p): int(n) for p, n in s.execute(stmt).all() if p is not None}
+
+
+def releases(s: Session) -> dict[str, Any]:
+    """``GET /api/releases``: every release, oldest first, with its live sessions and those
+    waiting for a worker of it; ``in_use``: the ids of the releases some live session still
+    runs on (an old tool may be deleted once no release in use has it)."""
+    from harness.views import release_list
+
+    rows = release_list(s)
+    return {"releases": rows, "in_use": [r["id"] for r in rows if r["live_sessions"]]}
 
 
 #: A session's page lists its latest this many operator actions.

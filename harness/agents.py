@@ -130,6 +130,9 @@ class AgentDef:
     #: and the Python tools that release had (the names a call may still use after a deploy).
     release_id: int | None = None
     release_tools: tuple[str, ...] = ()
+    #: The tools of that release this worker cannot run as the release defined them: not
+    #: registered here, or registered with another JSON schema (docs/releases.md).
+    release_missing: frozenset[str] = frozenset()
 
     @property
     def budget_tokens(self) -> int | None:

@@ -41,7 +41,7 @@ from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply
 from harness.outage import model_answered, wait_for_model
 from harness.presence import LOCAL_NEVER_CONNECTED, wait_for_client
-from harness.release import offered_tools, session_agent
+from harness.release import ReleaseWait, offered_tools, release_needed, session_agent, wait_for_worker
 from harness.results import describe_exception
 from harness.scheduler import Scheduler
 from logfmt import log_event
@@ -59,6 +59,7 @@ from models.child import child_facts_setting_phase_stmt, child_facts_stmt
 from models.db import is_postgresql
 from models.enums import FailureCode
 from models.execution import take_execution
+from models.release import release_found
 from models.session import set_child_phase, set_phase
 from settings import get_settings
 
@@ -125,6 +126,7 @@ def _child_info(row: Any) -> ChildInfo:
         cap_tokens=row.cap_tokens,
         cap_used_tokens=int(row.cap_used_tokens or 0),
         release_id=row.release_id,
+        release_wait_since=row.release_wait_since,
     )
 
 
@@ -154,6 +156,9 @@ class ChildOutcome(StrEnum):
     COMPLETED_FROM_FINAL = "completed_from_final"  #: recovery found the final answer committed (R20)
     FAILED = "failed"  #: a FAILED result was committed (model/tool error, max_rounds, bad history)
     WAITING_MODEL = "waiting_model"  #: the model is down: nothing written, recovered after a back-off
+    #: the child's release is newer than this worker's, whose tools it lacks: nothing run, its
+    #: execution's lease lapses after a back-off and the scan recovers it (docs/releases.md)
+    WAITING_RELEASE = "waiting_release"
     TIMED_OUT = "timed_out"  #: recovery found the absolute deadline passed: FAILED committed (R6)
     CANCELLED = "cancelled"  #: the child session was cancelled: CANCELLED committed
     #: a tool call waits for a human decision: the execution's lease is released, its child session
@@ -247,6 +252,9 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id):
             publish_status(info.child_session_id, Phase.RUNNING)
             agent = child_agent(info)
+            left = _left_for_release(info, fence, agent)
+            if left is not None:
+                return left
             allowed = offered_tools(agent, subagent=True)
             local = agent.execution_mode == ExecutionMode.LOCAL or info.execution_mode == ExecutionMode.LOCAL
             with Heartbeat(fence):
@@ -288,6 +296,35 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         )
         failed = Failed(f"subagent failed: {describe_exception(exc)}", code=reason_for(exc).code)
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
+
+
+def _left_for_release(info: ChildInfo, fence: ExecutionFence, agent: AgentDef) -> ChildEnd | None:
+    """None when this worker serves the child's release; else the run's end: the child is left
+    for a worker of its release (its execution's lease lapses after a back-off), or FAILED
+    ``release_unavailable`` once it waited RELEASE_WAIT_SECONDS (harness.release)."""
+    if not agent.release_missing and info.release_wait_since is None:
+        return None  # nothing to decide: no statement
+    with transaction() as s:
+        needed = release_needed(s, agent)
+        if needed is None:
+            release_found(s, info.child_session_id, epoch=None)
+            return None
+        waited = wait_for_worker(
+            s,
+            info.child_session_id,
+            epoch=fence.epoch,
+            release_id=needed,
+            since=info.release_wait_since,
+            execution_id=info.execution_id,
+        )
+    if waited == ReleaseWait.GAVE_UP:
+        limit = get_settings().RELEASE_WAIT_SECONDS
+        failed = Failed(
+            f"subagent failed: no worker of release {needed} took it within {limit:g} s",
+            code=FailureCode.RELEASE_UNAVAILABLE,
+        )
+        return end_with_failure(info, fence.epoch, ChildOutcome.FAILED, failed)
+    return ChildEnd(ChildOutcome.WAITING_RELEASE if waited == ReleaseWait.WAITING else ChildOutcome.LOST)
 
 
 def _final_result(final: ModelReply) -> tuple[Completed | Failed, ChildOutcome]:

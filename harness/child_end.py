@@ -76,6 +76,8 @@ class ChildInfo:
     cap_used_tokens: int = 0
     #: The child session's release (docs/releases.md; None: the worker's configuration).
     release_id: int | None = None
+    #: Since when the child session waits for a worker of its release (None: it does not).
+    release_wait_since: datetime | None = None
 
 
 def _live_after_start(role: Role) -> Any:

@@ -44,7 +44,16 @@ from harness.journal import RoundInFlight, close_in, journal_reply, resume, resu
 from harness.loop import LoopDeps, ask, inline_round, model_messages
 from harness.model import ModelReply, ToolCall
 from harness.outage import model_answered, wait_for_model
-from harness.release import offered_tools, session_agent, session_release
+from harness.release import (
+    ReleaseWait,
+    at_boundary,
+    latest_release,
+    offered_tools,
+    release_needed,
+    session_agent,
+    session_release,
+    wait_for_worker,
+)
 from harness.scheduler import Handed
 from harness.tools import run_inline
 from harness.usage import record_call
@@ -52,6 +61,7 @@ from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.budget import charge_estimated
 from models.journal import JOURNAL_OPEN
+from models.release import release_found, target_of
 from models.round import record_inline, start_inline
 from models.session import FailureReason, end_run, release_session, take_session_facts
 
@@ -68,6 +78,9 @@ class RunOutcome(StrEnum):
     FAILED = "failed"  #: the run ended the session FAILED (a model/tool error, max_rounds)
     CANCELLED = "cancelled"  #: the session was cancelled; the lease is released
     WAITING_MODEL = "waiting_model"  #: the model is down: nothing written, resumed after a back-off
+    #: the session's release is newer than this worker's, whose tools it lacks: nothing run, its
+    #: lease lapses after a back-off and the scan resumes it (docs/releases.md)
+    WAITING_RELEASE = "waiting_release"
     LOST = "lost"  #: the lease was lost mid-run: nothing more written
     INFRA_ERROR = "infra_error"  #: a database/broker fault: nothing written, the scan resumes it
 
@@ -93,6 +106,8 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         agent: AgentDef | None = None
         in_flight = first_view = None
         model_waiting = False
+        latest: int | None = None
+        waited: ReleaseWait | None = None
         if new_epoch is not None:  # a stale message (or a session deleted meanwhile) reads nothing more
             agent_type = row.agent_type
             budget_root_id = row.budget_root_id
@@ -103,6 +118,19 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
                 )
             # The session's release's definition (docs/releases.md), read in the take's transaction.
             agent = session_agent(s, agent_type, row.release_id or session_release(s, session_id, new_epoch))
+            latest = latest_release(s)
+            if not row.journal_open:  # a round boundary: no statement unless a move is due
+                target = row.release_target_id
+                moved = at_boundary(s, session_id, epoch=new_epoch, agent=agent, latest=latest, target=target)
+                agent = moved or agent
+            needed = release_needed(s, agent)
+            if needed is not None:
+                waited = wait_for_worker(
+                    s, session_id, epoch=new_epoch, release_id=needed, since=row.release_wait_since
+                )
+        if waited is None and new_epoch is not None and agent is not None:
+            if row.release_wait_since is not None:
+                release_found(s, session_id, epoch=new_epoch)
             model_waiting = row.model_outage_since is not None
             # The first round's view (or the round a crashed run journaled) is read in the
             # take's transaction (one trip fewer); the take is the epoch's fence there. The
@@ -113,6 +141,8 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
                 first_view = model_messages(session_id, agent, s=s, compaction=compaction)
     if fault:
         return RunOutcome.INFRA_ERROR
+    if waited is not None:
+        return _left_for_release(session_id, waited)
     if new_epoch is None or agent_type is None or agent is None:
         log_event(log, "agent_run_skipped", session_id=session_id, epoch=epoch, reason="stale")
         return RunOutcome.STALE
@@ -134,8 +164,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
                 in_flight=in_flight,
                 model_waiting=model_waiting,
                 budget_root_id=budget_root_id,
+                latest=latest,
             )
         return RunOutcome.INFRA_ERROR
+    except _LeftForRelease as left:
+        return _left_for_release(session_id, left.waited)
     except LeaseLost:
         log_event(log, "agent_run_lost", session_id=session_id, epoch=new_epoch)
         return RunOutcome.LOST
@@ -165,10 +198,29 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         return RunOutcome.FAILED
 
 
+class _LeftForRelease(Exception):
+    """Raised between two rounds when the session moved to a release this worker must leave to a
+    worker of it; caught by ``run_agent``. Control flow, not an error."""
+
+    def __init__(self, waited: ReleaseWait) -> None:
+        self.waited = waited
+
+
+def _left_for_release(session_id: int, waited: ReleaseWait) -> RunOutcome:
+    if waited == ReleaseWait.GAVE_UP:
+        publish_status(session_id, Phase.FAILED)
+        return RunOutcome.FAILED
+    if waited == ReleaseWait.LOST:
+        return RunOutcome.STALE
+    return RunOutcome.WAITING_RELEASE
+
+
 #: What a run reads of its session, returned by its take.
 RUN_FACTS = (
     "agent_type",
     "release_id",
+    "release_target_id",
+    "release_wait_since",
     "compaction_boundary_message_id",
     "compaction_summary",
     "model_outage_since",
@@ -196,6 +248,7 @@ def _parent_rounds(
     in_flight: RoundInFlight | None = None,
     model_waiting: bool = False,
     budget_root_id: int | None = None,
+    latest: int | None = None,
 ) -> RunOutcome:
     gate = Gate(agent)
     for _ in range(agent.max_rounds):
@@ -203,6 +256,10 @@ def _parent_rounds(
         if in_flight is not None:
             rnd, in_flight = in_flight, None  # continued from the journal: no model call
         else:
+            if view is None:  # a round boundary inside the run (the take decided the first one)
+                moved = _between_rounds(session_id, fence, agent, latest)
+                if moved is not None:
+                    agent, allowed, gate = moved, offered_tools(moved, subagent=False), Gate(moved)
             messages = view or model_messages(session_id, agent)
             arguments.check(messages)  # the model is not asked again past a tool's max_retries
             reply = ask(
@@ -258,6 +315,26 @@ def _stop(fence: SessionFence, answer: str, reason: FailureReason) -> RunOutcome
         release_session(s, fence.session_id, epoch=fence.epoch, to_phase=Phase.FAILED, reason=reason)
     publish_status(fence.session_id, Phase.FAILED)
     return RunOutcome.FAILED
+
+
+def _between_rounds(session_id: int, fence: SessionFence, agent: AgentDef, latest: int | None) -> AgentDef | None:
+    """A move of the session's tree at this round boundary (``at_boundary``): the new release's
+    agent, or None when nothing moved. Raises ``_LeftForRelease`` when the new release needs a
+    worker of it."""
+    if agent.release_id is None:
+        return None
+    waited = None
+    with transaction() as s:
+        target = target_of(s, session_id)
+        moved = at_boundary(s, session_id, epoch=fence.epoch, agent=agent, latest=latest, target=target)
+        needed = None if moved is None else release_needed(s, moved)
+        if needed is not None:
+            waited = wait_for_worker(s, session_id, epoch=fence.epoch, release_id=needed, since=None)
+    if waited is not None:
+        raise _LeftForRelease(waited)  # the move and the wait are committed
+    if moved is not None:
+        crash_point("release.after_move")
+    return moved
 
 
 def _final_answer(session_id: int, fence: SessionFence, agent: AgentDef, reply: ModelReply) -> RunOutcome:

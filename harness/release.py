@@ -6,15 +6,20 @@ values) once under the sha256 of its canonical JSON, and caches the id per datab
 ``session_agent`` is how a loop gets the definition of a session's agent: from the session's
 release when it has one (pinned), from the worker's configuration otherwise;
 ``session_release`` gives a session without one the release of the worker running its first
-round.
+round. ``at_boundary`` moves a top-level session's tree to another release at a round boundary
+(the policy ``latest``, or an operator's ``sessions upgrade``); ``release_needed`` says when this
+worker must leave a session for a worker of its (newer) release.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from dataclasses import replace
+from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import event
@@ -23,9 +28,20 @@ from sqlalchemy.orm import Session
 from harness.agents import AgentDef, get_agent, load_agents
 from harness.errors import UnknownAgent
 from harness.model import ModelOptions
+from logfmt import log_event
 from models import ExecutionMode, get_engine, transaction
 from models.db import on_dispose
-from models.release import pin_session_release, release_definition, release_of, store_release
+from models.release import (
+    MoveReason,
+    move_at_boundary,
+    pin_session_release,
+    release_definition,
+    release_of,
+    store_release,
+)
+from settings import get_settings
+
+log = logging.getLogger(__name__)
 
 #: Bumped when the shape of a definition changes (a new key): the hash then changes with it.
 DEFINITION_VERSION = 1
@@ -199,10 +215,28 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
     entry = definition.get("agents", {}).get(agent_type)
     if entry is None:
         raise UnknownAgent(f"unknown agent {agent_type!r} in release {release_id} ({content_hash[:12]})")
-    return _agent_from(agent_type, entry, sorted(definition.get("tools", {})), release_id)
+    tools = definition.get("tools", {})
+    return _agent_from(agent_type, entry, sorted(tools), release_id, missing_tools(tools))
 
 
-def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int) -> AgentDef:
+def missing_tools(release_tools: dict[str, Any]) -> frozenset[str]:
+    """The tools of a release (its definition's ``tools``) that this worker cannot run as the
+    release defined them: not registered, or registered with another JSON schema (the
+    ``parameters`` a request offers; a changed description or flag is the same tool). A call of
+    one is never run under a schema the model was not shown: it gets ``tool_unavailable``."""
+    from harness.tools.registry import REGISTRY
+
+    missing = set()
+    for name, entry in release_tools.items():
+        here = REGISTRY.get(name)
+        if here is None or here.parameters != entry.get("spec", {}).get("function", {}).get("parameters"):
+            missing.add(name)
+    return frozenset(missing)
+
+
+def _agent_from(
+    name: str, entry: dict[str, Any], definition_tools: list[str], release_id: int, missing: frozenset[str]
+) -> AgentDef:
     servers = {m["name"] for m in entry.get("mcp_servers", [])}
     approve = tuple(entry.get("approve", ()))
     approve_destructive = bool(entry.get("approve_destructive", False))
@@ -239,22 +273,143 @@ def _agent_from(name: str, entry: dict[str, Any], definition_tools: list[str], r
         child_budget_tokens=entry.get("child_budget_tokens"),
         release_id=release_id,
         release_tools=tuple(definition_tools),
+        release_missing=missing,
     )
     return replace(agent, mcp_servers=mcp)
 
 
 def offered_tools(agent: AgentDef, *, subagent: bool) -> tuple[str, ...]:
     """The tools ``agent``'s round offers on this worker; an ``Offered`` naming the release's
-    tools this worker lacks when there are any (docs/releases.md)."""
+    tools this worker lacks (or has under another schema: not offered) when there are any
+    (docs/releases.md)."""
     from harness.tools.registry import REGISTRY, Offered
 
     names = agent.tool_names(tuple(REGISTRY), subagent=subagent)
     if agent.release_id is None:
         return names
     had = agent.registered_tool_names(agent.release_tools, subagent=subagent)
-    missing = frozenset(n for n in had if n not in REGISTRY)
+    missing = frozenset(n for n in had if n in agent.release_missing)
     if not missing:
         return names
-    offered = Offered(names)
+    offered = Offered(n for n in names if n not in missing)
     offered.release_id, offered.missing = agent.release_id, missing
     return offered
+
+
+def latest_release(s: Session) -> int | None:
+    """This worker's release when AGENT_RELEASE_POLICY is ``latest`` (sessions move to it at
+    their next round boundary when it is newer than theirs); None when sessions are pinned."""
+    return current_release_id(s) if get_settings().AGENT_RELEASE_POLICY == "latest" else None
+
+
+def at_boundary(
+    s: Session, session_id: int, *, epoch: int, agent: AgentDef, latest: int | None, target: int | None
+) -> AgentDef | None:
+    """At a round boundary of the top-level session held at ``epoch`` (no round of it in flight):
+    move its tree to ``target`` (the release an operator set), or to ``latest`` (the policy
+    ``latest``: this worker's) when that is newer (``models.release.move_at_boundary``), and
+    return the session's agent as the new release defines it; None when nothing moved (the
+    caller goes on with ``agent``). A release without the session's agent is never moved to: the
+    session stays where it is (logged)."""
+    from_release = agent.release_id
+    if from_release is None:
+        return None
+    if target is not None and target != from_release:
+        to_release, reason = target, MoveReason.UPGRADE
+    elif target is None and latest is not None and latest > from_release:
+        to_release, reason = latest, MoveReason.LATEST
+    else:
+        return None
+    try:
+        moved = session_agent(s, agent.name, to_release)
+    except UnknownAgent:
+        log_event(
+            log, "release_move_refused", logging.WARNING, session_id=session_id, to_release=to_release, reason="agent"
+        )
+        return None
+    if not move_at_boundary(
+        s, session_id, epoch=epoch, from_release=from_release, to_release=to_release, reason=reason
+    ):
+        return None
+    log_event(
+        log,
+        "session_release_moved",
+        session_id=session_id,
+        from_release=from_release,
+        to_release=to_release,
+        reason=str(reason),
+    )
+    return moved
+
+
+def release_needed(s: Session, agent: AgentDef) -> int | None:
+    """The release a worker of which must run this session: the session's own, when it is newer
+    than this worker's and this worker cannot run every tool of it that the agent offers (a
+    rolling deploy or a rollback: docs/releases.md); None when this worker serves it. A tool of
+    an OLDER release that this worker lacks is a deploy that removed it: the session is served,
+    and a call of that tool gets ``tool_unavailable``."""
+    if agent.release_id is None or not agent.release_missing:
+        return None
+    had = agent.registered_tool_names(agent.release_tools, subagent=False)
+    if not any(n in agent.release_missing for n in had):
+        return None
+    # NOTE: ids grow with first storage: a release stored after this worker's is a newer deploy
+    # (a configuration deployed again finds its old row, and stays older).
+    return agent.release_id if agent.release_id > current_release_id(s) else None
+
+
+class ReleaseWait(StrEnum):
+    """What ``wait_for_worker`` did with a session this worker must not serve."""
+
+    WAITING = "waiting"  #: its lease lapses after a back-off: the scan resumes it (any worker's task)
+    GAVE_UP = "gave_up"  #: it waited RELEASE_WAIT_SECONDS: FAILED release_unavailable
+    LOST = "lost"  #: another epoch holds it: nothing written
+
+
+def wait_for_worker(
+    s: Session,
+    session_id: int,
+    *,
+    epoch: int,
+    release_id: int,
+    since: datetime | None,
+    execution_id: int | None = None,
+) -> ReleaseWait:
+    """In the take's transaction (the holder of ``epoch``; a child's: of its execution
+    ``execution_id``), leave a session of ``release_id`` for a worker of that release: nothing of
+    it runs here. Like a session waiting for the model (harness.outage) its lease is set to
+    lapse after a back-off (as long as it has waited so far, within the outage's bounds) and the
+    scan's ordinary step for dead work resumes it; past RELEASE_WAIT_SECONDS since it began
+    waiting a parent ends FAILED ``release_unavailable`` here (a child: GAVE_UP, nothing written,
+    its caller ends the execution with that reason)."""
+    from harness.outage import backoff_seconds
+    from models import FailureCode, Phase
+    from models.base import utcnow
+    from models.release import wait_for_release
+    from models.session import FailureReason, release_session
+
+    now = utcnow()
+    limit = get_settings().RELEASE_WAIT_SECONDS
+    if since is not None and (now - since).total_seconds() >= limit:
+        log_event(log, "release_wait_gave_up", logging.WARNING, session_id=session_id, release=release_id)
+        if execution_id is not None:
+            return ReleaseWait.GAVE_UP
+        reason = FailureReason(
+            FailureCode.RELEASE_UNAVAILABLE, f"no worker of release {release_id} took it within {limit:g} s"
+        )
+        if not release_session(s, session_id, epoch=epoch, to_phase=Phase.FAILED, reason=reason):
+            return ReleaseWait.LOST
+        return ReleaseWait.GAVE_UP
+    backoff = backoff_seconds(since, now)
+    if not wait_for_release(s, session_id, epoch=epoch, backoff_seconds=backoff, execution_id=execution_id):
+        return ReleaseWait.LOST
+    log_event(
+        log,
+        "release_wait",
+        logging.WARNING,
+        session_id=session_id,
+        execution_id=execution_id,
+        release=release_id,
+        backoff_ms=int(backoff * 1000),
+    )
+    return ReleaseWait.WAITING

@@ -109,6 +109,47 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
         "messages": [_message(m) for m in messages],
         "executions": [_execution(e) for e in executions],
         "approvals": _approvals(s, session_id),
+        "release": _release(s, row),
+    }
+
+
+def release_list(s: Session) -> list[dict[str, Any]]:
+    """Every release, oldest first, with its live sessions and those waiting for a worker of it
+    (the ``releases --json`` shape, the console's releases page)."""
+    from models.release import release_rows, waiting_for_release
+
+    rows = release_rows(s)
+    waiting = dict(waiting_for_release(s))
+    return [
+        {
+            "id": int(r.id),
+            "content_hash": str(r.content_hash),
+            "created_at": r.created_at.isoformat(),
+            "agents": sorted((r.definition or {}).get("agents", {})),
+            "live_sessions": int(r.live),
+            "waiting_for_worker": waiting.get(int(r.id), 0),
+        }
+        for r in rows
+    ]
+
+
+def session_release(s: Session, session_id: int) -> dict[str, Any] | None:
+    """``_release`` of one session by its id; None when there is no such session."""
+    row = s.execute(select(AgentSession).where(AgentSession.id == session_id)).scalar_one_or_none()
+    return None if row is None else _release(s, row)
+
+
+def _release(s: Session, row: AgentSession) -> dict[str, Any]:
+    """The session's release (docs/releases.md): its id, the target an operator moved its tree
+    to (taken at its next round boundary), since when it waits for a worker of its release, and
+    its tree's moves."""
+    from models.release import moves_of
+
+    return {
+        "id": row.release_id,
+        "target_id": row.release_target_id,
+        "waiting_for_worker_since": row.release_wait_since.isoformat() if row.release_wait_since else None,
+        "moves": moves_of(s, row.id),
     }
 
 

@@ -27,7 +27,7 @@ from models.journal import CallStatus, JournalStatus, RoundJournal, RoundJournal
 from models.message import Message
 from models.operator_action import OperatorAction
 from models.presence import WorkerPresence
-from models.release import AgentRelease
+from models.release import AgentRelease, ReleaseMove
 from models.round import PendingRound
 from models.session import AgentSession
 from models.usage import ModelCallUsage
@@ -60,6 +60,7 @@ __all__ = [
     "PendingRound",
     "Phase",
     "RecoveryScan",
+    "ReleaseMove",
     "Role",
     "RoundJournal",
     "RoundJournalCall",

@@ -45,6 +45,7 @@ def child_facts_stmt() -> Any:
             S.cap_tokens,
             S.cap_used_tokens,
             S.release_id,
+            S.release_wait_since,
             # Whether the child session has an open round journal entry (ChildInfo.journal_open).
             has_open_entry(E.child_session_id),
         )

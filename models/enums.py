@@ -90,4 +90,5 @@ class FailureCode(StrEnum):
     CANCELLED_BY = "cancelled_by"  #: an operator or a user cancelled it (the message names who)
     PARENT_STOPPED = "parent_stopped"  #: a child whose parent was stopped: its result is suppressed
     BUDGET_EXHAUSTED = "budget_exhausted"  #: its tree's token budget refused a model call's reservation
+    RELEASE_UNAVAILABLE = "release_unavailable"  #: no worker of its release took it within RELEASE_WAIT_SECONDS
     INTERNAL_ERROR = "internal_error"  #: anything else: the message names the exception's type

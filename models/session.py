@@ -55,6 +55,13 @@ class AgentSession(Base):
             postgresql_where=text("model_outage_since IS NOT NULL"),
             sqlite_where=text("model_outage_since IS NOT NULL"),
         ),
+        # Sessions waiting for a worker of their release (models.release): the metric counts them.
+        Index(
+            "ix_agent_session_release_wait",
+            "release_wait_since",
+            postgresql_where=text("release_wait_since IS NOT NULL"),
+            sqlite_where=text("release_wait_since IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -99,6 +106,12 @@ class AgentSession(Base):
     #: The agent release the session runs on (models.release): set by its first run's take to
     #: that worker's release; a child takes its parent's. NULL until then (docs/releases.md).
     release_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
+    #: The release an operator moved this top-level session (and its tree) to, taken at its next
+    #: round boundary, then NULL again (``sessions upgrade``; docs/releases.md).
+    release_target_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("agent_release.id"), nullable=True)
+    #: Since when the session waits for a worker of its release (a newer release whose tools the
+    #: workers that took it lacked); NULL once a worker of it runs it (docs/releases.md).
+    release_wait_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

@@ -99,6 +99,12 @@ WAITING_FOR_MODEL_SQL = """
 SELECT count(*) FROM agent_session
 WHERE model_outage_since IS NOT NULL AND phase IN ('RUNNING', 'RESUMING')
 """
+#: Live sessions waiting for a worker of their release, by release (ix_agent_session_release_wait).
+WAITING_FOR_RELEASE_SQL = """
+SELECT release_id, count(*) FROM agent_session
+WHERE release_wait_since IS NOT NULL AND phase IN ('RUNNING', 'RESUMING')
+GROUP BY release_id
+"""
 #: IN_PROGRESS field invocations and the stale ones (ix_field_recovery_invocation_in_progress).
 FIELD_LIVE_SQL = """
 SELECT count(*),
@@ -280,7 +286,16 @@ class RecoveryCollector(Collector):
     def _rounds(self, conn: Connection) -> list[Metric]:
         count = conn.execute(text(OPEN_ROUNDS_SQL)).scalar_one()
         waiting = conn.execute(text(WAITING_FOR_MODEL_SQL)).scalar_one()
+        for_release = GaugeMetricFamily(
+            _name("sessions_waiting_for_release"),
+            "Live sessions left for a worker of their release (newer than the workers' that took them, "
+            "which lacked its tools), by release; each ends FAILED release_unavailable after RELEASE_WAIT_SECONDS",
+            labels=["release"],
+        )
+        for release_id, count in conn.execute(text(WAITING_FOR_RELEASE_SQL)):
+            for_release.add_metric([str(release_id)], float(count))
         return [
+            for_release,
             GaugeMetricFamily(
                 _name("pending_rounds_open"),
                 "Parent tool-call rounds waiting for their children (pending_round not closed)",

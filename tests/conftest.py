@@ -159,8 +159,16 @@ def pg_url() -> Iterator[str]:
 
 
 #: Truncated before each test (with CASCADE: the tables that reference them); operator_action
-#: and worker_presence reference nothing, so they are named.
-TABLES = ("message", "subagent_execution", "pending_round", "agent_session", "operator_action", "worker_presence")
+#: worker_presence and release_move reference nothing, so they are named.
+TABLES = (
+    "message",
+    "subagent_execution",
+    "pending_round",
+    "agent_session",
+    "operator_action",
+    "worker_presence",
+    "release_move",
+)
 
 
 @pytest.fixture
