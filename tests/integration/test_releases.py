@@ -426,7 +426,7 @@ def test_sessions_upgrade_moves_trees_at_their_next_round_boundary_and_denies_ap
         epoch = s.execute(select(AgentSession.epoch).where(AgentSession.id == looking)).scalar_one()
     assert run_agent(looking, epoch, deps) == "waiting_user"
     assert answers(looking) == ["answered under v2"]
-    assert next(m.content for m in messages_of(looking) if m.role == "TOOL").startswith("denied by ops")
+    assert next(m.content for m in messages_of(looking) if m.role == "TOOL").startswith("denied by an approver")
     # The delegating round ends on v1 (its child ran on v1); the tree moves together after it.
     settle(deps)
     with transaction() as s:
