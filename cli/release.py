@@ -54,6 +54,7 @@ def _releases(args: argparse.Namespace) -> int:
             f"release {r['id']}  {r['content_hash'][:12]}  created {r['created_at']}  "
             f"live sessions {r['live_sessions']}  agents {', '.join(r['agents'])}"
             + (f"  waiting for a worker of it {r['waiting_for_worker']}" if r["waiting_for_worker"] else "")
+            + (f"  workers {', '.join(r['workers'])}" if r["workers"] else "  no worker alive")
         )
     return 0
 

@@ -115,11 +115,14 @@ def snapshot(s: Session, session_id: int) -> dict[str, Any] | None:
 
 def release_list(s: Session) -> list[dict[str, Any]]:
     """Every release, oldest first, with its live sessions and those waiting for a worker of it
-    (the ``releases --json`` shape, the console's releases page)."""
+    and the workers alive now whose configuration it is (the ``releases --json`` shape, the
+    console's releases page)."""
+    from models.presence import alive_by_release
     from models.release import release_rows, waiting_for_release
 
     rows = release_rows(s)
     waiting = dict(waiting_for_release(s))
+    workers = alive_by_release(s)
     return [
         {
             "id": int(r.id),
@@ -128,6 +131,7 @@ def release_list(s: Session) -> list[dict[str, Any]]:
             "agents": sorted((r.definition or {}).get("agents", {})),
             "live_sessions": int(r.live),
             "waiting_for_worker": waiting.get(int(r.id), 0),
+            "workers": workers.get(int(r.id), []),
         }
         for r in rows
     ]

@@ -67,6 +67,17 @@ def forget_old(s: Session, days: float = PRESENCE_RETENTION_DAYS) -> int:
     return int(rows.rowcount or 0)
 
 
+def alive_by_release(s: Session) -> dict[int | None, list[str]]:
+    """The names of the workers alive now, by the release of their configuration (sorted; NULL
+    for workers whose release is not known): which workers run which release."""
+    W = WorkerPresence
+    since = utcnow() - timedelta(seconds=silent_after_seconds())
+    found: dict[int | None, list[str]] = {}
+    for name, release in s.execute(select(W.name, W.release_id).where(W.last_seen_at >= since).order_by(W.name)):
+        found.setdefault(None if release is None else int(release), []).append(str(name))
+    return found
+
+
 #: Health lists at most this many workers (alive first, then the latest silent ones).
 LISTED = 100
 

@@ -242,15 +242,30 @@ def test_the_releases_command_lists_each_release_with_its_live_sessions(
     deploy.to(V2)
     v2 = started(url, "c")
     cancel_session(v1[1])
+    from models.presence import WorkerPresence, record_seen
+
+    # Which workers run which release: two alive on v2, one on v1, one silent on v1.
+    with transaction() as s:
+        for name, release in (("w2a@h", release_of(v2)), ("w2b@h", release_of(v2)), ("w1@h", release_of(v1[0]))):
+            record_seen(s, name=name, hostname="h", pid=1, started_at=utcnow(), release_id=release)
+        record_seen(s, name="old@h", hostname="h", pid=2, started_at=utcnow(), release_id=release_of(v1[0]))
+        s.execute(
+            update(WorkerPresence)
+            .where(WorkerPresence.name == "old@h")
+            .values(last_seen_at=utcnow() - timedelta(days=1))
+        )
     listed = cli("releases", "--json", env={"DATABASE_URL": db})
     assert listed.returncode == 0, listed.stderr
     rows = {r["id"]: r for r in json.loads(listed.stdout)}
+    assert rows[release_of(v2)]["workers"] == ["w2a@h", "w2b@h"]
+    assert rows[release_of(v1[0])]["workers"] == ["w1@h"]  # the silent one is not counted
     assert rows[release_of(v1[0])]["live_sessions"] == 1  # the cancelled one is not live
     assert rows[release_of(v2)]["live_sessions"] == 1
     assert rows[release_of(v2)]["agents"] == ["main", "reviewer"]
     assert len(rows[release_of(v2)]["content_hash"]) == 64
     text = cli("releases", env={"DATABASE_URL": db})
     assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
+    assert "workers w2a@h, w2b@h" in text.stdout
 
 
 def test_a_tool_whose_schema_changed_in_the_deploy_gets_tool_unavailable_and_is_not_offered(
