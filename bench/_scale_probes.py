@@ -157,7 +157,7 @@ def not_once(url: str, ids: list[int]) -> list[str]:
     from models import transaction
 
     with transaction(url) as s:
-        answers = dict(
+        answers: dict[int, int] = dict(
             s.execute(
                 text(
                     "SELECT s.id, count(m.id) FROM agent_session s LEFT JOIN message m ON m.session_id = s.id"

@@ -479,8 +479,8 @@ def start_workers(
     ]
     for w in ours + naive:
         stack.add_worker(w)
-    with ThreadPoolExecutor(len(ours + naive)) as pool:
-        for started in [pool.submit(w.start, 90) for w in ours + naive]:
+    with ThreadPoolExecutor(len(ours + naive)) as boot:
+        for started in [boot.submit(w.start, 90) for w in ours + naive]:
             started.result()
     return ours, naive
 
