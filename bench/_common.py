@@ -124,10 +124,14 @@ class Stack:
         self.servers.append(server)
         return server
 
-    def worker(self, env: dict[str, str], name: str, concurrency: int = 2, **extra_env: str) -> Any:
+    def worker(
+        self, env: dict[str, str], name: str, concurrency: int = 2, pool: str = "prefork", **extra_env: str
+    ) -> Any:
+        """A real worker; prefork unless ``pool`` says otherwise: the figures in docs/benchmarks.md
+        were measured on prefork workers."""
         from devstack.processes import Worker
 
-        w = Worker({**env, **extra_env}, self.log_dir, name=name, concurrency=concurrency)
+        w = Worker({**env, **extra_env}, self.log_dir, name=name, concurrency=concurrency, pool=pool)
         self.workers.append(w)
         return w.start(timeout=60)
 

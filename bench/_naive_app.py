@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery, chord
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_ready
 from sqlalchemy import select, update
 
 import celeryconfig
@@ -50,6 +50,19 @@ def _app() -> Celery:
 
 
 naive_app = _app()
+
+
+@worker_init.connect
+def _size_the_database_pool(sender: Any = None, **_: Any) -> None:
+    """On a pool that runs many loops in one process (threads, gevent), the database pool is
+    sized from them as ours is (models.db.size_for_loops): both kinds get the same pool."""
+    from celery.concurrency import get_implementation
+
+    from models.db import size_for_loops
+
+    pool_cls = getattr(sender, "pool_cls", None)
+    if pool_cls is not None and not get_implementation(pool_cls).__module__.endswith((".prefork", ".solo")):
+        size_for_loops(int(getattr(sender, "concurrency", 0) or 1))
 
 
 @worker_process_init.connect

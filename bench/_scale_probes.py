@@ -106,13 +106,18 @@ class Checker:
         return int(row[0]), int(row[1])
 
     def done(self, answers: Answers) -> bool:
+        return self.at_least(answers, len(self.ids))
+
+    def at_least(self, answers: Answers, count: int) -> bool:
+        """Whether ``count`` parents answered: the events say when to look; the database, at
+        least every EVERY_SECONDS, decides."""
         answered, failed = answers.hints()
-        if answered < len(self.ids) and not failed and time.monotonic() - self.last < self.EVERY_SECONDS:
+        if answered < count and not failed and time.monotonic() - self.last < self.EVERY_SECONDS:
             return False
         waiting, failed_rows = self.counts()
         if failed_rows:
             raise RuntimeError(f"{failed_rows} parents FAILED (see the worker logs)")
-        return waiting == len(self.ids)
+        return waiting >= count
 
     def close(self) -> None:
         self.conn.close()
@@ -141,6 +146,37 @@ def answer_times(url: str, ids: list[int]) -> dict[int, float]:
             {"ids": ids},
         ).all()
     return {int(sid): at.timestamp() for sid, at in rows}
+
+
+def not_once(url: str, ids: list[int]) -> list[str]:
+    """Parents of ``ids`` whose answer (an ASSISTANT message without tool calls) is not there
+    exactly once, and tool calls of theirs with more than one TOOL result: empty when every
+    parent was answered, and every child delivered, exactly once."""
+    from sqlalchemy import text
+
+    from models import transaction
+
+    with transaction(url) as s:
+        answers: dict[int, int] = dict(
+            s.execute(
+                text(
+                    "SELECT s.id, count(m.id) FROM agent_session s LEFT JOIN message m ON m.session_id = s.id"
+                    " AND m.role = 'ASSISTANT' AND m.tool_calls IS NULL AND NOT m.deleted"
+                    " WHERE s.id = ANY(:ids) GROUP BY s.id"
+                ),
+                {"ids": ids},
+            ).all()
+        )
+        twice = s.execute(
+            text(
+                "SELECT session_id, tool_call_id, count(*) FROM message WHERE session_id = ANY(:ids)"
+                " AND role = 'TOOL' AND NOT deleted GROUP BY session_id, tool_call_id HAVING count(*) > 1"
+            ),
+            {"ids": ids},
+        ).all()
+    out = [f"parent {sid}: {n} answers" for sid, n in sorted(answers.items()) if n != 1]
+    out += [f"parent {sid}: {n} results for tool call {call}" for sid, call, n in twice]
+    return out
 
 
 # --- what the database and the workers spent ---------------------------------------------------

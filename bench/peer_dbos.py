@@ -28,12 +28,16 @@ started again (its process spawned) until every parent resumed; DBOS from the mo
 process is spawned until every parent workflow is done (the same DBOS run as the crash
 figure).
 
-normal — no crash: P parents x K children with a model that answers at once, parents per
-second from the first enqueue until every parent answered. Ours: one worker, ``--concurrency``
-pool processes; the bench creates each session and sends ``agent.run``. DBOS: as many
-processes as our pool (``--dbos-processes``), each running at most ``--concurrency`` /
-processes child workflows at once; the bench enqueues each parent workflow with
-``DBOSClient`` on a queue the processes share.
+normal — no crash: P parents x K children with a model that answers at once (or after
+``--model-latency`` seconds a reply, both sides), parents per second from the first enqueue
+until every parent answered. Ours: one worker, ``--pool`` (prefork; threads is the Procfile's
+for the agent loops) of ``--concurrency``; the bench creates each session and sends
+``agent.run``. DBOS: as many processes as our pool (``--dbos-processes``), each running at most
+``--concurrency`` / processes child workflows at once, its workflows and steps on DBOS's
+default executor (its thread pool); the bench enqueues each parent workflow with ``DBOSClient``
+on a queue the processes share. For a model with latency, compare one threads worker with one
+DBOS process: ``--modes normal --model-latency 2 --pool threads --concurrency 64
+--dbos-processes 1``.
 
 Every figure is the median of ``--trials`` alternating runs; the ratios are ours/DBOS (higher
 is better for us on throughput, lower on seconds). DBOS's queue and result polling intervals
@@ -257,7 +261,14 @@ def run_dbos(url: str, *, parents: int, children: int, concurrency: int, poll_se
 
 
 def run_dbos_normal(
-    url: str, *, parents: int, children: int, processes: int, concurrency: int, poll_seconds: float
+    url: str,
+    *,
+    parents: int,
+    children: int,
+    processes: int,
+    concurrency: int,
+    poll_seconds: float,
+    model_latency: float = 0.0,
 ) -> NormalFigures:
     """No crash: ``processes`` DBOS processes share the queues; the bench enqueues P parent
     workflows with DBOSClient; timed from the first enqueue to the last parent SUCCESS."""
@@ -273,7 +284,7 @@ def run_dbos_normal(
 
     point_settings_at(url)
     with Stack("bench-peer-dbos-normal") as stack:
-        model = stack.model(instant_script(children))
+        model = stack.model(delayed(instant_script(children), model_latency))
         per_process = max(1, concurrency // processes)
         for n in range(processes):  # one after the other: the first creates DBOS's tables
             env = _dbos_env(url, model.base_url, per_process, poll_seconds, BENCH_DBOS_EXECUTOR_ID=f"bench-{n}")
@@ -307,9 +318,12 @@ def run_dbos_normal(
     return NormalFigures(parents, done_ms / 1000.0 - t0, problems)
 
 
-def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) -> NormalFigures:
-    """No crash: one worker; the bench creates P sessions and sends ``agent.run`` for each;
-    timed from the first session created to the last parent's answer committed."""
+def run_ours_normal(
+    url: str, *, parents: int, children: int, concurrency: int, pool: str = "prefork", model_latency: float = 0.0
+) -> NormalFigures:
+    """No crash: one worker (``-P pool -c concurrency``); the bench creates P sessions and sends
+    ``agent.run`` for each; timed from the first session created to the last parent's answer
+    committed."""
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench._cpu import settle
@@ -323,10 +337,10 @@ def run_ours_normal(url: str, *, parents: int, children: int, concurrency: int) 
 
     flush_redis()
     with Stack("bench-peer-ours-normal") as stack:
-        model = stack.model(instant_script(children))
+        model = stack.model(delayed(instant_script(children), model_latency))
         env = bench_env(url, model.base_url)
         apply_env(env)
-        stack.worker(env, "normal", concurrency=concurrency)
+        stack.worker(env, "normal", concurrency=concurrency, pool=pool)
         progress(settle().note())
         t0 = utcnow()
         for n in range(parents):
@@ -395,7 +409,9 @@ def run_ours_restart(
         for n in range(parents):
             sid = create_session("main", f"job {n}: split the work")
             tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
-        doomed = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        doomed = stack.add_worker(
+            Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True, pool="prefork")
+        )
         doomed.start(timeout=60)
 
         def crashed_state() -> bool:
@@ -414,7 +430,9 @@ def run_ours_restart(
         instant = stack.model(RECOVERY_SCRIPT)
         env = bench_env(url, instant.base_url, **settings)
         apply_env(env)
-        again = stack.add_worker(Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True))
+        again = stack.add_worker(
+            Worker(env, stack.log_dir, name=name, concurrency=concurrency, beat=True, pool="prefork")
+        )
         # The killed worker's leases must still be live when its name boots again (its boot
         # generation takes them back, not their expiry): a third of a lease at most.
         progress(settle(cap=lease_seconds / 3).note())
@@ -466,6 +484,12 @@ def run_ours_restart(
 MODES = ("crash", "restart", "normal")
 
 
+def delayed(script: list[dict[str, Any]], seconds: float) -> list[dict[str, Any]]:
+    """``script`` with every reply ``seconds`` late (the scripted model's ``delay_seconds``), as a
+    real provider's latency (``--model-latency``)."""
+    return [{**rule, "delay_seconds": seconds} for rule in script] if seconds else script
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from bench._cpu import add_cpu_option
     from bench._figures import loads
@@ -505,6 +529,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="keep",
         help="restart: the broker keeps its messages (only the worker died; default) or is flushed",
     )
+    parser.add_argument(
+        "--model-latency",
+        type=float,
+        default=0.0,
+        help="normal: every model reply waits SECONDS, on both sides (default 0: an instant model)",
+    )
+    parser.add_argument(
+        "--pool",
+        choices=("prefork", "threads"),
+        default="prefork",
+        help="normal: Celery's -P of our worker (prefork; threads is the Procfile's for the agent loops)",
+    )
     add_cpu_option(parser, "also print where our side's CPU went in the crash and restart windows (Linux /proc)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -513,6 +549,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dbos_processes = args.dbos_processes or args.concurrency
     if min(args.children, args.concurrency, args.trials, args.dbos_processes) < 1:
         parser.error("--children, --concurrency, --trials and --dbos-processes must be >= 1")
+    if args.model_latency < 0:
+        parser.error("--model-latency must be >= 0")
     if args.dbos_poll_seconds <= 0 or args.lease_seconds < 3 or args.scan_interval_seconds <= 0:
         parser.error("--dbos-poll-seconds and --scan-interval-seconds must be > 0, --lease-seconds >= 3")
     return args
@@ -541,7 +579,8 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
 
     print(
         f"peer_dbos: {args.parents} parents x {args.children} children, modes {','.join(args.modes)}; "
-        f"pool/queue concurrency {args.concurrency}; {args.trials} trial(s) of ours then DBOS Transact "
+        f"pool/queue concurrency {args.concurrency}; normal path: -P {args.pool}, model latency "
+        f"{args.model_latency:g} s; {args.trials} trial(s) of ours then DBOS Transact "
         f"{version('dbos')}, alternating; {system_load()}",
         flush=True,
     )
@@ -617,7 +656,12 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
         if "normal" in args.modes:
             with bench_database("bench_peer_normal") as url:
                 normal = run_ours_normal(
-                    url, parents=args.parents, children=args.children, concurrency=args.concurrency
+                    url,
+                    parents=args.parents,
+                    children=args.children,
+                    concurrency=args.concurrency,
+                    pool=args.pool,
+                    model_latency=args.model_latency,
                 )
             with bench_database("bench_peer_dbos_normal", migrate=False) as url:
                 theirs_normal = run_dbos_normal(
@@ -627,6 +671,7 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
                     processes=args.dbos_processes,
                     concurrency=args.concurrency,
                     poll_seconds=args.dbos_poll_seconds,
+                    model_latency=args.model_latency,
                 )
             ours_normal.append(normal.parents_per_second)
             dbos_normal.append(theirs_normal.parents_per_second)
@@ -675,8 +720,8 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
         ours_pps, dbos_pps = median(ours_normal), median(dbos_normal)
         found["normal path, parents/s"] = ours_pps / dbos_pps
         print(
-            f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; 1 worker x "
-            f"{args.concurrency} pool processes)"
+            f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; 1 worker -P {args.pool} -c "
+            f"{args.concurrency}; model latency {args.model_latency:g} s)"
         )
         print(
             f"normal path, DBOS: {dbos_pps:.1f} parents/s ({n}; {spread(dbos_normal)}; {args.dbos_processes} "

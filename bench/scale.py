@@ -1,11 +1,21 @@
 """How cost grows with load: ``python bench/scale.py [--parents 10,100,1000] [--workers 1,2,4]
-[--children 3] [--trials 1] [--pool prefork|threads] [--concurrency 1] [--model-latency 0]
-[--kinds ours,naive] [--out docs/img/scale.png] [--quick]``.
+[--children 3] [--trials 1] [--pool prefork|threads|gevent] [--concurrency 1] [--model-latency 0]
+[--kinds ours,naive] [--kill-at-half] [--out docs/img/scale.png]
+[--latency-out docs/img/scale-latency.png] [--quick]``.
 
 ``--model-latency`` delays every scripted model reply: a fixed ``SECONDS``, or
 ``lognormal:MU,SIGMA`` (each reply waits exp(N(MU, SIGMA)) seconds: ``lognormal:0.5,0.5`` has a
-median of 1.6 s), as a real provider's latency. ``--pool`` and ``--concurrency`` are Celery's
-``-P`` and ``-c`` of every worker, ours and the naive one alike (docs/scaling.md).
+median of 1.6 s), as a real provider's latency; several fixed delays (``0,1,2,5``) run the whole
+load at each and draw parents/s against latency (``--latency-out``) instead of the load plot.
+``--pool`` and ``--concurrency`` are Celery's ``-P`` and ``-c`` of every worker, ours and the
+naive one alike (the naive workers size their database pool from ``-c`` as ours do;
+docs/scaling.md); gevent needs ``pip install gevent psycogreen``.
+
+``--kill-at-half`` (ours only; a beat runs throughout, as the Procfile's): once half the parents
+have answered, every worker is SIGKILLed and started again with the same command under the same
+``-n`` name (its boot takes its predecessor's work back); it prints the parents answered at the
+kill, the time from the restart to the last answer in leases (LEASE_SECONDS 30), and whether
+every parent was answered, and every child delivered, exactly once.
 
 For each worker count W (``--workers``), load N (``--parents``) and trial, W fresh real
 ``celery -A tasks worker`` processes (each a ``--pool`` pool of ``--concurrency``) and W
@@ -54,6 +64,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the project root, not bench/, comes first
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from bench._scale_plots import plot, plot_latency
 from bench._scale_probes import (
     WORKER_APP_NAME,
     Answers,
@@ -64,6 +75,7 @@ from bench._scale_probes import (
     close_connections,
     cpu_seconds,
     db_counters,
+    not_once,
     peak_memory,
     statements_key,
     storage_per_parent,
@@ -74,9 +86,14 @@ from bench._scale_probes import (
 ROOT = Path(__file__).resolve().parent.parent
 COUNTING = ROOT / "bench" / "_counting"
 OURS, NAIVE = "ours", "naive"
+#: Celery's -P of the workers: gevent needs the ``gevent`` and ``psycogreen`` packages (not
+#: project dependencies; the workers then make psycopg2 cooperative, bench/_counting/).
+POOLS = ("prefork", "threads", "gevent")
 #: Seconds for an ended backend to publish its counters, and for the statement counters'
 #: flusher threads (every 0.1 s).
 STATS_SETTLE_SECONDS = 0.5
+#: The workers' LEASE_SECONDS: production's (a deep queue is no reason to take work back).
+LEASE_SECONDS = 30.0
 QUICK = {"parents": "10,30", "workers": "1,2", "history": "0,2000", "scan_pending": 30}
 
 
@@ -128,9 +145,25 @@ class Step:
     tables: dict[str, tuple[int, ...]]  #: per table: rows inserted, updated, HOT updated, deleted
     in_flight: int = 0  #: peak of loops holding a live lease (ours; 0 for naive: not sampled)
     connections: int = 0  #: peak of PostgreSQL connections the workers held open
+    kill: Kill | None = None  #: --kill-at-half: what the kill and the restart gave
 
     def per_parent(self, name: str) -> float:
         return self.cost[name] / self.parents
+
+
+@dataclass(frozen=True)
+class Kill:
+    """``--kill-at-half``: every worker SIGKILLed once half the parents had answered, then
+    started again under its name."""
+
+    answered_before: int  #: parents answered when the workers were killed
+    restart_to_last_s: float  #: the restarted workers spawned -> the last parent's answer
+    lease_seconds: float
+    not_once: list[str]  #: parents answered other than exactly once, children delivered twice
+
+    @property
+    def leases(self) -> float:
+        return self.restart_to_last_s / self.lease_seconds
 
 
 @dataclass
@@ -170,10 +203,14 @@ def run_step(
     ours_url: str,
     naive_url: str,
     server: ServerStatements,
+    restart: Any = None,
+    lease_seconds: float = 30.0,
 ) -> Step:
     """One load on one kind's fresh workers, which it stops at the end: a PostgreSQL backend
-    publishes its counters when idle at most every 10 s, always when its connection ends."""
-    from bench._common import wait_for
+    publishes its counters when idle at most every 10 s, always when its connection ends.
+    ``restart`` (--kill-at-half): called with the SIGKILLed workers once half the parents have
+    answered; returns the same workers started again (their figures then count both lives)."""
+    from bench._common import progress, wait_for
 
     ids = create_ours(parents, label) if kind == OURS else create_naive(parents, naive_url, label)
     answers.watch(ids)
@@ -188,16 +225,40 @@ def run_step(
     cost: dict[str, int] = {}
     sampler = Sampler(admin, url.rsplit("/", 1)[1], url if kind == OURS else None).start()
     sent = submit(kind, ids)
+    first_life: tuple[float, float, float] | None = None  #: killed workers' main MB, pool MB, CPU s
+    answered_before, restarted_at = 0, 0.0
     try:
+        if restart is not None:
+            half = (parents + 1) // 2
+            wait_for(
+                lambda: checker.at_least(answers, half),
+                timeout=120 + parents * children * 0.2,
+                what=f"{half} {kind} parents answered",
+                describe=lambda: f"{answers.hints()[0]}/{parents} answer events",
+                interval=0.02,
+            )
+            main_mb, pool_mb = peak_memory(workers)
+            first_life = (main_mb, pool_mb, cpu_seconds(workers) - cpu_before)
+            for w in workers:
+                w.kill()
+            answered_before = checker.counts()[0]
+            progress(f"{kind}: every worker SIGKILLed with {answered_before}/{parents} parents answered")
+            restarted_at = time.time()
+            workers = restart(workers)
+            cpu_before = cpu_seconds(workers)
+            progress(f"{kind}: {len(workers)} worker(s) started again under their names")
         wait_for(
             lambda: checker.done(answers),
-            timeout=120 + parents * children * 0.2,
+            timeout=120 + parents * children * 0.2 + (4 * lease_seconds if restart is not None else 0),
             what=f"{parents} {kind} parents answered",
             describe=lambda: f"{answers.hints()[0]}/{parents} answer events",
             interval=0.02,
         )
         main_mb, pool_mb = peak_memory(workers)
         cost["cpu_ms"] = round((cpu_seconds(workers) - cpu_before) * 1000)
+        if first_life is not None:
+            main_mb, pool_mb = max(main_mb, first_life[0]), max(pool_mb, first_life[1])
+            cost["cpu_ms"] += round(first_life[2] * 1000)
         time.sleep(STATS_SETTLE_SECONDS)  # the statement counters' last flush
         for w in workers:
             w.stop()
@@ -218,6 +279,9 @@ def run_step(
     wall = max(answered.values()) - min(sent.values())
     cost.update(after.minus(before, wal_between(admin, before.wal_lsn, after.wal_lsn)))
     cost["xacts"] -= checker.checks
+    kill = None
+    if restart is not None:
+        kill = Kill(answered_before, max(answered.values()) - restarted_at, lease_seconds, not_once(url, ids))
     return Step(
         kind,
         len(workers),
@@ -230,6 +294,7 @@ def run_step(
         tables,
         in_flight=sampler.peak_in_flight,
         connections=sampler.peak_connections,
+        kill=kill,
     )
 
 
@@ -269,61 +334,6 @@ def measure_scan(history: list[int], pending: int, repeat: int) -> list[ScanPass
     return out
 
 
-# --- the plot ----------------------------------------------------------------------------------
-
-
-def plot(cells: dict[tuple[str, int, int], Cell], out: Path, title: str) -> str:
-    """Writes the PNG; returns the line to print."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FormatStrFormatter, NullFormatter
-    except ImportError:
-        return 'plot: skipped (matplotlib is not installed: install with pip install -e ".[bench]")'
-    worker_counts = sorted({w for _, w, _ in cells})
-    loads = sorted({n for _, _, n in cells})
-    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, w in enumerate(worker_counts):
-        color = colors[i % len(colors)]
-        for kind, style in ((OURS, "-"), (NAIVE, "--")):
-            row = [cells[(kind, w, n)] for n in loads if (kind, w, n) in cells]
-            xs = [n for n in loads if (kind, w, n) in cells]
-            lat.plot(xs, [c.p50 for c in row], style, color=color, marker="o", label=f"{kind}, {w}w p50")
-            lat.plot(xs, [c.p99 for c in row], style, color=color, marker="^", alpha=0.5, label=f"{kind}, {w}w p99")
-            thr.plot(
-                xs,
-                [c.median(lambda s: s.throughput) for c in row],
-                style,
-                color=color,
-                marker="o",
-                label=f"{kind}, {w}w",
-            )
-    for ax in (lat, thr):
-        ax.set_xscale("log")
-        ax.set_xticks(loads, [str(n) for n in loads])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrent parents (N)")
-        ax.grid(True, which="both", alpha=0.3)
-    lat.set_yscale("log")
-    lat.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    lat.yaxis.set_minor_formatter(NullFormatter())
-    lat.set_ylabel("submission -> answer (s)")
-    lat.set_title("latency (p50 o, p99 ^)")
-    thr.set_ylabel("parents / s")
-    thr.set_title("throughput")
-    thr.legend(fontsize=7, ncol=2)
-    lat.legend(fontsize=6, ncol=2)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return f"plot: written to {out}"
-
-
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -339,11 +349,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", default="1,2,4", help="worker processes of each kind (1,2,4)")
     parser.add_argument("--children", type=int, default=3, help="children per parent (3)")
     parser.add_argument("--concurrency", type=int, default=1, help="pool size (-c) of each worker (1)")
-    parser.add_argument("--pool", choices=("prefork", "threads"), default="prefork", help="Celery's -P (prefork)")
+    parser.add_argument("--pool", choices=POOLS, default="prefork", help="Celery's -P (prefork)")
     parser.add_argument(
         "--model-latency",
         default="0",
-        help="every model reply waits SECONDS, or a draw of lognormal:MU,SIGMA (seconds = exp(normal)); 0",
+        help="every model reply waits SECONDS, or a draw of lognormal:MU,SIGMA (seconds = exp(normal)); 0. "
+        "Several fixed delays (0,1,2,5): the whole run at each, then parents/s against latency (--latency-out)",
+    )
+    parser.add_argument(
+        "--latency-out",
+        default=str(ROOT / "docs" / "img" / "scale-latency.png"),
+        help="the PNG of parents/s against the model's latency, drawn when --model-latency lists several",
+    )
+    parser.add_argument(
+        "--kill-at-half",
+        action="store_true",
+        help="ours only: SIGKILL every worker when half the parents have answered, start them again under "
+        "their names (a beat runs throughout); reports exactly-once and restart -> last answer in leases",
     )
     parser.add_argument("--kinds", default="ours,naive", help="which kinds run: ours, naive or both (ours,naive)")
     parser.add_argument("--trials", type=int, default=1, help="trials per (kind, workers, N); medians printed (1)")
@@ -366,14 +388,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         parser.error("loads, worker counts, --children, --concurrency, --trials and the scan's sizes must be >= 1")
     try:
-        args.latency = parse_latency(args.model_latency)
+        args.latencies = parse_latencies(args.model_latency)
     except ValueError as exc:
         parser.error(str(exc))
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not args.kinds or set(args.kinds) - {OURS, NAIVE}:
         parser.error("--kinds: ours, naive or ours,naive")
+    if args.kill_at_half and args.kinds != [OURS]:
+        parser.error("--kill-at-half needs --kinds ours: the naive baseline has no recovery (a killed worker loses it)")
     args.parents.sort()
     return args
+
+
+def parse_latencies(text: str) -> list[tuple[str, float | dict[str, list[float]]]]:
+    """``--model-latency``: one :func:`parse_latency`, or several fixed delays (``0,1,2,5``),
+    each with the text it was given."""
+    if text.startswith("lognormal:"):
+        return [(text, parse_latency(text))]
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise ValueError("--model-latency takes SECONDS, SECONDS,SECONDS,... or lognormal:MU,SIGMA")
+    return [(part, parse_latency(part)) for part in parts]
 
 
 def parse_latency(text: str) -> float | dict[str, list[float]]:
@@ -444,8 +479,8 @@ def start_workers(
     ]
     for w in ours + naive:
         stack.add_worker(w)
-    with ThreadPoolExecutor(len(ours + naive)) as pool:
-        for started in [pool.submit(w.start, 90) for w in ours + naive]:
+    with ThreadPoolExecutor(len(ours + naive)) as boot:
+        for started in [boot.submit(w.start, 90) for w in ours + naive]:
             started.result()
     return ours, naive
 
@@ -460,19 +495,19 @@ def main(argv: list[str] | None = None) -> int:
         bench_database,
         bench_env,
         flush_redis,
-        progress,
     )
     from bench._figures import system_load
     from bench._naive_app import naive_app
 
     started = time.monotonic()
-    cells: dict[tuple[str, int, int], Cell] = {}
+    by_latency: dict[str, dict[tuple[str, int, int], Cell]] = {}
     events_url = f"{REDIS_BASE}/{REDIS_DBS[2]}"
+    kill = ", every worker SIGKILLed at half-way and started again" if args.kill_at_half else ""
     print(
         f"scale: N concurrent parents {args.parents} x {args.children} children (model latency "
         f"{args.model_latency} s) over {args.workers} worker processes of each kind (celery worker -P {args.pool} "
         f"-c {args.concurrency}), {' then '.join(args.kinds)} "
-        f"for each trial, {args.trials} trial(s); {system_load()}",
+        f"for each trial, {args.trials} trial(s){kill}; {system_load()}",
         flush=True,
     )
     with (
@@ -493,58 +528,38 @@ def main(argv: list[str] | None = None) -> int:
         counting = {
             "PYTHONPATH": f"{COUNTING}{os.pathsep}{ROOT}",
             "BENCH_STATEMENTS_REDIS": events_url,
-            "LEASE_SECONDS": "30",  # production's: a deep queue is no reason to take work back
+            "LEASE_SECONDS": f"{LEASE_SECONDS:g}",  # production's: a deep queue is no reason to take work back
             "SCAN_INTERVAL_SECONDS": "30",
         }
+        if args.pool == "gevent":
+            counting["BENCH_PSYCOGREEN"] = "1"
         answers = Answers(events_url)
         with Stack("bench-scale") as stack:
-            model = stack.model(_script(args.children, args.latency))
-            env = bench_env(url, model.base_url, **counting)
-            naive_env = bench_env(naive_url, model.base_url, **counting)
-            stack_helpers().apply_env(env)
-            naive_app.conf.update(broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"])
+            beat = None
             try:
-                for count in args.workers:
-                    for n in args.parents:
-                        for trial in range(1, args.trials + 1):
-                            ours_w, naive_w = start_workers(
-                                stack,
-                                count=count,
-                                concurrency=args.concurrency,
-                                env=env,
-                                naive_env=naive_env,
-                                pool=args.pool,
-                                kinds=tuple(args.kinds),
-                            )
-                            for kind, workers, database in (
-                                (OURS, ours_w, url.rsplit("/", 1)[1]),
-                                (NAIVE, naive_w, naive_url.rsplit("/", 1)[1]),
-                            ):
-                                if kind not in args.kinds:
-                                    continue
-                                step = run_step(
-                                    kind=kind,
-                                    workers=workers,
-                                    parents=n,
-                                    children=args.children,
-                                    label=f"w{count} n{n} t{trial}",
-                                    answers=answers,
-                                    admin=admin,
-                                    database=database,
-                                    ours_url=url,
-                                    naive_url=naive_url,
-                                    server=server,
-                                )
-                                cells.setdefault((kind, count, n), Cell()).steps.append(step)
-                                progress(
-                                    f"{kind:5} workers {count} N {n:5} trial {trial}: "
-                                    f"{step.throughput:7.1f} parents/s, "
-                                    f"p50 {statistics.median(step.latencies) * 1000:8.1f} ms, "
-                                    f"{step.per_parent('statements'):5.1f} statements/parent, "
-                                    f"{step.per_parent('xacts'):4.1f} tx/parent, {step.in_flight} in flight, "
-                                    f"{step.connections} connections; {system_load()}"
-                                )
-                            stack.workers = [w for w in stack.workers if w not in ours_w + naive_w]
+                for i, (text, latency) in enumerate(args.latencies):
+                    model = stack.model(_script(args.children, latency))
+                    env = bench_env(url, model.base_url, **counting)
+                    naive_env = bench_env(naive_url, model.base_url, **counting)
+                    if i == 0:  # only the model differs from one latency to the next: this process never calls it
+                        stack_helpers().apply_env(env)  # (it resets kombu's pools, the naive app's too)
+                        naive_app.conf.update(
+                            broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"]
+                        )
+                    if args.kill_at_half and not beat:  # the scans of the Procfile's beat, across the kills
+                        beat = stack.add_worker(stack_helpers().Beat(env, stack.log_dir)).start()
+                    by_latency[text] = _run_loads(
+                        args,
+                        stack=stack,
+                        env=env,
+                        naive_env=naive_env,
+                        answers=answers,
+                        admin=admin,
+                        url=url,
+                        naive_url=naive_url,
+                        server=server,
+                        latency=text,
+                    )
             except Exception:
                 stack.failed = True
                 stack.dump_logs()
@@ -556,7 +571,11 @@ def main(argv: list[str] | None = None) -> int:
 
             with transaction() as s:
                 problems = check_all(s, settled=True)
-            ours_parents = sum(n * args.trials for n in args.parents) * len(args.workers) if OURS in args.kinds else 0
+            ours_parents = (
+                sum(n * args.trials for n in args.parents) * len(args.workers) * len(args.latencies)
+                if OURS in args.kinds
+                else 0
+            )
             storage = {
                 kind: storage_per_parent(kind_url, ours_parents) if kind in args.kinds and ours_parents else "-"
                 for kind, kind_url in ((OURS, url), (NAIVE, naive_url))
@@ -568,7 +587,12 @@ def main(argv: list[str] | None = None) -> int:
         admin.dispose()
     scans = measure_scan(args.history, args.scan_pending, args.scan_repeat) if args.history else []
     load = system_load()
-    print_table(cells, args, per_database=per_database)
+    for text, cells in by_latency.items():
+        print(f"model latency {text} s:")
+        print_table(cells, args, per_database=per_database)
+    problems += print_kills(by_latency)
+    if len(by_latency) > 1:
+        print_by_latency(by_latency)
     if scans:
         print(
             f"scan per pass ({scans[0].executions} crashed executions taken each pass, median of "
@@ -581,15 +605,145 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.trials} trial(s); {load}"
     )
     print(f"on disk per parent (tables and their indexes, kB): ours {storage[OURS]}; naive {storage[NAIVE]}")
-    print(plot(cells, Path(args.out), title))
+    if len(by_latency) > 1:
+        fixed = {float(text): cells for text, cells in by_latency.items()}
+        print(plot_latency(fixed, Path(args.latency_out), title))
+    else:
+        print(plot(next(iter(by_latency.values())), Path(args.out), title))
     print(f"run time: {time.monotonic() - started:.0f} s; {load}")
     if problems:
-        print(f"invariants I1-I5: VIOLATED ({len(problems)})")
+        print(f"invariants I1-I5 and exactly once: VIOLATED ({len(problems)})")
         for problem in problems[:50]:
             print(f"  {problem}")
         return 1
     print(f"invariants I1-I5: ok ({ours_parents} parents of ours)")
     return 0
+
+
+def _run_loads(
+    args: argparse.Namespace,
+    *,
+    stack: Any,
+    env: dict[str, str],
+    naive_env: dict[str, str],
+    answers: Answers,
+    admin: Any,
+    url: str,
+    naive_url: str,
+    server: ServerStatements,
+    latency: str,
+) -> dict[tuple[str, int, int], Cell]:
+    """Every (workers, N, trial) of one model latency, each kind on fresh workers."""
+    from bench._common import progress
+    from bench._figures import system_load
+
+    cells: dict[tuple[str, int, int], Cell] = {}
+    for count in args.workers:
+        for n in args.parents:
+            for trial in range(1, args.trials + 1):
+                ours_w, naive_w = start_workers(
+                    stack,
+                    count=count,
+                    concurrency=args.concurrency,
+                    env=env,
+                    naive_env=naive_env,
+                    pool=args.pool,
+                    kinds=tuple(args.kinds),
+                )
+                for kind, workers, database in (
+                    (OURS, ours_w, url.rsplit("/", 1)[1]),
+                    (NAIVE, naive_w, naive_url.rsplit("/", 1)[1]),
+                ):
+                    if kind not in args.kinds:
+                        continue
+                    restart = None
+                    if args.kill_at_half:
+
+                        def restart(killed: list[Any]) -> list[Any]:
+                            return restart_workers(stack, killed)
+
+                    step = run_step(
+                        kind=kind,
+                        workers=workers,
+                        parents=n,
+                        children=args.children,
+                        label=f"l{latency} w{count} n{n} t{trial}",
+                        answers=answers,
+                        admin=admin,
+                        database=database,
+                        ours_url=url,
+                        naive_url=naive_url,
+                        server=server,
+                        restart=restart,
+                        lease_seconds=LEASE_SECONDS,
+                    )
+                    cells.setdefault((kind, count, n), Cell()).steps.append(step)
+                    progress(
+                        f"{kind:5} latency {latency} s workers {count} N {n:5} trial {trial}: "
+                        f"{step.throughput:7.1f} parents/s, "
+                        f"p50 {statistics.median(step.latencies) * 1000:8.1f} ms, "
+                        f"{step.per_parent('statements'):5.1f} statements/parent, "
+                        f"{step.per_parent('xacts'):4.1f} tx/parent, {step.in_flight} in flight, "
+                        f"{step.connections} connections; {system_load()}"
+                    )
+                stopped = {id(w) for w in ours_w + naive_w}
+                stack.workers = [w for w in stack.workers if id(w) not in stopped and not w.exited]
+    return cells
+
+
+def restart_workers(stack: Any, killed: list[Any]) -> list[Any]:
+    """The SIGKILLed workers started again as an operator (or a supervisor) does: the same
+    command, under the same ``-n`` name, so that each boot takes its predecessor's work back at
+    once (docs/operations.md); booted in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    again = [
+        stack_helpers().Service(w.cmd, w.env, w.log_path.with_suffix(".restarted.log"), w.ready_line) for w in killed
+    ]
+    for w in again:
+        stack.add_worker(w)
+    with ThreadPoolExecutor(len(again)) as pool:
+        for started in [pool.submit(w.start, 90) for w in again]:
+            started.result()
+    return again
+
+
+def print_kills(by_latency: dict[str, dict[tuple[str, int, int], Cell]]) -> list[str]:
+    """``--kill-at-half``: one line per step; returns what was not exactly once."""
+    problems: list[str] = []
+    for text, cells in by_latency.items():
+        for (kind, w, n), cell in sorted(cells.items()):
+            for trial, step in enumerate(cell.steps, 1):
+                if step.kill is None:
+                    continue
+                k = step.kill
+                once = "every parent answered exactly once" if not k.not_once else f"NOT exactly once: {k.not_once[:5]}"
+                print(
+                    f"kill at half ({kind}, latency {text} s, w{w} N{n} trial {trial}): {k.answered_before}/{n} "
+                    f"answered at the kill; restart -> last answer {k.restart_to_last_s:.1f} s = {k.leases:.2f} "
+                    f"leases (LEASE_SECONDS {k.lease_seconds:g}); {once}"
+                )
+                problems += k.not_once
+    return problems
+
+
+def print_by_latency(by_latency: dict[str, dict[tuple[str, int, int], Cell]]) -> None:
+    """Parents/s at each model latency, and ours/naive where both ran: the latency curve."""
+    print("by model latency (parents/s, medians; ours/naive where both ran):")
+    for w, n in sorted({(w, n) for cells in by_latency.values() for _, w, n in cells}):
+        row = []
+        for text, cells in by_latency.items():
+            ours, naive = cells.get((OURS, w, n)), cells.get((NAIVE, w, n))
+            figures = [
+                f"{kind} {cell.median(lambda s: s.throughput):.1f}"
+                for kind, cell in ((OURS, ours), (NAIVE, naive))
+                if cell is not None
+            ]
+            if ours is not None and naive is not None:
+                ratio = ours.median(lambda s: s.throughput) / naive.median(lambda s: s.throughput)
+                figures.append(f"ratio {ratio:.2f}")
+            row.append(f"{text} s: " + ", ".join(figures))
+        print(f"  w{w} N{n}: " + "; ".join(row))
 
 
 def _script(children: int, latency: float | dict[str, list[float]] = 0.0) -> list[dict[str, Any]]:

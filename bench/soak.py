@@ -1,7 +1,7 @@
 """Soak: random delegation workloads under a fault chosen at random per trial; after each
 trial invariants I1–I7 are checked over the whole database.
 
-    python bench/soak.py --trials 1000 --seed 1 [--workers 3]
+    python bench/soak.py --trials 1000 --seed 1 [--workers 3] [--pool prefork|threads] [--concurrency 2]
 
 Fault kinds (docs/fault-model.md): ``kill_one`` SIGKILLs one of several workers (not all) and restarts it,
 under its own name half the time (boot generation) or as a new worker; ``kill_in_recovery``
@@ -151,8 +151,12 @@ def per_reply_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class Soak:
-    def __init__(self, workers: int, log_dir: Path) -> None:
+    def __init__(self, workers: int, log_dir: Path, *, pool: str = "prefork", concurrency: int = 2) -> None:
         from sqlalchemy import create_engine, text
+
+        #: Celery's -P and -c of every worker the soak starts (``--pool``, ``--concurrency``),
+        #: except the ``bare_worker`` fault's, which is bare.
+        self.pool, self.concurrency = pool, concurrency
 
         from tests.faultproxy import FaultProxy
         from tests.services import RedisServer
@@ -202,7 +206,9 @@ class Soak:
             self.counter += 1
             name = f"s{self.counter}"
         argv = ["-A", "tasks", "worker", "-n", f"{name}@%h"] if bare else None
-        w = Worker(self.worker_env, self.log_dir, name=name, concurrency=2, beat=beat, argv=argv)
+        w = Worker(
+            self.worker_env, self.log_dir, name=name, concurrency=self.concurrency, beat=beat, argv=argv, pool=self.pool
+        )
         self.started.append(w)  # before it starts: a signal may arrive while it boots
         w.start()
         self.workers.append(w)
@@ -276,10 +282,18 @@ class Soak:
         return [f"fault={fault}", *problems[:5]] if problems else []
 
     def _problems(self, fault: str) -> list[str]:
+        from sqlalchemy import text
+
         from models import transaction
         from recovery.invariants import check_all
 
         with transaction() as s:
+            # NOTE: the check reads the whole database in one transaction, on a connection that
+            # carries the workers' idle-in-transaction bound (a few seconds at the soak's
+            # 3 s lease). On a machine loaded far past its cores (load average 25 on 2), the
+            # check's own Python time between two statements passed it and the server ended the
+            # soak, not a trial. It is the soak's reading, not a worker's: no bound.
+            s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
             problems = check_all(s, settled=True) + self._charged_twice()
             if not problems and fault == "legacy_backlog":
                 problems = _legacy_problems(s)
@@ -543,22 +557,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument(
+        "--pool",
+        choices=("prefork", "threads"),
+        default="prefork",
+        help="Celery's -P of the soak's workers (prefork; threads is the Procfile's for the agent loops)",
+    )
+    parser.add_argument("--concurrency", type=int, default=2, help="Celery's -c of the soak's workers (2)")
+    parser.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated fault kinds to draw from (default: all: {FAULTS})"
     )
     args = parser.parse_args(argv)
-    if args.trials < 1 or args.workers < 1:
-        parser.error("--trials and --workers must be positive")
+    if args.trials < 1 or args.workers < 1 or args.concurrency < 1:
+        parser.error("--trials, --workers and --concurrency must be positive")
     faults = tuple(f for f in args.faults.split(",") if f)
     if not faults or any(f not in FAULTS for f in faults):
         parser.error(f"--faults: choose among {', '.join(FAULTS)}")
     _stop_on_signals()
     log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    print(f"soak: pid {os.getpid()}, logs in {log_dir}", flush=True)
+    print(f"soak: pid {os.getpid()}, workers -P {args.pool} -c {args.concurrency}, logs in {log_dir}", flush=True)
     soak: Soak | None = None
     passed = failed = 0
     started = time.monotonic()
     try:
-        soak = Soak(args.workers, log_dir)
+        soak = Soak(args.workers, log_dir, pool=args.pool, concurrency=args.concurrency)
         soak.faults = faults
         for i in range(args.trials):
             seed = args.seed + i

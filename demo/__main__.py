@@ -2,8 +2,8 @@
 new worker recovers them, and the history is printed and checked.
 
 Runs on an embedded default that needs no server: SQLite for the state database and Celery's
-filesystem transport with a SQLite result backend (a 2-process prefork worker; messages in
-flight at the SIGKILL are lost, and the scan rebuilds the work
+filesystem transport with a SQLite result backend (a threads worker, as the Procfile starts
+the `celery` queue's; messages in flight at the SIGKILL are lost, and the scan rebuilds the work
 from the state database — invariant I7, which is what this demo shows). With DATABASE_URL
 and CELERY_BROKER_URL set (PostgreSQL + Redis), the same demo runs against them.
 Exit code 0 when every check passed, 1 with the reason otherwise.
@@ -77,8 +77,8 @@ def run() -> None:
 
     processes: list[Any] = []
     try:
-        say("1. starting the scripted model, worker w1 (2 processes) and the beat")
-        w1 = Worker(env, DATA, name="w1", concurrency=2).start()
+        say("1. starting the scripted model, worker w1 (a threads pool, as the Procfile) and the beat")
+        w1 = Worker(env, DATA, name="w1").start()
         processes.append(w1)
         processes.append(Beat(env, DATA).start())
 
@@ -103,11 +103,11 @@ def run() -> None:
         )
         before = [(e.id, e.child_session_id) for e in executions()]
         say(f"3. children running: executions {[b[0] for b in before]} in child sessions {[b[1] for b in before]}")
-        say("4. SIGKILL worker w1 (main process and its pool) while the children are mid-flight")
+        say("4. SIGKILL worker w1 (its process and every loop in it) while the children are mid-flight")
         w1.kill()
 
         say("5. starting worker w2: its boot scan and the beat's scans find the work in the database")
-        processes.append(Worker(env, DATA, name="w2", concurrency=2).start())
+        processes.append(Worker(env, DATA, name="w2").start())
 
         def parent_done() -> dict[str, Any] | None:
             with transaction() as s:

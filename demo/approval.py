@@ -73,7 +73,7 @@ def run() -> None:
     processes: list[Any] = []
     try:
         say("1. starting the scripted model, worker w1 and the beat")
-        w1 = Worker(env, DATA, name="w1", concurrency=2).start()
+        w1 = Worker(env, DATA, name="w1").start()
         processes.append(w1)
         processes.append(Beat(env, DATA).start())
         sid = create_session("main", "Refund order A-1.")
@@ -91,7 +91,7 @@ def run() -> None:
         say("4. SIGKILL worker w1: the request is in the database, no process waits for it")
         w1.kill()
         say("5. starting worker w2: its boot scan leaves the request waiting (it needs a human)")
-        processes.append(Worker(env, DATA, name="w2", concurrency=2).start())
+        processes.append(Worker(env, DATA, name="w2").start())
         time.sleep(5)
         with transaction() as s:
             phase = (snapshot(s, req.session_id) or {}).get("phase")

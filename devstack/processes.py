@@ -1,5 +1,6 @@
 """Real Celery worker subprocesses for the demo, the crash tests, the soak and the benchmarks
-(no Docker; prefork workers killed by process group with SIGKILL)."""
+(no Docker; workers killed by process group with SIGKILL). A worker runs as the Procfile runs
+it unless its caller says otherwise: the ``celery`` queue on threads, ``recovery`` on prefork."""
 
 from __future__ import annotations
 
@@ -196,9 +197,16 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 
 
 #: Pools a Worker may start (Celery's ``-P``): ``prefork`` (one loop per process; the crash
-#: suite's default, whose points count per pool process) and ``threads`` (many loops per
-#: process: the Procfile's ``worker`` line, docs/scaling.md).
-POOLS = ("prefork", "threads")
+#: suite's default, whose points count per pool process), ``threads`` (many loops per
+#: process: the Procfile's ``worker`` line, docs/scaling.md) and ``gevent`` (measured by
+#: bench/scale.py only: it needs the ``gevent`` and ``psycogreen`` packages, not dependencies).
+POOLS = ("prefork", "threads", "gevent")
+#: What a Worker runs when its caller names no pool or size: the Procfile's lines. A worker of
+#: the ``celery`` queue (or a bare one, which serves it too) runs agent loops on threads; the
+#: dedicated ``recovery`` worker keeps prefork (``-P prefork -c 2``).
+PROCFILE_POOL = {"celery": "threads", "recovery": "prefork"}
+#: Each pool's ``-c`` in the Procfile, for a Worker started without ``concurrency``.
+PROCFILE_CONCURRENCY = {"threads": 64, "prefork": 2}
 
 
 class Worker(Service):
@@ -207,22 +215,25 @@ class Worker(Service):
     docs/operations.md start
     it, and serves every queue the app declares; ``queues`` adds ``-Q`` (e.g. the dedicated
     recovery worker). ``argv`` replaces the whole command line after ``celery`` (a Procfile
-    line, verbatim)."""
+    line, verbatim). Without ``pool`` (and ``concurrency``), the worker runs as the Procfile
+    runs its queue (``PROCFILE_POOL``): threads -c 64, or prefork -c 2 for ``queues="recovery"``."""
 
     def __init__(
         self,
         env: dict[str, str],
         log_dir: Path,
         name: str = "w1",
-        concurrency: int = 2,
+        concurrency: int | None = None,
         beat: bool = False,
         *,
         queues: str | None = None,
         argv: list[str] | None = None,
-        pool: str = "prefork",
+        pool: str | None = None,
     ) -> None:
+        pool = pool or PROCFILE_POOL["recovery" if queues == "recovery" else "celery"]
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}")
+        concurrency = concurrency or PROCFILE_CONCURRENCY[pool]
         self.name, self.concurrency, self.beat, self.pool = name, concurrency, beat, pool
         log_path = log_dir / f"worker-{name}-{int(time.time() * 1000)}.log"
         if argv is not None:

@@ -7,7 +7,8 @@ engine of the process sends (``before_cursor_execute``: one per ``execute``/``ex
 driver's BEGIN and COMMIT are not statements here) adds one to a counter of the process, and a
 daemon thread of the process that sent it adds the counter to the Redis key every 0.1 s. The
 shared PostgreSQL server does not preload pg_stat_statements, so the bench counts on the client.
-Without the two variables this module does nothing.
+Without the two variables this module does nothing. With ``BENCH_PSYCOGREEN`` set (``--pool gevent``)
+it makes psycopg2 cooperative under gevent (psycogreen).
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ class _Counter:
     def add(self, *_: Any) -> None:
         with self.lock:
             self.pending += 1
-            if self.pid != os.getpid():
+            first = self.pid != os.getpid()
+            if first:
                 self.pid = os.getpid()
-                threading.Thread(target=self._flush_forever, name="bench-statements", daemon=True).start()
+        # NOTE: the thread starts outside the lock. Under gevent the lock (made before Celery
+        # monkey-patches) is an OS lock and a thread is a greenlet whose start() yields to the
+        # hub: started under the lock, the next greenlet's add() blocked the one OS thread, and
+        # the whole worker with it (bench/scale.py --pool gevent's naive worker hung so).
+        if first:
+            threading.Thread(target=self._flush_forever, name="bench-statements", daemon=True).start()
 
     def _flush_forever(self) -> None:
         import redis
@@ -62,3 +69,10 @@ if _URL and _KEY:
     _counter = _Counter()
     event.listen(Engine, "before_cursor_execute", _counter.add)
     os.register_at_fork(after_in_child=_counter.after_fork)
+
+if os.environ.get("BENCH_PSYCOGREEN"):
+    # bench/scale.py --pool gevent: Celery monkey-patches the worker for gevent, but psycopg2
+    # blocks in C; psycogreen makes its waits cooperative (greenlets yield on the socket).
+    from psycogreen.gevent import patch_psycopg
+
+    patch_psycopg()

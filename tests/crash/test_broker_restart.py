@@ -94,7 +94,7 @@ def _worker_report(worker: Worker) -> str:
 def test_a_busy_worker_survives_a_redis_restart_and_runs_the_next_task(
     private_redis: RedisServer, worker_env: dict[str, str], sender: Celery, tmp_path: Path
 ) -> None:
-    worker = Worker(worker_env, tmp_path, name="wr", concurrency=2).start()
+    worker = Worker(worker_env, tmp_path, name="wr", concurrency=2, pool="prefork").start()
     try:
         sid = create_session("main", "go")
         sender.send_task("agent.run", args=(sid, 0))

@@ -73,7 +73,7 @@ class Rig:
         self.app.conf.update(broker_connection_retry_on_startup=True, task_serializer="json", accept_content=["json"])
 
     def worker(self, name: str, **env: str) -> Worker:
-        w = Worker({**self.env, **env}, self.log_dir, name=name, concurrency=2, beat=True).start()
+        w = Worker({**self.env, **env}, self.log_dir, name=name, concurrency=2, beat=True, pool="prefork").start()
         self.workers.append(w)
         return w
 

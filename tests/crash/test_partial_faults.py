@@ -128,7 +128,7 @@ def test_a_worker_under_a_restarting_supervisor_comes_back_and_takes_its_work_ba
 
     stack = stack_factory(script(wait=6))
     env = {**stack.env, "LEASE_SECONDS": "30", "SCAN_INTERVAL_SECONDS": "30"}
-    worker_cmd = " ".join(Worker(env, tmp_path, name="ws", concurrency=2).cmd)
+    worker_cmd = " ".join(Worker(env, tmp_path, name="ws", concurrency=2, pool="prefork").cmd)
     supervisor = Service(
         ["bash", "-c", f"while true; do {worker_cmd}; sleep 0.2; done"], env, tmp_path / "supervisor.log", None
     ).start()

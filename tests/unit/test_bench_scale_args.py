@@ -1,4 +1,5 @@
-"""bench/scale.py's load shape on its command line: the model's latency, the pool, the kinds."""
+"""bench/scale.py's load shape on its command line: the model's latency, the pool, the kinds,
+the kill at half-way."""
 
 from __future__ import annotations
 
@@ -9,18 +10,33 @@ from bench.scale import _script, parse_args
 
 def test_a_fixed_model_latency_delays_every_scripted_reply() -> None:
     args = parse_args(["--model-latency", "1.5", "--pool", "threads", "--concurrency", "64", "--kinds", "ours"])
-    assert (args.latency, args.pool, args.concurrency, args.kinds) == (1.5, "threads", 64, ["ours"])
-    assert {rule["delay_seconds"] for rule in _script(3, args.latency)} == {1.5}
+    assert (args.latencies, args.pool, args.concurrency, args.kinds) == ([("1.5", 1.5)], "threads", 64, ["ours"])
+    assert {rule["delay_seconds"] for rule in _script(3, args.latencies[0][1])} == {1.5}
+
+
+def test_several_fixed_model_latencies_run_the_whole_load_at_each() -> None:
+    args = parse_args(["--model-latency", "0,1,2,5", "--pool", "threads"])
+    assert args.latencies == [("0", 0.0), ("1", 1.0), ("2", 2.0), ("5", 5.0)]
+
+
+def test_the_kill_at_half_way_runs_on_ours_alone() -> None:
+    assert parse_args(["--kinds", "ours", "--kill-at-half"]).kill_at_half
+    with pytest.raises(SystemExit):
+        parse_args(["--kill-at-half"])  # the naive baseline has no recovery: a kill loses its parents
+
+
+def test_gevent_is_a_pool_the_bench_can_measure() -> None:
+    assert parse_args(["--pool", "gevent"]).pool == "gevent"
 
 
 def test_a_lognormal_model_latency_is_the_scripted_models_distribution() -> None:
     args = parse_args(["--model-latency", "lognormal:2,0.5"])
-    assert args.latency == {"lognormal": [2.0, 0.5]}
-    assert all(rule["delay_seconds"] == {"lognormal": [2.0, 0.5]} for rule in _script(3, args.latency))
+    assert args.latencies == [("lognormal:2,0.5", {"lognormal": [2.0, 0.5]})]
+    assert all(rule["delay_seconds"] == {"lognormal": [2.0, 0.5]} for rule in _script(3, args.latencies[0][1]))
 
 
 def test_an_instant_model_adds_no_delay() -> None:
-    assert all("delay_seconds" not in rule for rule in _script(3, parse_args([]).latency))
+    assert all("delay_seconds" not in rule for rule in _script(3, parse_args([]).latencies[0][1]))
 
 
 @pytest.mark.parametrize(
@@ -30,7 +46,9 @@ def test_an_instant_model_adds_no_delay() -> None:
         ["--model-latency", "soon"],
         ["--model-latency", "lognormal:1"],
         ["--model-latency", "lognormal:1,-0.5"],
-        ["--pool", "gevent"],
+        ["--pool", "eventlet"],
+        ["--model-latency", "1,soon"],
+        ["--model-latency", ","],
         ["--kinds", "theirs"],
     ],
 )

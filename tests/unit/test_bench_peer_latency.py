@@ -1,0 +1,27 @@
+"""bench/peer_dbos.py's normal path on a model with latency: both sides' scripted model waits the
+same seconds a reply, and our worker's pool is the caller's."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.delegation import instant_script
+from bench.peer_dbos import delayed, parse_args
+
+
+def test_a_model_latency_delays_every_reply_of_both_sides_and_the_pool_is_ours_to_choose() -> None:
+    args = parse_args(["--modes", "normal", "--model-latency", "2", "--pool", "threads", "--concurrency", "64"])
+    assert (args.model_latency, args.pool, args.concurrency) == (2.0, "threads", 64)
+    assert {rule["delay_seconds"] for rule in delayed(instant_script(3), args.model_latency)} == {2.0}
+
+
+def test_an_instant_model_and_prefork_stay_the_defaults() -> None:
+    args = parse_args([])
+    assert (args.model_latency, args.pool) == (0.0, "prefork")
+    assert all("delay_seconds" not in rule for rule in delayed(instant_script(3), args.model_latency))
+
+
+@pytest.mark.parametrize("argv", [["--model-latency", "-1"], ["--pool", "gevent"]])
+def test_a_negative_latency_or_an_unknown_pool_is_an_argument_error(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
