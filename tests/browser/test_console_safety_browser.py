@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from console.auth import ConsoleConfig
+from devstack.processes import ROOT
 from models import Phase
 from tests.browser.conftest import REBOUND_NAME, wait_js
 from tests.console_server import serve
@@ -26,6 +27,7 @@ from tests.types import ModelFactory
 pytestmark = [pytest.mark.timeout(120)]
 
 TOKEN = "browser-safety-token"
+IMG = ROOT / "docs" / "img"  # docs/console.md's screenshots
 
 
 def test_a_site_rebound_to_loopback_reads_nothing_and_cancels_nothing(
@@ -154,6 +156,7 @@ def test_a_failed_sessions_reason_is_on_its_page_and_the_list_finds_it_by_reason
         assert page.locator("#session-phase").inner_text() == "FAILED"
         reason = page.locator("#failure-reason").inner_text()
         assert "context_too_long" in reason and "HTTP 400" in reason, reason
+        page.screenshot(path=str(IMG / "console-failed.png"), full_page=True)
         page.goto(f"{base}/")
         assert "context_too_long" in page.locator(f"#sessions tr:has(a[href='/sessions/{failed}'])").inner_text()
         page.fill("input[name=failure_code]", "context_too_long")
