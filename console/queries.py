@@ -364,7 +364,8 @@ def tree_figures(s: Session, session_id: int) -> tuple[dict[str, int], bool]:
     """Figures of the whole tree (MAX_TREE_DEPTH levels), whatever part of it is shown:
     sessions, executions, recovered executions, pending deliveries; and whether it is active
     (a session runs, is not started yet, or waits for an approval; or a result waits for its
-    delivery). Two aggregate statements over one recursive walk of the tree: counts, not rows."""
+    delivery). One statement: two aggregates over one recursive walk of the tree (PostgreSQL
+    computes a recursive CTE once however often it is read), counts, not rows."""
     start = select(cast(literal(session_id), BigInteger).label("sid"), literal(0, Integer).label("depth"))
     walk = start.cte("tree", recursive=True)
     t = walk.union(
@@ -375,14 +376,30 @@ def tree_figures(s: Session, session_id: int) -> tuple[dict[str, int], bool]:
     nodes = select(t.c.sid).distinct().subquery()
     below = select(nodes.c.sid).where(nodes.c.sid != session_id)
     live = or_(S.phase.is_(None), S.phase.in_(LIVE_PHASES))
-    sessions, live_sessions = s.execute(
-        select(func.count(), func.count().filter(live)).select_from(S).where(S.id.in_(select(nodes.c.sid)))
-    ).one()
+    by_session = (
+        select(func.count().label("sessions"), func.count().filter(live).label("live"))
+        .select_from(S)
+        .where(S.id.in_(select(nodes.c.sid)))
+        .subquery()
+    )
     pending = E.delivery_status == DeliveryStatus.PENDING
-    executions, recovered, pending_delivery = s.execute(
-        select(func.count(), func.count().filter(E.recoveries > 0), func.count().filter(pending)).where(
-            E.child_session_id.in_(below), E.parent_session_id.in_(select(nodes.c.sid))
+    by_execution = (
+        select(
+            func.count().label("executions"),
+            func.count().filter(E.recoveries > 0).label("recovered"),
+            func.count().filter(pending).label("pending"),
         )
+        .where(E.child_session_id.in_(below), E.parent_session_id.in_(select(nodes.c.sid)))
+        .subquery()
+    )
+    sessions, live_sessions, executions, recovered, pending_delivery = s.execute(
+        select(
+            by_session.c.sessions,
+            by_session.c.live,
+            by_execution.c.executions,
+            by_execution.c.recovered,
+            by_execution.c.pending,
+        ).select_from(by_session.join(by_execution, literal(True)))
     ).one()
     counts = {
         "sessions": int(sessions),
