@@ -1,7 +1,9 @@
 """The console's safety in a real browser (Debian's Chromium): a site whose name was rebound to
 127.0.0.1 gets nothing from a console on loopback without a token, and the console's pages
 work under its Content-Security-Policy (no inline script: the cancel button's question comes
-from the console's own script file); an approver signed in sees a call's every argument."""
+from the console's own script file); an approver signed in sees a call's every argument, and the
+session's page then lists who approved it; a failed session's reason is on its page and in the
+list, which finds it by that reason."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from console.auth import ConsoleConfig
+from devstack.processes import ROOT
 from models import Phase
 from tests.browser.conftest import REBOUND_NAME, wait_js
 from tests.console_server import serve
@@ -24,6 +27,7 @@ from tests.types import ModelFactory
 pytestmark = [pytest.mark.timeout(120)]
 
 TOKEN = "browser-safety-token"
+IMG = ROOT / "docs" / "img"  # docs/console.md's screenshots
 
 
 def test_a_site_rebound_to_loopback_reads_nothing_and_cancels_nothing(
@@ -118,8 +122,49 @@ def test_a_signed_in_approver_sees_every_argument_and_approves(
         assert box is not None and box["width"] < 1280  # folded onto lines, not off the page
         page.locator(f"tr[data-request-id='{req.id}'] button.approve").click()
         page.wait_for_url(re.compile(r".*outcome=approved"))
+        # The session's page names who approved which call, and that it landed.
+        page.goto(f"{base}/sessions/{sid}")
+        rows = page.locator("#actions tbody tr")
+        assert rows.count() == 1
+        cells = rows.first.locator("td").all_inner_texts()
+        assert cells[1:] == ["console:erin", "approve", f"call {req.call_id}", "decided"], cells
     (req,) = requests()
     assert (req.session_id, req.status, req.decided_by) == (sid, "APPROVED", "console:erin")
+
+
+def test_a_failed_sessions_reason_is_on_its_page_and_the_list_finds_it_by_reason(
+    model_factory: ModelFactory, browser_page: Any
+) -> None:
+    from harness.parent import run_agent
+    from harness.views import create_session
+    from tests.helpers import RecordingScheduler, loop_deps
+
+    page = browser_page
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent"},
+                "reply": {"error": {"status": 400, "message": "This model's maximum context length is 8192 tokens"}},
+            }
+        ]
+    )
+    failed = create_session("main", "a task too long for its model")
+    assert run_agent(failed, 0, loop_deps(model.base_url, RecordingScheduler())) == "failed"
+    other = make_session()  # running, no reason: the filter leaves it out
+    with serve(ConsoleConfig(token="", read_only=False, show_content=False)) as base:
+        page.goto(f"{base}/sessions/{failed}")
+        assert page.locator("#session-phase").inner_text() == "FAILED"
+        reason = page.locator("#failure-reason").inner_text()
+        assert "context_too_long" in reason and "HTTP 400" in reason, reason
+        page.screenshot(path=str(IMG / "console-failed.png"), full_page=True)
+        page.goto(f"{base}/")
+        assert "context_too_long" in page.locator(f"#sessions tr:has(a[href='/sessions/{failed}'])").inner_text()
+        page.fill("input[name=failure_code]", "context_too_long")
+        page.locator("form.filters:has(input[name=failure_code]) button[type=submit]").click()
+        page.wait_for_url(re.compile(r".*failure_code=context_too_long"))
+        listed = page.locator("#sessions tbody a[href^='/sessions/']").all_inner_texts()
+        assert listed == [str(failed)], listed
+        assert page.locator(f"#sessions a[href='/sessions/{other}']").count() == 0
 
 
 def test_a_keyboard_user_cancels_a_running_session_while_its_page_updates(

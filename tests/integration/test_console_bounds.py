@@ -80,6 +80,51 @@ def test_a_session_with_many_children_shows_a_page_of_them_and_counts_the_whole_
     assert bad.status_code == 400
 
 
+def test_a_sessions_page_costs_the_same_statements_whatever_its_children_and_reads_only_its_tree(
+    console: Serve,
+) -> None:
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from sqlalchemy import event
+
+    from models.db import get_engine
+
+    base = console()
+    http = client(base)
+    small, big = make_session(), make_session()
+    _children(small, 2)
+    _children(big, MANY)
+
+    @contextmanager
+    def statements() -> Iterator[list[str]]:
+        seen: list[str] = []
+
+        def note(conn: object, cursor: object, statement: str, *args: object) -> None:
+            seen.append(statement)
+
+        event.listen(get_engine(), "before_cursor_execute", note)
+        try:
+            yield seen
+        finally:
+            event.remove(get_engine(), "before_cursor_execute", note)
+
+    counted: dict[int, list[str]] = {}
+    for sid in (small, big):
+        http.get(f"{base}/sessions/{sid}", timeout=10).raise_for_status()  # warm
+        with statements() as seen:
+            http.get(f"{base}/sessions/{sid}", timeout=10).raise_for_status()
+        counted[sid] = seen
+    assert len(counted[big]) == len(counted[small])  # no statement per child
+    for seen in counted.values():
+        # The whole tree's figures come from one recursive walk, not one walk per figure.
+        assert sum("WITH RECURSIVE" in st for st in seen) == 1, [st[:80] for st in seen]
+        # The children are counted by phase through the sessions' parent index (their rows only),
+        # not by a join from the executions that PostgreSQL answers by reading every session.
+        by_phase = [st for st in seen if "GROUP BY" in st and "agent_session.phase" in st]
+        assert by_phase and all("agent_session.parent_session_id IN" in st for st in by_phase), by_phase
+
+
 def test_the_live_part_grows_no_more_with_the_tree_beyond_a_page(console: Serve) -> None:
     base = console()
     http = client(base)
