@@ -266,6 +266,11 @@ def test_the_releases_command_lists_each_release_with_its_live_sessions(
     text = cli("releases", env={"DATABASE_URL": db})
     assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
     assert "workers w2a@h, w2b@h" in text.stdout
+    # The metric: live sessions pinned to each release (the cancelled one is not counted).
+    assert {k: v for k, v in release_metric("sessions_by_release").items() if v} == {
+        str(release_of(v1[0])): 1.0,
+        str(release_of(v2)): 1.0,
+    }
 
 
 def test_a_tool_whose_schema_changed_in_the_deploy_gets_tool_unavailable_and_is_not_offered(
@@ -465,14 +470,19 @@ def run_resumed(deps: Any) -> list[str]:
     return done
 
 
-def waiting_metric() -> dict[str, float]:
+def release_metric(name: str) -> dict[str, float]:
+    """``agent_recovery_<name>{release="R"}`` as scraped, by release."""
     from prometheus_client import generate_latest
 
     from recovery.metrics import build_registry
 
     text = generate_latest(build_registry()).decode()
-    found = re.findall(r'^agent_recovery_sessions_waiting_for_release\{release="(\d+)"\} (\S+)$', text, re.M)
+    found = re.findall(rf'^agent_recovery_{name}\{{release="(\d+)"\}} (\S+)$', text, re.M)
     return {r: float(v) for r, v in found}
+
+
+def waiting_metric() -> dict[str, float]:
+    return release_metric("sessions_waiting_for_release")
 
 
 def test_a_session_of_a_newer_release_is_left_for_a_worker_of_it_and_fails_only_after_release_wait_seconds(
