@@ -23,8 +23,16 @@ up) when it next carries one of a few statements (the pending round's INSERT, a 
 INSERT, an execution's UPDATE, a COMMIT): the process lives on and only that call waits; the
 trial must come to rest while the connection is still frozen (the stuck holder's lease is
 renewed no more and lapses, the scan takes the work back), then the connection is thawed and
-the stuck call's late writes must change nothing. The workers use a private redis-server and
-reach PostgreSQL through the proxy; the soak itself talks to both directly.
+the stuck call's late writes must change nothing. ``deploy`` restarts the workers one by one
+on a changed configuration (another system prompt for every agent, docs/releases.md), a rolling
+deploy mid-trial; the next ``deploy`` goes back to the first configuration (a rollback, which
+finds its old release). The workers use a private redis-server and reach PostgreSQL through the
+proxy; the soak itself talks to both directly.
+
+After every trial, besides the invariants: each session's model requests all carried one
+release's system prompt (sessions are pinned; the soak moves none). The soak's model marks each
+tool-call reply with a token, so a later request of the same session (which carries that reply
+back) is traced to the session's first request.
 
 ``--faults stall,kill_one`` draws from those kinds only. SIGTERM or SIGINT (a timeout, ^C)
 stops every process the soak started (a stopped worker is sent SIGCONT first) and drops its
@@ -40,8 +48,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -51,6 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # Clear of the test suite's databases: `make test` (3 xdist workers) uses 7-15, the benches 4-6.
 os.environ.setdefault("STACK_REDIS_DBS", "1,2,3")
+
+from doubles.scripted_model import ScriptedModelServer  # noqa: E402  (after the path above)
 
 PG_ADMIN = os.environ.get("SOAK_PG_ADMIN_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
 SHAPES = ("one", "two", "mixed", "three")
@@ -64,6 +76,7 @@ FAULTS = (
     "legacy_backlog",
     "stall",
     "freeze",
+    "deploy",
 )
 #: What the ``freeze`` fault waits for on a worker's connection (one drawn per trial).
 FREEZE_ON = (b"INSERT INTO pending_round", b"INSERT INTO message", b"UPDATE subagent_execution", b"COMMIT")
@@ -85,6 +98,9 @@ system_prompt = "You are the researcher subagent."
 tools = ["echo", "wait", "charge", "stamp"]
 max_rounds = 10
 """
+#: The ``deploy`` fault's other configuration: every agent's prompt changed (the script's rules
+#: still match: they test "main agent" and "subagent").
+DEPLOYED_TOML = AGENTS_TOML.replace("agent.", "agent (deployed).").replace("subagent.", "subagent (deployed).")
 #: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH, 5,000
 #: today: a backlog of 5,005).
 LEGACY_PER_PARENT = 5
@@ -144,6 +160,60 @@ def script() -> list[dict[str, Any]]:
     return rules
 
 
+REPLY_TOKEN = re.compile(r"^\[reply (\d+)\]$")
+
+
+class TracingModel(ScriptedModelServer):
+    """The scripted model with a trace: each request's system prompt and the session it belongs
+    to. A tool-call reply gets the content ``[reply N]``; a later request of the same session
+    carries it back, and the first such token in a request names the session's first request."""
+
+    def __init__(self, script: Any) -> None:
+        super().__init__(script)
+        self.trace_lock = threading.Lock()
+        #: (the session's first reply token, the system prompt) per answered request
+        self.trace: list[tuple[int, str]] = []
+        self.replies = 0
+
+    def answer(self, body: Any, authorization: str | None) -> tuple[int, dict[str, Any]]:
+        status, payload = super().answer(body, authorization)
+        if status != 200 or not isinstance(body, dict):
+            return status, payload
+        messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+        system = next((str(m.get("content")) for m in messages if m.get("role") == "system"), "")
+        carried = [
+            int(found.group(1))
+            for m in messages
+            if m.get("role") == "assistant" and isinstance(m.get("content"), str)
+            for found in [REPLY_TOKEN.match(m["content"])]
+            if found
+        ]
+        message = payload["choices"][0]["message"]
+        with self.trace_lock:
+            own = None
+            if message.get("tool_calls"):
+                self.replies += 1
+                own = self.replies
+                message["content"] = f"[reply {own}]"
+            key = carried[0] if carried else own
+            if key is not None:  # a session's only request, answered in words: nothing to compare
+                self.trace.append((key, system))
+        return status, payload
+
+
+def mixed_prompts(trace: list[tuple[int, str]]) -> list[str]:
+    """Sessions (by their first request's reply token) whose requests carried more than one
+    system prompt: a pinned session must keep its release's."""
+    prompts: dict[int, set[str]] = {}
+    for key, system in trace:
+        prompts.setdefault(key, set()).add(system)
+    return [
+        f"a session's model requests carried {len(p)} prompts: {sorted(s[:40] for s in p)}"
+        for key, p in prompts.items()
+        if len(p) > 1
+    ]
+
+
 def per_reply_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The calls as providers number them, per reply: ``call_0``, ``call_1``, ... in every reply
     (the soak's model reuses ``call_0`` in every tool-call reply of a session)."""
@@ -167,7 +237,6 @@ class Soak:
             conn.execute(text(f'CREATE DATABASE "{self.db_name}"'))
         self.url = PG_ADMIN.rsplit("/", 1)[0] + "/" + self.db_name
         from devstack.processes import apply_env, flush_broker, service_env
-        from doubles.scripted_model import ScriptedModelServer
         from migrations import upgrade
 
         upgrade(self.url)
@@ -177,7 +246,16 @@ class Soak:
         os.environ.update(AGENTS_FILE=str(agents), TOOL_MODULES="bench.soak_tools", SOAK_TOOL_LOG=str(self.tool_log))
         self.redis = RedisServer(log_dir).start()
         self.proxy = FaultProxy.for_url(self.url).start()
-        self.model = ScriptedModelServer(script())
+        self.model = TracingModel(script())
+        #: The two configurations ``deploy`` switches between, and the one the workers run.
+        self.agents_files = (agents, log_dir / "agents-deployed.toml")
+        self.agents_files[1].write_text(DEPLOYED_TOML)
+        self.deployed = 0
+        #: ``deploy`` trials, and sessions whose requests mixed prompts (the trace check).
+        self.deploys = 0
+        #: Sessions with two model requests or more whose prompts were compared (the last check
+        #: of each trial counts).
+        self.traced = self.traced_trial = 0
         self.env = service_env(self.url, self.model.start(), redis_base=self.redis.url, broker="redis")
         apply_env(self.env)
         self.worker_env = {**self.env, "DATABASE_URL": self.proxy.rewrite(self.url)}
@@ -237,6 +315,9 @@ class Soak:
         self.proxy.clear()
         self.proxy.thaw()
         self.fault_problems = []
+        self.traced, self.traced_trial = self.traced + self.traced_trial, 0
+        with self.model.trace_lock:
+            self.model.trace.clear()
         flush_broker(self.redis.url, broker="redis")
         for attempt in range(5):
             try:
@@ -294,10 +375,25 @@ class Soak:
             # check's own Python time between two statements passed it and the server ended the
             # soak, not a trial. It is the soak's reading, not a worker's: no bound.
             s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
-            problems = check_all(s, settled=True) + self._charged_twice()
+            problems = check_all(s, settled=True) + self._charged_twice() + self._prompts_mixed(s)
             if not problems and fault == "legacy_backlog":
                 problems = _legacy_problems(s)
         return problems
+
+    def _prompts_mixed(self, s: Any) -> list[str]:
+        """Every session's requests carried one release's prompt (the soak moves no session:
+        a move, by the default pinned policy, is a problem too)."""
+        from collections import Counter
+
+        from sqlalchemy import func, select
+
+        from models import ReleaseMove
+
+        with self.model.trace_lock:
+            trace = list(self.model.trace)
+        self.traced_trial = sum(1 for n in Counter(key for key, _ in trace).values() if n > 1)
+        moved = s.execute(select(func.count()).select_from(ReleaseMove)).scalar_one()
+        return mixed_prompts(trace) + ([f"{moved} release moves under the pinned policy"] if moved else [])
 
     def _charged_twice(self) -> list[str]:
         """The at-most-once rule seen from the side effect itself: every ``charge`` call wrote
@@ -453,6 +549,19 @@ class Soak:
                         )
                     )
 
+    def deploy(self, rng: random.Random) -> None:
+        """A rolling deploy mid-trial: each worker in turn is stopped (SIGTERM: Celery's warm
+        shutdown, killed after 10 s) and replaced by one that reads the other configuration,
+        under its own name half the time; old and new run side by side in between."""
+        self.deploys += 1
+        self.deployed = 1 - self.deployed
+        self.worker_env = {**self.worker_env, "AGENTS_FILE": str(self.agents_files[self.deployed])}
+        for victim in list(self.workers):
+            time.sleep(rng.uniform(0.0, 1.0))
+            victim.stop()
+            self.workers = [w for w in self.workers if w is not victim]
+            self.worker(beat=victim.beat, name=victim.name if rng.random() < 0.5 else None)
+
     def pg_cuts(self, rng: random.Random) -> None:
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
@@ -600,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
     mix = ", ".join(f"{k}={v}" for k, v in soak.mix.items())
     print(f"soak: {args.trials} trials in {time.monotonic() - started:.0f}s; faults: {mix} (logs in {log_dir})")
+    if soak.deploys:
+        print(f"deploy: {soak.deploys} rolling deploys")
+    print(f"prompts: {soak.traced + soak.traced_trial} sessions' requests compared (one release's prompt each)")
     if soak.froze:
         print("freeze: " + ", ".join(f"{k!r}={v}" for k, v in sorted(soak.froze.items())))
     print(f"{passed} passed, {failed} failed")

@@ -39,6 +39,10 @@ from models.journal import JOURNAL_OPEN, has_open_entry
 from models.lease import reservation_expiry
 from models.worker import generation_of, identity_for, lease_free, lease_takeable, still_current, still_current_as
 
+#: The predicate of ix_agent_session_release_live (migration 0031): a session pinned to a release
+#: and not stopped. The metric's query repeats it word for word, so the planner uses the index.
+LIVE_BY_RELEASE = "release_id IS NOT NULL AND (phase IS NULL OR phase NOT IN ('COMPLETED', 'FAILED', 'CANCELLED'))"
+
 
 class AgentSession(Base):
     __tablename__ = "agent_session"
@@ -61,6 +65,13 @@ class AgentSession(Base):
             "release_wait_since",
             postgresql_where=text("release_wait_since IS NOT NULL"),
             sqlite_where=text("release_wait_since IS NOT NULL"),
+        ),
+        # Live sessions by release (recovery.metrics: agent_recovery_sessions_by_release).
+        Index(
+            "ix_agent_session_release_live",
+            "release_id",
+            postgresql_where=text(LIVE_BY_RELEASE),
+            sqlite_where=text(LIVE_BY_RELEASE),
         ),
     )
 

@@ -51,6 +51,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from fieldrecovery.tables import InvocationStatus
 from logfmt import log_event
 from models import ACTIVE_EXECUTION, TERMINAL_EXECUTION, DeliveryStatus, FailureCode, get_engine, lease
+from models.session import LIVE_BY_RELEASE
 from settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ SELECT release_id, count(*) FROM agent_session
 WHERE release_wait_since IS NOT NULL AND phase IN ('RUNNING', 'RESUMING')
 GROUP BY release_id
 """
+#: Live sessions (not stopped: children and sessions waiting for the user included) by the
+#: release they are pinned to (ix_agent_session_release_live: the same predicate).
+LIVE_BY_RELEASE_SQL = f"SELECT release_id, count(*) FROM agent_session WHERE {LIVE_BY_RELEASE} GROUP BY release_id"
 #: IN_PROGRESS field invocations and the stale ones (ix_field_recovery_invocation_in_progress).
 FIELD_LIVE_SQL = """
 SELECT count(*),
@@ -294,8 +298,17 @@ class RecoveryCollector(Collector):
         )
         for release_id, count in conn.execute(text(WAITING_FOR_RELEASE_SQL)):
             for_release.add_metric([str(release_id)], float(count))
+        by_release = GaugeMetricFamily(
+            _name("sessions_by_release"),
+            "Live sessions (not COMPLETED, FAILED or CANCELLED; children and sessions waiting for the user "
+            "included) by the release they are pinned to; a release at 0 or absent has none left",
+            labels=["release"],
+        )
+        for release_id, count in conn.execute(text(LIVE_BY_RELEASE_SQL)):
+            by_release.add_metric([str(release_id)], float(count))
         return [
             for_release,
+            by_release,
             GaugeMetricFamily(
                 _name("pending_rounds_open"),
                 "Parent tool-call rounds waiting for their children (pending_round not closed)",

@@ -266,6 +266,11 @@ def test_the_releases_command_lists_each_release_with_its_live_sessions(
     text = cli("releases", env={"DATABASE_URL": db})
     assert text.returncode == 0 and f"release {release_of(v2)} " in text.stdout
     assert "workers w2a@h, w2b@h" in text.stdout
+    # The metric: live sessions pinned to each release (the cancelled one is not counted).
+    assert {k: v for k, v in release_metric("sessions_by_release").items() if v} == {
+        str(release_of(v1[0])): 1.0,
+        str(release_of(v2)): 1.0,
+    }
 
 
 def test_a_tool_whose_schema_changed_in_the_deploy_gets_tool_unavailable_and_is_not_offered(
@@ -465,14 +470,19 @@ def run_resumed(deps: Any) -> list[str]:
     return done
 
 
-def waiting_metric() -> dict[str, float]:
+def release_metric(name: str) -> dict[str, float]:
+    """``agent_recovery_<name>{release="R"}`` as scraped, by release."""
     from prometheus_client import generate_latest
 
     from recovery.metrics import build_registry
 
     text = generate_latest(build_registry()).decode()
-    found = re.findall(r'^agent_recovery_sessions_waiting_for_release\{release="(\d+)"\} (\S+)$', text, re.M)
+    found = re.findall(rf'^agent_recovery_{name}\{{release="(\d+)"\}} (\S+)$', text, re.M)
     return {r: float(v) for r, v in found}
+
+
+def waiting_metric() -> dict[str, float]:
+    return release_metric("sessions_waiting_for_release")
 
 
 def test_a_session_of_a_newer_release_is_left_for_a_worker_of_it_and_fails_only_after_release_wait_seconds(
@@ -656,3 +666,80 @@ def test_a_child_of_a_newer_release_waits_for_a_worker_of_it_and_its_result_is_d
         assert row.release_wait_since is None
     finally:
         unregister("new_tool")
+
+
+def test_a_child_of_a_newer_release_left_waiting_past_release_wait_seconds_fails_and_its_parent_gets_that_once(
+    model_factory: ModelFactory, deploy: Deploy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's give-up path: no worker of its release came back within RELEASE_WAIT_SECONDS;
+    its execution ends FAILED release_unavailable and that failure reaches the parent once (one
+    TOOL message; the parent, of that release too, waits in turn and answers once a worker of it
+    returns), with the delivery invariants holding."""
+    from models import ExecutionStatus, SubagentExecution
+    from recovery.invariants import check_all
+    from tests.helpers import drive
+    from tests.integration.test_approvals import a_scan_after_every_lease_lapsed
+
+    model = model_factory(
+        [
+            {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
+            {
+                "when": {"system_contains": "main agent", "turn": 0},
+                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
+            },
+            {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "parent saw: {tool_results}"}},
+            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "child done"}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    settings_text = V1.replace("temperature = 0.1", "temperature = 0.45")  # a release no test stored before
+    deploy.to(settings_text)
+    started(model.base_url, "warm")  # the older worker's release, stored first
+
+    @tool
+    def new_tool(ctx: ToolContext, text: str) -> str:
+        """A tool only the newer deploy's code has."""
+        return text
+
+    try:
+        parent = create_session("main", "go")
+        assert run_agent(parent, 0, deps) == "yielded"  # the child exists on the newer release
+    finally:
+        unregister("new_tool")  # rolled back before the child ran; no worker of it returns
+    settle(deps)
+    with transaction() as s:
+        child = s.execute(select(AgentSession).where(AgentSession.parent_session_id == parent)).scalar_one()
+    assert child.release_wait_since is not None and phase_of(parent) == Phase.RUNNING
+
+    monkeypatch.setenv("RELEASE_WAIT_SECONDS", "60")
+    deploy.to(settings_text)  # the settings read again
+    with transaction() as s:
+        since = utcnow() - timedelta(seconds=61)
+        s.execute(update(AgentSession).where(AgentSession.id == child.id).values(release_wait_since=since))
+    a_scan_after_every_lease_lapsed(deps)
+    settle(deps)  # the child gives up; its failure is delivered; the parent (v2 too) waits
+    with transaction() as s:
+        ex = s.execute(select(SubagentExecution).where(SubagentExecution.child_session_id == child.id)).scalar_one()
+    assert ex.status == ExecutionStatus.FAILED and "no worker of release" in (ex.error or "")
+    assert answers(child.id) == []  # the child never asked the model
+    (delivered,) = [m.content for m in messages_of(parent) if m.role == "TOOL"]  # once
+    assert "no worker of release" in delivered
+    assert phase_of(parent) == Phase.RUNNING and answers(parent) == []
+
+    @tool
+    def new_tool(ctx: ToolContext, text: str) -> str:  # type: ignore[no-redef]  # noqa: F811
+        """A tool only the newer deploy's code has: a worker of the release returns."""
+        return text
+
+    try:
+        a_scan_after_every_lease_lapsed(deps)
+        drive(model.base_url, deps=deps)
+        assert answers(parent) == [f"parent saw: {delivered}"]
+        assert phase_of(parent) == Phase.WAITING_USER
+        a_scan_after_every_lease_lapsed(deps)
+        drive(model.base_url, deps=deps)  # a later scan delivers nothing again
+    finally:
+        unregister("new_tool")
+    assert len([m for m in messages_of(parent) if m.role == "TOOL"]) == 1
+    with transaction() as s:
+        assert check_all(s, settled=True) == []
