@@ -1,0 +1,117 @@
+"""``on_budget_exhausted = "ask"``: a refused reservation parks the tree on a durable approval
+request to raise its budget (docs/usage.md, "When the budget runs out: ask"). Real PostgreSQL,
+the scripted model over HTTP reporting known usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from cli.main import main
+from harness.parent import run_agent
+from harness.views import create_session
+from models import AgentSession, transaction
+from models.approval import ApprovalRequest
+from models.budget import TreeBudget
+from tests.helpers import infra_fault_at, loop_deps
+from tests.types import ModelFactory
+
+pytestmark = pytest.mark.usefixtures("db", "redis_url")
+
+USAGE = {"prompt_tokens": 1000, "completion_tokens": 200}
+FOREVER_ECHO: list[dict[str, Any]] = [
+    {
+        "when": {"system_contains": "main agent"},
+        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
+    }
+]
+
+
+@pytest.fixture
+def asking_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]:
+    """AGENTS_FILE: the built-in agents, ``main`` asking when its budget runs out, its calls
+    reserving ~1000 tokens each."""
+    from harness.agents import DEFAULT_AGENTS_TOML, _load
+    from settings import get_settings
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        DEFAULT_AGENTS_TOML.replace(
+            "max_rounds = 20\n", 'max_rounds = 20\nmax_tokens = 1000\non_budget_exhausted = "ask"\n', 1
+        ),
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("AGENTS_FILE", str(agents))
+    get_settings.cache_clear()
+    _load.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+    _load.cache_clear()
+
+
+def _state(sid: int) -> tuple[str, str | None, list[tuple[str, str, str]]]:
+    with transaction() as s:
+        row = s.get(AgentSession, sid)
+        assert row is not None
+        rows = s.execute(select(ApprovalRequest).where(ApprovalRequest.session_id == sid).order_by(ApprovalRequest.id))
+        asked = [(r.call_id, str(r.status), r.arguments) for r in rows.scalars()]
+        return str(row.phase), row.failure_code, asked
+
+
+def _epoch(sid: int) -> int:
+    with transaction() as s:
+        row = s.get(AgentSession, sid)
+        assert row is not None and str(row.phase) == "RUNNING"  # handed back to a loop
+        return int(row.epoch)
+
+
+@pytest.mark.usefixtures("asking_main")
+def test_a_tree_that_asks_waits_for_a_raise_resumes_when_approved_and_stops_when_denied(
+    model_factory: ModelFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import harness.budget_request
+
+    model = model_factory(FOREVER_ECHO)
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go", budget_tokens=2500)
+    # Two calls fit (each reserves ~1000, spends 1200); the third is refused: the request is
+    # recorded and the session parked in one transaction, then the worker dies.
+    with infra_fault_at(harness.budget_request, "budget.after_ask"):
+        assert run_agent(sid, 0, deps) == "infra_error"
+    phase, code, asked = _state(sid)
+    assert (phase, code) == ("WAITING_APPROVAL", None)
+    assert [(c, st) for c, st, _ in asked] == [("budget-1", "PENDING")]
+    served = len(model.journal())
+    assert served == 2
+    # The approver names the amount (the request's edited arguments); the budget is raised in
+    # the decision's transaction and the session handed back to a loop.
+    assert main(["approve", str(sid), "budget-1", "--arguments", '{"tokens": 2400}', "--by", "ada"]) == 0
+    with transaction() as s:
+        budget = s.get(TreeBudget, sid)
+        assert budget is not None and budget.budget_tokens == 4900
+    assert run_agent(sid, _epoch(sid), deps) == "waiting_approval"  # two calls more, then it asks again
+    assert len(model.journal()) == served + 2
+    phase, code, asked = _state(sid)
+    assert phase == "WAITING_APPROVAL" and [(c, st) for c, st, _ in asked][-1] == ("budget-2", "PENDING")
+    assert main(["deny", str(sid), "budget-2", "--reason", "enough", "--by", "ada"]) == 0
+    assert run_agent(sid, _epoch(sid), deps) == "failed"
+    assert len(model.journal()) == served + 2  # denied: no model call more
+    phase, code, asked = _state(sid)
+    assert (phase, code) == ("FAILED", "budget_exhausted")
+    assert [st for _, st, _ in asked] == ["APPROVED", "DENIED"]
+    assert json.loads(asked[0][2]) == {"tokens": json.loads(asked[0][2])["tokens"]}
+
+
+def test_an_agent_asks_or_stops_and_nothing_else() -> None:
+    from harness.agents import AgentConfigError, parse_agents
+
+    base = '[agents.x]\nsystem_prompt = "p"\n'
+    assert parse_agents(base)["x"].on_budget_exhausted == "stop"
+    assert parse_agents(base + 'on_budget_exhausted = "ask"\n')["x"].on_budget_exhausted == "ask"
+    with pytest.raises(AgentConfigError, match="on_budget_exhausted"):
+        parse_agents(base + 'on_budget_exhausted = "beg"\n')
