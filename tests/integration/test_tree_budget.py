@@ -477,3 +477,37 @@ FOREVER_ECHO: list[dict[str, Any]] = [
         "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
     }
 ]
+
+
+def test_a_child_refused_for_budget_passes_what_it_had_said_to_its_parent_as_a_partial_result(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN, "turn": 0}, "reply": {"tool_calls": [_delegate("a")], "usage": USAGE}},
+            {"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}},
+            {
+                "when": {"system_contains": "reviewer subagent"},
+                "reply": {
+                    "tool_calls": [{"name": "echo", "arguments": {"text": "more"}}],
+                    "message_fields": {"content": "so far: 3 files read"},
+                    "usage": USAGE,
+                },
+            },
+        ]
+    )
+    deps = loop_deps(model.base_url)
+    # The parent's call and the child's first fit; the child's second (1200 + 1200 spent, and
+    # ~4150 to reserve) does not.
+    sid = create_session("main", "go", budget_tokens=6000)
+    run_agent(sid, 0, deps)
+    drive(model.base_url, after_crash=False, deps=deps)
+    (execution,) = executions_of(sid)
+    assert (str(execution.status), execution.delivery_status) == ("FAILED", "DELIVERED")
+    with transaction() as s:
+        (result,) = s.execute(
+            select(Message.content).where(Message.session_id == sid, Message.role == Role.TOOL)
+        ).scalars()
+    delivered = json.loads(result)
+    assert delivered["partial_result"] == "so far: 3 files read"
+    assert "budget" in delivered["error"]
