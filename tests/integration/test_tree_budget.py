@@ -511,3 +511,31 @@ def test_a_child_refused_for_budget_passes_what_it_had_said_to_its_parent_as_a_p
     delivered = json.loads(result)
     assert delivered["partial_result"] == "so far: 3 files read"
     assert "budget" in delivered["error"]
+
+
+def test_the_soaks_budget_check_passes_true_books_and_names_each_broken_one() -> None:
+    from bench.soak import _budget_problems
+    from models.usage import record_usage
+
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    with transaction() as s:
+        record_usage(
+            s,
+            session_id=sid,
+            execution_id=None,
+            model="m",
+            prompt_tokens=1000,
+            completion_tokens=200,
+            cached_tokens=0,
+            reasoning_tokens=0,
+        )
+        s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one().spent_tokens = PER_CALL
+    with transaction() as s:
+        assert _budget_problems(s) == []
+        s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one().reserved_tokens = BUDGET
+    with transaction() as s:
+        assert _budget_problems(s) == [f"tree {sid}: charged {BUDGET + PER_CALL} > budget {BUDGET}"]
+        books = s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one()
+        books.spent_tokens, books.reserved_tokens = 7, 0
+    with transaction() as s:
+        assert [p.split(":")[1] for p in _budget_problems(s)] == [" spent 7 != stored usage 1200"]
