@@ -1,6 +1,7 @@
 """A top-level session whose tree's budget ran out asks a person for more
 (``on_budget_exhausted = "ask"``, docs/usage.md): the request is an approval request
-(models.approval) for the pseudo-tool ``budget.raise`` with the arguments ``{"tokens": N}``,
+(models.approval) for the pseudo-tool ``budget.raise``, call id ``budget-EPOCH``, with the
+arguments ``{"tokens": N}``,
 decided like any other (``approve``/``deny``, Celery, console).
 
 1. A refused reservation (``BudgetExhausted``) of a session whose agent asks: ``ask_for_budget``
@@ -20,7 +21,7 @@ import logging
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -69,12 +70,9 @@ def ask_for_budget(fence: Fence, *, session_id: int, agent_type: str, tokens: in
         ).scalar_one_or_none()
         if last is not None and last != ApprovalStatus.APPROVED:
             return AskOutcome.REFUSED
-        asked = s.execute(
-            select(func.count())
-            .select_from(ApprovalRequest)
-            .where(ApprovalRequest.session_id == session_id, ApprovalRequest.tool == BUDGET_TOOL)
-        ).scalar_one()
-        call_id = f"budget-{int(asked) + 1}"
+        # NOTE: one ask per epoch at most (the park ends the run; the hand-back moves the
+        # epoch), so the epoch names the request uniquely, purged requests or not.
+        call_id = f"budget-{fence.epoch}"
         written = store.record_requests(
             s,
             session_id=session_id,

@@ -634,7 +634,11 @@ def purge_decided(s: Session, *, retention_days: float, batch: int = 1000) -> in
     closed = select(RoundJournal.id).where(RoundJournal.status != JournalStatus.OPEN)
     doomed = (
         select(A.id)
-        .where(A.status != ApprovalStatus.PENDING, A.decided_at < cutoff, A.journal_id.in_(closed))
+        .where(
+            A.status != ApprovalStatus.PENDING,
+            A.decided_at < cutoff,
+            or_(A.journal_id.in_(closed), A.journal_id.is_(None)),  # NULL: a budget request, no round
+        )
         .limit(batch)
         .scalar_subquery()
     )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from cli.main import main
 from harness.parent import run_agent
@@ -85,20 +85,22 @@ def test_a_tree_that_asks_waits_for_a_raise_resumes_when_approved_and_stops_when
         assert run_agent(sid, 0, deps) == "infra_error"
     phase, code, asked = _state(sid)
     assert (phase, code) == ("WAITING_APPROVAL", None)
-    assert [(c, st) for c, st, _ in asked] == [("budget-1", "PENDING")]
+    ((first, status, _),) = asked
+    assert first.startswith("budget-") and status == "PENDING"
     served = len(model.journal())
     assert served == 2
     # The approver names the amount (the request's edited arguments); the budget is raised in
     # the decision's transaction and the session handed back to a loop.
-    assert main(["approve", str(sid), "budget-1", "--arguments", '{"tokens": 2400}', "--by", "ada"]) == 0
+    assert main(["approve", str(sid), first, "--arguments", '{"tokens": 2400}', "--by", "ada"]) == 0
     with transaction() as s:
         budget = s.get(TreeBudget, sid)
         assert budget is not None and budget.budget_tokens == 4900
     assert run_agent(sid, _epoch(sid), deps) == "waiting_approval"  # two calls more, then it asks again
     assert len(model.journal()) == served + 2
     phase, code, asked = _state(sid)
-    assert phase == "WAITING_APPROVAL" and [(c, st) for c, st, _ in asked][-1] == ("budget-2", "PENDING")
-    assert main(["deny", str(sid), "budget-2", "--reason", "enough", "--by", "ada"]) == 0
+    second = asked[-1][0]
+    assert phase == "WAITING_APPROVAL" and second != first and asked[-1][1] == "PENDING"
+    assert main(["deny", str(sid), second, "--reason", "enough", "--by", "ada"]) == 0
     assert run_agent(sid, _epoch(sid), deps) == "failed"
     assert len(model.journal()) == served + 2  # denied: no model call more
     phase, code, asked = _state(sid)
@@ -115,3 +117,25 @@ def test_an_agent_asks_or_stops_and_nothing_else() -> None:
     assert parse_agents(base + 'on_budget_exhausted = "ask"\n')["x"].on_budget_exhausted == "ask"
     with pytest.raises(AgentConfigError, match="on_budget_exhausted"):
         parse_agents(base + 'on_budget_exhausted = "beg"\n')
+
+
+@pytest.mark.usefixtures("asking_main")
+def test_a_decided_budget_request_is_purged_after_the_retention_and_a_pending_one_never(
+    model_factory: ModelFactory,
+) -> None:
+    from datetime import timedelta
+
+    from models.approval import purge_decided
+    from models.base import utcnow
+
+    model = model_factory(FOREVER_ECHO)
+    sid = create_session("main", "go", budget_tokens=1500)
+    assert run_agent(sid, 0, loop_deps(model.base_url)) == "waiting_approval"
+    with transaction() as s:
+        assert purge_decided(s, retention_days=0) == 0  # pending: kept
+        s.execute(
+            text("UPDATE approval_request SET status = 'DENIED', decided_at = :t WHERE session_id = :sid"),
+            {"t": utcnow() - timedelta(days=2), "sid": sid},
+        )
+    with transaction() as s:
+        assert purge_decided(s, retention_days=1) == 1
