@@ -106,6 +106,10 @@ def test_a_tree_that_asks_waits_for_a_raise_resumes_when_approved_and_stops_when
     phase, code, asked = _state(sid)
     assert (phase, code) == ("FAILED", "budget_exhausted")
     assert [st for _, st, _ in asked] == ["APPROVED", "DENIED"]
+    from recovery.invariants import check_all
+
+    with transaction() as s:
+        assert check_all(s, settled=True) == []  # A1-A3 hold for budget requests too
     assert json.loads(asked[0][2]) == {"tokens": json.loads(asked[0][2])["tokens"]}
 
 
