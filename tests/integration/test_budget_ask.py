@@ -114,7 +114,8 @@ def test_a_tree_that_asks_waits_for_a_raise_resumes_when_approved_and_stops_when
 
 
 def test_an_agent_asks_or_stops_and_nothing_else() -> None:
-    from harness.agents import AgentConfigError, parse_agents
+    from harness.agents import parse_agents
+    from harness.errors import AgentConfigError
 
     base = '[agents.x]\nsystem_prompt = "p"\n'
     assert parse_agents(base)["x"].on_budget_exhausted == "stop"
