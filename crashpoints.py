@@ -57,6 +57,7 @@ POINTS = (
     "field.after_run_recorded",  # field recovery: the platform's run id committed on the invocation, mid-stream
     "approval.after_edited_call",  # an approver's edited arguments journaled as the call, the tool not run yet
     "parent.after_inline_start",  # a delegating round's inline call: its start committed under the fence, not run yet
+    "budget.after_ask",  # a refused reservation's budget request written and the session parked
     "budget.after_reserve",  # a model call's budget reservation committed, the model not asked yet
     "approval.after_rule",  # a continued round: tools' approval callables' decisions journaled, no tool run yet
     "approval.after_notified",  # the approval webhook took a notification and it is recorded; the task not acked

@@ -34,6 +34,15 @@ release's system prompt (sessions are pinned; the soak moves none). The soak's m
 tool-call reply with a token, so a later request of the same session (which carries that reply
 back) is traced to the session's first request.
 
+Budgets: a share of the parents (``--budget-fraction``, default 0.5) get a token budget drawn
+between BUDGET_RANGE (every model reply reports USAGE; each call reserves its prompt's estimate
+plus ``max_tokens`` = 400), small enough that many such trees run out mid-way, with parallel
+children reserving at once. After each trial, per budgeted tree: its books equal its stored
+usage exactly (spent = the provider's figures of its stored replies), and spent + reserved +
+estimated is within its budget (each reply's figure is within its reservation, so the model
+served the tree no more than its budget: a lost reply is charged its reservation as estimated);
+every session ends and every result is delivered once (I1-I7, as for every tree).
+
 ``--faults stall,kill_one`` draws from those kinds only. SIGTERM or SIGINT (a timeout, ^C)
 stops every process the soak started (a stopped worker is sent SIGCONT first) and drops its
 database before it exits.
@@ -87,20 +96,27 @@ AGENTS_TOML = """
 [agents.main]
 system_prompt = "You are the main agent. Delegate work to subagents with the delegate tool and combine results."
 max_rounds = 20
+max_tokens = 400
 
 [agents.reviewer]
 system_prompt = "You are the reviewer subagent."
 tools = ["echo", "wait", "charge", "stamp"]
 max_rounds = 10
+max_tokens = 400
 
 [agents.researcher]
 system_prompt = "You are the researcher subagent."
 tools = ["echo", "wait", "charge", "stamp"]
 max_rounds = 10
+max_tokens = 400
 """
 #: The ``deploy`` fault's other configuration: every agent's prompt changed (the script's rules
 #: still match: they test "main agent" and "subagent").
 DEPLOYED_TOML = AGENTS_TOML.replace("agent.", "agent (deployed).").replace("subagent.", "subagent (deployed).")
+#: What every model reply of the soak reports it cost (each call's reservation is above it).
+USAGE = {"prompt_tokens": 300, "completion_tokens": 50}
+#: The token budgets drawn for budgeted trees: a tree of three children spends up to ~3,900.
+BUDGET_RANGE = (1500, 6000)
 #: Executions of the ``legacy_backlog`` fault: above one scan batch (recovery.scan.BATCH, 5,000
 #: today: a backlog of 5,005).
 LEGACY_PER_PARENT = 5
@@ -157,6 +173,8 @@ def script() -> list[dict[str, Any]]:
         },
         {"when": {"system_contains": "subagent", "last_role": "tool"}, "reply": {"content": "child answer"}},
     ]
+    for rule in rules:
+        rule["reply"]["usage"] = USAGE
     return rules
 
 
@@ -266,6 +284,8 @@ class Soak:
         self.counter = 0
         self.mix: dict[str, int] = dict.fromkeys(FAULTS, 0)
         self.faults: tuple[str, ...] = FAULTS
+        self.budget_fraction = 0.5  #: share of the parents given a token budget (--budget-fraction)
+        self.budgets = {"trees": 0, "stopped_sessions": 0}  #: over the trials that passed
         #: Process groups this soak SIGSTOPped and has not resumed yet.
         self.stopped: set[int] = set()
         #: Every worker this soak started, replaced ones included (their pools may outlive them).
@@ -342,7 +362,9 @@ class Soak:
             self.proxy.freeze_on(self._freeze_on)
         parents = []
         for _ in range(rng.randint(1, 3)):
-            sid = create_session("main", f"work [{rng.choice(SHAPES)}]")
+            shape = rng.choice(SHAPES)
+            budget = rng.randint(*BUDGET_RANGE) if rng.random() < self.budget_fraction else None
+            sid = create_session("main", f"work [{shape}]", budget_tokens=budget)
             tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
             parents.append(sid)
         time.sleep(rng.uniform(0.1, 2.5))
@@ -357,6 +379,7 @@ class Soak:
             if not _not_at_rest():
                 problems = self.fault_problems + self._problems(fault)
                 if not problems:
+                    self._tally_budgets()
                     return []
             time.sleep(0.25)
         problems = self.fault_problems + self._problems(fault)
@@ -375,7 +398,7 @@ class Soak:
             # check's own Python time between two statements passed it and the server ended the
             # soak, not a trial. It is the soak's reading, not a worker's: no bound.
             s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
-            problems = check_all(s, settled=True) + self._charged_twice() + self._prompts_mixed(s)
+            problems = check_all(s, settled=True) + self._charged_twice() + self._prompts_mixed(s) + _budget_problems(s)
             if not problems and fault == "legacy_backlog":
                 problems = _legacy_problems(s)
         return problems
@@ -394,6 +417,23 @@ class Soak:
         self.traced_trial = sum(1 for n in Counter(key for key, _ in trace).values() if n > 1)
         moved = s.execute(select(func.count()).select_from(ReleaseMove)).scalar_one()
         return mixed_prompts(trace) + ([f"{moved} release moves under the pinned policy"] if moved else [])
+
+    def _tally_budgets(self) -> None:
+        """Count the trial's budgeted trees and the sessions its budgets stopped (printed at the
+        end: a soak whose budgets never ran out checked little)."""
+        from sqlalchemy import text
+
+        from models import transaction
+
+        with transaction() as s:
+            trees, stopped = s.execute(
+                text(
+                    "SELECT (SELECT count(*) FROM tree_budget),"
+                    " (SELECT count(*) FROM agent_session WHERE failure_code = 'budget_exhausted')"
+                )
+            ).one()
+        self.budgets["trees"] += int(trees)
+        self.budgets["stopped_sessions"] += int(stopped)
 
     def _charged_twice(self) -> list[str]:
         """The at-most-once rule seen from the side effect itself: every ``charge`` call wrote
@@ -617,6 +657,29 @@ def _not_at_rest() -> bool:
     return bool(row)
 
 
+def _budget_problems(s: Any) -> list[str]:
+    """Per budgeted tree at rest: spent equals its stored replies' figures exactly, and spent +
+    reserved + estimated is within its budget (so the model served it no more: each reply's
+    figure is within its call's reservation, a lost reply charged as that reservation)."""
+    from sqlalchemy import select
+
+    from models.budget import TreeBudget
+    from models.usage import tree_usage
+
+    problems = []
+    for b in s.execute(select(TreeBudget)).scalars():
+        used = tree_usage(s, b.root_session_id)
+        stored = used.prompt_tokens + used.completion_tokens
+        if stored != b.spent_tokens:
+            problems.append(f"tree {b.root_session_id}: spent {b.spent_tokens} != stored usage {stored}")
+        charged = b.spent_tokens + b.reserved_tokens + b.estimated_tokens
+        if b.budget_tokens is not None and charged > b.budget_tokens:
+            problems.append(f"tree {b.root_session_id}: charged {charged} > budget {b.budget_tokens}")
+        if used.estimated_tokens != b.estimated_tokens:
+            problems.append(f"tree {b.root_session_id}: estimated {b.estimated_tokens} != {used.estimated_tokens}")
+    return problems
+
+
 def _legacy_problems(s: Any) -> list[str]:
     """Every execution of the legacy backlog ended FAILED as timed out (and, by I1, once)."""
     from datetime import timedelta
@@ -675,7 +738,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated fault kinds to draw from (default: all: {FAULTS})"
     )
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.5,
+        help="share of the parents given a token budget drawn from BUDGET_RANGE (0: none)",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.budget_fraction <= 1:
+        parser.error("--budget-fraction must be between 0 and 1")
     if args.trials < 1 or args.workers < 1 or args.concurrency < 1:
         parser.error("--trials, --workers and --concurrency must be positive")
     faults = tuple(f for f in args.faults.split(",") if f)
@@ -690,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         soak = Soak(args.workers, log_dir, pool=args.pool, concurrency=args.concurrency)
         soak.faults = faults
+        soak.budget_fraction = args.budget_fraction
         for i in range(args.trials):
             seed = args.seed + i
             problems = soak.trial(seed)
@@ -714,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompts: {soak.traced + soak.traced_trial} sessions' requests compared (one release's prompt each)")
     if soak.froze:
         print("freeze: " + ", ".join(f"{k!r}={v}" for k, v in sorted(soak.froze.items())))
+    trees, stopped = soak.budgets["trees"], soak.budgets["stopped_sessions"]
+    print(f"budgets: {trees} budgeted trees, {stopped} sessions stopped by them")
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -433,7 +433,38 @@ def session_detail(
         "actions": operator_actions(s, session_id),
         "approvals": pending_approvals(s, session_id),
         "release": session_release(s, session_id),
+        "budget": tree_budget(s, session_id),
     }
+
+
+def tree_budget(s: Session, session_id: int) -> dict[str, Any] | None:
+    """The budget of the session's tree (one query: ``models.budget.budget_of``), per kind it
+    limits: ``limit``, ``spent``, ``reserved``, ``estimated`` and ``left``; None: no budget. A
+    model call is counted when it is reserved (``spent`` holds the calls in flight too)."""
+    from models.budget import budget_of
+
+    books = budget_of(s, session_id)
+    if books is None:
+        return None
+    out: dict[str, Any] = {"root_session_id": books["root_session_id"]}
+    kinds = {
+        "tokens": (books["tokens"], books["spent"], books["reserved"], books["estimated"]),
+        "usd": (books["usd"], books["spent_usd"], books["reserved_usd"], books["estimated_usd"]),
+        "model_calls": (books["model_calls"], books["calls"], 0, 0),
+    }
+    for kind, (limit, spent, reserved, estimated) in kinds.items():
+        if limit is None:
+            out[kind] = None
+            continue
+        left = limit - spent - reserved - estimated
+        out[kind] = {
+            "limit": limit,
+            "spent": spent,
+            "reserved": reserved,
+            "estimated": estimated,
+            "left": round(left, 6) if kind == "usd" else left,
+        }
+    return out
 
 
 #: A session's page names at most this many of its pending approval requests.

@@ -61,9 +61,12 @@ _KEYS = {
     "on_incomplete",
     "budget",
     "child_budget",
+    "on_budget_exhausted",
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
+#: What a top-level session does when its tree's budget refuses a call (``on_budget_exhausted``).
+ON_BUDGET_EXHAUSTED = ("stop", "ask")
 _MCP_KEYS = {
     "name",
     "url",
@@ -126,6 +129,9 @@ class AgentDef:
     #: What one child of this agent may draw of its tree's token budget (``child_budget = {
     #: tokens = N }``), set aside when the child is created; None: no cap (models.budget).
     child_budget_tokens: int | None = None
+    #: A refused reservation of a top-level session of this agent: "stop" (FAILED,
+    #: budget_exhausted) or "ask" (an approval request to raise the budget; harness.budget_request).
+    on_budget_exhausted: str = "stop"
     #: The release this definition was read from (harness.release; None: the worker's file),
     #: and the Python tools that release had (the names a call may still use after a deploy).
     release_id: int | None = None
@@ -212,6 +218,9 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
         on_incomplete = table.get("on_incomplete", "wait_for_user")
         if on_incomplete not in ON_INCOMPLETE:
             raise AgentConfigError(f"{source}: agents.{name}.on_incomplete must be wait_for_user or fail")
+        on_budget_exhausted = table.get("on_budget_exhausted", "stop")
+        if on_budget_exhausted not in ON_BUDGET_EXHAUSTED:
+            raise AgentConfigError(f"{source}: agents.{name}.on_budget_exhausted must be stop or ask")
         max_rounds = table.get("max_rounds", 20)
         if not isinstance(max_rounds, int) or max_rounds < 1:
             raise AgentConfigError(f"{source}: agents.{name}.max_rounds must be a positive integer")
@@ -235,6 +244,7 @@ def parse_agents(text: str, source: str = "agents") -> dict[str, AgentDef]:
             on_incomplete=on_incomplete,
             budget=_budget(f"{source}: agents.{name}", table.get("budget")),
             child_budget_tokens=_child_budget(f"{source}: agents.{name}", table.get("child_budget")),
+            on_budget_exhausted=on_budget_exhausted,
         )
     _check_mcp_names(source, out)
     return out

@@ -47,6 +47,8 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef
+from harness.budget_request import BUDGET_TOOL, raise_for
+from harness.budget_request import SCHEMA as BUDGET_SCHEMA
 from harness.errors import Cancelled
 from harness.events import publish_status
 from harness.fence import Fence
@@ -435,11 +437,15 @@ def validated_arguments(tool: str, arguments: str | dict[str, Any]) -> str:
         value = arguments
     if not isinstance(value, dict):
         raise DecisionRefused("--arguments must be a JSON object")
-    found = lookup(tool)
-    if found is None:
-        raise DecisionRefused(f"tool {tool!r} is not known to this process: its schema cannot be checked")
+    if tool == BUDGET_TOOL:
+        schema: dict[str, Any] = BUDGET_SCHEMA
+    else:
+        found = lookup(tool)
+        if found is None:
+            raise DecisionRefused(f"tool {tool!r} is not known to this process: its schema cannot be checked")
+        schema = found.parameters
     try:
-        jsonschema.validate(value, found.parameters)
+        jsonschema.validate(value, schema)
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "arguments"
         raise DecisionRefused(f"--arguments do not match the schema of {tool!r} at {where}: {exc.validator}") from None
@@ -464,7 +470,12 @@ def decide(session_id: int, call_id: str, decision: Decision, scheduler: Schedul
             if edited == store.canonical(row.arguments):
                 edited = None  # the model's own arguments, in another key order: not an edit
             decision = Decision(True, decision.by, decision.reason, edited, decision.for_session)
+        if decision.for_session and row.tool == BUDGET_TOOL:
+            raise DecisionRefused("a budget request is approved one at a time")
         outcome, row = store.decide(s, session_id, call_id, decision)
+        approved = outcome == DecisionOutcome.DECIDED and row is not None and row.status == ApprovalStatus.APPROVED
+        if approved and row is not None and row.tool == BUDGET_TOOL:
+            raise_for(s, row)  # the budget is higher before the session is handed back
         granted = _granted(s, decision, outcome, row)
         handed = _hand_back(s, session_id) if outcome == DecisionOutcome.DECIDED or granted else None
     if granted:

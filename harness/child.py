@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
@@ -25,6 +26,7 @@ from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped,
 from harness.delivery import deliver_and_resume
 from harness.errors import (
     BoundaryInvalid,
+    BudgetExhausted,
     Cancelled,
     DeadlineExceeded,
     HarnessError,
@@ -50,7 +52,9 @@ from models import (
     ExecutionStatus,
     IllegalTransition,
     LeaseLost,
+    Message,
     Phase,
+    Role,
     transaction,
 )
 from models.base import utcnow
@@ -277,6 +281,14 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
     except DeadlineExceeded as exc:
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason, code=FailureCode.DEADLINE))
+    except BudgetExhausted as exc:
+        # Refused before the model was asked: what the child had said so far goes to its parent.
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
+            partial = _said_so_far(info.child_session_id)
+        if fault:
+            return ChildEnd(ChildOutcome.INFRA_ERROR)
+        failed = Failed(f"subagent failed: {describe_exception(exc)}", partial=partial, code=reason_for(exc).code)
+        return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
@@ -296,6 +308,20 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         )
         failed = Failed(f"subagent failed: {describe_exception(exc)}", code=reason_for(exc).code)
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
+
+
+def _said_so_far(child_session_id: int) -> str | None:
+    """The text of the child's last ASSISTANT message that has any (a round's words beside its
+    tool calls): its partial answer when its budget ran out. None when it said nothing. One
+    read, on the failure path only."""
+    with transaction() as s:
+        said = s.execute(
+            select(Message.content)
+            .where(Message.session_id == child_session_id, Message.role == Role.ASSISTANT, Message.content != "")
+            .order_by(Message.id.desc())
+            .limit(1)
+        ).scalar_one_or_none()
+    return said or None
 
 
 def _left_for_release(info: ChildInfo, fence: ExecutionFence, agent: AgentDef) -> ChildEnd | None:

@@ -72,7 +72,12 @@ class DeadlineExceeded(HarnessError):
 
 
 class BudgetExhausted(HarnessError):
-    """Raised when the tree's token budget refused a model call's reservation (docs/usage.md)."""
+    """Raised when the tree's token budget refused a model call's reservation (docs/usage.md);
+    ``tokens``: what the refused call would have reserved."""
+
+    def __init__(self, message: str = "", *, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
 
 
 class MaxRoundsReached(HarnessError):

@@ -189,7 +189,8 @@ def _reserve(
             if books is not None:
                 held = ": " + spent_line(books)
             raise BudgetExhausted(
-                f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)"
+                f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)",
+                tokens=tokens,
             )
     crash_point("budget.after_reserve")
     return Reservation(root_session_id, tokens, session_id, dollars, model, cap_left)

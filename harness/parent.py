@@ -33,6 +33,7 @@ from crashpoints import crash_point
 from harness import arguments
 from harness.agents import DELEGATION_TOOLS, AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, call_id_of, park, verdict
+from harness.budget_request import AskOutcome, ask_for_budget
 from harness.callids import context_for, localize
 from harness.delegate import CreatedExecution, create_execution, parent_of
 from harness.errors import BudgetExhausted, Cancelled, MaxRoundsReached, ModelUnavailable, infrastructure_boundary
@@ -176,9 +177,15 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         _release(fence, None)
         return RunOutcome.CANCELLED
     except BudgetExhausted as exc:
-        # Refused before the model was asked: no round is open, the answer says why it stopped.
+        # Refused before the model was asked: no round is open, the answer says why it stopped
+        # (or, when the agent asks, the session waits for a person to raise the budget).
         try:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
+                if agent.on_budget_exhausted == "ask":
+                    asked = ask_for_budget(fence, session_id=session_id, agent_type=agent_type, tokens=exc.tokens)
+                    if asked == AskOutcome.PARKED:
+                        return RunOutcome.WAITING_APPROVAL
+                    return _stop(fence, f"stopped: {exc}; a raise was not approved", reason_for(exc))
                 return _stop(fence, f"stopped: {exc}", reason_for(exc))
             return RunOutcome.INFRA_ERROR
         except (LeaseLost, Cancelled):

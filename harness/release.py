@@ -84,6 +84,8 @@ def _agent_entry(agent: AgentDef) -> dict[str, Any]:
         # Only when set: a definition without per-tool approval timeouts keeps its hash.
         **({"approval_timeout_seconds": dict(agent.approval_timeouts)} if agent.approval_timeouts else {}),
         **({"child_budget_tokens": agent.child_budget_tokens} if agent.child_budget_tokens else {}),
+        # Named only when it is not the default: a release's hash is unchanged by this key.
+        **({"on_budget_exhausted": agent.on_budget_exhausted} if agent.on_budget_exhausted != "stop" else {}),
         # NOTE: no header or env value: they may be (or name) secrets; their names only.
         "mcp_servers": [
             {
@@ -271,6 +273,7 @@ def _agent_from(
         approval_timeouts=tuple((k, float(v)) for k, v in (entry.get("approval_timeout_seconds") or {}).items()),
         on_incomplete=str(entry.get("on_incomplete", "wait_for_user")),
         child_budget_tokens=entry.get("child_budget_tokens"),
+        on_budget_exhausted=str(entry.get("on_budget_exhausted", "stop")),
         release_id=release_id,
         release_tools=tuple(definition_tools),
         release_missing=missing,

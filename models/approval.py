@@ -92,7 +92,9 @@ class ApprovalRequest(Base):
     session_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("agent_session.id"))
     #: The child's execution when a subagent asked (its resumption takes that execution).
     execution_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("subagent_execution.id"), nullable=True)
-    journal_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("round_journal.id"))
+    #: The round whose calls asked; None for a budget request (harness.budget_request), asked
+    #: before any round.
+    journal_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("round_journal.id"), nullable=True)
     #: The journal's call id of the call (harness.approval.call_id_of).
     call_id: Mapped[str] = mapped_column(String(128))
     tool: Mapped[str] = mapped_column(String(128))
@@ -196,7 +198,7 @@ def record_requests(
     s: Session,
     *,
     session_id: int,
-    journal_id: int,
+    journal_id: int | None,
     agent_type: str,
     execution_id: int | None,
     calls: list[NewRequest],
@@ -632,7 +634,11 @@ def purge_decided(s: Session, *, retention_days: float, batch: int = 1000) -> in
     closed = select(RoundJournal.id).where(RoundJournal.status != JournalStatus.OPEN)
     doomed = (
         select(A.id)
-        .where(A.status != ApprovalStatus.PENDING, A.decided_at < cutoff, A.journal_id.in_(closed))
+        .where(
+            A.status != ApprovalStatus.PENDING,
+            A.decided_at < cutoff,
+            or_(A.journal_id.in_(closed), A.journal_id.is_(None)),  # NULL: a budget request, no round
+        )
         .limit(batch)
         .scalar_subquery()
     )

@@ -309,7 +309,7 @@ def check_approvals(s: Session) -> list[str]:
     if not requests:
         return problems
     C = RoundJournalCall
-    calls = {
+    calls: dict[tuple[int | None, str], RoundJournalCall] = {
         (c.journal_id, c.tool_call_id): c
         for c in s.execute(select(C).where(C.journal_id.in_({r.journal_id for r in requests}))).scalars()
     }

@@ -22,6 +22,10 @@ follows the work in flight, not the history:
    leaves these out of the scrape (logged); the database's metrics are still served.
 8. Model tokens by agent, model and kind, and model calls: ``model_call_usage`` rows only ever
    grow, so they are settled counts too (below).
+9. Budgets of live trees (root RUNNING, RESUMING, IDLE or WAITING_APPROVAL: the index
+   ``ix_agent_session_phase``, then ``tree_budget`` by its key): how many, the least share of a
+   limit left, and the budget requests waiting for a person (``ix_approval_request_pending``).
+   O(live sessions).
 
 Settled rows (a terminal execution DELIVERED, SUPPRESSED or LEGACY; a SUCCEEDED or FAILED
 field invocation) only ever grow, so they are exposed as ``_total`` counters. Counting them
@@ -182,6 +186,20 @@ SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(requested_at)), 0)
 FROM approval_request WHERE status = 'PENDING'
 """
 
+#: Per live budgeted tree, the least share left of the kinds it limits (LEAST skips NULLs).
+LIVE_BUDGETS_SQL = """
+SELECT count(*), COALESCE(min(GREATEST(LEAST(
+  CASE WHEN b.budget_tokens > 0 THEN
+    (b.budget_tokens - b.spent_tokens - b.reserved_tokens - b.estimated_tokens)::float8 / b.budget_tokens END,
+  CASE WHEN b.budget_usd > 0 THEN
+    ((b.budget_usd - b.spent_usd - b.reserved_usd - b.estimated_usd) / b.budget_usd)::float8 END,
+  CASE WHEN b.budget_model_calls > 0 THEN
+    (b.budget_model_calls - b.model_calls)::float8 / b.budget_model_calls END), 0)), 1)
+FROM agent_session a JOIN tree_budget b ON b.root_session_id = a.id
+WHERE a.phase IN ('RUNNING', 'RESUMING', 'IDLE', 'WAITING_APPROVAL')
+"""
+BUDGET_REQUESTS_SQL = "SELECT count(*) FROM approval_request WHERE status = 'PENDING' AND tool = 'budget.raise'"
+
 
 def _name(suffix: str) -> str:
     return f"{PREFIX}_{suffix}"
@@ -240,6 +258,7 @@ class RecoveryCollector(Collector):
             out = self._executions(conn)
             out += self._rounds(conn)
             out += self._approvals(conn)
+            out += self._budgets(conn)
             out += self._field(conn)
             out += self._last_scan(conn)
             out += self._name_conflicts(conn)
@@ -334,6 +353,28 @@ class RecoveryCollector(Collector):
                 _name("oldest_pending_approval_age_seconds"),
                 "Age (database clock) of the oldest PENDING approval request; 0 when none",
                 value=float(oldest),
+            ),
+        ]
+
+    def _budgets(self, conn: Connection) -> list[Metric]:
+        live, least = conn.execute(text(LIVE_BUDGETS_SQL)).one()
+        asked = conn.execute(text(BUDGET_REQUESTS_SQL)).scalar_one()
+        return [
+            GaugeMetricFamily(
+                _name("budget_trees_live"),
+                "Live agent trees with a budget (their root running, idle or waiting for an approval)",
+                value=float(live),
+            ),
+            GaugeMetricFamily(
+                _name("tree_budget_remaining_ratio"),
+                "The least share of a budget left over live budgeted trees and the kinds each limits "
+                "((limit - spent - reserved - estimated) / limit, 0 at or past it); 1 when none",
+                value=float(least),
+            ),
+            GaugeMetricFamily(
+                _name("budget_requests_pending"),
+                "Trees whose budget ran out waiting for a person to raise it (PENDING budget.raise requests)",
+                value=float(asked),
             ),
         ]
 

@@ -482,3 +482,46 @@ def test_tokens_are_counted_by_agent_model_and_kind_from_the_usage_rows(field_ta
     assert value(samples, name, agent="reviewer", model="m1", kind="prompt") == 7
     assert value(samples, name, agent="main", model="unknown", kind="estimated") == 4200
     assert value(samples, "agent_recovery_model_calls_total", agent="main", model="m1") == 2
+
+
+def test_budget_gauges_name_the_least_budget_left_of_a_live_tree_and_the_trees_waiting_for_a_raise(
+    field_table: Any,
+) -> None:
+    from harness.views import create_session
+    from recovery.metrics import RecoveryCollector, build_registry
+
+    def scrape() -> Samples:
+        return parse(generate_latest(build_registry(RecoveryCollector())).decode())
+
+    samples = scrape()
+    assert value(samples, "agent_recovery_budget_trees_live") == 0
+    assert value(samples, "agent_recovery_tree_budget_remaining_ratio") == 1  # nothing to alert on
+    low = create_session("main", "go", budget_tokens=10_000)
+    calls = create_session("main", "go", budget_model_calls=4)
+    ended = create_session("main", "go", budget_tokens=100)
+    with transaction() as s:
+        s.execute(text("UPDATE agent_session SET phase = 'RUNNING' WHERE id IN (:a, :b)"), {"a": low, "b": calls})
+        s.execute(text("UPDATE agent_session SET phase = 'FAILED' WHERE id = :c"), {"c": ended})
+        s.execute(
+            text("UPDATE tree_budget SET spent_tokens = 8000, reserved_tokens = 500 WHERE root_session_id = :r"),
+            {"r": low},
+        )
+        s.execute(text("UPDATE tree_budget SET model_calls = 1 WHERE root_session_id = :r"), {"r": calls})
+        s.execute(text("UPDATE tree_budget SET spent_tokens = 100 WHERE root_session_id = :r"), {"r": ended})
+    samples = scrape()
+    assert value(samples, "agent_recovery_budget_trees_live") == 2  # the ended tree is not counted
+    assert value(samples, "agent_recovery_tree_budget_remaining_ratio") == pytest.approx(0.15)
+    assert value(samples, "agent_recovery_budget_requests_pending") == 0
+    with transaction() as s:
+        s.execute(
+            text(
+                "INSERT INTO approval_request (session_id, call_id, tool, agent_type, arguments, arguments_sha256,"
+                " status, requested_at, expires_at) VALUES (:sid, 'budget-1', 'budget.raise', 'main',"
+                " '{\"tokens\": 100}', '', 'PENDING', now(), now() + interval '1 day')"
+            ),
+            {"sid": low},
+        )
+        s.execute(text("UPDATE agent_session SET phase = 'WAITING_APPROVAL' WHERE id = :a"), {"a": low})
+    samples = scrape()
+    assert value(samples, "agent_recovery_budget_requests_pending") == 1
+    assert value(samples, "agent_recovery_budget_trees_live") == 2  # a tree waiting for a raise is live

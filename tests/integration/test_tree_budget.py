@@ -202,8 +202,10 @@ def _statements_of_this_thread(run: Any) -> list[str]:
     me, seen = threading.get_ident(), []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        # The installation's id is read once per process (by whichever run comes first).
-        if threading.get_ident() == me and "FROM installation" not in statement:
+        # The installation's id and the worker's release are read (the release registered) once
+        # per process, by whichever run comes first: this test's first when it runs alone.
+        once = "FROM installation" in statement or "agent_release" in statement
+        if threading.get_ident() == me and not once:
             seen.append(" ".join(statement.split()))
 
     engine = get_engine()
@@ -477,3 +479,65 @@ FOREVER_ECHO: list[dict[str, Any]] = [
         "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
     }
 ]
+
+
+def test_a_child_refused_for_budget_passes_what_it_had_said_to_its_parent_as_a_partial_result(
+    model_factory: ModelFactory,
+) -> None:
+    model = model_factory(
+        [
+            {"when": {"system_contains": MAIN, "turn": 0}, "reply": {"tool_calls": [_delegate("a")], "usage": USAGE}},
+            {"when": {"system_contains": MAIN}, "reply": {"content": "done", "usage": USAGE}},
+            {
+                "when": {"system_contains": "reviewer subagent"},
+                "reply": {
+                    "tool_calls": [{"name": "echo", "arguments": {"text": "more"}}],
+                    "message_fields": {"content": "so far: 3 files read"},
+                    "usage": USAGE,
+                },
+            },
+        ]
+    )
+    deps = loop_deps(model.base_url)
+    # The parent's call and the child's first fit; the child's second (1200 + 1200 spent, and
+    # ~4150 to reserve) does not.
+    sid = create_session("main", "go", budget_tokens=6000)
+    run_agent(sid, 0, deps)
+    drive(model.base_url, after_crash=False, deps=deps)
+    (execution,) = executions_of(sid)
+    assert (str(execution.status), execution.delivery_status) == ("FAILED", "DELIVERED")
+    with transaction() as s:
+        (result,) = s.execute(
+            select(Message.content).where(Message.session_id == sid, Message.role == Role.TOOL)
+        ).scalars()
+    delivered = json.loads(result)
+    assert delivered["partial_result"] == "so far: 3 files read"
+    assert "budget" in delivered["error"]
+
+
+def test_the_soaks_budget_check_passes_true_books_and_names_each_broken_one() -> None:
+    from bench.soak import _budget_problems
+    from models.usage import record_usage
+
+    sid = create_session("main", "go", budget_tokens=BUDGET)
+    with transaction() as s:
+        record_usage(
+            s,
+            session_id=sid,
+            execution_id=None,
+            model="m",
+            prompt_tokens=1000,
+            completion_tokens=200,
+            cached_tokens=0,
+            reasoning_tokens=0,
+        )
+        s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one().spent_tokens = PER_CALL
+    with transaction() as s:
+        assert _budget_problems(s) == []
+        s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one().reserved_tokens = BUDGET
+    with transaction() as s:
+        assert _budget_problems(s) == [f"tree {sid}: charged {BUDGET + PER_CALL} > budget {BUDGET}"]
+        books = s.execute(select(TreeBudget).where(TreeBudget.root_session_id == sid)).scalar_one()
+        books.spent_tokens, books.reserved_tokens = 7, 0
+    with transaction() as s:
+        assert [p.split(":")[1] for p in _budget_problems(s)] == [" spent 7 != stored usage 1200"]
