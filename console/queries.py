@@ -297,7 +297,7 @@ def _children_by_phase(s: Session, parents: list[int]) -> dict[int, dict[str, in
     out: dict[int, dict[str, int]] = {}
     for parent, phase, n in rows:
         key = external_phase(phase) or NOT_STARTED
-        by_phase = out.setdefault(parent, {})
+        by_phase = out.setdefault(int(parent), {})
         by_phase[key] = by_phase.get(key, 0) + int(n)
     return out
 

@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
 from harness.agents import AgentDef
+from harness.approval_notify import announce
 from harness.budget_request import BUDGET_TOOL, raise_for
 from harness.budget_request import SCHEMA as BUDGET_SCHEMA
 from harness.errors import Cancelled
@@ -299,17 +300,6 @@ class Gate:
             crash_point("approval.after_request")
             announce(written)
         return asked | {r.call_id for r in late}
-
-
-def announce(written: Sequence[Requested]) -> None:
-    """After the requests' transaction committed: the ``approval_requested`` signal for each one
-    that waits for a person (tasks connects the webhook to it: harness.approval_notify). A
-    handler that fails is logged by the signal and never reaches the loop."""
-    from harness.approval_notify import approval_requested
-
-    for r in written:
-        if r.grant_id is None:
-            approval_requested.send(sender=None, request=r)
 
 
 def order(calls: tuple[ToolCall, ...], gated: set[str]) -> list[ToolCall]:

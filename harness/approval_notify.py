@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 import logging
+from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
 
@@ -109,3 +110,12 @@ def deliver(data: dict[str, Any]) -> bool:
     crash_point("approval.after_notified")
     log_event(log, "approval_notified", request_id=data.get("id"), session_id=data.get("session_id"))
     return True
+
+
+def announce(written: Sequence[Requested]) -> None:
+    """After the requests' transaction committed: the ``approval_requested`` signal for each one
+    that waits for a person (tasks connects the webhook to it). A handler that fails is logged by
+    the signal and never reaches the loop."""
+    for r in written:
+        if r.grant_id is None:
+            approval_requested.send(sender=None, request=r)

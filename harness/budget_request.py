@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from crashpoints import crash_point
+from harness.approval_notify import announce
 from harness.events import publish_status
 from harness.fence import Fence
 from logfmt import log_event
@@ -87,8 +88,6 @@ def ask_for_budget(fence: Fence, *, session_id: int, agent_type: str, tokens: in
             raise RuntimeError(f"session {session_id} could not be parked at epoch {fence.epoch}")
     crash_point("budget.after_ask")
     log_event(log, "budget_requested", session_id=session_id, call_id=call_id, tokens=tokens)
-    from harness.approval import announce
-
     announce(written)
     publish_status(session_id, Phase.WAITING_APPROVAL)
     return AskOutcome.PARKED

@@ -211,7 +211,7 @@ def journal_reply(
     crash_point("journal.after_reply")
     if requested:
         crash_point("approval.after_request")
-        from harness.approval import announce
+        from harness.approval_notify import announce
 
         announce(requested)
     return RoundInFlight(journal_id, reply, refused)
