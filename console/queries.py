@@ -296,8 +296,10 @@ def _children_by_phase(s: Session, parents: list[int]) -> dict[int, dict[str, in
     ).all()
     out: dict[int, dict[str, int]] = {}
     for parent, phase, n in rows:
+        if parent is None:  # never: the WHERE names the parents
+            continue
         key = external_phase(phase) or NOT_STARTED
-        by_phase = out.setdefault(int(parent), {})
+        by_phase = out.setdefault(parent, {})
         by_phase[key] = by_phase.get(key, 0) + int(n)
     return out
 
