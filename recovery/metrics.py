@@ -307,31 +307,29 @@ class RecoveryCollector(Collector):
         ]
 
     def _rounds(self, conn: Connection) -> list[Metric]:
-        count = conn.execute(text(OPEN_ROUNDS_SQL)).scalar_one()
+        open_rounds = conn.execute(text(OPEN_ROUNDS_SQL)).scalar_one()
         waiting = conn.execute(text(WAITING_FOR_MODEL_SQL)).scalar_one()
-        for_release = GaugeMetricFamily(
-            _name("sessions_waiting_for_release"),
+        for_release = _by_release(
+            conn,
+            "sessions_waiting_for_release",
             "Live sessions left for a worker of their release (newer than the workers' that took them, "
             "which lacked its tools), by release; each ends FAILED release_unavailable after RELEASE_WAIT_SECONDS",
-            labels=["release"],
+            WAITING_FOR_RELEASE_SQL,
         )
-        for release_id, count in conn.execute(text(WAITING_FOR_RELEASE_SQL)):
-            for_release.add_metric([str(release_id)], float(count))
-        by_release = GaugeMetricFamily(
-            _name("sessions_by_release"),
+        by_release = _by_release(
+            conn,
+            "sessions_by_release",
             "Live sessions (not COMPLETED, FAILED or CANCELLED; children and sessions waiting for the user "
             "included) by the release they are pinned to; a release at 0 or absent has none left",
-            labels=["release"],
+            LIVE_BY_RELEASE_SQL,
         )
-        for release_id, count in conn.execute(text(LIVE_BY_RELEASE_SQL)):
-            by_release.add_metric([str(release_id)], float(count))
         return [
             for_release,
             by_release,
             GaugeMetricFamily(
                 _name("pending_rounds_open"),
                 "Parent tool-call rounds waiting for their children (pending_round not closed)",
-                value=float(count),
+                value=float(open_rounds),
             ),
             GaugeMetricFamily(
                 _name("sessions_waiting_for_model"),
@@ -542,3 +540,11 @@ def build_registry(collector: RecoveryCollector | None = None) -> CollectorRegis
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector or RecoveryCollector())
     return registry
+
+
+def _by_release(conn: Connection, name: str, documentation: str, sql: str) -> GaugeMetricFamily:
+    """A gauge labelled by release, from ``sql``'s (release_id, count) rows."""
+    gauge = GaugeMetricFamily(_name(name), documentation, labels=["release"])
+    for release_id, n in conn.execute(text(sql)):
+        gauge.add_metric([str(release_id)], float(n))
+    return gauge
