@@ -4,9 +4,11 @@ with that reason on a developer's machine, and FAIL in CI (CI=true), where .ci/r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,8 +41,37 @@ def wait_js(page: Any, expression: str, *, timeout: float = 30.0, what: str = ""
     deadline = time.monotonic() + timeout
     while not page.evaluate(expression):
         if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {what or expression}")
+            raise AssertionError(f"not true within {timeout} s: {what or expression}; {page_state(page)}")
         page.wait_for_timeout(100)
+
+
+def page_state(page: Any) -> str:
+    """What a failed wait saw, for its message: the page's address, its live part's polling
+    (active, and how long ago it last asked and last swapped), and its visible text's start;
+    a screenshot beside the test's files (BROWSER_FAILURE_DIR, else the temporary directory)."""
+    import tempfile
+    import time
+
+    state = page.evaluate(
+        """() => {
+        const live = document.getElementById("live");
+        const ago = (v) => (v ? Date.now() - Number(v) : null);
+        return {
+            url: location.href,
+            visibility: document.visibilityState,
+            live: live ? {active: live.dataset.active, asked_ms_ago: ago(live.dataset.updatedAt),
+                          swapped_ms_ago: ago(live.dataset.swappedAt)} : null,
+            text: document.body ? document.body.innerText.slice(0, 600) : "",
+        };
+    }"""
+    )
+    shot = Path(os.environ.get("BROWSER_FAILURE_DIR") or tempfile.gettempdir()) / f"browser-failure-{int(time.time())}.png"
+    try:
+        page.screenshot(path=str(shot), full_page=True)
+        state["screenshot"] = str(shot)
+    except Exception as exc:  # the page may be gone: the state above still says what it was
+        state["screenshot"] = f"not taken: {type(exc).__name__}"
+    return json.dumps(state)
 
 
 def chromium_path() -> str | None:

@@ -130,7 +130,13 @@ def test_a_killed_delegation_recovers_then_an_approval_pressed_in_the_console_fi
             assert approvals.locator("#approvals tbody tr[data-request-id]").count() == n - 1
         approvals.close()
 
-        wait_js(page, "document.getElementById('session-phase').innerText === 'WAITING_USER'", timeout=90)
+        try:
+            wait_js(page, "document.getElementById('session-phase').innerText === 'WAITING_USER'", timeout=90)
+        except AssertionError:
+            print("session", json.dumps(stack.snapshot(sid), default=str)[:3000])
+            for w in stack.workers:
+                print(f"---- {w.log_path}\n{w.log()[-6000:]}")
+            raise
         assert page.evaluate("window.__loadedOnce") is True  # the same document: never reloaded
         assert page.locator("#live-badge").count() == 0  # settled: no longer live
         assert page.locator("text=delivered from").count() == 2
