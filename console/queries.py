@@ -45,9 +45,15 @@ STATEMENT_TIMEOUT_MS = 5000
 @contextmanager
 def read_only() -> Iterator[Session]:
     """One READ ONLY transaction with a statement timeout: the console never writes here (its
-    actions go through the domain functions, each in its own transaction)."""
+    actions go through the domain functions, each in its own transaction).
+
+    REPEATABLE READ: every statement of a page sees the snapshot of its first one. Under READ
+    COMMITTED each saw its own, and a session that ended its turn between the read of its row
+    (RUNNING) and that of its tree's figures (nothing live) was shown running and settled at
+    once: its page stopped asking for updates and kept RUNNING. A read-only transaction never
+    gets a serialization failure at this level."""
     with transaction() as s:
-        s.execute(text("SET TRANSACTION READ ONLY"))
+        s.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
         s.execute(text(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}"))
         yield s
 

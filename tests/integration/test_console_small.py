@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import requests
+from sqlalchemy import text
 
 from models import Phase
 from tests.helpers import make_session
@@ -104,3 +105,31 @@ def test_a_session_is_found_by_its_id_from_the_list(console: Serve) -> None:
     assert found.status_code == 303 and found.headers["location"] == f"/sessions/{sid}"
     assert http.get(f"{base}/", params={"id": "x1"}, timeout=10).status_code == 400
     assert 'name="id"' in http.get(f"{base}/", timeout=10).text
+
+
+def test_a_session_that_settles_while_its_page_is_read_is_never_shown_running_and_settled(
+    console: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's reads see one snapshot. The race this pins: the session's row was read
+    RUNNING, the session then ended its turn, and the tree's figures (read after it) found
+    nothing live: the page showed RUNNING and stopped polling, for good."""
+    from console import queries
+    from models import transaction
+
+    sid = make_session(phase=Phase.RUNNING)
+    figures = queries.tree_figures
+
+    def session_ends_in_between(s: object, session_id: int) -> object:
+        with transaction() as other:  # another connection: the run's own commit
+            other.execute(
+                text("UPDATE agent_session SET phase = 'WAITING_USER' WHERE id = :sid"), {"sid": session_id}
+            )
+        return figures(s, session_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(queries, "tree_figures", session_ends_in_between)
+    base = console()
+    answer = client(base).get(f"{base}/api/sessions/{sid}", timeout=10).json()
+    assert (answer["session"]["phase"], answer["active"]) == ("RUNNING", True)
+    monkeypatch.setattr(queries, "tree_figures", figures)
+    again = client(base).get(f"{base}/api/sessions/{sid}", timeout=10).json()
+    assert (again["session"]["phase"], again["active"]) == ("WAITING_USER", False)
