@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -45,18 +46,30 @@ log = logging.getLogger(__name__)
 
 #: The tool name of a budget request: no tool runs; an approval raises the budget.
 BUDGET_TOOL = "budget.raise"
+#: The most one raise may add of each kind: far above any real need, and far below what the
+#: columns hold (``tree_budget``: BIGINT tokens and calls, NUMERIC(20, 9) dollars).
+MAX_TOKENS = 10**12
+MAX_USD = 10**6
+MAX_MODEL_CALLS = 10**9
 #: The JSON schema an approver's edited arguments must match: positive amounts of known kinds
-#: (models.budget.KINDS), at least one, nothing else.
+#: (models.budget.KINDS), at least one, nothing else; ``amounts_finite`` checks what a schema
+#: cannot (a NaN passes every bound).
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "tokens": {"type": "integer", "minimum": 1},
-        "usd": {"type": "number", "exclusiveMinimum": 0},
-        "model_calls": {"type": "integer", "minimum": 1},
+        "tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
+        "usd": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_USD},
+        "model_calls": {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_CALLS},
     },
     "minProperties": 1,
     "additionalProperties": False,
 }
+
+
+def amounts_finite(value: dict[str, Any]) -> bool:
+    """True when every amount of a budget request's arguments is a finite number (JSON text
+    parsed by Python may hold NaN, which no schema bound refuses)."""
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in value.values())
 
 
 class AskOutcome(StrEnum):
