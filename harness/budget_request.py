@@ -1,9 +1,9 @@
 """A session whose tree's budget ran out asks a person for more (``on_budget_exhausted =
 "ask"``, docs/usage.md): a top-level session or a child. The request is an approval request
-(models.approval) for the pseudo-tool ``budget.raise``, call id ``budget-EPOCH``, whose
-arguments name the kinds the refused call did not fit and what it lacks of each
-(``{"tokens": N}``, ``{"usd": X}``, ``{"model_calls": M}``, or several), decided like any other
-(``approve``/``deny``, Celery, console).
+(models.approval) for the pseudo-tool ``budget.raise``, call id ``budget-EPOCH`` (a child's:
+``budget-EXECUTION-EPOCH``), whose arguments name the kinds the refused call did not fit and
+what it lacks of each (``{"tokens": N}``, ``{"usd": X}``, ``{"model_calls": M}``, or several),
+decided like any other (``approve``/``deny``, Celery, console).
 
 1. A refused reservation (``BudgetExhausted``) of a session whose agent asks: ``ask_for_budget``
    writes the request and parks the session WAITING_APPROVAL in ONE transaction under its fence
@@ -111,18 +111,21 @@ def ask_for_budget(
         return AskOutcome.NOTHING_TO_RAISE
     with transaction() as s:
         fence.check(s)
+        # A child's earlier runs (a follow-up is a new execution) asked for themselves: only this
+        # execution's requests say whether a person refused it.
+        mine = [ApprovalRequest.session_id == session_id, ApprovalRequest.tool == BUDGET_TOOL]
+        if execution_id is not None:
+            mine.append(ApprovalRequest.execution_id == execution_id)
         last = s.execute(
-            select(ApprovalRequest.status)
-            .where(ApprovalRequest.session_id == session_id, ApprovalRequest.tool == BUDGET_TOOL)
-            .order_by(ApprovalRequest.id.desc())
-            .limit(1)
+            select(ApprovalRequest.status).where(*mine).order_by(ApprovalRequest.id.desc()).limit(1)
         ).scalar_one_or_none()
         if last is not None and last != ApprovalStatus.APPROVED:
             return AskOutcome.REFUSED
         # NOTE: one ask per epoch at most (the park ends the run; the hand-back moves the
         # epoch: the session's, or a child's execution's), so the epoch names the request
-        # uniquely in its session, purged requests or not.
-        call_id = f"budget-{fence.epoch}"
+        # uniquely in its session, purged requests or not; a child's follow-up is a new
+        # execution whose epochs start again, so a child's names its execution too.
+        call_id = f"budget-{fence.epoch}" if execution_id is None else f"budget-{execution_id}-{fence.epoch}"
         written = store.record_requests(
             s,
             session_id=session_id,

@@ -44,7 +44,7 @@ PER_CALL = 1200
 AGENTS = """
 [agents.main]
 system_prompt = "You are the main agent."
-tools = ["delegate", "echo"]
+tools = ["delegate", "delegate_followup", "echo"]
 max_rounds = 20
 max_tokens = 1000
 {main_asks}
@@ -194,7 +194,7 @@ def _the_parent_keeps_waiting(sid: int, child: int, deps: Any) -> ApprovalReques
         execution.id,
         "reviewer",
     )
-    assert req.call_id == f"budget-{execution.epoch}" and req.journal_id is None
+    assert req.call_id == f"budget-{execution.id}-{execution.epoch}" and req.journal_id is None
     assert req.expires_at <= execution.started_at + timedelta(hours=1)  # never past the child's deadline
     deliver_and_resume(sid, 1, deps.scheduler)  # a deliver_round (the scan's, an operator's): the barrier holds
     for _ in range(2):
@@ -366,3 +366,61 @@ def test_a_capped_child_that_asks_stops_when_its_own_cap_runs_out_since_a_raise_
     ((_, result_json),) = _tool_results(sid)
     assert "its own cap (child_budget) ran out" in result_json["error"]
     assert result_json["partial_result"] == "looking"
+
+
+@pytest.mark.parametrize("first_answer", ["approved", "denied"])
+@pytest.mark.usefixtures("asking_main")
+def test_a_child_followed_up_asks_again_under_a_call_id_of_its_new_execution(
+    model_factory: ModelFactory, first_answer: str
+) -> None:
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": "main agent", "turn": 0},
+                "reply": {
+                    "tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "look"}}],
+                    "usage": USAGE,
+                },
+            },
+            {
+                "when": {"system_contains": "main agent", "turn": 1},
+                "reply": {
+                    "tool_calls": [
+                        {"name": "delegate_followup", "arguments": {"child_session_id": 2, "task": "again"}}
+                    ],
+                    "usage": USAGE,
+                },
+            },
+            {"when": {"system_contains": "main agent"}, "reply": {"content": "final: {tool_results}", "usage": USAGE}},
+            {"when": {"system_contains": "subagent"}, "reply": {"content": "seen", "usage": USAGE}},
+        ]
+    )
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    # Every call after the first is refused until a person raises the tree by what it lacks.
+    sid = create_session("main", "go", budget_tokens=1500)
+    assert run_agent(sid, 0, deps) == "yielded"
+    for _ in range(12):
+        _settle(deps)
+        with transaction() as s:
+            waiting = s.execute(
+                select(ApprovalRequest).where(ApprovalRequest.status == ApprovalStatus.PENDING)
+            ).scalars()
+            asks = [(r.session_id, r.call_id) for r in waiting]
+        if not asks:
+            break
+        for session_id, call_id in asks:
+            # The child's first run is refused its raise when so asked: its follow-up (a new run)
+            # asks again all the same, since only a person's no to that run stops it.
+            yes = not (first_answer == "denied" and session_id == 2 and not _requests(2)[:-1])
+            assert decide(session_id, call_id, Decision(yes, "ada", "" if yes else "no"), deps.scheduler).resumed
+    first, second = executions_of(sid)
+    assert first.child_session_id == second.child_session_id == 2
+    ended = "COMPLETED" if first_answer == "approved" else "FAILED"
+    assert [(e.status, e.delivery_status) for e in (first, second)] == [
+        (ended, "DELIVERED"),
+        ("COMPLETED", "DELIVERED"),
+    ]
+    asked = [r.call_id for r in _requests(2)]
+    assert asked == [f"budget-{first.id}-1", f"budget-{second.id}-1"]  # each run asked once, distinctly
+    assert phase_of(sid) == "WAITING_USER" and len(_tool_results(sid)) == 2
+    assert invariants() == []
