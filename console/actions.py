@@ -78,9 +78,21 @@ def redeliver_parent(session_id: int, actor: str) -> ActionResult:
         return ActionResult(404, "not_found")
 
 
-def decide(request_id: int, *, approve: bool, reason: str, actor: str, for_session: bool = False) -> ActionResult:
+def decide(
+    request_id: int,
+    *,
+    approve: bool,
+    reason: str,
+    actor: str,
+    for_session: bool = False,
+    arguments: str | dict[str, Any] | None = None,
+) -> ActionResult:
     """Approve or deny; a denial needs a reason (400 without one). ``for_session``: an approval
-    of the request's tool for the rest of its session."""
+    of the request's tool for the rest of its session. ``arguments``: a budget request's
+    amounts as the approver edited them (JSON text or an object). 400 ``refused`` (nothing
+    decided) when the decision cannot be recorded as given: arguments for a request that is not
+    a budget request, or not positive amounts of known kinds, or a budget request approved for
+    the rest of its session."""
     from harness.errors import RowBusy, retry_while_busy
 
     if not approve and not reason.strip():
@@ -88,12 +100,19 @@ def decide(request_id: int, *, approve: bool, reason: str, actor: str, for_sessi
     try:
         outcome = retry_while_busy(
             lambda: approvals.decide(
-                request_id, approve=approve, reason=reason.strip(), actor=actor, for_session=for_session
+                request_id,
+                approve=approve,
+                reason=reason.strip(),
+                actor=actor,
+                for_session=for_session,
+                arguments=arguments,
             ),
             what=f"approval request {request_id}",
         )
     except approvals.ApprovalsNotInstalled:
         return ActionResult(501, "approvals_not_installed")
+    except approvals.Refused as exc:
+        return ActionResult(400, "refused", {"message": str(exc)})
     except RowBusy as exc:
         return _busy(exc)
     if outcome == approvals.ConsoleDecision.NOT_FOUND:

@@ -11,7 +11,8 @@ The API paths are a public interface:
 - ``POST /api/sessions/{id}/cancel``, ``POST /api/sessions/{id}/redeliver`` (every pending
   result of a parent), ``POST /api/executions/{id}/redeliver``,
   ``POST /api/approvals/{id}/approve`` (``for_session``: true approves its tool for the rest of its
-  session), ``POST /api/approvals/{id}/deny`` (``reason``), ``POST /api/approvals/decide``
+  session; ``arguments``: a budget request's amounts, e.g. ``{"tokens": 50000}``, instead of
+  the request's), ``POST /api/approvals/{id}/deny`` (``reason``), ``POST /api/approvals/decide``
   (``ids``, ``decision``, ``reason``, ``for_session``: one decision for several requests, each
   its own compare-and-set; the answer lists each one's outcome).
 
@@ -22,7 +23,9 @@ no action. The pages post the same actions as forms and are sent back to where t
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -226,6 +229,8 @@ async def _refused(request: Request) -> tuple[str | None, dict[str, str]]:
                 form["ids"] = ",".join(str(i) for i in ids)
             if body.get("for_session") is True:
                 form["for_session"] = "true"
+            if isinstance(body.get("arguments"), dict):  # a budget request's amounts
+                form["arguments"] = json.dumps(body["arguments"])
     if config(request).read_only:
         return _action_error(request, "read_only"), form
     sent = request.headers.get(auth.CSRF_HEADER) or form.get(auth.CSRF_FIELD)
@@ -323,11 +328,45 @@ redeliver_parent = _action(
 redeliver_execution = _action(
     "redeliver", "execution_id", lambda r, f: actions.redeliver_execution(_id(r), actor(r)), _execution_back
 )
+#: The Approve form's inputs of a budget request's amounts, each naming its kind.
+AMOUNT_FIELDS = {"raise_tokens": "tokens", "raise_usd": "usd", "raise_model_calls": "model_calls"}
+
+
+def _amount(raw: str) -> Any:
+    """An amount input's number (an integer when it reads as one); the text itself when it is no
+    finite number, for the decision's schema check to refuse."""
+    raw = raw.strip()
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        value = float(raw)
+    except ValueError:
+        return raw
+    return value if math.isfinite(value) else raw
+
+
+def _edited(form: dict[str, str]) -> str | dict[str, Any] | None:
+    """The amounts an approver sent for a budget request: the API's ``arguments`` (a JSON
+    object, or its text), else the Approve form's ``raise_KIND`` inputs; None: none sent (the
+    request's own amounts stand)."""
+    if "arguments" in form:
+        return form["arguments"]
+    amounts = {kind: _amount(form[field]) for field, kind in AMOUNT_FIELDS.items() if field in form}
+    return amounts or None
+
+
 approve = _action(
     "approve",
     "request_id",
     lambda r, f: actions.decide(
-        _id(r), approve=True, reason=f.get("reason", ""), actor=actor(r), for_session=f.get("for_session") == "true"
+        _id(r),
+        approve=True,
+        reason=f.get("reason", ""),
+        actor=actor(r),
+        for_session=f.get("for_session") == "true",
+        arguments=_edited(f),
     ),
     lambda r: "/approvals",
     audited_here=False,

@@ -65,7 +65,7 @@ _KEYS = {
 }
 #: What a parent does with an answer the model did not finish (``on_incomplete``).
 ON_INCOMPLETE = ("wait_for_user", "fail")
-#: What a top-level session does when its tree's budget refuses a call (``on_budget_exhausted``).
+#: What a session does when its tree's budget refuses a call (``on_budget_exhausted``).
 ON_BUDGET_EXHAUSTED = ("stop", "ask")
 _MCP_KEYS = {
     "name",
@@ -129,7 +129,7 @@ class AgentDef:
     #: What one child of this agent may draw of its tree's token budget (``child_budget = {
     #: tokens = N }``), set aside when the child is created; None: no cap (models.budget).
     child_budget_tokens: int | None = None
-    #: A refused reservation of a top-level session of this agent: "stop" (FAILED,
+    #: A refused reservation of a session of this agent (top-level or child): "stop" (FAILED,
     #: budget_exhausted) or "ask" (an approval request to raise the budget; harness.budget_request).
     on_budget_exhausted: str = "stop"
     #: The release this definition was read from (harness.release; None: the worker's file),

@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 from crashpoints import crash_point
 from harness.agents import AgentDef
 from harness.approval_notify import announce
-from harness.budget_request import BUDGET_TOOL, raise_for
+from harness.budget_request import BUDGET_TOOL, amounts_finite, raise_for
 from harness.budget_request import SCHEMA as BUDGET_SCHEMA
 from harness.errors import Cancelled
 from harness.events import publish_status
@@ -439,6 +439,8 @@ def validated_arguments(tool: str, arguments: str | dict[str, Any]) -> str:
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "arguments"
         raise DecisionRefused(f"--arguments do not match the schema of {tool!r} at {where}: {exc.validator}") from None
+    if tool == BUDGET_TOOL and not amounts_finite(value):
+        raise DecisionRefused(f"--arguments of {tool!r} must be finite numbers")
     return store.canonical(value)
 
 

@@ -22,6 +22,7 @@ from crashpoints import crash_point
 from harness import arguments
 from harness.agents import AgentDef
 from harness.approval import AwaitingApproval, Gate, ParkOutcome, after_child_parked, park
+from harness.budget_request import AskOutcome, ask_for_budget
 from harness.child_end import ChildInfo, Completed, Failed, RoundState, Stopped, Usage, finish_child
 from harness.delivery import deliver_and_resume
 from harness.errors import (
@@ -282,13 +283,7 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         reason = str(exc) if str(exc) == LOCAL_NEVER_CONNECTED else timeout_reason()
         return end_with_failure(info, epoch, ChildOutcome.FAILED, Failed(reason, code=FailureCode.DEADLINE))
     except BudgetExhausted as exc:
-        # Refused before the model was asked: what the child had said so far goes to its parent.
-        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
-            partial = _said_so_far(info.child_session_id)
-        if fault:
-            return ChildEnd(ChildOutcome.INFRA_ERROR)
-        failed = Failed(f"subagent failed: {describe_exception(exc)}", partial=partial, code=reason_for(exc).code)
-        return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
+        return _out_of_budget(info, fence, exc)
     except Exception as exc:
         if isinstance(exc, ModelUnavailable) and exc.transient:
             with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
@@ -308,6 +303,43 @@ def run_rounds(info: ChildInfo, epoch: int, deps: LoopDeps, *, first: FirstRound
         )
         failed = Failed(f"subagent failed: {describe_exception(exc)}", code=reason_for(exc).code)
         return end_with_failure(info, epoch, ChildOutcome.FAILED, failed)
+
+
+def _out_of_budget(info: ChildInfo, fence: ExecutionFence, exc: BudgetExhausted) -> ChildEnd:
+    """A reservation of the child was refused, before the model was asked (its heartbeat has
+    stopped). When its agent asks (``on_budget_exhausted = "ask"``) and the tree has something
+    to raise: its execution parks on a budget request (harness.budget_request), not ended, so
+    its parent's round keeps waiting for it. Else (or a raise was not approved) it ends FAILED
+    ``budget_exhausted`` with what it had said so far, delivered to its parent once as any
+    failure."""
+    execution_id = info.execution_id
+    asked: AskOutcome | None = None
+    partial: str | None = None
+    try:
+        with infrastructure_boundary(log, "child_infra_error", execution_id=execution_id) as fault:
+            if child_agent(info).on_budget_exhausted == "ask":
+                asked = ask_for_budget(
+                    fence,
+                    session_id=info.child_session_id,
+                    agent_type=info.agent_type,
+                    needs=exc.needs,
+                    execution_id=execution_id,
+                    not_after=child_deadline(info.started_at),
+                )
+            if asked == AskOutcome.PARKED:
+                after_child_parked(execution_id, info.child_session_id, fence.epoch)
+                return ChildEnd(ChildOutcome.WAITING_APPROVAL)
+            partial = _said_so_far(info.child_session_id)
+    except LeaseLost:
+        log_event(log, "child_lost", execution_id=execution_id, epoch=fence.epoch)
+        return ChildEnd(ChildOutcome.LOST)
+    except Cancelled:
+        return end_with_failure(info, fence.epoch, ChildOutcome.CANCELLED, Stopped())
+    if fault:
+        return ChildEnd(ChildOutcome.INFRA_ERROR)
+    said = describe_exception(exc) if asked is None else asked.stopped(describe_exception(exc))
+    failed = Failed(f"subagent failed: {said}", partial=partial, code=reason_for(exc).code)
+    return end_with_failure(info, fence.epoch, ChildOutcome.FAILED, failed)
 
 
 def _said_so_far(child_session_id: int) -> str | None:

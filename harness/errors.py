@@ -73,11 +73,14 @@ class DeadlineExceeded(HarnessError):
 
 class BudgetExhausted(HarnessError):
     """Raised when the tree's token budget refused a model call's reservation (docs/usage.md);
-    ``tokens``: what the refused call would have reserved."""
+    ``tokens``: what the refused call would have reserved; ``needs``: per kind the tree limits
+    and the call did not fit (``tokens``, ``usd``, ``model_calls``), what it lacks
+    (models.budget.shortfall); empty when nothing a raise of the tree gives would let it run."""
 
-    def __init__(self, message: str = "", *, tokens: int = 0) -> None:
+    def __init__(self, message: str = "", *, tokens: int = 0, needs: dict[str, int | float] | None = None) -> None:
         super().__init__(message)
         self.tokens = tokens
+        self.needs: dict[str, int | float] = dict(needs or {})
 
 
 class MaxRoundsReached(HarnessError):

@@ -46,6 +46,7 @@ from models.budget import (
     release,
     reserve,
     reserve_capped,
+    shortfall,
     spent_line,
     usd,
 )
@@ -186,11 +187,14 @@ def _reserve(
             log_event(log, "budget_exhausted", root_session_id=root_session_id, reservation=tokens)
             books = budget_of(s, root_session_id)  # the refusal's figures (failure path only)
             held = ""
+            needs: dict[str, int | float] = {}
             if books is not None:
                 held = ": " + spent_line(books)
+                needs = shortfall(books, tokens=tokens, usd=dollars, capped=capped and session_id is not None)
             raise BudgetExhausted(
                 f"the budget of this agent tree ran out{held} (a model call reserves {tokens} tokens)",
                 tokens=tokens,
+                needs=needs,
             )
     crash_point("budget.after_reserve")
     return Reservation(root_session_id, tokens, session_id, dollars, model, cap_left)

@@ -182,10 +182,11 @@ def run_agent(session_id: int, epoch: int, deps: LoopDeps) -> RunOutcome:
         try:
             with infrastructure_boundary(log, "agent_run_infra_error", session_id=session_id):
                 if agent.on_budget_exhausted == "ask":
-                    asked = ask_for_budget(fence, session_id=session_id, agent_type=agent_type, tokens=exc.tokens)
+                    asked = ask_for_budget(fence, session_id=session_id, agent_type=agent_type, needs=exc.needs)
                     if asked == AskOutcome.PARKED:
                         return RunOutcome.WAITING_APPROVAL
-                    return _stop(fence, f"stopped: {exc}; a raise was not approved", reason_for(exc))
+                    said = asked.stopped(str(exc)) if asked == AskOutcome.REFUSED else str(exc)
+                    return _stop(fence, f"stopped: {said}", reason_for(exc))
                 return _stop(fence, f"stopped: {exc}", reason_for(exc))
             return RunOutcome.INFRA_ERROR
         except (LeaseLost, Cancelled):

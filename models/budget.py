@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
+from decimal import ROUND_UP, Decimal
 from enum import StrEnum
 from typing import Any, cast
 
@@ -43,6 +43,9 @@ def _bound(s: Session, params: dict[str, Any]) -> dict[str, Any]:
 def usd(value: float) -> Decimal:
     """A USD amount as the database keeps it (nine decimals)."""
     return Decimal(f"{value:.9f}")
+
+
+_usd = usd  #: for functions whose ``usd`` parameter hides the helper
 
 
 @dataclass(frozen=True)
@@ -154,30 +157,65 @@ _BOOKS = (
 class RaiseOutcome(StrEnum):
     """How ``raise_budget`` ended."""
 
-    RAISED = "raised"  #: the tree's token budget is higher by the amount asked for
-    NO_BUDGET = "no_budget"  #: the session's tree has no budget, or its budget limits no tokens: nothing done
+    RAISED = "raised"  #: the tree's budget is higher by the amounts asked for, in each kind it limits
+    NO_BUDGET = "no_budget"  #: the session's tree has no budget, or limits none of the kinds named: nothing done
     NOT_FOUND = "not_found"  #: there is no such session: nothing done
 
 
-def raise_budget(s: Session, session_id: int, tokens: int) -> RaiseOutcome:
-    """Raise the token budget of the tree ``session_id`` belongs to by ``tokens``: ONE
-    conditional UPDATE (the tree named by the session's ``budget_root_id``, a token budget to
-    raise), whose rowcount says whether it landed. Calls refused before it stay refused: a
-    session that already ended ``budget_exhausted`` is not run again by this."""
+#: The kinds a budget limits, as a budget request's arguments and ``budget raise`` name them.
+KINDS = ("tokens", "usd", "model_calls")
+
+
+def raise_budget(
+    s: Session, session_id: int, tokens: int = 0, *, usd: Decimal | float = 0, model_calls: int = 0
+) -> RaiseOutcome:
+    """Raise the budget of the tree ``session_id`` belongs to by ``tokens``, ``usd`` and
+    ``model_calls`` (0: that kind unchanged): ONE conditional UPDATE (the tree named by the
+    session's ``budget_root_id``, limiting at least one kind named), whose rowcount says whether
+    it landed. A kind the tree does not limit stays unlimited (NULL + n is NULL). Calls refused
+    before it stay refused: a session that already ended ``budget_exhausted`` is not run again
+    by this."""
+    dollars = usd if isinstance(usd, Decimal) else _usd(usd)
     rows = cast(
         Any,
         s.execute(
             text(
-                "UPDATE tree_budget SET budget_tokens = budget_tokens + :n WHERE budget_tokens IS NOT NULL"
-                " AND root_session_id = (SELECT budget_root_id FROM agent_session WHERE id = :sid)"
+                "UPDATE tree_budget SET budget_tokens = budget_tokens + :t, budget_usd = budget_usd + :u,"
+                " budget_model_calls = budget_model_calls + :m"
+                " WHERE root_session_id = (SELECT budget_root_id FROM agent_session WHERE id = :sid)"
+                " AND ((:t > 0 AND budget_tokens IS NOT NULL) OR (:u > 0 AND budget_usd IS NOT NULL)"
+                " OR (:m > 0 AND budget_model_calls IS NOT NULL))"
             ),
-            {"n": tokens, "sid": session_id},
+            _bound(s, {"t": tokens, "u": dollars, "m": model_calls, "sid": session_id}),
         ),
     ).rowcount
     if rows:
         return RaiseOutcome.RAISED
     found = s.execute(text("SELECT 1 FROM agent_session WHERE id = :sid"), {"sid": session_id}).first()
     return RaiseOutcome.NO_BUDGET if found else RaiseOutcome.NOT_FOUND
+
+
+def shortfall(books: dict[str, Any], *, tokens: int, usd: Decimal, capped: bool = False) -> dict[str, int | float]:
+    """What a refused call of ``tokens`` (and ``usd``, and one model call) needs, for each kind
+    the tree limits that it did not fit (``books``: ``budget_of``'s, read after the refusal):
+    the larger of the call's own share and what the tree lacks for it (more than the call's
+    share only when the tree is already past its limit). ``capped``: the call was a capped
+    child's, whose tokens are its allocation's, not the tree's (no ``tokens`` here). Empty
+    when every kind the tree limits fits it now (a capped child refused by its cap alone)."""
+    out: dict[str, int | float] = {}
+    if not capped and books["tokens"] is not None:
+        charged = books["spent"] + books["reserved"] + books["estimated"]
+        if charged + tokens > books["tokens"]:
+            out["tokens"] = max(tokens, charged + tokens - books["tokens"])
+    if books["usd"] is not None:
+        limit = Decimal(str(books["usd"]))
+        charged_usd = sum((Decimal(str(books[k])) for k in ("spent_usd", "reserved_usd", "estimated_usd")), Decimal(0))
+        if charged_usd + usd > limit:
+            lacking = max(usd, charged_usd + usd - limit)
+            out["usd"] = float(lacking.quantize(Decimal("0.000000001"), rounding=ROUND_UP))
+    if books["model_calls"] is not None and books["calls"] + 1 > books["model_calls"]:
+        out["model_calls"] = max(1, books["calls"] + 1 - books["model_calls"])
+    return out
 
 
 def budget_of(s: Session, session_id: int) -> dict[str, Any] | None:

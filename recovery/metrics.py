@@ -198,7 +198,11 @@ SELECT count(*), COALESCE(min(GREATEST(LEAST(
 FROM agent_session a JOIN tree_budget b ON b.root_session_id = a.id
 WHERE a.phase IN ('RUNNING', 'RESUMING', 'IDLE', 'WAITING_APPROVAL')
 """
-BUDGET_REQUESTS_SQL = "SELECT count(*) FROM approval_request WHERE status = 'PENDING' AND tool = 'budget.raise'"
+#: Trees, not requests: the children of one tree may each wait on a request of their own.
+BUDGET_REQUESTS_SQL = (
+    "SELECT count(DISTINCT s.budget_root_id) FROM approval_request a JOIN agent_session s ON s.id = a.session_id"
+    " WHERE a.status = 'PENDING' AND a.tool = 'budget.raise'"
+)
 
 
 def _name(suffix: str) -> str:

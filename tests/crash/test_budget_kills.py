@@ -90,3 +90,72 @@ def test_a_budgeted_trees_books_hold_with_a_worker_killed_at_each_model_and_jour
         assert served == CALLS + (1 if lost else 0), point
         assert (stored.estimated_calls > 0) == estimated, point
     assert stack.invariants() == []
+
+
+#: The child asks when its tree's budget runs out (``on_budget_exhausted = "ask"``); each call
+#: reserves about 1010 tokens (``max_tokens``) and spends 1200.
+ASKING_AGENTS = """
+[agents.main]
+system_prompt = "You are the main agent."
+tools = ["delegate", "echo"]
+max_tokens = 1000
+[agents.reviewer]
+system_prompt = "You are the reviewer subagent."
+tools = ["echo"]
+max_tokens = 1000
+on_budget_exhausted = "ask"
+"""
+
+
+def test_a_worker_killed_right_after_a_child_asked_for_budget_leaves_it_parked_and_an_approval_delivers_it_once(
+    stack_factory: StackFactory, tmp_path: Any
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import tasks
+    from harness.views import create_session
+    from models.approval import ApprovalRequest, ApprovalStatus
+    from tests.helpers import executions_of, messages_of, phase_of
+
+    agents = tmp_path / "agents.toml"
+    agents.write_text(ASKING_AGENTS, encoding="utf-8")
+    stack = stack_factory(SCRIPT)
+    w1 = stack.worker("k", concurrency=4, pool="threads", CRASH_POINT="budget.after_ask", AGENTS_FILE=str(agents))
+    # The parent's call and the child's first fit (2400 spent); the child's second does not.
+    sid = create_session("main", "go", budget_tokens=3300)
+    tasks.app.signature("agent.run", args=(sid, 0)).apply_async()
+    wait_until(lambda: w1.exited, timeout=60, what="the worker killed at budget.after_ask")
+    assert "crash_point=budget.after_ask" in w1.log()
+    (execution,) = executions_of(sid)
+    child = execution.child_session_id
+    stack.worker("r", concurrency=4, pool="threads", beat=True, AGENTS_FILE=str(agents))
+    time.sleep(6)  # the boot scan and two beat scans (SCAN_INTERVAL_SECONDS=2) pass over it
+    with transaction() as s:
+        (req,) = s.query(ApprovalRequest).filter_by(session_id=child).all()
+        s.expunge(req)
+    assert (req.tool, req.status, req.execution_id) == ("budget.raise", ApprovalStatus.PENDING, execution.id)
+    assert phase_of(child) == "WAITING_APPROVAL" and [m for m in messages_of(sid) if m.role == "TOOL"] == []
+    assert len(stack.model.journal()) == 2  # the refused call asked no model
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "approve", str(child), req.call_id, "--arguments", '{"tokens": 5000}'],
+        env={**os.environ, "CRASH_POINT": "", "AGENTS_FILE": str(agents)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    snap = stack.wait_phase(sid, timeout=90)
+    (execution,) = executions_of(sid)
+    assert (execution.status, execution.delivery_status) == ("COMPLETED", "DELIVERED")
+    tools = [m for m in messages_of(sid) if m.role == "TOOL"]
+    assert len(tools) == 1 and json.loads(tools[0].content or "")["result"] == "seen"
+    assert snap["messages"][-1]["content"] == "final answer"
+    assert len(stack.model.journal()) == CALLS  # each call of the script once
+    with transaction() as s:
+        books = budget_of(s, sid)
+    assert books is not None and (books["tokens"], books["spent"], books["reserved"]) == (8300, CALLS * PER_CALL, 0)
+    assert stack.invariants() == []

@@ -525,3 +525,16 @@ def test_budget_gauges_name_the_least_budget_left_of_a_live_tree_and_the_trees_w
     samples = scrape()
     assert value(samples, "agent_recovery_budget_requests_pending") == 1
     assert value(samples, "agent_recovery_budget_trees_live") == 2  # a tree waiting for a raise is live
+    child = create_session("reviewer", "look")
+    with transaction() as s:
+        s.execute(text("UPDATE agent_session SET budget_root_id = :r WHERE id = :c"), {"r": low, "c": child})
+        s.execute(
+            text(
+                "INSERT INTO approval_request (session_id, call_id, tool, agent_type, arguments, arguments_sha256,"
+                " status, requested_at, expires_at) VALUES (:sid, 'budget-7-1', 'budget.raise', 'reviewer',"
+                " '{\"tokens\": 100}', '', 'PENDING', now(), now() + interval '1 day')"
+            ),
+            {"sid": child},
+        )
+    # A child of the same tree asking too: still one tree waiting for a raise.
+    assert value(scrape(), "agent_recovery_budget_requests_pending") == 1
