@@ -310,8 +310,10 @@ def run_dbos_normal(
     concurrency: int,
     poll_seconds: float,
     model_latency: float = 0.0,
+    pool_size: int = 0,
 ) -> NormalFigures:
-    """No crash: ``processes`` DBOS processes share the queues; the bench enqueues P parent
+    """No crash: ``processes`` DBOS processes share the queues (``pool_size``: their connection
+    pools, 0 for DBOS's defaults); the bench enqueues P parent
     workflows with DBOSClient; timed from the first enqueue to the last parent SUCCESS."""
     import time
 
@@ -331,6 +333,8 @@ def run_dbos_normal(
         served = []
         for n in range(processes):  # one after the other: the first creates DBOS's tables
             env = _dbos_env(url, model.base_url, per_process, poll_seconds, BENCH_DBOS_EXECUTOR_ID=f"bench-{n}")
+            if pool_size:
+                env["BENCH_DBOS_POOL_SIZE"] = str(pool_size)
             served.append(
                 stack.add_worker(_dbos_process(env, stack.log_dir, "serve", name=f"serve-{n}")).start(timeout=60)
             )
@@ -590,6 +594,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dbos-processes", type=int, default=0, help="DBOS processes on the normal path (default: --concurrency)"
     )
     parser.add_argument(
+        "--dbos-pool-size",
+        type=int,
+        default=0,
+        help="normal: connections of each DBOS process's system-database pool and datasource pool (default "
+        "0: DBOS's own, 20 and 5 + 10, which 2,000 parent workflows at once exhaust)",
+    )
+    parser.add_argument(
         "--lease-seconds", type=float, default=30.0, help="restart: LEASE_SECONDS of our workers (default 30)"
     )
     parser.add_argument(
@@ -760,6 +771,7 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
                     concurrency=args.concurrency,
                     poll_seconds=args.dbos_poll_seconds,
                     model_latency=args.model_latency,
+                    pool_size=args.dbos_pool_size,
                 )
             ours_normal.append(normal.parents_per_second)
             dbos_normal.append(theirs_normal.parents_per_second)

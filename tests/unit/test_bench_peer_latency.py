@@ -41,3 +41,8 @@ def test_the_normal_paths_figures_say_where_the_cpu_went_a_parent() -> None:
         "CPU ms a parent: workers 50, PostgreSQL+Redis 30, bench (model stand-in, submission, polling) 10"
     )
     assert "PostgreSQL+Redis -" in NormalFigures(10, 2.0, []).cpu_note()  # servers not local: not measured
+
+
+def test_dboss_own_connection_pools_stay_unless_the_caller_sizes_them() -> None:
+    assert parse_args(["--modes", "normal"]).dbos_pool_size == 0  # 0: DBOS's defaults, as before
+    assert parse_args(["--modes", "normal", "--dbos-pool-size", "64"]).dbos_pool_size == 64
