@@ -35,9 +35,15 @@ for the agent loops) of ``--concurrency``; the bench creates each session and se
 ``agent.run``. DBOS: as many processes as our pool (``--dbos-processes``), each running at most
 ``--concurrency`` / processes child workflows at once, its workflows and steps on DBOS's
 default executor (its thread pool); the bench enqueues each parent workflow with ``DBOSClient``
-on a queue the processes share. For a model with latency, compare one threads worker with one
-DBOS process: ``--modes normal --model-latency 2 --pool threads --concurrency 64
---dbos-processes 1``.
+on a queue the processes share. For a model with latency, compare the Procfile's workers with
+one DBOS process: ``--modes normal --model-latency 2 --topology procfile --concurrency 256
+--dbos-processes 1`` (``--topology procfile``: ours as the Procfile's lines, read from it, its
+threads line at ``-c --concurrency``, with its prefork ``recovery`` worker and its beat). Each
+side's line also says where the window's CPU went a parent: its worker processes, the bench's
+PostgreSQL and Redis (when they are local processes with their port on their command line), and
+this process (the scripted model, the submissions, the polling). ``--dbos-pool-size`` sizes
+DBOS's two connection pools (its defaults, 20 and 5 + 10, ran out at 2,000 parent workflows in
+one process with the 0.05 s polling).
 
 Every figure is the median of ``--trials`` alternating runs; the ratios are ours/DBOS (higher
 is better for us on throughput, lower on seconds). DBOS's queue and result polling intervals
