@@ -16,7 +16,8 @@ writes its final answer.
 
 Configuration comes from the environment (set by peer_dbos.py): BENCH_DBOS_DATABASE_URL,
 BENCH_MODEL_URL, BENCH_DBOS_CONCURRENCY (child workflows at once per process),
-BENCH_DBOS_POLL_SECONDS, BENCH_DBOS_EXECUTOR_ID (DBOS's default ``local`` when unset).
+BENCH_DBOS_POLL_SECONDS, BENCH_DBOS_EXECUTOR_ID (DBOS's default ``local`` when unset),
+BENCH_DBOS_POOL_SIZE (both of DBOS's connection pools; DBOS's defaults when unset).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ QUEUE = "children"
 #: takes every parent as soon as a pool process is free.
 PARENTS_QUEUE = "parents"
 EXECUTOR_ID = os.environ.get("BENCH_DBOS_EXECUTOR_ID", "")
+#: Connections of DBOS's system database pool and of the datasource's pool (each); 0: DBOS's
+#: defaults (20, and 5 + 10 overflow), which 2,000 parent workflows at once in one process exhaust.
+POOL_SIZE = int(os.environ.get("BENCH_DBOS_POOL_SIZE", "0"))
 
 MAIN_PROMPT = "You are the main agent. Delegate work to subagents with the delegate tool and combine results."
 CHILD_PROMPT = "You are the reviewer subagent. Review what you are given and answer with your findings."
@@ -49,8 +53,12 @@ CHILD_PROMPT = "You are the reviewer subagent. Review what you are given and ans
 config: DBOSConfig = {"name": "bench-peer-dbos", "system_database_url": DATABASE_URL, "log_level": "WARNING"}
 if EXECUTOR_ID:
     config["executor_id"] = EXECUTOR_ID
+if POOL_SIZE:
+    config["sys_db_pool_size"] = POOL_SIZE
 DBOS(config=config)
-db = SQLAlchemyDatasource.create(DATABASE_URL)
+db = SQLAlchemyDatasource.create(
+    DATABASE_URL, engine_kwargs={"pool_size": POOL_SIZE, "max_overflow": 0} if POOL_SIZE else None
+)
 
 MESSAGES = sa.Table(
     "peer_message",

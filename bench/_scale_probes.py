@@ -344,6 +344,12 @@ def peak_memory(workers: list[Any]) -> tuple[float, float]:
     return main_kb / 1024, pool_kb / 1024
 
 
+def summed_peak_memory(workers: list[Any]) -> float:
+    """The sum of the VmHWM of every worker's main and pool processes, in MB: an upper bound
+    of what they all held at any one moment (each peak may come at its own time)."""
+    return sum(_hwm_kb(pid) for w in workers for pid in [w.proc.pid, *_children(w.proc.pid)]) / 1024
+
+
 def cpu_seconds(workers: list[Any]) -> float:
     """CPU time (user + system) the workers' main and pool processes have used so far."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -356,6 +362,48 @@ def cpu_seconds(workers: list[Any]) -> float:
                 continue
             total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
     return total / tick
+
+
+def _stat_ticks(pid: int, *, reaped: bool = False) -> int:
+    """utime + stime of ``pid`` in clock ticks (and its waited-for children's, ``reaped``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return sum(int(x) for x in fields[11 : 15 if reaped else 13])
+
+
+def _server_pids(pg_port: int, redis_port: int) -> tuple[int | None, int | None]:
+    """The local PostgreSQL postmaster started with ``-p pg_port`` and the redis-server listening
+    on ``redis_port``, found by their command lines; None when not found here."""
+    postmaster = redis = None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if argv[0].endswith("/postgres") and "-p" in argv and argv[argv.index("-p") + 1 :][:1] == [str(pg_port)]:
+            postmaster = int(entry.name)
+        elif argv[0].startswith("redis-server") and argv[0].endswith(f":{redis_port}"):
+            redis = int(entry.name)
+    return postmaster, redis
+
+
+def server_cpu_seconds(pg_url: str, redis_url: str) -> float | None:
+    """CPU time so far of the bench's PostgreSQL (its postmaster, its live processes and those that
+    ended: a backend's CPU goes to the postmaster when it is reaped) and its Redis, found by their
+    ports on this machine; None when either is not a local process with its port on its command
+    line (the shared default servers: their CPU is not the bench's alone anyway)."""
+    from sqlalchemy import make_url
+
+    postmaster, redis = _server_pids(make_url(pg_url).port or 5432, make_url(redis_url).port or 6379)
+    if postmaster is None or redis is None:
+        return None
+    ticks = _stat_ticks(postmaster, reaped=True) + _stat_ticks(redis)
+    ticks += sum(_stat_ticks(pid) for pid in _children(postmaster))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def storage_per_parent(url: str, parents: int) -> str:

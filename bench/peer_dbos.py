@@ -35,9 +35,15 @@ for the agent loops) of ``--concurrency``; the bench creates each session and se
 ``agent.run``. DBOS: as many processes as our pool (``--dbos-processes``), each running at most
 ``--concurrency`` / processes child workflows at once, its workflows and steps on DBOS's
 default executor (its thread pool); the bench enqueues each parent workflow with ``DBOSClient``
-on a queue the processes share. For a model with latency, compare one threads worker with one
-DBOS process: ``--modes normal --model-latency 2 --pool threads --concurrency 64
---dbos-processes 1``.
+on a queue the processes share. For a model with latency, compare the Procfile's workers with
+one DBOS process: ``--modes normal --model-latency 2 --topology procfile --concurrency 256
+--dbos-processes 1`` (``--topology procfile``: ours as the Procfile's lines, read from it, its
+threads line at ``-c --concurrency``, with its prefork ``recovery`` worker and its beat). Each
+side's line also says where the window's CPU went a parent: its worker processes, the bench's
+PostgreSQL and Redis (when they are local processes with their port on their command line), and
+this process (the scripted model, the submissions, the polling). ``--dbos-pool-size`` sizes
+DBOS's two connection pools (its defaults, 20 and 5 + 10, ran out at 2,000 parent workflows in
+one process with the 0.05 s polling).
 
 Every figure is the median of ``--trials`` alternating runs; the ratios are ours/DBOS (higher
 is better for us on throughput, lower on seconds). DBOS's queue and result polling intervals
@@ -82,10 +88,51 @@ class NormalFigures:
     parents: int
     seconds: float  #: the first enqueue -> every parent answered
     problems: list[str]
+    cpu_s: float = 0.0  #: CPU time of the side's worker processes in that window (/proc)
+    all_mb: float = 0.0  #: the sum of the side's worker processes' peak resident memory (VmHWM)
+    #: CPU time in that window of the bench's PostgreSQL and Redis (None: not local processes)
+    server_cpu_s: float | None = None
+    #: CPU time in that window of this process: the scripted model's server, the submissions, the polling
+    bench_cpu_s: float = 0.0
 
     @property
     def parents_per_second(self) -> float:
         return self.parents / self.seconds
+
+    @property
+    def cpu_ms_per_parent(self) -> float:
+        return self.cpu_s * 1000 / self.parents
+
+    def cpu_note(self) -> str:
+        """Where the window's CPU went, in ms a parent."""
+        servers = "-" if self.server_cpu_s is None else f"{self.server_cpu_s * 1000 / self.parents:.0f}"
+        return (
+            f"CPU ms a parent: workers {self.cpu_ms_per_parent:.0f}, PostgreSQL+Redis {servers}, bench "
+            f"(model stand-in, submission, polling) {self.bench_cpu_s * 1000 / self.parents:.0f}"
+        )
+
+
+class _WindowCpu:
+    """The servers' and this process's CPU from its start to :meth:`stop` (NormalFigures)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._servers, self._bench = self._read(), time.process_time()
+
+    @staticmethod
+    def _read() -> float | None:
+        from bench._common import PG_ADMIN_URL, REDIS_BASE
+        from bench._scale_probes import server_cpu_seconds
+
+        return server_cpu_seconds(PG_ADMIN_URL, REDIS_BASE)
+
+    def stop(self) -> tuple[float | None, float]:
+        import time
+
+        servers = self._read()
+        spent = None if servers is None or self._servers is None else servers - self._servers
+        return spent, time.process_time() - self._bench
 
 
 @dataclass
@@ -269,8 +316,10 @@ def run_dbos_normal(
     concurrency: int,
     poll_seconds: float,
     model_latency: float = 0.0,
+    pool_size: int = 0,
 ) -> NormalFigures:
-    """No crash: ``processes`` DBOS processes share the queues; the bench enqueues P parent
+    """No crash: ``processes`` DBOS processes share the queues (``pool_size``: their connection
+    pools, 0 for DBOS's defaults); the bench enqueues P parent
     workflows with DBOSClient; timed from the first enqueue to the last parent SUCCESS."""
     import time
 
@@ -279,6 +328,7 @@ def run_dbos_normal(
 
     from bench._common import Stack, point_settings_at, progress, wait_for
     from bench._cpu import settle
+    from bench._scale_probes import cpu_seconds, summed_peak_memory
     from bench.delegation import instant_script
     from models import get_engine
 
@@ -286,12 +336,18 @@ def run_dbos_normal(
     with Stack("bench-peer-dbos-normal") as stack:
         model = stack.model(delayed(instant_script(children), model_latency))
         per_process = max(1, concurrency // processes)
+        served = []
         for n in range(processes):  # one after the other: the first creates DBOS's tables
             env = _dbos_env(url, model.base_url, per_process, poll_seconds, BENCH_DBOS_EXECUTOR_ID=f"bench-{n}")
-            stack.add_worker(_dbos_process(env, stack.log_dir, "serve", name=f"serve-{n}")).start(timeout=60)
+            if pool_size:
+                env["BENCH_DBOS_POOL_SIZE"] = str(pool_size)
+            served.append(
+                stack.add_worker(_dbos_process(env, stack.log_dir, "serve", name=f"serve-{n}")).start(timeout=60)
+            )
         client = DBOSClient(system_database_url=_dbos_url(url))
         try:
             progress(settle().note())
+            cpu_before, window = cpu_seconds(served), _WindowCpu()
             t0 = time.time()
             for n in range(parents):
                 client.enqueue({"queue_name": PARENTS_QUEUE, "workflow_name": "parent_workflow"}, f"job {n}")
@@ -308,6 +364,8 @@ def run_dbos_normal(
                 stack.failed = True
                 stack.dump_logs()
                 raise
+            cpu_s, all_mb = cpu_seconds(served) - cpu_before, summed_peak_memory(served)
+            server_cpu_s, bench_cpu_s = window.stop()
         finally:
             client.destroy()
         with get_engine().connect() as conn:
@@ -315,21 +373,32 @@ def run_dbos_normal(
                 text("SELECT max(updated_at) FROM dbos.workflow_status WHERE name = 'parent_workflow'")
             ).scalar_one()
         problems = _checks(parents, children)
-    return NormalFigures(parents, done_ms / 1000.0 - t0, problems)
+    return NormalFigures(parents, done_ms / 1000.0 - t0, problems, cpu_s, all_mb, server_cpu_s, bench_cpu_s)
 
 
 def run_ours_normal(
-    url: str, *, parents: int, children: int, concurrency: int, pool: str = "prefork", model_latency: float = 0.0
+    url: str,
+    *,
+    parents: int,
+    children: int,
+    concurrency: int,
+    pool: str = "prefork",
+    model_latency: float = 0.0,
+    topology: str = "bare",
 ) -> NormalFigures:
-    """No crash: one worker (``-P pool -c concurrency``); the bench creates P sessions and sends
-    ``agent.run`` for each; timed from the first session created to the last parent's answer
-    committed."""
+    """No crash: one worker (``-P pool -c concurrency``), or with ``topology="procfile"`` the
+    Procfile's workers (its threads line at ``-c concurrency``, its prefork ``recovery`` line) and
+    its beat; the bench creates P sessions and sends ``agent.run`` for each; timed from the first
+    session created to the last parent's answer committed."""
+    from sqlalchemy import text
+
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
     from bench._cpu import settle
+    from bench._scale_probes import cpu_seconds, summed_peak_memory
     from bench.delegation import instant_script
     from bench.recovery import _counts, _db_times
-    from devstack.processes import apply_env
+    from devstack.processes import Beat, apply_env, procfile_workers
     from harness.views import create_session
     from models import transaction
     from models.base import utcnow
@@ -340,8 +409,16 @@ def run_ours_normal(
         model = stack.model(delayed(instant_script(children), model_latency))
         env = bench_env(url, model.base_url)
         apply_env(env)
-        stack.worker(env, "normal", concurrency=concurrency, pool=pool)
+        if topology == "procfile":
+            stack.add_worker(Beat(env, stack.log_dir)).start()
+            workers = [
+                stack.add_worker(w).start(timeout=60)
+                for w in procfile_workers(env, stack.log_dir, concurrency=concurrency)
+            ]
+        else:
+            workers = [stack.worker(env, "normal", concurrency=concurrency, pool=pool)]
         progress(settle().note())
+        cpu_before, window = cpu_seconds(workers), _WindowCpu()
         t0 = utcnow()
         for n in range(parents):
             sid = create_session("main", f"job {n}: split the work")
@@ -359,10 +436,14 @@ def run_ours_normal(
             stack.failed = True
             stack.dump_logs()
             raise
+        cpu_s, all_mb = cpu_seconds(workers) - cpu_before, summed_peak_memory(workers)
+        server_cpu_s, bench_cpu_s = window.stop()
         _, _, answered = _db_times()
         with transaction() as s:
+            # a starved bench may pass the workers' idle-in-transaction bound in one long check (bench/soak.py)
+            s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
             problems = check_all(s, settled=True)
-    return NormalFigures(parents, (answered - t0).total_seconds(), problems)
+    return NormalFigures(parents, (answered - t0).total_seconds(), problems, cpu_s, all_mb, server_cpu_s, bench_cpu_s)
 
 
 def run_ours_restart(
@@ -384,6 +465,8 @@ def run_ours_restart(
     import socket
     import time
     from datetime import UTC, datetime
+
+    from sqlalchemy import text
 
     import tasks
     from bench._common import Stack, bench_env, flush_redis, progress, wait_for
@@ -477,6 +560,8 @@ def run_ours_restart(
         split = meter.stop() if meter is not None else None
         _, _, resumed = _db_times()
         with transaction() as s:
+            # a starved bench may pass the workers' idle-in-transaction bound in one long check (bench/soak.py)
+            s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
             problems = check_all(s, settled=True)
     return RestartFigures((resumed - spawned).total_seconds(), ready_s, problems, split, boot_cpu_s)
 
@@ -515,6 +600,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dbos-processes", type=int, default=0, help="DBOS processes on the normal path (default: --concurrency)"
     )
     parser.add_argument(
+        "--dbos-pool-size",
+        type=int,
+        default=0,
+        help="normal: connections of each DBOS process's system-database pool and datasource pool (default "
+        "0: DBOS's own, 20 and 5 + 10, which 2,000 parent workflows at once exhaust)",
+    )
+    parser.add_argument(
         "--lease-seconds", type=float, default=30.0, help="restart: LEASE_SECONDS of our workers (default 30)"
     )
     parser.add_argument(
@@ -538,12 +630,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pool",
         choices=("prefork", "threads"),
-        default="prefork",
+        default=None,
         help="normal: Celery's -P of our worker (prefork; threads is the Procfile's for the agent loops)",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=("bare", "procfile"),
+        default="bare",
+        help="normal: ours on one worker -P --pool -c --concurrency (bare, default), or on the Procfile's "
+        "workers read from the Procfile (its threads line at -c --concurrency, its recovery line, a beat)",
     )
     add_cpu_option(parser, "also print where our side's CPU went in the crash and restart windows (Linux /proc)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.topology == "procfile" and args.pool is not None:
+        parser.error("--topology procfile runs the Procfile's pools: no --pool")
+    args.pool = "threads" if args.topology == "procfile" else args.pool or "prefork"
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     args.dbos_processes = args.dbos_processes or args.concurrency
@@ -591,6 +693,8 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
     dbos_restart: list[float] = []
     ours_normal: list[float] = []
     dbos_normal: list[float] = []
+    ours_cpu: list[float] = []  #: ms of the workers' CPU a parent, per trial
+    dbos_cpu: list[float] = []
     problems: list[str] = []
     for trial in range(1, args.trials + 1):
         if "crash" in args.modes:
@@ -662,6 +766,7 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
                     concurrency=args.concurrency,
                     pool=args.pool,
                     model_latency=args.model_latency,
+                    topology=args.topology,
                 )
             with bench_database("bench_peer_dbos_normal", migrate=False) as url:
                 theirs_normal = run_dbos_normal(
@@ -672,14 +777,19 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
                     concurrency=args.concurrency,
                     poll_seconds=args.dbos_poll_seconds,
                     model_latency=args.model_latency,
+                    pool_size=args.dbos_pool_size,
                 )
             ours_normal.append(normal.parents_per_second)
             dbos_normal.append(theirs_normal.parents_per_second)
+            ours_cpu.append(normal.cpu_ms_per_parent)
+            dbos_cpu.append(theirs_normal.cpu_ms_per_parent)
             problems += [f"trial {trial} ours normal: {p}" for p in normal.problems]
             problems += [f"trial {trial} normal {p}" for p in theirs_normal.problems]
             print(
-                f"  trial {trial} normal: ours {normal.parents_per_second:.1f} parents/s ({normal.seconds:.3f} s); "
-                f"DBOS {theirs_normal.parents_per_second:.1f} parents/s ({theirs_normal.seconds:.3f} s); "
+                f"  trial {trial} normal: ours {normal.parents_per_second:.1f} parents/s ({normal.seconds:.3f} s; "
+                f"{normal.cpu_note()}; workers {normal.all_mb:.0f} MB); "
+                f"DBOS {theirs_normal.parents_per_second:.1f} parents/s ({theirs_normal.seconds:.3f} s; "
+                f"{theirs_normal.cpu_note()}; workers {theirs_normal.all_mb:.0f} MB); "
                 f"{system_load()}",
                 flush=True,
             )
@@ -719,13 +829,19 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict[str, float]]:
     if "normal" in args.modes:
         ours_pps, dbos_pps = median(ours_normal), median(dbos_normal)
         found["normal path, parents/s"] = ours_pps / dbos_pps
+        workers = (
+            f"the Procfile's workers, its threads line at -c {args.concurrency}"
+            if args.topology == "procfile"
+            else f"1 worker -P {args.pool} -c {args.concurrency}"
+        )
         print(
-            f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; 1 worker -P {args.pool} -c "
-            f"{args.concurrency}; model latency {args.model_latency:g} s)"
+            f"normal path, ours: {ours_pps:.1f} parents/s ({n}; {spread(ours_normal)}; {workers}; model latency "
+            f"{args.model_latency:g} s; {median(ours_cpu):.0f} ms of the workers' CPU a parent)"
         )
         print(
             f"normal path, DBOS: {dbos_pps:.1f} parents/s ({n}; {spread(dbos_normal)}; {args.dbos_processes} "
-            f"processes x {max(1, args.concurrency // args.dbos_processes)} child workflows at once)"
+            f"processes x {max(1, args.concurrency // args.dbos_processes)} child workflows at once; "
+            f"{median(dbos_cpu):.0f} ms of its processes' CPU a parent)"
         )
         print(
             f"normal path ratio ours/DBOS (parents/s): {ours_pps / dbos_pps:.2f} "

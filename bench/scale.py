@@ -1,6 +1,6 @@
 """How cost grows with load: ``python bench/scale.py [--parents 10,100,1000] [--workers 1,2,4]
 [--children 3] [--trials 1] [--pool prefork|threads|gevent] [--concurrency 1] [--model-latency 0]
-[--kinds ours,naive] [--kill-at-half] [--out docs/img/scale.png]
+[--kinds ours,naive] [--kill-at-half] [--topology bare|procfile] [--out docs/img/scale.png]
 [--latency-out docs/img/scale-latency.png] [--quick]``.
 
 ``--model-latency`` delays every scripted model reply: a fixed ``SECONDS``, or
@@ -10,6 +10,16 @@ load at each and draw parents/s against latency (``--latency-out``) instead of t
 ``--pool`` and ``--concurrency`` are Celery's ``-P`` and ``-c`` of every worker, ours and the
 naive one alike (the naive workers size their database pool from ``-c`` as ours do;
 docs/scaling.md); gevent needs ``pip install gevent psycogreen``.
+
+``--topology procfile`` (ours only, ``--workers 1``) starts ours as the Procfile does, the
+README's worker command: each of its ``celery ... worker`` lines with its own arguments, read
+from the Procfile (``devstack.processes.procfile_workers``): the ``celery`` queue's threads
+worker and the ``recovery`` queue's prefork worker, and its beat (``SCAN_INTERVAL_SECONDS`` 30).
+``--concurrency`` then replaces only the threads line's ``-c`` (default: the Procfile's);
+``--pool`` is the Procfile's. The workers' figures (CPU, memory, connections) count both
+workers; ``all MB`` is the sum of every worker process's peak (``VmHWM``), an upper bound of
+their memory at any one moment. The default, ``bare``, starts W workers serving every queue,
+each ``-P --pool -c --concurrency``.
 
 ``--kill-at-half`` (ours only; a beat runs throughout, as the Procfile's): once half the parents
 have answered, every worker is SIGKILLed and started again with the same command under the same
@@ -79,6 +89,7 @@ from bench._scale_probes import (
     peak_memory,
     statements_key,
     storage_per_parent,
+    summed_peak_memory,
     table_counters,
     wal_between,
 )
@@ -94,6 +105,8 @@ POOLS = ("prefork", "threads", "gevent")
 STATS_SETTLE_SECONDS = 0.5
 #: The workers' LEASE_SECONDS: production's (a deep queue is no reason to take work back).
 LEASE_SECONDS = 30.0
+#: --topology: ``bare`` workers serving every queue, or the Procfile's lines.
+TOPOLOGIES = ("bare", "procfile")
 QUICK = {"parents": "10,30", "workers": "1,2", "history": "0,2000", "scan_pending": 30}
 
 
@@ -146,6 +159,7 @@ class Step:
     in_flight: int = 0  #: peak of loops holding a live lease (ours; 0 for naive: not sampled)
     connections: int = 0  #: peak of PostgreSQL connections the workers held open
     kill: Kill | None = None  #: --kill-at-half: what the kill and the restart gave
+    all_mb: float = 0.0  #: the sum of every worker process's peak resident memory (VmHWM)
 
     def per_parent(self, name: str) -> float:
         return self.cost[name] / self.parents
@@ -226,6 +240,7 @@ def run_step(
     sampler = Sampler(admin, url.rsplit("/", 1)[1], url if kind == OURS else None).start()
     sent = submit(kind, ids)
     first_life: tuple[float, float, float] | None = None  #: killed workers' main MB, pool MB, CPU s
+    first_all_mb = 0.0
     answered_before, restarted_at = 0, 0.0
     try:
         if restart is not None:
@@ -239,6 +254,7 @@ def run_step(
             )
             main_mb, pool_mb = peak_memory(workers)
             first_life = (main_mb, pool_mb, cpu_seconds(workers) - cpu_before)
+            first_all_mb = summed_peak_memory(workers)
             for w in workers:
                 w.kill()
             answered_before = checker.counts()[0]
@@ -255,6 +271,7 @@ def run_step(
             interval=0.02,
         )
         main_mb, pool_mb = peak_memory(workers)
+        all_mb = max(summed_peak_memory(workers), first_all_mb)
         cost["cpu_ms"] = round((cpu_seconds(workers) - cpu_before) * 1000)
         if first_life is not None:
             main_mb, pool_mb = max(main_mb, first_life[0]), max(pool_mb, first_life[1])
@@ -295,6 +312,7 @@ def run_step(
         in_flight=sampler.peak_in_flight,
         connections=sampler.peak_connections,
         kill=kill,
+        all_mb=all_mb,
     )
 
 
@@ -346,10 +364,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--parents", default="10,100,1000", help="loads N, concurrent parents (10,100,1000: ~10 min in all)"
     )
-    parser.add_argument("--workers", default="1,2,4", help="worker processes of each kind (1,2,4)")
+    parser.add_argument(
+        "--workers", default=None, help="worker processes of each kind (1,2,4; 1 with --topology procfile)"
+    )
     parser.add_argument("--children", type=int, default=3, help="children per parent (3)")
-    parser.add_argument("--concurrency", type=int, default=1, help="pool size (-c) of each worker (1)")
-    parser.add_argument("--pool", choices=POOLS, default="prefork", help="Celery's -P (prefork)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="pool size (-c) of each worker (1); --topology procfile: of its threads line (the Procfile's)",
+    )
+    parser.add_argument("--pool", choices=POOLS, default=None, help="Celery's -P (prefork; not with procfile)")
+    parser.add_argument(
+        "--topology",
+        choices=TOPOLOGIES,
+        default="bare",
+        help="bare: W workers serving every queue (default); procfile: ours as the Procfile's lines (its "
+        "threads worker on celery, prefork worker on recovery, a beat), read from the Procfile",
+    )
     parser.add_argument(
         "--model-latency",
         default="0",
@@ -378,13 +410,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.parents, args.workers, args.history = QUICK["parents"], QUICK["workers"], QUICK["history"]
         args.scan_pending, args.scan_repeat = QUICK["scan_pending"], 1
+    if args.workers is None:
+        args.workers = "1" if args.topology == "procfile" else "1,2,4"
     args.parents, args.workers, args.history = _ints(args.parents), _ints(args.workers), _ints(args.history)
+    if args.topology == "procfile":
+        if args.pool is not None:
+            parser.error("--topology procfile runs the Procfile's pools: no --pool")
+        if args.workers != [1]:
+            parser.error("--topology procfile starts the Procfile's pair once: --workers 1")
+        args.pool = "threads"  # the Procfile's celery line (the statement counter's patching follows it)
+    else:
+        args.pool = args.pool or "prefork"
+        args.concurrency = args.concurrency or 1
     if (
         not args.parents
         or not args.workers
         or min(args.parents + args.workers) < 1
         or min(args.history or [0]) < 0
-        or min(args.children, args.concurrency, args.trials, args.scan_pending, args.scan_repeat) < 1
+        or min(args.children, args.concurrency or 1, args.trials, args.scan_pending, args.scan_repeat) < 1
     ):
         parser.error("loads, worker counts, --children, --concurrency, --trials and the scan's sizes must be >= 1")
     try:
@@ -394,6 +437,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not args.kinds or set(args.kinds) - {OURS, NAIVE}:
         parser.error("--kinds: ours, naive or ours,naive")
+    if args.topology == "procfile" and args.kinds != [OURS]:
+        parser.error("--topology procfile needs --kinds ours: the naive baseline has no recovery queue")
     if args.kill_at_half and args.kinds != [OURS]:
         parser.error("--kill-at-half needs --kinds ours: the naive baseline has no recovery (a killed worker loses it)")
     args.parents.sort()
@@ -432,6 +477,17 @@ def parse_latency(text: str) -> float | dict[str, list[float]]:
     return seconds
 
 
+def workers_shape(args: argparse.Namespace) -> str:
+    """The workers a run starts, as its output names them."""
+    if args.topology != "procfile":
+        return f"{args.workers} worker processes of each kind (celery worker -P {args.pool} -c {args.concurrency})"
+    lines = [
+        "celery " + " ".join(w.cmd[1:])
+        for w in stack_helpers().procfile_workers({}, Path("."), concurrency=args.concurrency)
+    ]
+    return "the Procfile's workers (" + "; ".join(lines) + ") and its beat"
+
+
 def stack_helpers() -> Any:
     """The stack helpers' module (Worker, apply_env): the one line to change if it moves."""
     import devstack.processes as helpers
@@ -443,28 +499,29 @@ def start_workers(
     stack: Any,
     *,
     count: int,
-    concurrency: int,
+    concurrency: int | None,
     env: dict[str, str],
     naive_env: dict[str, str],
     pool: str = "prefork",
     kinds: tuple[str, ...] = (OURS, NAIVE),
+    topology: str = "bare",
 ) -> tuple[list[Any], list[Any]]:
-    """``count`` fresh workers of each kind, booted in parallel (each ready line awaited)."""
+    """``count`` fresh workers of each kind, booted in parallel (each ready line awaited); with
+    ``topology="procfile"``, ours are the Procfile's worker lines (``count`` is 1)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from bench._naive_app import NAIVE_QUEUE
     from bench.delegation import app_worker
 
-    ours = [
-        stack_helpers().Worker(
-            {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS), "PGAPPNAME": WORKER_APP_NAME},
-            stack.log_dir,
-            name=f"scale-{i}",
-            concurrency=concurrency,
-            pool=pool,
-        )
-        for i in range(count if OURS in kinds else 0)
-    ]
+    ours_env = {**env, "BENCH_STATEMENTS_KEY": statements_key(OURS), "PGAPPNAME": WORKER_APP_NAME}
+    ours: list[Any] = []
+    if OURS in kinds and topology == "procfile":
+        ours = stack_helpers().procfile_workers(ours_env, stack.log_dir, concurrency=concurrency)
+    elif OURS in kinds:
+        ours = [
+            stack_helpers().Worker(ours_env, stack.log_dir, name=f"scale-{i}", concurrency=concurrency, pool=pool)
+            for i in range(count)
+        ]
     naive = [
         app_worker(
             "bench._naive_app:naive_app",
@@ -472,7 +529,7 @@ def start_workers(
             f"naive-{i}-{int(time.time() * 1000)}",
             {**naive_env, "BENCH_STATEMENTS_KEY": statements_key(NAIVE), "PGAPPNAME": WORKER_APP_NAME},
             stack.log_dir,
-            concurrency,
+            concurrency or 1,
             pool,
         )
         for i in range(count if NAIVE in kinds else 0)
@@ -503,10 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     by_latency: dict[str, dict[tuple[str, int, int], Cell]] = {}
     events_url = f"{REDIS_BASE}/{REDIS_DBS[2]}"
     kill = ", every worker SIGKILLed at half-way and started again" if args.kill_at_half else ""
+    shape = workers_shape(args)
     print(
         f"scale: N concurrent parents {args.parents} x {args.children} children (model latency "
-        f"{args.model_latency} s) over {args.workers} worker processes of each kind (celery worker -P {args.pool} "
-        f"-c {args.concurrency}), {' then '.join(args.kinds)} "
+        f"{args.model_latency} s) over {shape}, {' then '.join(args.kinds)} "
         f"for each trial, {args.trials} trial(s){kill}; {system_load()}",
         flush=True,
     )
@@ -546,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                         naive_app.conf.update(
                             broker_url=env["CELERY_BROKER_URL"], result_backend=env["CELERY_RESULT_BACKEND"]
                         )
-                    if args.kill_at_half and not beat:  # the scans of the Procfile's beat, across the kills
+                    if (args.kill_at_half or args.topology == "procfile") and not beat:
+                        # the scans of the Procfile's beat, across the kills
                         beat = stack.add_worker(stack_helpers().Beat(env, stack.log_dir)).start()
                     by_latency[text] = _run_loads(
                         args,
@@ -566,10 +624,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             finally:
                 answers.close()
+            from sqlalchemy import text
+
             from models import transaction
             from recovery.invariants import check_all
 
             with transaction() as s:
+                # a starved bench may pass the workers' idle-in-transaction bound in one long check (bench/soak.py)
+                s.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
                 problems = check_all(s, settled=True)
             ours_parents = (
                 sum(n * args.trials for n in args.parents) * len(args.workers) * len(args.latencies)
@@ -601,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     title = (
         f"bench/scale.py: {args.children} children per parent, model latency {args.model_latency} s; "
-        f"workers -P {args.pool} -c {args.concurrency}; "
+        f"{shape}; "
         f"{args.trials} trial(s); {load}"
     )
     print(f"on disk per parent (tables and their indexes, kB): ours {storage[OURS]}; naive {storage[NAIVE]}")
@@ -649,6 +711,7 @@ def _run_loads(
                     naive_env=naive_env,
                     pool=args.pool,
                     kinds=tuple(args.kinds),
+                    topology=args.topology,
                 )
                 for kind, workers, database in (
                     (OURS, ours_w, url.rsplit("/", 1)[1]),
@@ -770,7 +833,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
     )
     header = (
         f"{'kind':5} {'w':>2} {'N':>5} | {'parents/s':>9} {'p50 ms':>8} {'p99 ms':>8} | {'cpu ms':>6} {'stmts':>6} "
-        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7} | {'flying':>6} {'conns':>5}"
+        f"{'srv':>6} {'tx':>5} {'rows':>5} {'WAL kB':>7} | {'main MB':>7} {'pool MB':>7} {'all MB':>7} | "
+        f"{'flying':>6} {'conns':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -786,7 +850,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
             f"{cell.p99 * 1000:8.1f} | {per(cell, 'cpu_ms'):6.1f} {per(cell, 'statements'):6.1f} {server} "
             f"{per(cell, 'xacts'):5.1f} "
             f"{per(cell, 'rows'):5.1f} {per(cell, wal) / 1024:7.1f} | {cell.median(lambda s: s.main_mb):7.1f} "
-            f"{cell.median(lambda s: s.pool_mb):7.1f} | {cell.median(lambda s: s.in_flight):6.0f} "
+            f"{cell.median(lambda s: s.pool_mb):7.1f} {cell.median(lambda s: s.all_mb):7.1f} | "
+            f"{cell.median(lambda s: s.in_flight):6.0f} "
             f"{cell.median(lambda s: s.connections):5.0f}" + cell.spread(lambda s: s.throughput, "{:.1f}")
         )
     parts = []
@@ -825,7 +890,8 @@ def print_table(cells: dict[tuple[str, int, int], Cell], args: argparse.Namespac
         "(pg_stat_statements, BEGIN/COMMIT left out; - without it), tx = transactions committed (each worker's boot "
         f"scan included: a few per worker), rows = rows inserted + updated + deleted, {where}, all per parent; "
         "main/pool MB = the largest VmHWM of a worker's main / pool process in the step (no pool process on "
-        "threads); flying = peak of loops holding a live lease (ours; sampled every 0.2 s); conns = peak of "
+        "threads), all MB = the sum of every worker process's VmHWM; flying = peak of loops holding a live "
+        "lease (ours; sampled every 0.2 s); conns = peak of "
         "PostgreSQL connections the kind's workers held open"
     )
 

@@ -268,6 +268,29 @@ def procfile_commands(path: Path = ROOT / "Procfile") -> dict[str, list[str]]:
     return out
 
 
+def procfile_workers(
+    env: dict[str, str], log_dir: Path, *, concurrency: int | None = None, path: Path = ROOT / "Procfile"
+) -> list[Worker]:
+    """A Worker for each of the Procfile's ``celery ... worker`` lines (``worker`` and
+    ``recovery``), each started with that line's arguments verbatim, so that a bench runs the
+    topology production runs and cannot drift from it. ``concurrency`` replaces the ``-c`` of
+    the lines that serve the ``celery`` queue (a ``-Q`` naming it, or none): the agent loops'
+    size, to measure another; their pool, queues and names stay the Procfile's. Not started."""
+    out = []
+    for name, argv in procfile_commands(path).items():
+        if "worker" not in argv:
+            continue
+        argv = list(argv)
+        queues = argv[argv.index("-Q") + 1].split(",") if "-Q" in argv else ["celery"]
+        if concurrency is not None and "celery" in queues:
+            if "-c" in argv:
+                argv[argv.index("-c") + 1] = str(concurrency)
+            else:
+                argv += ["-c", str(concurrency)]
+        out.append(Worker(env, log_dir, name=name, argv=argv))
+    return out
+
+
 class Beat(Service):
     """`celery -A tasks beat`: sends recovery.scan every SCAN_INTERVAL_SECONDS."""
 

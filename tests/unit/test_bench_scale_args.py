@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scale import _script, parse_args
+from bench.scale import _script, parse_args, workers_shape
 
 
 def test_a_fixed_model_latency_delays_every_scripted_reply() -> None:
@@ -53,5 +53,26 @@ def test_an_instant_model_adds_no_delay() -> None:
     ],
 )
 def test_a_bad_load_shape_is_a_clear_argument_error(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_the_procfile_topology_runs_ours_once_on_the_procfiles_pools() -> None:
+    args = parse_args(["--topology", "procfile", "--kinds", "ours"])
+    assert (args.workers, args.pool, args.concurrency) == ([1], "threads", None)  # None: the Procfile's -c
+    assert "-P threads -c 64 -Q celery" in workers_shape(args) and "-Q recovery" in workers_shape(args)
+    assert parse_args(["--topology", "procfile", "--kinds", "ours", "--concurrency", "128"]).concurrency == 128
+    assert (parse_args([]).workers, parse_args([]).pool, parse_args([]).concurrency) == ([1, 2, 4], "prefork", 1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--topology", "procfile"],  # the naive baseline has no recovery queue
+        ["--topology", "procfile", "--kinds", "ours", "--pool", "prefork"],  # the Procfile names the pools
+        ["--topology", "procfile", "--kinds", "ours", "--workers", "2"],  # one pair: names would clash
+    ],
+)
+def test_the_procfile_topology_refuses_what_it_cannot_run_as_written(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
