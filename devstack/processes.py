@@ -206,7 +206,7 @@ POOLS = ("prefork", "threads", "gevent")
 #: dedicated ``recovery`` worker keeps prefork (``-P prefork -c 2``).
 PROCFILE_POOL = {"celery": "threads", "recovery": "prefork"}
 #: Each pool's ``-c`` in the Procfile, for a Worker started without ``concurrency``.
-PROCFILE_CONCURRENCY = {"threads": 64, "prefork": 2}
+PROCFILE_CONCURRENCY = {"threads": 256, "prefork": 2}
 
 
 class Worker(Service):
@@ -216,7 +216,7 @@ class Worker(Service):
     it, and serves every queue the app declares; ``queues`` adds ``-Q`` (e.g. the dedicated
     recovery worker). ``argv`` replaces the whole command line after ``celery`` (a Procfile
     line, verbatim). Without ``pool`` (and ``concurrency``), the worker runs as the Procfile
-    runs its queue (``PROCFILE_POOL``): threads -c 64, or prefork -c 2 for ``queues="recovery"``."""
+    runs its queue (``PROCFILE_POOL``): threads -c 256, or prefork -c 2 for ``queues="recovery"``."""
 
     def __init__(
         self,

@@ -93,16 +93,23 @@ _loops = 1
 _cap: int | None = None
 
 
+#: The derived pool's ceiling (kept, burst) whatever the loops: at a 2 s model, 256 loops of
+#: one threads worker ran on 30 connections as fast as on more (docs/scaling.md), and one
+#: machine's worker stays within a PgBouncer-less budget of about 40.
+DERIVED_POOL_MAX, DERIVED_OVERFLOW_MAX = 20, 10
+
+
 def derived_pool_limits(loops: int) -> tuple[int, int]:
     """``(pool_size, max_overflow)`` for a process that runs ``loops`` agent loops at once.
 
     A loop holds a connection only inside a transaction (milliseconds) and waits on its model
     for seconds in between, so connections are a fraction of the loops: two, plus a quarter of
-    the loops kept open, plus an eighth of them in bursts. Two is the floor of a process that
-    runs ONE loop (prefork): its loop's transaction and its heartbeat's renewal at the same
-    time, with two more in a burst (the statement warm-up, a re-measure of the database's
-    clock). 64 loops: 18 kept, 28 at most (docs/scaling.md, "The database pool")."""
-    return 2 + loops // 4, 2 + loops // 8
+    the loops kept open, plus an eighth of them in bursts, up to DERIVED_POOL_MAX kept and
+    DERIVED_OVERFLOW_MAX more. Two is the floor of a process that runs ONE loop (prefork): its
+    loop's transaction and its heartbeat's renewal at the same time, with two more in a burst
+    (the statement warm-up, a re-measure of the database's clock). 64 loops: 18 kept, 28 at
+    most; 256 loops: 20 kept, 30 at most (docs/scaling.md, "The database pool")."""
+    return min(2 + loops // 4, DERIVED_POOL_MAX), min(2 + loops // 8, DERIVED_OVERFLOW_MAX)
 
 
 def pool_limits() -> tuple[int, int]:

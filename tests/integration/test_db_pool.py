@@ -94,6 +94,8 @@ def test_the_pool_is_sized_from_the_loops_a_process_runs_unless_the_settings_say
 
     size_for_loops(64)  # a threads pool of 64: a quarter kept, an eighth more in bursts
     assert _limits() == (18, 10)
+    size_for_loops(256)  # the Procfile's 256: capped at 20 kept, 10 more in bursts
+    assert _limits() == (20, 10)
     size_for_loops(1)  # a prefork pool process: its loop and its heartbeat, two in a burst
     assert _limits() == (2, 2)
     pool_settings(DB_POOL_SIZE="7", DB_POOL_MAX_OVERFLOW="0")

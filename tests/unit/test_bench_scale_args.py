@@ -60,7 +60,7 @@ def test_a_bad_load_shape_is_a_clear_argument_error(argv: list[str]) -> None:
 def test_the_procfile_topology_runs_ours_once_on_the_procfiles_pools() -> None:
     args = parse_args(["--topology", "procfile", "--kinds", "ours"])
     assert (args.workers, args.pool, args.concurrency) == ([1], "threads", None)  # None: the Procfile's -c
-    assert "-P threads -c 64 -Q celery" in workers_shape(args) and "-Q recovery" in workers_shape(args)
+    assert "-P threads -c 256 -Q celery" in workers_shape(args) and "-Q recovery" in workers_shape(args)
     assert parse_args(["--topology", "procfile", "--kinds", "ours", "--concurrency", "128"]).concurrency == 128
     assert (parse_args([]).workers, parse_args([]).pool, parse_args([]).concurrency) == ([1, 2, 4], "prefork", 1)
 
