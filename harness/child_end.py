@@ -20,7 +20,7 @@ from harness.events import publish_status
 from harness.history import Compaction, append_message
 from harness.model import ModelReply
 from harness.results import failure_result, followup_fields, success_result
-from harness.usage import record_call
+from harness.usage import append_reply, record_call
 from logfmt import log_event
 from models import (
     AgentSession,
@@ -213,11 +213,11 @@ def finish_child(info: ChildInfo, epoch: int, result: ChildResult, *, usage: Usa
     try:
         with transaction() as s:
             parent = _lock_parent(s, info)
-            final_id = _final_message(s, info, result)
+            final_id, recorded = _final_message(s, info, result, usage.reply)
             appended = isinstance(result, Completed) and result.final_message_id is None
             end = _build_end(s, info, result, parent=parent, usage=usage, appended=appended)
             _finish_with_phase(s, info, epoch=epoch, end=end, final_message_id=final_id)
-            if usage.reply is not None:
+            if usage.reply is not None and not recorded:
                 record_call(s, info.child_session_id, usage.reply, execution_id=info.execution_id)
             if info.cap_tokens is not None and info.budget_root_id is not None:
                 # The unused part of the child's allocation returns to the tree, with its end.
@@ -293,13 +293,22 @@ def _lock_parent_stmt() -> Any:
     )
 
 
-def _final_message(s: Session, info: ChildInfo, result: ChildResult) -> int | None:
-    """The final ASSISTANT's id: the committed one, or a new one for a new answer."""
+def _final_message(
+    s: Session, info: ChildInfo, result: ChildResult, reply: ModelReply | None
+) -> tuple[int | None, bool]:
+    """The final ASSISTANT's id (the committed one, or a new one for a new answer), and whether
+    the fresh ``reply``'s usage was recorded with it (one statement: harness.usage.append_reply)."""
     if not isinstance(result, Completed):
-        return None
+        return None, False
     if result.final_message_id is not None:
-        return result.final_message_id
-    return append_message(s, info.child_session_id, Role.ASSISTANT, result.text, provider_fields=result.provider_fields)
+        return result.final_message_id, False
+    fields = result.provider_fields
+    if reply is None:
+        return append_message(s, info.child_session_id, Role.ASSISTANT, result.text, provider_fields=fields), False
+    row = append_reply(
+        s, info.child_session_id, reply, result.text, provider_fields=fields, execution_id=info.execution_id
+    )
+    return row, True
 
 
 def _build_end(

@@ -31,7 +31,6 @@ from models import (
 )
 from models.budget import allocate_child
 from models.execution import create_execution_row
-from models.release import release_of
 from models.session import create_child_session, reopen_child_for_followup
 
 
@@ -69,11 +68,16 @@ class Parent:
     user_id: str | None = None
     #: What one child may draw of the tree's token budget (the parent agent's ``child_budget``).
     child_cap: int | None = None
+    #: The release the parent's round runs (its agent's; None: the worker's configuration). It
+    #: defines the child's agent; the child session's INSERT copies the parent's column itself.
+    release_id: int | None = None
 
 
-def parent_of(s: Session, session_id: int, *, child_cap: int | None = None) -> Parent:
-    """The parent of the delegations of ``session_id``'s round (nothing read)."""
-    return Parent(session_id, child_cap=child_cap)
+def parent_of(s: Session, session_id: int, *, release_id: int | None, child_cap: int | None = None) -> Parent:
+    """The parent of the delegations of ``session_id``'s round, whose agent runs ``release_id``
+    (nothing read: only the holder of the parent's epoch moves its release, and its round's
+    agent moves with it)."""
+    return Parent(session_id, child_cap=child_cap, release_id=release_id)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def _delegate(s: Session, parent: Parent, args: dict[str, Any], call: _Call) -> 
         raise DelegationRefused("delegate needs string arguments 'agent_type' and a non-empty 'task'")
     try:
         # The parent's release defines the child's agent; the child takes that release.
-        agent = session_agent(s, agent_type, release_of(s, parent.id))
+        agent = session_agent(s, agent_type, parent.release_id)
     except UnknownAgent as exc:
         raise DelegationRefused(str(exc)) from None
     # NOTE: nothing below refuses: from here on only the database can fail, and that fails

@@ -357,8 +357,12 @@ def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]])
     ``session_id``) in ONE statement in the caller's transaction; returns their ids in the
     order given, which is their history order (``sort_by_parameter_order``: on PostgreSQL the
     rows are inserted, and their ids drawn, in parameter order)."""
+    return [int(i) for i in s.execute(_insert_stmt(), _rows(session_id, rows)).scalars()]
+
+
+def _rows(session_id: int, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     now = utcnow()
-    params = [
+    return [
         {
             "session_id": r.get("session_id", session_id),
             "role": r["role"],
@@ -373,7 +377,20 @@ def insert_messages(s: Session, session_id: int, rows: Sequence[dict[str, Any]])
         }
         for r in rows
     ]
-    return [int(i) for i in s.execute(_insert_stmt(), params).scalars()]
+
+
+def message_row(
+    session_id: int,
+    role: Role,
+    content: str | None,
+    *,
+    provider_fields: dict[str, Any] | None = None,
+    incomplete: str | None = None,
+) -> dict[str, Any]:
+    """One message row as ``insert_messages`` writes it (every column), for a statement that
+    inserts it beside other rows (models.reply)."""
+    row = {"role": role, "content": content, "provider_fields": provider_fields, "incomplete": incomplete}
+    return _rows(session_id, [row])[0]
 
 
 @built_once

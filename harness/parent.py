@@ -57,7 +57,7 @@ from harness.release import (
 )
 from harness.scheduler import Handed
 from harness.tools import run_inline
-from harness.usage import record_call
+from harness.usage import append_reply, record_call
 from logfmt import log_event
 from models import LeaseLost, PendingRound, Phase, Role, transaction
 from models.budget import charge_estimated
@@ -362,15 +362,9 @@ def _final_answer(session_id: int, fence: SessionFence, agent: AgentDef, reply: 
             fence.check(s)
             raise LeaseLost(f"session {session_id}: epoch {fence.epoch} could not end its run")
         content = reply.content or reply.refusal or ""
-        append_message(
-            s,
-            session_id,
-            Role.ASSISTANT,
-            content,
-            provider_fields=reply.provider_fields,
-            incomplete=None if mark is None else str(mark),
-        )
-        record_call(s, session_id, reply)
+        # The answer and its usage row: one statement (harness.usage.append_reply).
+        incomplete = None if mark is None else str(mark)
+        append_reply(s, session_id, reply, content, provider_fields=reply.provider_fields, incomplete=incomplete)
     if mark is not None:
         log_event(log, "parent_answer_incomplete", session_id=session_id, mark=str(mark), failed=fail)
     publish_status(session_id, phase)
@@ -451,6 +445,7 @@ def _create_round(
     allowed: tuple[str, ...],
     deps: LoopDeps,
     approved: Approved,
+    release_id: int | None,
     child_cap: int | None = None,
 ) -> _Created:
     """ONE transaction: the pending round, a child session + execution + instruction per
@@ -465,7 +460,7 @@ def _create_round(
         rnd = replace(rnd, reply=unique, refused={**rnd.refused, **refusals})
         record_call(s, session_id, rnd.reply)  # a fresh reply: this transaction stores it
     reply, refused = rnd.reply, rnd.refused
-    parent = parent_of(s, session_id, child_cap=child_cap)
+    parent = parent_of(s, session_id, release_id=release_id, child_cap=child_cap)
     round_row = PendingRound(
         session_id=session_id,
         assistant_content=reply.content,
@@ -536,6 +531,7 @@ def _delegating_round(
                 deps=deps,
                 approved=approved,
                 child_cap=gate.agent.child_budget_tokens,
+                release_id=gate.agent.release_id,
             )
     except _NothingCreated as nothing:
         # No child: an ordinary round whose delegation results are the refusals.

@@ -51,6 +51,10 @@ _lock = threading.Lock()
 _ids: dict[tuple[str, str], int] = {}
 #: (database url, release id) -> (content hash, definition); a release row never changes.
 _definitions: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
+#: (database url, release id, agent type) -> (the worker's agents and tool registry version it
+#: was built against, the agent): ``session_agent`` builds a release's agent once per worker
+#: configuration instead of at every take and every delegation.
+_agents: dict[tuple[str, int, str], tuple[dict[str, AgentDef], int, AgentDef]] = {}
 
 
 def forget_releases() -> None:
@@ -59,6 +63,7 @@ def forget_releases() -> None:
     with _lock:
         _ids.clear()
         _definitions.clear()
+        _agents.clear()
 
 
 on_dispose(forget_releases)  # engines disposed: the next use may meet a new database under the URL
@@ -210,6 +215,15 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
     the worker) has no such agent."""
     if release_id is None:
         return get_agent(agent_type)
+    from harness.tools.registry import registry_version
+
+    # The agent depends on the release (never changed), the worker's agents (its MCP servers and
+    # approval rules) and its tools (those it lacks): built again when either of the last two moved.
+    key, worker, version = (_database(s), release_id, agent_type), load_agents(), registry_version()
+    with _lock:
+        built = _agents.get(key)
+    if built is not None and built[0] is worker and built[1] == version:
+        return built[2]
     found = _definition(s, release_id)
     if found is None:
         return get_agent(agent_type)
@@ -218,7 +232,10 @@ def session_agent(s: Session | None, agent_type: str, release_id: int | None) ->
     if entry is None:
         raise UnknownAgent(f"unknown agent {agent_type!r} in release {release_id} ({content_hash[:12]})")
     tools = definition.get("tools", {})
-    return _agent_from(agent_type, entry, sorted(tools), release_id, missing_tools(tools))
+    agent = _agent_from(agent_type, entry, sorted(tools), release_id, missing_tools(tools))
+    with _lock:
+        _agents[key] = (worker, version, agent)
+    return agent
 
 
 def missing_tools(release_tools: dict[str, Any]) -> frozenset[str]:

@@ -19,7 +19,7 @@ from decimal import ROUND_UP, Decimal
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ForeignKey, text, update
+from sqlalchemy import BigInteger, ForeignKey, Integer, column, text, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from models.base import USD, Base, UTCDateTime, utcnow
@@ -455,17 +455,27 @@ def charge_estimated(
     return True
 
 
+#: The settlement of a reservation, as the two WITH entries of the statement that records the
+#: call's usage (its parameters: ``settlement_params`` with the usage row's ``session_id``,
+#: ``prompt_tokens`` and ``completion_tokens``): the tree's reserved tokens return and the
+#: provider's figure is spent; the calling session's held tokens go.
+_SETTLED = (
+    "UPDATE tree_budget SET reserved_tokens = reserved_tokens - :from_reserved,"
+    " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens,"
+    " reserved_usd = reserved_usd - :reserved_usd, spent_usd = spent_usd + :spent_usd"
+    " WHERE root_session_id = :root RETURNING 1"
+)
+_UNHELD = (
+    "UPDATE agent_session"
+    " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END,"
+    " held_usd = CASE WHEN held_usd > :reserved_usd THEN held_usd - :reserved_usd ELSE 0 END,"
+    " cap_used_tokens = cap_used_tokens + :cap_used WHERE id = :session_id RETURNING 1"
+)
+
 #: The usage INSERT with the reservation's settlement, one statement (PostgreSQL's
 #: data-modifying WITH): the hot path pays no extra trip for the settlement.
 _SETTLE_AND_RECORD = text(
-    "WITH settled AS (UPDATE tree_budget SET reserved_tokens = reserved_tokens - :from_reserved,"
-    " spent_tokens = spent_tokens + :prompt_tokens + :completion_tokens,"
-    " reserved_usd = reserved_usd - :reserved_usd, spent_usd = spent_usd + :spent_usd"
-    " WHERE root_session_id = :root RETURNING 1),"
-    " unheld AS (UPDATE agent_session"
-    " SET held_tokens = CASE WHEN held_tokens > :reserved THEN held_tokens - :reserved ELSE 0 END,"
-    " held_usd = CASE WHEN held_usd > :reserved_usd THEN held_usd - :reserved_usd ELSE 0 END,"
-    " cap_used_tokens = cap_used_tokens + :cap_used WHERE id = :session_id RETURNING 1)"
+    f"WITH settled AS ({_SETTLED}), unheld AS ({_UNHELD})"
     " INSERT INTO model_call_usage (session_id, execution_id, model, prompt_tokens, completion_tokens,"
     " cached_tokens, reasoning_tokens, created_at)"
     " VALUES (:session_id, :execution_id, :model, :prompt_tokens, :completion_tokens, :cached_tokens,"
@@ -473,12 +483,21 @@ _SETTLE_AND_RECORD = text(
 )
 
 
-def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usage: dict[str, Any]) -> None:
-    """Settle one call's reservation to the provider's figures (``spent_usd``: the reply's
-    price) and record its usage row, in the caller's transaction (the one that stores the
-    reply). SQLite has no data-modifying WITH: there, three statements."""
+def settlement_ctes() -> tuple[Any, Any]:
+    """The settlement as two WITH entries (``settled``, ``unheld``) for another statement to
+    carry (PostgreSQL only; the parameters as for ``_SETTLE_AND_RECORD``)."""
+    one = column("one", Integer)
+    return (
+        text(_SETTLED).columns(one).cte("settled"),
+        text(_UNHELD).columns(one).cte("unheld"),
+    )
+
+
+def settlement_params(held: Reservation, spent_usd: Decimal, usage: dict[str, Any]) -> dict[str, Any]:
+    """The settlement's parameters (beside the usage row's) for the reply whose ``usage`` row
+    settles ``held`` at ``spent_usd``."""
     spent = usage["prompt_tokens"] + usage["completion_tokens"]
-    params = {
+    return {
         "root": held.root_session_id,
         "reserved": held.tokens,
         "from_reserved": held.from_allocation(spent),
@@ -486,6 +505,14 @@ def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usag
         "spent_usd": spent_usd,
         "cap_used": 0 if held.cap_left is None else spent,
     }
+
+
+def settle_and_record(s: Session, *, held: Reservation, spent_usd: Decimal, usage: dict[str, Any]) -> None:
+    """Settle one call's reservation to the provider's figures (``spent_usd``: the reply's
+    price) and record its usage row, in the caller's transaction (the one that stores the
+    reply). SQLite has no data-modifying WITH: there, three statements."""
+    spent = usage["prompt_tokens"] + usage["completion_tokens"]
+    params = settlement_params(held, spent_usd, usage)
     if s.get_bind().dialect.name != "postgresql":
         from models.usage import record_usage
 

@@ -43,6 +43,19 @@ class ModelCallUsage(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+#: The columns a stored reply's usage row is written with (``estimated_tokens`` keeps its 0).
+USAGE_COLUMNS = (
+    "session_id",
+    "execution_id",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "created_at",
+)
+
+
 def record_usage(
     s: Session,
     *,

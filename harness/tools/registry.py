@@ -118,6 +118,14 @@ class Tool:
 
 #: Every Python tool of this process, by name, in registration order (built-ins first).
 REGISTRY: dict[str, Tool] = {}
+#: Bumped by every ``register`` and ``unregister``: what was derived from REGISTRY at one
+#: version (harness.release's agents of a release) is derived again at another.
+_version = 0
+
+
+def registry_version() -> int:
+    """How many times REGISTRY changed (``register``, ``unregister``) in this process."""
+    return _version
 
 
 def register(entry: Tool) -> Tool:
@@ -136,13 +144,17 @@ def register(entry: Tool) -> Tool:
             tool=entry.name,
             module=entry.module,
         )
+    global _version
     REGISTRY[entry.name] = entry
+    _version += 1
     return entry
 
 
 def unregister(name: str) -> None:
     """Forget a tool (tests that define tools of their own)."""
+    global _version
     REGISTRY.pop(name, None)
+    _version += 1
 
 
 @dataclass(frozen=True)

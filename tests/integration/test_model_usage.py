@@ -90,3 +90,66 @@ def test_a_failed_model_call_records_no_usage(model_factory: ModelFactory) -> No
     sid = create_session("main", "go")
     assert run_agent(sid, 0, loop_deps(model.base_url, RecordingScheduler())) == "failed"
     assert usage_rows() == []
+
+
+def test_an_answer_and_its_usage_row_are_one_statement_and_a_lost_end_writes_neither(
+    model_factory: ModelFactory,
+) -> None:
+    """A child's final answer and a parent's final answer carry their usage row in the INSERT
+    that stores them (models.reply): no statement of its own. A child's end that a newer owner
+    beat rolls both back."""
+    from sqlalchemy import event, func
+
+    from harness.child import Completed, finish_child, load_child
+    from harness.child_end import Usage
+    from harness.model import ModelReply
+    from models import Message, get_engine
+
+    model = model_factory(
+        [
+            {
+                "when": {"system_contains": MAIN, "turn": 0},
+                "reply": {
+                    "tool_calls": [
+                        {"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "a"}},
+                        {"name": "delegate", "arguments": {"agent_type": "researcher", "task": "b"}},
+                    ]
+                },
+            },
+            {"when": {"system_contains": MAIN, "turn": 1}, "reply": {"content": "done", "usage": DETAILS}},
+            {"when": {"system_contains": "subagent"}, "reply": {"content": "answer", "usage": DETAILS}},
+        ]
+    )
+    seen: list[str] = []
+
+    def record(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        seen.append(" ".join(statement.split()))
+
+    deps = loop_deps(model.base_url)
+    sid = create_session("main", "go")
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        assert run_agent(sid, 0, deps) == "yielded"
+        drive(model.base_url, after_crash=False, deps=deps)
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", record)
+    usage_inserts = [q for q in seen if "INSERT INTO model_call_usage" in q]
+    assert len(usage_rows()) == len(model.journal()) == len(usage_inserts) == 4
+    # The two children's answers and the parent's: each the message's INSERT itself.
+    assert len([q for q in usage_inserts if q.startswith("WITH usage AS") and "INSERT INTO message" in q]) == 3
+    executions = executions_of(sid)
+    with transaction() as s:
+        finals = [s.get(Message, e.final_message_id) for e in executions]
+    assert [m.content for m in finals if m is not None] == ["answer", "answer"]
+    assert {(r.session_id, r.execution_id) for r in usage_rows()} >= {(e.child_session_id, e.id) for e in executions}
+
+    # An end whose epoch a newer owner has moved past lands nothing, its usage row included.
+    info = load_child(executions[0].id)
+    reply = ModelReply(content="late", tool_calls=(), prompt_tokens=3, completion_tokens=4, model="scripted")
+    with transaction() as s:
+        before = s.execute(select(func.count()).select_from(Message)).scalar_one()
+    ended = finish_child(info, executions[0].epoch - 1, Completed("late"), usage=Usage(3, 4, reply))
+    assert ended is None
+    with transaction() as s:
+        assert s.execute(select(func.count()).select_from(Message)).scalar_one() == before
+    assert len(usage_rows()) == 4

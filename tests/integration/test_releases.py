@@ -743,3 +743,25 @@ def test_a_child_of_a_newer_release_left_waiting_past_release_wait_seconds_fails
     assert len([m for m in messages_of(parent) if m.role == "TOOL"]) == 1
     with transaction() as s:
         assert check_all(s, settled=True) == []
+
+
+def test_a_releases_agent_is_built_once_and_again_when_the_workers_tools_or_agents_change(
+    model_factory: ModelFactory, deploy: Deploy
+) -> None:
+    """``session_agent`` keeps a release's agent per worker configuration: the same object while
+    nothing changed; a tool the worker unregisters shows as missing at once, and a deploy of the
+    agents file brings the worker's approval rules into the release's agent at once."""
+    from harness.release import session_agent
+
+    sid = started(model_factory(ANSWER).base_url, "go")
+    release = release_of(sid)
+    with transaction() as s:
+        first = session_agent(s, "main", release)
+        assert session_agent(s, "main", release) is first
+        assert "wire_money" not in first.release_missing
+    unregister("wire_money")
+    with transaction() as s:
+        assert "wire_money" in session_agent(s, "main", release).release_missing
+    deploy.to(V1.replace('approve = ["wire_*"]', 'approve = ["wire_*", "pay_*"]'))
+    with transaction() as s:
+        assert "pay_*" in session_agent(s, "main", release).approve
