@@ -6,6 +6,9 @@ tool names and sizes."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
@@ -134,6 +137,60 @@ ORDER BY 3
 """
 
 
+@dataclass(frozen=True)
+class _Calls:
+    """A model reply's tool calls as the timeline uses them, parsed once: a message's calls
+    never change once written (only ``deleted`` is ever updated)."""
+
+    #: The first CALLS_SHOWN calls, as stored.
+    shown: tuple[dict[str, Any], ...]
+    #: Every call (0: none, or malformed: ``harness.history.parse_tool_calls``).
+    total: int
+    #: Every call's id, quoted for a PostgreSQL array literal, comma-separated (``_array``).
+    ids: str
+
+
+#: Replies parsed lately, by (message id, octet length of its calls): a console polled every
+#: second reads and parses a reply of 3,000 delegations (330 kB of JSON) once, not every second.
+_PARSED: OrderedDict[tuple[int, int], _Calls] = OrderedDict()
+#: Replies kept parsed (the least recently shown are forgotten first).
+PARSED_KEPT = 256
+_parsed_lock = threading.Lock()
+
+
+def _parse(raw: str | None) -> _Calls:
+    parsed = parse_tool_calls(raw)
+    calls = parsed if isinstance(parsed, list) else []
+    return _Calls(shown=tuple(calls[:CALLS_SHOWN]), total=len(calls), ids=_array([c.get("id") for c in calls])[1:-1])
+
+
+def _replies_calls(s: Session, heads: list[Any]) -> dict[int, _Calls]:
+    """The calls of the model replies among ``heads``: from ``_PARSED``, the others read (their
+    ``tool_calls`` text, by primary key) and parsed once."""
+    found: dict[int, _Calls] = {}
+    missing: list[int] = []
+    with _parsed_lock:
+        for m in heads:
+            if m.role == Role.ASSISTANT:
+                hit = _PARSED.get((m.id, m.calls_size))
+                if hit is None:
+                    missing.append(m.id)
+                else:
+                    _PARSED.move_to_end((m.id, m.calls_size))
+                    found[m.id] = hit
+    if missing:
+        m_ = Message.__table__.c
+        read = s.execute(
+            select(m_.id, m_.tool_calls, func.coalesce(func.octet_length(m_.tool_calls), 0)).where(m_.id.in_(missing))
+        ).all()
+        with _parsed_lock:
+            for mid, raw, size in read:
+                found[mid] = _PARSED[(mid, int(size))] = _parse(raw)
+            while len(_PARSED) > PARSED_KEPT:
+                _PARSED.popitem(last=False)
+    return found
+
+
 def _array(values: list[Any]) -> str:
     """``values`` as one PostgreSQL array literal (``{"a","b"}``), sent as a single parameter:
     the driver would send a list as ``ARRAY['a', 'b', ...]``, an expression of one constant
@@ -163,7 +220,8 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
     What it reads is bounded whatever the history and the tree: the newest messages other than
     TOOL results that fit in TIMELINE_ENTRIES (the partial index ``ix_message_session_heads``),
     a count of the older ones, and of the TOOL results after the oldest of them only the rows
-    shown (``_TOOL_RESULTS``: the rest are counted in the database). A TOOL result answers the
+    shown (``_TOOL_RESULTS``: the rest are counted in the database); a reply's calls are parsed
+    once (``_PARSED``). A TOOL result answers the
     newest earlier reply of that part naming its call; one that no reply there names is shown
     on its own (``tool_result``): an orphan (a history I2 forbids), or the answer to a reply
     older than the part read. ``earlier`` counts the older entries other than such orphans.
@@ -172,7 +230,7 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
     wanted = TIMELINE_ENTRIES - len(extra)  # message entries that fit beside them
     m_ = Message.__table__.c
     heads_where = (m_.session_id == session_id, m_.role != Role.TOOL, m_.deleted.is_(False))
-    columns = [m_.id, m_.role, m_.created_at, m_.tool_calls]
+    columns = [m_.id, m_.role, m_.created_at, func.coalesce(func.octet_length(m_.tool_calls), 0).label("calls_size")]
     columns.append(func.coalesce(func.length(m_.content), 0).label("size"))  # the size, not the text
     if show_content:
         columns.append(m_.content)
@@ -186,22 +244,23 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
     #: (reply id, call id) -> the call shown; reply id -> its entry (a reply with calls).
     shown_calls: dict[tuple[int, str], dict[str, Any]] = {}
     replies: dict[int, dict[str, Any]] = {}
+    parsed = _replies_calls(s, heads)
+    #: The array literals' parts: every call id of the replies, its reply, whether it is shown.
     call_ids: list[str] = []
-    reply_ids: list[int] = []
-    shown_flags: list[bool] = []
+    reply_ids: list[str] = []
+    shown_flags: list[str] = []
     for m in heads:
         entry = _message_entry(m, show_content)
         if m.role == Role.ASSISTANT:
-            parsed = parse_tool_calls(m.tool_calls)
-            parsed = parsed if isinstance(parsed, list) else []
-            calls = [_call(c, show_content) for c in parsed[:CALLS_SHOWN]]
+            reply = parsed[m.id]
+            calls = [_call(c, show_content) for c in reply.shown]
             entry.update(kind="model_reply", tool_calls=calls)
-            if len(parsed) > CALLS_SHOWN:
-                entry.update(calls_total=len(parsed), calls_answered=0)
-            for i, c in enumerate(parsed):
-                call_ids.append(str(c.get("id")))
-                reply_ids.append(m.id)
-                shown_flags.append(i < CALLS_SHOWN)
+            if reply.total > CALLS_SHOWN:
+                entry.update(calls_total=reply.total, calls_answered=0)
+            if reply.total:
+                call_ids.append(reply.ids)
+                reply_ids.append(",".join([str(m.id)] * reply.total))
+                shown_flags.append(",".join(["t"] * len(reply.shown) + ["f"] * (reply.total - len(reply.shown))))
             for c in calls:
                 shown_calls[(m.id, str(c["tool_call_id"]))] = c
             replies[m.id] = entry
@@ -209,9 +268,9 @@ def timeline(s: Session, session_id: int, *, show_content: bool = False) -> list
             entry["kind"] = str(m.role).lower()
         entries.append((m.id, entry))
     params = {
-        "call_ids": _array(call_ids),
-        "reply_ids": _array(reply_ids),
-        "shown": _array(shown_flags),
+        "call_ids": "{" + ",".join(call_ids) + "}",
+        "reply_ids": "{" + ",".join(reply_ids) + "}",
+        "shown": "{" + ",".join(shown_flags) + "}",
         "session_id": session_id,
         "after": after,
         "orphans": wanted,

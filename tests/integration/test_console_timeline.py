@@ -218,3 +218,32 @@ def test_a_round_waiting_for_many_children_shows_its_first_calls_and_counts_ever
     assert waiting["calls_total"] == CALLS_SHOWN + 30
     assert waiting["calls_answered"] == CALLS_SHOWN + 10 + 5  # every child execution and inline result
     assert max(counts) <= CALLS_SHOWN, counts  # the executions of the shown calls only
+
+
+def _reads_calls(statement: str) -> bool:
+    """The statement sends back a reply's calls (the text; not only its size)."""
+    return "message.tool_calls" in statement.replace("octet_length(message.tool_calls)", "")
+
+
+def test_a_reply_is_read_and_parsed_once_however_often_its_timeline_is_polled() -> None:
+    from models.db import get_engine
+
+    sid = make_session()
+    add_message(sid, Role.USER, "fan out")
+    _round(sid, "once", CALLS_SHOWN + 5)
+    seen: list[str] = []
+
+    def note(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(statement)
+
+    event.listen(get_engine(), "before_cursor_execute", note)
+    try:
+        first = _shown(sid, show_content=False)
+        reads_of_calls = sum(_reads_calls(st) for st in seen)
+        seen.clear()
+        again = _shown(sid, show_content=False)
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", note)
+    assert reads_of_calls == 1
+    assert not [st for st in seen if _reads_calls(st)]  # the second poll reads no reply's calls
+    assert again == first == _whole_history(sid, show_content=False)
