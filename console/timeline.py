@@ -150,9 +150,11 @@ class _Calls:
     ids: str
 
 
-#: Replies parsed lately, by (message id, octet length of its calls): a console polled every
-#: second reads and parses a reply of 3,000 delegations (330 kB of JSON) once, not every second.
-_PARSED: OrderedDict[tuple[int, int], _Calls] = OrderedDict()
+#: Replies parsed lately, by (message id, octet length of its calls, its time): a console
+#: polled every second reads and parses a reply of 3,000 delegations (330 kB of JSON) once, not
+#: every second. The size and the time tell a reused id apart (a database emptied with its
+#: sequences restarted, as the tests do).
+_PARSED: OrderedDict[tuple[int, int, datetime], _Calls] = OrderedDict()
 #: Replies kept parsed (the least recently shown are forgotten first).
 PARSED_KEPT = 256
 _parsed_lock = threading.Lock()
@@ -172,20 +174,23 @@ def _replies_calls(s: Session, heads: list[Any]) -> dict[int, _Calls]:
     with _parsed_lock:
         for m in heads:
             if m.role == Role.ASSISTANT:
-                hit = _PARSED.get((m.id, m.calls_size))
+                key = (m.id, m.calls_size, m.created_at)
+                hit = _PARSED.get(key)
                 if hit is None:
                     missing.append(m.id)
                 else:
-                    _PARSED.move_to_end((m.id, m.calls_size))
+                    _PARSED.move_to_end(key)
                     found[m.id] = hit
     if missing:
         m_ = Message.__table__.c
         read = s.execute(
-            select(m_.id, m_.tool_calls, func.coalesce(func.octet_length(m_.tool_calls), 0)).where(m_.id.in_(missing))
+            select(m_.id, m_.tool_calls, func.coalesce(func.octet_length(m_.tool_calls), 0), m_.created_at).where(
+                m_.id.in_(missing)
+            )
         ).all()
         with _parsed_lock:
-            for mid, raw, size in read:
-                found[mid] = _PARSED[(mid, int(size))] = _parse(raw)
+            for mid, raw, size, at in read:
+                found[mid] = _PARSED[(mid, int(size), at)] = _parse(raw)
             while len(_PARSED) > PARSED_KEPT:
                 _PARSED.popitem(last=False)
     return found

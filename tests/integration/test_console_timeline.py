@@ -247,3 +247,19 @@ def test_a_reply_is_read_and_parsed_once_however_often_its_timeline_is_polled() 
     assert reads_of_calls == 1
     assert not [st for st in seen if _reads_calls(st)]  # the second poll reads no reply's calls
     assert again == first == _whole_history(sid, show_content=False)
+
+
+def test_a_reply_id_used_again_after_the_tables_were_emptied_is_parsed_again() -> None:
+    sid = make_session()
+    reply = add_message(sid, Role.ASSISTANT, None, tool_calls=_calls("old", 2))
+    assert [c["tool_call_id"] for c in _shown(sid, show_content=False)[0]["tool_calls"]] == ["old0", "old1"]
+    with transaction() as s:  # the same id, calls of the same size, written later
+        s.execute(text("DELETE FROM message WHERE id = :id"), {"id": reply})
+        s.execute(
+            text(
+                "INSERT INTO message (id, session_id, role, content, tool_calls, deleted, created_at)"
+                " VALUES (:id, :sid, 'ASSISTANT', NULL, :calls, false, now())"
+            ),
+            {"id": reply, "sid": sid, "calls": json.dumps(_calls("new", 2))},
+        )
+    assert [c["tool_call_id"] for c in _shown(sid, show_content=False)[0]["tool_calls"]] == ["new0", "new1"]
