@@ -109,7 +109,9 @@ def _fold(entries: list[dict[str, Any]], older: int = 0) -> list[dict[str, Any]]
 #: the rest are counted: the results of each reply's calls beyond its first CALLS_SHOWN
 #: ('answered', per reply) and the older orphans ('older'). So a reply of 3,000 delegations
 #: sends back its 50 shown results and one count, not 3,000 rows. The text of a result
-#: (``:content``) is read only for the rows sent.
+#: (``:content``) and its size are read only for the rows sent, each by its primary key (a
+#: LATERAL probe whose LIMIT keeps it from being flattened: a join there was planned as a scan of
+#: the whole message table).
 _TOOL_RESULTS = """
 WITH calls AS (
     SELECT * FROM unnest(CAST(:call_ids AS text[]), CAST(:reply_ids AS bigint[]), CAST(:shown AS boolean[]))
@@ -128,7 +130,7 @@ WITH calls AS (
 )
 SELECT sent.kind, sent.reply_id, m.id, m.tool_call_id, m.created_at, m.source_session_id,
        coalesce(length(m.content), 0) AS size, CASE WHEN :content THEN m.content END AS content, 1 AS n
-FROM sent JOIN message m ON m.id = sent.id
+FROM sent CROSS JOIN LATERAL (SELECT * FROM message WHERE message.id = sent.id LIMIT 1) AS m
 UNION ALL
 SELECT 'answered', reply_id, NULL, NULL, NULL, NULL, NULL, NULL, count(*) FROM matched WHERE NOT shown GROUP BY reply_id
 UNION ALL
