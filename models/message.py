@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, CheckConstraint, ForeignKey, Index, String, Text, false
+from sqlalchemy import JSON, BigInteger, Boolean, CheckConstraint, ForeignKey, Index, String, Text, false, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, BigId, StrEnumType, UTCDateTime, check_in, utcnow
@@ -17,6 +17,15 @@ class Message(Base):
     __table_args__ = (
         CheckConstraint(check_in("role", Role), name="role"),
         Index("ix_message_session_id_id", "session_id", "id"),
+        # The console's timeline: a session's newest messages other than TOOL results, and a
+        # count of the older ones, without reading the results (migration 0033).
+        Index(
+            "ix_message_session_heads",
+            "session_id",
+            "id",
+            postgresql_where=text("role <> 'TOOL' AND deleted IS false"),
+            sqlite_where=text("role <> 'TOOL' AND deleted IS false"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

@@ -221,6 +221,25 @@ def test_before_any_scan_the_last_scan_time_is_zero_and_no_age_is_shown(field_ta
     assert value(samples, "agent_recovery_oldest_pending_execution_age_seconds") == 0
 
 
+def test_pending_rounds_open_counts_open_rounds_beside_live_sessions_pinned_to_a_release(field_table: Any) -> None:
+    """The by-release gauges once reused the variable of the open rounds' count: the gauge then
+    reported the last release's live sessions (3 here) instead of the open rounds (1)."""
+    from models.release import AgentRelease
+    from recovery.metrics import RecoveryCollector, build_registry
+
+    with transaction() as s:
+        release = AgentRelease(content_hash="r" * 64, definition={})
+        s.add(release)
+        s.flush()
+        release_id = release.id
+    pinned = [make_session(release_id=release_id) for _ in range(3)]
+    with transaction() as s:
+        s.add(PendingRound(session_id=pinned[0], tool_calls=[], inline_results={}))
+    samples = parse(generate_latest(build_registry(RecoveryCollector())).decode())
+    assert value(samples, "agent_recovery_sessions_by_release", release=str(release_id)) == 3
+    assert value(samples, "agent_recovery_pending_rounds_open") == 1
+
+
 def test_settled_counters_are_recounted_only_once_their_refresh_interval_passed(field_table: Any) -> None:
     from recovery.metrics import RecoveryCollector, build_registry
 
