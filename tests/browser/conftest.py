@@ -65,7 +65,8 @@ def page_state(page: Any) -> str:
         };
     }"""
     )
-    shot = Path(os.environ.get("BROWSER_FAILURE_DIR") or tempfile.gettempdir()) / f"browser-failure-{int(time.time())}.png"
+    folder = Path(os.environ.get("BROWSER_FAILURE_DIR") or tempfile.gettempdir())
+    shot = folder / f"browser-failure-{int(time.time())}.png"
     try:
         page.screenshot(path=str(shot), full_page=True)
         state["screenshot"] = str(shot)
