@@ -121,9 +121,7 @@ def test_a_session_that_settles_while_its_page_is_read_is_never_shown_running_an
 
     def session_ends_in_between(s: object, session_id: int) -> object:
         with transaction() as other:  # another connection: the run's own commit
-            other.execute(
-                text("UPDATE agent_session SET phase = 'WAITING_USER' WHERE id = :sid"), {"sid": session_id}
-            )
+            other.execute(text("UPDATE agent_session SET phase = 'WAITING_USER' WHERE id = :sid"), {"sid": session_id})
         return figures(s, session_id)  # type: ignore[arg-type]
 
     monkeypatch.setattr(queries, "tree_figures", session_ends_in_between)
