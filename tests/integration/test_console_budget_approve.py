@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,43 +19,13 @@ from models import transaction
 from models.approval import ApprovalRequest, ApprovalStatus
 from models.budget import TreeBudget
 from tests.helpers import RecordingScheduler, loop_deps
+from tests.integration.test_budget_ask import FOREVER_ECHO, asking_main
 from tests.integration.test_console_api import TOKEN, Serve, client, console, login_csrf
 from tests.types import ModelFactory
 
-__all__ = ["console"]  # the fixture, shared with the console's API tests
+__all__ = ["asking_main", "console"]  # the fixtures, shared with the budget ask and console API tests
 
 pytestmark = pytest.mark.usefixtures("db", "redis_url")
-
-USAGE = {"prompt_tokens": 1000, "completion_tokens": 200}
-FOREVER_ECHO: list[dict[str, Any]] = [
-    {
-        "when": {"system_contains": "main agent"},
-        "reply": {"tool_calls": [{"name": "echo", "arguments": {"text": "x"}}], "usage": USAGE},
-    }
-]
-
-
-@pytest.fixture
-def asking_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """AGENTS_FILE: the built-in agents, ``main`` asking when its budget runs out, its calls
-    reserving ~1000 tokens each."""
-    from harness.agents import DEFAULT_AGENTS_TOML, _load
-    from settings import get_settings
-
-    agents = tmp_path / "agents.toml"
-    agents.write_text(
-        DEFAULT_AGENTS_TOML.replace(
-            "max_rounds = 20\n", 'max_rounds = 20\nmax_tokens = 1000\non_budget_exhausted = "ask"\n', 1
-        ),
-        encoding="utf-8",
-    )
-    monkeypatch.setenv("AGENTS_FILE", str(agents))
-    get_settings.cache_clear()
-    _load.cache_clear()
-    yield
-    monkeypatch.undo()
-    get_settings.cache_clear()
-    _load.cache_clear()
 
 
 def _parked(model_url: str, **budget: Any) -> tuple[int, ApprovalRequest]:
