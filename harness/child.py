@@ -60,7 +60,7 @@ from models import (
 )
 from models.base import utcnow
 from models.budget import charge_estimated
-from models.child import child_facts_setting_phase_stmt, child_facts_stmt
+from models.child import child_facts_setting_phase_stmt, child_facts_starting_stmt, child_facts_stmt
 from models.db import is_postgresql
 from models.enums import FailureCode
 from models.execution import take_execution
@@ -106,6 +106,21 @@ def load_child_setting_phase(s: Session, execution_id: int, to_phase: Phase) -> 
     return _child_info(
         s.execute(child_facts_setting_phase_stmt(to_phase), {"b_eid": execution_id, "b_now": utcnow()}).one()
     )
+
+
+def load_child_starting(s: Session, execution_id: int) -> tuple[ChildInfo, bool]:
+    """``load_child`` and ``models.session.set_phase`` (RUNNING from ``CHILD_STARTABLE``, the
+    normal path's start) in ONE statement of the taker's transaction ``s``, which holds the
+    execution's epoch; the facts are read as they were before the phase moved. Returns the facts
+    and whether the phase moved (False: the child was in another phase, kept: CANCELLED,
+    WAITING_APPROVAL, an ended phase). SQLite: two statements, as ``load_child_setting_phase``."""
+    if not is_postgresql(s):
+        info = load_child(execution_id, s)
+        return info, set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+    row = s.execute(
+        child_facts_starting_stmt(Phase.RUNNING, CHILD_STARTABLE), {"b_eid": execution_id, "b_now": utcnow()}
+    ).one()
+    return _child_info(row), row.phase_moved == 1
 
 
 def _child_info(row: Any) -> ChildInfo:
@@ -500,10 +515,12 @@ def start_child(execution_id: int, epoch: int, deps: LoopDeps) -> ChildOutcome:
                 owner=deps.owner,
                 lease_seconds=deps.lease_seconds,
             )
-            info = load_child(execution_id, s) if new_epoch is not None else None
+            info: ChildInfo | None = None
             first: FirstRound | None = None
-            if info is not None and new_epoch is not None:
-                set_phase(s, info.child_session_id, to_phase=Phase.RUNNING, from_phases=CHILD_STARTABLE)
+            if new_epoch is not None:
+                info, moved = load_child_starting(s, execution_id)
+                if not moved:  # the run decides by the phase it read (a cancelled child ends CANCELLED)
+                    log_event(log, "child_phase_kept", execution_id=execution_id, phase=info.child_phase)
                 charge_dead_call(s, info)
                 first = first_round(s, info, new_epoch)  # in the take's transaction: one trip fewer
     except IllegalTransition:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, select, update
 
 from models.db import built_once
 from models.enums import Phase
 from models.execution import SubagentExecution
 from models.journal import has_open_entry
-from models.session import AgentSession, child_not_cancelled
+from models.session import AgentSession, child_not_cancelled, phase_in
 
 
 @built_once
@@ -72,3 +72,23 @@ def child_facts_setting_phase_stmt(to_phase: Phase) -> Any:
     # NOTE: PostgreSQL runs a data-modifying WITH whether or not the query reads it, and the
     # query's snapshot is the one before it ran (the facts show the previous phase).
     return select(facts).add_cte(moved)
+
+
+@built_once
+def child_facts_starting_stmt(to_phase: Phase, from_phases: tuple[Phase | None, ...]) -> Any:
+    """:func:`child_facts_stmt` and the child session's phase moved to ``to_phase`` only from
+    ``from_phases`` (a compare-and-set: any other phase is kept, as ``models.session.set_phase``
+    does) in ONE statement (PostgreSQL: a data-modifying WITH), by ``b_eid`` and ``b_now``. Its
+    ``phase_moved`` column is that compare-and-set's rowcount (0 or 1)."""
+    facts = child_facts_stmt().cte("facts")
+    moved = (
+        update(AgentSession)
+        .where(AgentSession.id == select(facts.c.child_session_id).scalar_subquery(), phase_in(from_phases))
+        .values(phase=to_phase, updated_at=bindparam("b_now"))
+        .returning(AgentSession.id)
+        .cte("moved")
+    )
+    # NOTE: as in child_facts_setting_phase_stmt, the facts are the snapshot before the UPDATE
+    # ran (the previous phase), and the UPDATE runs whether or not the query reads it.
+    phase_moved = select(func.count()).select_from(moved).scalar_subquery().label("phase_moved")
+    return select(facts, phase_moved)

@@ -398,7 +398,8 @@ def _release_stmts() -> tuple[Any, Any, Any]:
     return lapsed, waiting, select(S.id, S.epoch, S.lease_owner).where(which)
 
 
-def _phase_in(phases: tuple[Phase | None, ...]) -> Any:
+def phase_in(phases: tuple[Phase | None, ...]) -> Any:
+    """SQL: the session's phase is one of ``phases`` (None: no phase yet)."""
     named = [p for p in phases if p is not None]
     clause = S.phase.in_(named)
     return or_(clause, S.phase.is_(None)) if None in phases else clause
@@ -480,7 +481,7 @@ def _take_stmt(
         .where(
             S.id == bindparam("b_sid"),
             S.epoch == bindparam("b_epoch"),
-            _phase_in(from_phases),
+            phase_in(from_phases),
             *still_current_as(me),
             lease_takeable(S, bindparam("b_now")),
             *in_time,
@@ -548,7 +549,7 @@ def reserve_session(
         .where(
             S.id == sid,
             S.epoch == expected_epoch,
-            _phase_in(from_phases),
+            phase_in(from_phases),
             lease_free(S, now),
             *extra,
         )
@@ -587,7 +588,7 @@ def reserve_sessions(
     unclaimed = S.lease_owner.is_(None)
     rows = s.execute(
         update(S)
-        .where(S.id.in_(ids), _phase_in(from_phases), lease_free(S, now), *extra)
+        .where(S.id.in_(ids), phase_in(from_phases), lease_free(S, now), *extra)
         .values(
             phase=to_phase,
             epoch=case((unclaimed, S.epoch), else_=S.epoch + 1),
@@ -655,7 +656,7 @@ def _release_stmt(to_phase: Phase | None, with_reason: bool = False) -> Any:
         values.update(_REASON_VALUES)
     if to_phase is not None:
         values["phase"] = to_phase
-        conditions.append(_phase_in(STARTABLE_PHASES))
+        conditions.append(phase_in(STARTABLE_PHASES))
     return update(S).where(*conditions).values(**values).execution_options(synchronize_session=False)
 
 
@@ -683,7 +684,7 @@ def _end_run_stmt(to_phase: Phase, me: tuple[str, int] | None, with_reason: bool
         values.update(_REASON_VALUES)
     return (
         update(S)
-        .where(*_held_by(me), _phase_in(STARTABLE_PHASES))
+        .where(*_held_by(me), phase_in(STARTABLE_PHASES))
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -703,7 +704,7 @@ def hand_over(s: Session, sid: int, *, epoch: int, to_phase: Phase, reserve_seco
 def _hand_over_stmt(to_phase: Phase) -> Any:
     return (
         update(S)
-        .where(S.id == bindparam("b_sid"), S.epoch == bindparam("b_epoch"), _phase_in(STARTABLE_PHASES))
+        .where(S.id == bindparam("b_sid"), S.epoch == bindparam("b_epoch"), phase_in(STARTABLE_PHASES))
         .values(
             phase=to_phase,
             epoch=S.epoch + 1,
@@ -740,7 +741,7 @@ def _hand_over_many_stmt(to_phase: Phase, n: int) -> Any:
     ]
     return (
         update(S)
-        .where(or_(*pairs), _phase_in(STARTABLE_PHASES))
+        .where(or_(*pairs), phase_in(STARTABLE_PHASES))
         .values(
             phase=to_phase,
             epoch=S.epoch + 1,
@@ -777,7 +778,7 @@ def set_phase(
 def _set_phase_stmt(
     to_phase: Phase, from_phases: tuple[Phase | None, ...], at_epoch: bool, with_reason: bool = False
 ) -> Any:
-    conditions = [S.id == bindparam("b_sid"), _phase_in(from_phases)]
+    conditions = [S.id == bindparam("b_sid"), phase_in(from_phases)]
     if at_epoch:
         conditions.append(S.epoch == bindparam("b_epoch"))
     values: dict[str, Any] = {"phase": to_phase, "updated_at": bindparam("b_now")}
@@ -801,7 +802,7 @@ def stop_session(
     the session is already stopped, or (with ``require_free``) a live loop holds it."""
     if to_phase not in STOPPED_PHASES_:
         raise IllegalTransition(f"stop_session moves session {sid} to a stopped phase, not {to_phase}")
-    conditions = [S.id == sid, S.epoch == epoch, _phase_in(STARTABLE_PHASES)]
+    conditions = [S.id == sid, S.epoch == epoch, phase_in(STARTABLE_PHASES)]
     if require_free:
         conditions.append(lease_free(S))
     values = {"phase": to_phase, "lease_owner": None, "lease_expires_at": None, "updated_at": utcnow()}

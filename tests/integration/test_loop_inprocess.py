@@ -289,3 +289,42 @@ def test_a_run_message_for_a_session_that_no_longer_exists_is_stale_not_an_error
     from tests.helpers import loop_deps
 
     assert run_agent(987654, 0, loop_deps("http://127.0.0.1:9/v1")) == RunOutcome.STALE
+
+
+@pytest.mark.parametrize(
+    ("before", "moved", "after"),
+    [
+        (Phase.IDLE, True, Phase.RUNNING),
+        (Phase.RESUMING, True, Phase.RUNNING),
+        (Phase.WAITING_APPROVAL, False, Phase.WAITING_APPROVAL),
+        (Phase.CANCELLED, False, Phase.CANCELLED),
+    ],
+)
+def test_the_start_reads_the_facts_and_moves_the_phase_only_from_a_startable_one_in_one_statement(
+    model_factory: ModelFactory, before: Phase, moved: bool, after: Phase
+) -> None:
+    """``load_child_starting``: the facts as before the move (the previous phase), the phase
+    moved to RUNNING only from CHILD_STARTABLE (the compare-and-set's rowcount is reported),
+    one statement on PostgreSQL."""
+    from sqlalchemy import event, update
+
+    from harness.child import load_child_starting
+
+    model = model_factory(TWO_CHILDREN)
+    deps = loop_deps(model.base_url, RecordingScheduler())
+    sid = create_session("main", "go")
+    assert run_agent(sid, 0, deps) == "yielded"
+    eid = deps.scheduler.children[-1][2][0][0]
+    child = next(e.child_session_id for e in executions_of(sid) if e.id == eid)
+    with transaction() as s:
+        s.execute(update(AgentSession).where(AgentSession.id == child).values(phase=before))
+    statements: list[str] = []
+    with transaction() as s:
+        conn = s.connection()
+        event.listen(conn, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        info, landed = load_child_starting(s, eid)
+    assert (info.child_phase, landed) == (before, moved)
+    assert info.child_session_id == child and info.execution_id == eid
+    assert len(statements) == 1
+    with transaction() as s:
+        assert s.execute(select(AgentSession.phase).where(AgentSession.id == child)).scalar_one() == after
