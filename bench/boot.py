@@ -44,6 +44,8 @@ STEPS = {
     "ready": "the banner, the pool's fork, the embedded beat, the consumer's connection",
 }
 MARK = re.compile(r"boot_mark step=(\w+) t=([\d.]+) cpu=([\d.]+) pid=(\d+)")
+#: The worker's prefork pool size (``-c`` in worker_argv).
+POOL_PROCESSES = 2
 IMPORT_TIME = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
@@ -63,7 +65,7 @@ def worker_argv(log_dir: Path, n: int) -> list[str]:
         "-P",
         "prefork",
         "-c",
-        "2",
+        str(POOL_PROCESSES),
         "-n",
         f"boot{n}@%h",
         "--without-gossip",
@@ -75,6 +77,18 @@ def worker_argv(log_dir: Path, n: int) -> list[str]:
         "-s",
         str(log_dir / f"beat-{n}"),
     ]
+
+
+def _await_pool_marks(log_path: Path, processes: int, timeout: float = 5.0) -> None:
+    """After the ready mark, wait (at most ``timeout``) for each pool process's mark: a forked
+    child writes its own after it initializes, which on a busy machine can come after the main
+    process's ready (the ready time is taken before; this only keeps the kill from cutting the
+    children's marks off)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log_path.read_text(errors="replace").count("boot_mark step=pool_process") >= processes:
+            return
+        time.sleep(0.01)
 
 
 def one_boot(env: dict[str, str], log_dir: Path, n: int, marked: bool) -> Boot:
@@ -100,6 +114,8 @@ def one_boot(env: dict[str, str], log_dir: Path, n: int, marked: bool) -> Boot:
                 text = log_path.read_text(errors="replace")
                 if ready_line in text:
                     ready_s = time.monotonic() - spawned
+                    if marked:
+                        _await_pool_marks(log_path, POOL_PROCESSES)
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {n} not ready (exit {proc.poll()}):\n{text[-3000:]}")
