@@ -203,10 +203,6 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
     """Run recovery and the normal path in-process until nothing is left to do: scan ->
     recover_child per execution (the last one asks for delivery) -> deliver_round -> agent
     loop (-> its own children) -> ..."""
-    from harness.child import start_child
-    from harness.delivery import deliver_and_resume
-    from harness.parent import run_agent
-    from recovery.child import recover_child
     from recovery.scan import scan
 
     deps = deps or loop_deps(model_url)
@@ -218,21 +214,33 @@ def drive(model_url: str, *, max_steps: int = 20, after_crash: bool = True, deps
         if not sched.pending():
             return sched
         while sched.pending():
-            if sched.recoveries:
-                _, _, children = sched.recoveries.pop(0)
-                for eid, e in children:
-                    recover_child(eid, e, deps)
-            elif sched.children:
-                _, _, children = sched.children.pop(0)
-                for eid, e in children:
-                    start_child(eid, e, deps)  # the last one delivers (no callback after them)
-            elif sched.deliveries:
-                parent, epoch = sched.deliveries.pop(0)
-                deliver_and_resume(parent, epoch, sched)
-            else:
-                sid, e = sched.resumed.pop(0)
-                run_agent(sid, e, deps)
+            run_one_scheduled(deps)
     raise AssertionError("recovery did not settle")
+
+
+def run_one_scheduled(deps: Any) -> None:
+    """Run the oldest kind of work ``deps``' RecordingScheduler holds (recoveries first, then
+    children's starts, deliveries, parents' runs), as the tasks would."""
+    from harness.child import start_child
+    from harness.delivery import deliver_and_resume
+    from harness.parent import run_agent
+    from recovery.child import recover_child
+
+    sched: RecordingScheduler = deps.scheduler
+    if sched.recoveries:
+        _, _, children = sched.recoveries.pop(0)
+        for eid, e in children:
+            recover_child(eid, e, deps)
+    elif sched.children:
+        _, _, children = sched.children.pop(0)
+        for eid, e in children:
+            start_child(eid, e, deps)  # the last one delivers (no callback after them)
+    elif sched.deliveries:
+        parent, epoch = sched.deliveries.pop(0)
+        deliver_and_resume(parent, epoch, sched)
+    else:
+        sid, e = sched.resumed.pop(0)
+        run_agent(sid, e, deps)
 
 
 def children_done_delivery_lost(model_url: str, text: str = "go") -> tuple[int, int]:

@@ -24,7 +24,6 @@ from models import AgentSession, Message, Role, transaction
 from models.approval import ApprovalRequest, ApprovalStatus, Decision
 from models.base import utcnow
 from models.budget import TreeBudget
-from recovery.child import recover_child
 from recovery.scan import scan
 from tests.helpers import (
     RecordingScheduler,
@@ -34,6 +33,7 @@ from tests.helpers import (
     invariants,
     loop_deps,
     phase_of,
+    run_one_scheduled,
 )
 from tests.types import ModelFactory
 
@@ -124,20 +124,7 @@ def _settle(deps: Any, *, max_steps: int = 30) -> None:
     for _ in range(max_steps):
         if not sched.pending():
             return
-        if sched.recoveries:
-            _, _, children = sched.recoveries.pop(0)
-            for eid, e in children:
-                recover_child(eid, e, deps)
-        elif sched.children:
-            _, _, children = sched.children.pop(0)
-            for eid, e in children:
-                start_child(eid, e, deps)
-        elif sched.deliveries:
-            parent, epoch = sched.deliveries.pop(0)
-            deliver_and_resume(parent, epoch, sched)
-        else:
-            sid, e = sched.resumed.pop(0)
-            run_agent(sid, e, deps)
+        run_one_scheduled(deps)
     raise AssertionError("did not settle")
 
 

@@ -615,22 +615,26 @@ def test_a_worker_killed_right_after_a_move_leaves_the_session_on_the_new_releas
     assert len(moves()) == 1
 
 
+def delegating_to_a_reviewer(answer: str) -> list[dict[str, Any]]:
+    """A script: a warm-up answer, ``main`` delegating once to ``reviewer``, then answering
+    ``answer``; the reviewer answers "child done"."""
+    return [
+        {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
+        {
+            "when": {"system_contains": "main agent", "turn": 0},
+            "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
+        },
+        {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": answer}},
+        {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "child done"}},
+    ]
+
+
 def test_a_child_of_a_newer_release_waits_for_a_worker_of_it_and_its_result_is_delivered_once(
     model_factory: ModelFactory, deploy: Deploy
 ) -> None:
     from tests.helpers import drive
 
-    model = model_factory(
-        [
-            {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
-            {
-                "when": {"system_contains": "main agent", "turn": 0},
-                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
-            },
-            {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "{tool_results}"}},
-            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "child done"}},
-        ]
-    )
+    model = model_factory(delegating_to_a_reviewer("{tool_results}"))
     deps = loop_deps(model.base_url, RecordingScheduler())
     deploy.to(V1.replace("temperature = 0.1", "temperature = 0.35"))  # a release no test stored before
     started(model.base_url, "warm")  # the older worker's release, stored first
@@ -680,17 +684,7 @@ def test_a_child_of_a_newer_release_left_waiting_past_release_wait_seconds_fails
     from tests.helpers import drive
     from tests.integration.test_approvals import a_scan_after_every_lease_lapsed
 
-    model = model_factory(
-        [
-            {"when": {"user_contains": "warm"}, "reply": {"content": "ok"}},
-            {
-                "when": {"system_contains": "main agent", "turn": 0},
-                "reply": {"tool_calls": [{"name": "delegate", "arguments": {"agent_type": "reviewer", "task": "t"}}]},
-            },
-            {"when": {"system_contains": "main agent", "turn": 1}, "reply": {"content": "parent saw: {tool_results}"}},
-            {"when": {"system_contains": "reviewer subagent"}, "reply": {"content": "child done"}},
-        ]
-    )
+    model = model_factory(delegating_to_a_reviewer("parent saw: {tool_results}"))
     deps = loop_deps(model.base_url, RecordingScheduler())
     settings_text = V1.replace("temperature = 0.1", "temperature = 0.45")  # a release no test stored before
     deploy.to(settings_text)
